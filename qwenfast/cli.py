@@ -1,0 +1,169 @@
+"""`qwenfast` command line: generate | doctor.
+
+Errors a user can fix (bad size, missing files, unknown dtype) print one line starting with
+`error:` and exit with status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+EMBEDDED_NOTE = (
+    "note: no --model given, using the embedded tiny demo model ({path}). It has Qwen-Image's architecture "
+    "but RANDOM weights, so the picture is noise-like; pass --model /path/to/Qwen-Image for real images."
+)
+
+
+def _size(s: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must look like 1024x768 (WIDTHxHEIGHT), got {s!r}") from None
+    if w < 16 or h < 16 or w > 8192 or h > 8192:
+        raise argparse.ArgumentTypeError(f"size {s!r}: width and height must be in 16..8192")
+    return w, h
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qwenfast", description="Fast Qwen-Image inference.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="text-to-image")
+    g.add_argument("prompt")
+    g.add_argument("-o", "--output", default="out.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
+    g.add_argument("--model", default=None, help="diffusers-layout model folder (default: embedded tiny model)")
+    g.add_argument("--negative", default=None, help="negative prompt (default ' ' when --cfg > 1, as Qwen's examples)")
+    g.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: model's, 50 for Qwen-Image)")
+    g.add_argument("--cfg", type=float, default=None, help="true CFG scale; 1 disables CFG (default: model's, 4.0)")
+    g.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
+    g.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT, multiples of 16 (default: model's, 1024x1024)")
+    g.add_argument("--n", type=_positive, default=1, help="number of images")
+    g.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    d = sub.add_parser("doctor", help="versions, GPU, and whether a model folder is complete")
+    d.add_argument("--model", default=None, help="model folder to check (default: the embedded model)")
+    return p
+
+
+def cmd_generate(a) -> int:
+    import torch
+
+    from .pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
+
+    if a.model is None:
+        print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
+    t0 = time.perf_counter()
+    pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype)
+    pipe.progress_bar = not a.quiet
+    t_load = time.perf_counter() - t0
+    d = pipe.defaults
+    w, h = a.size if a.size else (d["width"], d["height"])
+    steps = a.steps or d["num_inference_steps"]
+    cfg = d["true_cfg_scale"] if a.cfg is None else a.cfg
+    negative = a.negative if a.negative is not None else (" " if cfg > 1 else None)
+    seed = a.seed if a.seed is not None else random.randrange(2**31)
+    gen = torch.Generator("cpu").manual_seed(seed)
+    t1 = time.perf_counter()
+    out = pipe(a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
+               true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n)  # fmt: skip
+    t_gen = time.perf_counter() - t1
+    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
+            "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
+    paths = save_pngs(out.images, Path(a.output), meta)
+    print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
+          f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+    return 0
+
+
+def save_pngs(images, output: Path, meta: dict[str, str]) -> list[Path]:
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    for k, v in meta.items():
+        info.add_itxt(k, v)  # iTXt: UTF-8, so any prompt survives
+    output.parent.mkdir(parents=True, exist_ok=True)
+    if len(images) == 1:
+        paths = [output]
+    else:
+        paths = [output.with_name(f"{output.stem}-{i}{output.suffix or '.png'}") for i in range(len(images))]
+    for img, p in zip(images, paths):
+        img.save(p, format="PNG", pnginfo=info)
+    return paths
+
+
+def cmd_doctor(a) -> int:
+    import torch
+
+    from .loading.diffusers_folder import inspect_folder
+    from .pipeline.text_to_image import DEFAULT_MODEL
+
+    print(f"python       {platform.python_version()} ({sys.executable})")
+    print(f"torch        {torch.__version__}")
+    try:
+        import triton
+
+        print(f"triton       {triton.__version__}")
+    except ImportError:
+        print("triton       not installed (GPU kernels fall back to torch)")
+    for name in ("transformers", "safetensors", "diffusers"):
+        try:
+            mod = __import__(name)
+            print(f"{name:<12} {mod.__version__}")
+        except ImportError:
+            print(f"{name:<12} not installed")
+    if torch.cuda.is_available():
+        print(f"cuda         {torch.version.cuda}, {torch.cuda.device_count()} device(s)")
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            free, total = torch.cuda.mem_get_info(i)
+            print(f"  cuda:{i}     {p.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} free), sm_{p.major}{p.minor}")
+    else:
+        print("cuda         not available (CPU only)")
+    path = Path(a.model) if a.model else DEFAULT_MODEL
+    kind, problems = inspect_folder(path)
+    if problems:
+        print(f"model        {path}: INCOMPLETE")
+        for pr in problems:
+            print(f"  - {pr}")
+        return 1
+    print(f"model        {path}: complete ({kind})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .config import ConfigError
+    from .loading.weights import CheckpointError
+
+    try:
+        if args.cmd == "generate":
+            return cmd_generate(args)
+        if args.cmd == "doctor":
+            return cmd_doctor(args)
+    except (CheckpointError, ConfigError, ValueError, RuntimeError, OSError) as e:
+        if isinstance(e, RuntimeError) and "CUDA" not in str(e) and "cuda" not in str(e):
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Prompt encoding with Qwen2.5-VL: transformers' model, diffusers' template and masking rules.
+
+The conditioning is the last hidden state of the language model over a chat template, with the
+template's system prefix dropped (34 tokens for text-to-image). Padding is removed per prompt and
+re-added on the right, and the mask becomes None when every token is real, exactly as diffusers'
+`QwenImagePipeline._get_qwen_prompt_embeds` + `encode_prompt` do; the mask decides whether the
+transformer attends with a mask at all, so this affects speed as well as results.
+
+An LRU cache keyed by (prompt, template, max_sequence_length) makes a repeated prompt (and the
+fixed negative prompt of a CFG run) free.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+T2I_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, spatial "
+    "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+T2I_DROP = 34
+TOKENIZER_MAX_LENGTH = 1024
+
+
+class TextEncoder:
+    """Tokenizer + Qwen2.5-VL language model; `encode(prompts)` -> (embeds, mask or None)."""
+
+    def __init__(self, model, tokenizer, cache_size: int = 64):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache_size = cache_size
+        self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+
+    @classmethod
+    def from_pretrained(cls, text_encoder_dir: Path, tokenizer_dir: Path, device, dtype) -> TextEncoder:
+        from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+
+        from ..loading.weights import CheckpointError
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        except Exception as e:  # transformers raises many types here; the message is what matters
+            raise CheckpointError(f"cannot load the tokenizer from {tokenizer_dir}: {e}") from e
+        try:
+            model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(text_encoder_dir), dtype=dtype)
+        except Exception as e:
+            raise CheckpointError(f"cannot load the text encoder from {text_encoder_dir}: {e}") from e
+        model = model.to(device).eval().requires_grad_(False)
+        return cls(model, tok)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _hidden(self, texts: list[str], drop: int) -> list[torch.Tensor]:
+        tok = self.tokenizer(
+            texts, max_length=TOKENIZER_MAX_LENGTH + drop, padding=True, truncation=True, return_tensors="pt"
+        ).to(self.device)
+        out = self.model(input_ids=tok.input_ids, attention_mask=tok.attention_mask, output_hidden_states=True)
+        hidden = out.hidden_states[-1]  # (B, T, D)
+        mask = tok.attention_mask.bool()
+        return [h[m][drop:] for h, m in zip(hidden, mask)]  # real tokens only, template prefix dropped
+
+    @torch.no_grad()
+    def encode(
+        self, prompts: list[str], max_sequence_length: int = 512, template: str = T2I_TEMPLATE, drop: int = T2I_DROP
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(B, L, D) embeddings right-padded with zeros, and a (B, L) long mask or None if all ones."""
+        todo = [p for p in dict.fromkeys(prompts) if (p, template, drop) not in self._cache]
+        if todo:
+            for p, h in zip(todo, self._hidden([template.format(p) for p in todo], drop)):
+                self._put((p, template, drop), h)
+        seqs = [self._get((p, template, drop))[:max_sequence_length] for p in prompts]
+        return pad_embeddings(seqs)
+
+    def _put(self, key, value):
+        if self.cache_size <= 0:
+            return
+        self._cache[key] = value
+        self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+
+    def _get(self, key):
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        raise KeyError(key)
+
+
+def pad_embeddings(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Right-pad variable-length (L_i, D) sequences to (B, max L, D); mask None when all lengths equal."""
+    L = max(s.shape[0] for s in seqs)
+    emb = torch.stack([torch.cat([s, s.new_zeros(L - s.shape[0], s.shape[1])]) for s in seqs])
+    mask = torch.stack([torch.arange(L, device=emb.device) < s.shape[0] for s in seqs]).long()
+    return emb, (None if bool(mask.all()) else mask)

@@ -1,0 +1,351 @@
+"""The Qwen-Image MMDiT in plain torch: the same function as diffusers' `QwenImageTransformer2DModel`.
+
+Layout choices (all made once, at load time, never in `forward`):
+- Q, K and V of each stream live in one fused Linear (`attn.to_qkv` for the image stream,
+  `attn.add_qkv_proj` for the text stream): one GEMM instead of three. `fuse_qkv_key` tells the
+  loader how diffusers' separate `to_q/to_k/to_v` tensors map onto the fused ones.
+- Every other parameter keeps its diffusers name, so LoRA files and ComfyUI files map 1:1.
+- RoPE uses real cos/sin tables (no complex tensors), computed in fp32 exactly as diffusers computes
+  its complex table, so the rotation is numerically the same.
+
+Precision follows diffusers op for op (LayerNorm output in the model dtype, RMSNorm statistics in
+fp32, RoPE in fp32, timestep frequencies rounded to the model dtype), because the reference path
+must reproduce diffusers' images for the same seed. Faster fused paths live in `qwenfast.kernels`
+and are checked against this file.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..config import TransformerConfig
+
+# ---------------------------------------------------------------------------------------------
+# Small layers
+
+
+class RMSNorm(nn.Module):
+    """diffusers' RMSNorm: fp32 statistics, result cast to the weight dtype before the gain."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(var + self.eps)
+        if self.weight.dtype in (torch.float16, torch.bfloat16):
+            x = x.to(self.weight.dtype)
+        return x * self.weight
+
+
+def timestep_sinusoid(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
+    """Sinusoidal timestep features: cos first, scale 1000, frequencies rounded to t's dtype.
+
+    (B,) -> (B, dim) fp32. The dtype rounding of the frequency table is diffusers' behaviour and
+    changes bf16 results measurably, so it is kept.
+    """
+    half = dim // 2
+    exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+    freqs = torch.exp(exponent).to(t.dtype)
+    args = 1000 * (t[:, None].float() * freqs[None, :])
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, in_dim: int, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(in_dim, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeTextEmbed(nn.Module):
+    def __init__(self, dim: int, use_additional_t_cond: bool):
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedder(256, dim)
+        if use_additional_t_cond:
+            self.addition_t_embedding = nn.Embedding(2, dim)
+        self.use_additional_t_cond = use_additional_t_cond
+
+    def forward(self, t: torch.Tensor, dtype: torch.dtype, additional_t_cond=None) -> torch.Tensor:
+        emb = self.timestep_embedder(timestep_sinusoid(t).to(dtype))  # (B, D)
+        if self.use_additional_t_cond:
+            if additional_t_cond is None:
+                raise ValueError("this checkpoint (use_additional_t_cond) needs `additional_t_cond`")
+            emb = emb + self.addition_t_embedding(additional_t_cond).to(dtype)
+        return emb
+
+
+class GeluProj(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def forward(self, x):
+        return F.gelu(self.proj(x), approximate="tanh")
+
+
+class FeedForward(nn.Module):
+    """GELU-tanh MLP; `net.0.proj` / `net.2` are diffusers' parameter names."""
+
+    def __init__(self, dim: int, mult: int = 4):
+        super().__init__()
+        self.net = nn.Sequential(GeluProj(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class AdaLayerNormOut(nn.Module):
+    """AdaLayerNormContinuous: note the (scale, shift) order, unlike the blocks' (shift, scale)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, 2 * dim)
+        self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+
+    def forward(self, x, temb):
+        scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)
+        return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+
+
+def _axis_angles(pos: torch.Tensor, dim: int, theta: float = 10000.0) -> torch.Tensor:
+    # Same expression as diffusers' rope_params, so the fp32 angles are bitwise equal.
+    inv = 1.0 / torch.pow(theta, torch.arange(0, dim, 2, dtype=torch.float32).div(dim))
+    return torch.outer(pos.to(torch.float32), inv)  # (S, dim/2)
+
+
+def _centred(n: int) -> torch.Tensor:
+    # scale_rope: positions -(n - n//2) .. n//2 - 1, image centred on the origin
+    return torch.arange(-(n - n // 2), n // 2)
+
+
+@lru_cache(maxsize=64)
+def _rope_tables_cpu(axes: tuple[int, int, int], img_shapes: tuple[tuple[int, int, int], ...], txt_len: int):
+    parts, max_idx = [], 0
+    for idx, (f, h, w) in enumerate(img_shapes):
+        grid = torch.meshgrid(torch.arange(idx, idx + f), _centred(h), _centred(w), indexing="ij")
+        ang = [_axis_angles(g.reshape(-1), d) for g, d in zip(grid, axes)]
+        parts.append(torch.cat(ang, dim=-1))  # (f*h*w, D/2)
+        max_idx = max(max_idx, h // 2, w // 2)
+    img = torch.cat(parts, dim=0)
+    tpos = torch.arange(max_idx, max_idx + txt_len)
+    txt = torch.cat([_axis_angles(tpos, d) for d in axes], dim=-1)  # (L_txt, D/2)
+    return img.cos(), img.sin(), txt.cos(), txt.sin()
+
+
+def rope_tables(axes, img_shapes, txt_len: int, device) -> tuple[torch.Tensor, ...]:
+    """(img_cos, img_sin, txt_cos, txt_sin), each (S, head_dim/2) fp32 on `device`.
+
+    `img_shapes` lists (frames, h, w) in patch units for every image whose tokens are in the
+    sequence (the noise image first, then reference images for edit models); text positions start
+    after the largest half-side, as in diffusers.
+    """
+    key = (tuple(axes), tuple(tuple(int(v) for v in s) for s in img_shapes), int(txt_len))
+    return tuple(t.to(device) for t in _rope_tables_cpu(*key))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x (B, S, H, D) by the angles in cos/sin (S, D/2)."""
+    xf = x.float().unflatten(-1, (-1, 2))  # (B, S, H, D/2, 2)
+    xe, xo = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack([xe * c - xo * s, xe * s + xo * c], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+
+
+class JointAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.to_qkv = nn.Linear(dim, 3 * heads * head_dim)  # image stream, fused Q|K|V
+        self.add_qkv_proj = nn.Linear(dim, 3 * heads * head_dim)  # text stream, fused Q|K|V
+        self.norm_q = RMSNorm(head_dim)
+        self.norm_k = RMSNorm(head_dim)
+        self.norm_added_q = RMSNorm(head_dim)
+        self.norm_added_k = RMSNorm(head_dim)
+        self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim)])
+        self.to_add_out = nn.Linear(heads * head_dim, dim)
+
+    def forward(self, img, txt, attn_mask, rope):
+        B, Li, Lt = img.shape[0], img.shape[1], txt.shape[1]
+        iq, ik, iv = self.to_qkv(img).view(B, Li, 3, self.heads, self.head_dim).unbind(2)  # (B, Li, H, Dh)
+        tq, tk, tv = self.add_qkv_proj(txt).view(B, Lt, 3, self.heads, self.head_dim).unbind(2)
+        iq, ik = self.norm_q(iq), self.norm_k(ik)
+        tq, tk = self.norm_added_q(tq), self.norm_added_k(tk)
+        icos, isin, tcos, tsin = rope
+        iq, ik = apply_rope(iq, icos, isin), apply_rope(ik, icos, isin)
+        tq, tk = apply_rope(tq, tcos, tsin), apply_rope(tk, tcos, tsin)
+        # joint sequence is [text; image]
+        q = torch.cat([tq, iq], dim=1).transpose(1, 2)  # (B, H, S, Dh)
+        k = torch.cat([tk, ik], dim=1).transpose(1, 2)
+        v = torch.cat([tv, iv], dim=1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        o = o.transpose(1, 2).flatten(2).to(q.dtype)  # (B, S, H*Dh)
+        return self.to_out[0](o[:, Lt:].contiguous()), self.to_add_out(o[:, :Lt].contiguous())
+
+
+def _modulate(x, mod, index):
+    """x*(1+scale)+shift and the gate; `index` (1, L, 1) bool picks the t=0 half for zero_cond_t."""
+    shift, scale, gate = mod.chunk(3, dim=-1)  # each (B, D) or (2B, D)
+    if index is None:
+        shift, scale, gate = shift[:, None], scale[:, None], gate[:, None]
+    else:
+        b = shift.shape[0] // 2
+        shift = torch.where(index, shift[b:, None], shift[:b, None])
+        scale = torch.where(index, scale[b:, None], scale[:b, None])
+        gate = torch.where(index, gate[b:, None], gate[:b, None])
+    return x * (1 + scale) + shift, gate
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        dim = cfg.inner_dim
+        self.zero_cond_t = cfg.zero_cond_t
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.img_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.img_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.txt_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.txt_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.attn = JointAttention(dim, cfg.num_attention_heads, cfg.attention_head_dim)
+        self.img_mlp = FeedForward(dim)
+        self.txt_mlp = FeedForward(dim)
+
+    def forward(self, img, txt, temb, attn_mask, rope, mod_index):
+        img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)  # (B|2B, 3D) each
+        txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
+        txt_mod1, txt_mod2 = self.txt_mod(txt_temb).chunk(2, dim=-1)
+
+        img_in, img_gate1 = _modulate(self.img_norm1(img), img_mod1, mod_index)
+        txt_in, txt_gate1 = _modulate(self.txt_norm1(txt), txt_mod1, None)
+        img_attn, txt_attn = self.attn(img_in, txt_in, attn_mask, rope)
+        img = img + img_gate1 * img_attn
+        txt = txt + txt_gate1 * txt_attn
+
+        img_in, img_gate2 = _modulate(self.img_norm2(img), img_mod2, mod_index)
+        img = img + img_gate2 * self.img_mlp(img_in)
+        txt_in, txt_gate2 = _modulate(self.txt_norm2(txt), txt_mod2, None)
+        txt = txt + txt_gate2 * self.txt_mlp(txt_in)
+        if txt.dtype == torch.float16:  # diffusers clips fp16 overflow
+            txt, img = txt.clip(-65504, 65504), img.clip(-65504, 65504)
+        return img, txt
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class QwenImageTransformer(nn.Module):
+    def __init__(self, cfg: TransformerConfig):
+        super().__init__()
+        self.cfg = cfg
+        dim = cfg.inner_dim
+        self.time_text_embed = TimeTextEmbed(dim, cfg.use_additional_t_cond)
+        self.txt_norm = RMSNorm(cfg.joint_attention_dim)
+        self.img_in = nn.Linear(cfg.in_channels, dim)
+        self.txt_in = nn.Linear(cfg.joint_attention_dim, dim)
+        self.transformer_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.num_layers)])
+        self.norm_out = AdaLayerNormOut(dim)
+        self.proj_out = nn.Linear(dim, cfg.patch_size**2 * cfg.out_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, L_img, in_channels) packed latents (+ reference latents)
+        encoder_hidden_states: torch.Tensor,  # (B, L_txt, joint_attention_dim)
+        encoder_hidden_states_mask: torch.Tensor | None,  # (B, L_txt), 1 = real token; None = all real
+        timestep: torch.Tensor,  # (B,) sigma in [0, 1]
+        img_shapes: list[tuple[int, int, int]],  # (frames, h/16, w/16) per image in the sequence
+        additional_t_cond: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # (B, L_img, 4 * out_channels)
+        cfg = self.cfg
+        img_shapes = _normalize_shapes(img_shapes)
+        n_img = sum(f * h * w for f, h, w in img_shapes)
+        if hidden_states.shape[1] != n_img:
+            raise ValueError(f"hidden_states has {hidden_states.shape[1]} tokens but img_shapes {img_shapes} give {n_img}")
+        img = self.img_in(hidden_states)
+        t = timestep.to(img.dtype)
+        mod_index = None
+        if cfg.zero_cond_t:
+            t = torch.cat([t, t * 0], dim=0)
+            f, h, w = img_shapes[0]
+            mod_index = torch.zeros(1, n_img, 1, dtype=torch.bool, device=img.device)
+            mod_index[:, f * h * w :] = True
+        txt = self.txt_in(self.txt_norm(encoder_hidden_states))
+        temb = self.time_text_embed(t, img.dtype, additional_t_cond)
+
+        attn_mask = None
+        if encoder_hidden_states_mask is not None:
+            m = encoder_hidden_states_mask.to(torch.bool)
+            ones = torch.ones(m.shape[0], img.shape[1], dtype=torch.bool, device=m.device)
+            attn_mask = torch.cat([m, ones], dim=1)[:, None, None, :]  # (B, 1, 1, S)
+        rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device)
+
+        for block in self.transformer_blocks:
+            img, txt = block(img, txt, temb, attn_mask, rope, mod_index)
+
+        if cfg.zero_cond_t:
+            temb = temb.chunk(2, dim=0)[0]
+        return self.proj_out(self.norm_out(img, temb))
+
+
+def _normalize_shapes(img_shapes) -> list[tuple[int, int, int]]:
+    """Accept diffusers' nested per-sample form [[(1,h,w), ...], ...] or a flat [(1,h,w), ...]."""
+    if len(img_shapes) and isinstance(img_shapes[0], (list, tuple)) and len(img_shapes[0]) and isinstance(
+        img_shapes[0][0], (list, tuple)
+    ):
+        img_shapes = img_shapes[0]  # diffusers uses the first sample's shapes for the whole batch
+    return [tuple(int(v) for v in s) for s in img_shapes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint layout
+
+
+_QKV = {
+    "attn.to_q.": ("attn.to_qkv.", 0), "attn.to_k.": ("attn.to_qkv.", 1), "attn.to_v.": ("attn.to_qkv.", 2),
+    "attn.add_q_proj.": ("attn.add_qkv_proj.", 0), "attn.add_k_proj.": ("attn.add_qkv_proj.", 1),
+    "attn.add_v_proj.": ("attn.add_qkv_proj.", 2),
+}  # fmt: skip
+
+
+def fuse_qkv_key(key: str) -> tuple[str, int] | None:
+    """For a diffusers key of a separate Q/K/V tensor: (fused key, slot 0/1/2); else None."""
+    for old, (new, slot) in _QKV.items():
+        if old in key:
+            return key.replace(old, new), slot
+    return None
+
+
+def split_qkv_key(key: str) -> list[str] | None:
+    """Inverse of `fuse_qkv_key`: the three diffusers keys whose tensors form a fused tensor."""
+    for new in ("attn.to_qkv.", "attn.add_qkv_proj."):
+        if new in key:
+            return [key.replace(new, old) for old, (n, _) in _QKV.items() if n == new]
+    return None

@@ -1,0 +1,261 @@
+"""`QwenImagePipeline`: text-to-image with diffusers' call signature and diffusers' images.
+
+The step loop is plain Python on purpose (flux-style `denoise`): every speed trick (batched CFG,
+CUDA graphs, fused kernels) lives in the model or runtime and can be switched off without touching
+this file, and the loop stays readable for anyone checking it against diffusers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..config import SchedulerConfig
+from ..loading.diffusers_folder import inspect_folder, load_scheduler_config, load_transformer, load_vae
+from ..loading.weights import CheckpointError
+from ..models.text_encoder import TextEncoder
+from . import scheduler as S
+
+log = logging.getLogger("qwenfast")
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-random"
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+@dataclass
+class QwenImageOutput:
+    images: Any  # list[PIL.Image] | np.ndarray (B, H, W, 3) in [0, 1] | torch.Tensor | packed latents
+    info: dict = field(default_factory=dict)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA GPU; use --device cpu")
+    return dev
+
+
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+           "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}  # fmt: skip
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def randn_tensor(shape, generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """diffusers' `randn_tensor`: draw where the generator lives (CPU generators draw on CPU), then move.
+
+    A list of generators draws one sample each. Same generator + same shape/dtype = same noise as diffusers.
+    """
+    rand_device = device
+    if generator is not None:
+        gdev = (generator[0] if isinstance(generator, list) else generator).device
+        if gdev.type != device.type:
+            if gdev.type != "cpu":
+                raise ValueError(f"cannot draw a {device} tensor from a {gdev.type} generator")
+            rand_device = torch.device("cpu")
+    if isinstance(generator, list) and len(generator) == 1:
+        generator = generator[0]
+    if isinstance(generator, list):
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]} images")
+        one = (1, *shape[1:])
+        return torch.cat([torch.randn(one, generator=g, device=rand_device, dtype=dtype) for g in generator]).to(device)
+    return torch.randn(shape, generator=generator, device=rand_device, dtype=dtype).to(device)
+
+
+def _as_prompt_list(prompt, name: str) -> list[str]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
+        return list(prompt)
+    if isinstance(prompt, (list, tuple)) and not prompt:
+        raise ValueError(f"`{name}` is an empty list; give at least one prompt")
+    raise TypeError(f"`{name}` must be a string or a list of strings, got {type(prompt).__name__}")
+
+
+class QwenImagePipeline:
+    """Text-to-image. `QwenImagePipeline.from_pretrained(path)(prompt).images[0]`."""
+
+    def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config: SchedulerConfig,
+                 *, model_path: str = "", defaults: dict | None = None):  # fmt: skip
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.scheduler_config = scheduler_config
+        self.model_path = model_path
+        self.defaults = {"height": 1024, "width": 1024, "num_inference_steps": 50, "true_cfg_scale": 4.0}
+        self.defaults.update(defaults or {})
+        self.progress_bar = True
+        self.vae_scale_factor = vae.cfg.scale_factor
+
+    # ---------------------------------------------------------------- loading
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, device=None, dtype=None) -> QwenImagePipeline:
+        """Load a diffusers-layout folder (None = the embedded tiny default model)."""
+        path = Path(path) if path is not None else DEFAULT_MODEL
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        kind, problems = inspect_folder(path)
+        if problems:
+            raise CheckpointError(f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems))
+        if kind != "text-to-image":
+            raise CheckpointError(f"{path} is an {kind} model; QwenImagePipeline runs text-to-image checkpoints")
+        transformer = load_transformer(path / "transformer", dev, dt)
+        vae = load_vae(path / "vae", dev, dt)
+        te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", dev, dt)
+        sched = load_scheduler_config(path / "scheduler")
+        defaults = None
+        if (path / "qwenfast.json").is_file():  # optional sampling defaults shipped with a model
+            defaults = json.loads((path / "qwenfast.json").read_text()).get("defaults")
+        return cls(transformer, vae, te, sched, model_path=str(path), defaults=defaults)
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    # ---------------------------------------------------------------- prompt
+    def encode_prompt(self, prompts: list[str], num_images_per_prompt: int = 1, max_sequence_length: int = 512):
+        emb, mask = self.text_encoder.encode(prompts, max_sequence_length=max_sequence_length)
+        emb = emb.to(self.device, self.dtype).repeat_interleave(num_images_per_prompt, dim=0)
+        if mask is not None:
+            mask = mask.to(self.device).repeat_interleave(num_images_per_prompt, dim=0)
+        return emb, mask
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def __call__(
+        self,
+        prompt: str | list[str],
+        negative_prompt: str | list[str] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        true_cfg_scale: float | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        num_images_per_prompt: int = 1,
+        latents: torch.Tensor | None = None,
+        output_type: str = "pil",
+        max_sequence_length: int = 512,
+        sigmas: list[float] | None = None,
+        scheduler_overrides: dict | None = None,
+        callback: Callable[[int, int, torch.Tensor], None] | None = None,
+    ) -> QwenImageOutput:
+        d = self.defaults
+        height = d["height"] if height is None else height
+        width = d["width"] if width is None else width
+        steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
+        cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
+        prompts = _as_prompt_list(prompt, "prompt")
+        h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
+        negs = None
+        if negative_prompt is not None:
+            negs = _as_prompt_list(negative_prompt, "negative_prompt")
+            if len(negs) == 1 and len(prompts) > 1:
+                negs = negs * len(prompts)
+            if len(negs) != len(prompts):
+                raise ValueError(f"got {len(negs)} negative prompts for {len(prompts)} prompts")
+        do_cfg = cfg_scale > 1 and negs is not None
+        if cfg_scale > 1 and negs is None:
+            log.info("true_cfg_scale=%s but no negative_prompt: classifier-free guidance is off", cfg_scale)
+
+        B = len(prompts) * num_images_per_prompt
+        emb, mask = self.encode_prompt(prompts, num_images_per_prompt, max_sequence_length)
+        if do_cfg:
+            nemb, nmask = self.encode_prompt(negs, num_images_per_prompt, max_sequence_length)
+
+        dev, dt = self.device, self.dtype
+        if latents is None:
+            noise = randn_tensor((B, 1, 16, h, w), generator, dev, dt)
+            x = S.pack_latents(noise[:, 0])  # (B, h/2*w/2, 64)
+        else:
+            if tuple(latents.shape) != (B, (h // 2) * (w // 2), 64):
+                raise ValueError(f"latents must have shape {(B, (h // 2) * (w // 2), 64)} (packed), got {tuple(latents.shape)}")
+            x = latents.to(dev, dt)
+        img_shapes = [(1, h // 2, w // 2)]
+
+        cfg = self.scheduler_config.replace(**scheduler_overrides) if scheduler_overrides else self.scheduler_config
+        sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)
+        ts = S.timesteps_from_sigmas(sig)
+        for i in tqdm(range(len(ts)), desc="denoising", unit="step", disable=not self.progress_bar, leave=False):
+            t = S.model_timestep(ts[i], B, dt)
+            pred = self.transformer(x, emb, mask, t, img_shapes)
+            if do_cfg:
+                neg = self.transformer(x, nemb, nmask, t, img_shapes)
+                pred = S.true_cfg(pred, neg, cfg_scale)
+            x = S.euler_step(x, pred, sig[i], sig[i + 1])
+            if callback is not None:
+                callback(i, len(ts), x)
+
+        if output_type == "latent":
+            return QwenImageOutput(images=x)
+        image = self.decode_latents(x, h, w)  # (B, 3, H, W) in [-1, 1]
+        return QwenImageOutput(images=postprocess(image, output_type))
+
+    def decode_latents(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        vcfg = self.vae.cfg
+        vdt = self.vae_dtype
+        z = S.unpack_latents(x, h, w).to(vdt)  # (B, 16, h, w)
+        mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1).to(z.device, vdt)
+        inv_std = 1.0 / torch.tensor(vcfg.latents_std).view(1, -1, 1, 1).to(z.device, vdt)
+        return self.vae.decode(z / inv_std + mean)
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype
+
+    def _check(self, height, width, steps, n, output_type, max_sequence_length, sigmas) -> tuple[int, int]:
+        for name, v in (("height", height), ("width", width)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 16:
+                raise ValueError(f"`{name}` must be an integer >= 16 (pixels), got {v!r}")
+        mult = self.vae_scale_factor * 2
+        if height % mult or width % mult:
+            warnings.warn(
+                f"height and width must be multiples of {mult}; {height}x{width} is floored to "
+                f"{height // mult * mult}x{width // mult * mult} (as diffusers does)",
+                stacklevel=3,
+            )
+        if sigmas is None and (not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"`num_inference_steps` must be an integer >= 1, got {steps!r}")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"`num_images_per_prompt` must be an integer >= 1, got {n!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        if not 1 <= max_sequence_length <= 1024:
+            raise ValueError(f"`max_sequence_length` must be in 1..1024, got {max_sequence_length}")
+        return S.latent_hw(height, width, self.vae_scale_factor)
+
+
+def postprocess(image: torch.Tensor, output_type: str):
+    """(B, 3, H, W) in [-1, 1] -> PIL list, (B, H, W, 3) float32 array in [0, 1], or a [0, 1] tensor."""
+    image = (image * 0.5 + 0.5).clamp(0, 1)
+    if output_type == "pt":
+        return image
+    arr = image.cpu().permute(0, 2, 3, 1).float().numpy()
+    if output_type == "np":
+        return arr
+    from PIL import Image
+
+    return [Image.fromarray(a) for a in (arr * 255).round().astype("uint8")]
