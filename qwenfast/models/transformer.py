@@ -9,7 +9,7 @@ Layout choices (all made once, at load time, never in `forward`):
   its complex table, so the rotation is numerically the same.
 
 Precision follows diffusers op for op (LayerNorm output in the model dtype, RMSNorm statistics in
-fp32, RoPE in fp32, timestep frequencies rounded to the model dtype), because the reference path
+fp32, RoPE in fp32, timestep rounded to the model dtype before its sinusoid), because the reference path
 must reproduce diffusers' images for the same seed. Faster fused paths live in `qwenfast.kernels`
 and are checked against this file.
 """
@@ -46,14 +46,15 @@ class RMSNorm(nn.Module):
 
 
 def timestep_sinusoid(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
-    """Sinusoidal timestep features: cos first, scale 1000, frequencies rounded to t's dtype.
+    """Sinusoidal timestep features: cos first, scale 1000, fp32 frequencies.
 
-    (B,) -> (B, dim) fp32. The dtype rounding of the frequency table is diffusers' behaviour and
-    changes bf16 results measurably, so it is kept.
+    (B,) -> (B, dim) fp32. `t` arrives already rounded to the model dtype (diffusers casts the
+    timestep first); the frequency table stays fp32 (`diffusers.models.embeddings`; the copy in
+    transformer_qwenimage.py that rounds it is dead code there).
     """
     half = dim // 2
     exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half
-    freqs = torch.exp(exponent).to(t.dtype)
+    freqs = torch.exp(exponent)
     args = 1000 * (t[:, None].float() * freqs[None, :])
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
