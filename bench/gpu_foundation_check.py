@@ -92,7 +92,7 @@ def main():
         out_ref = run_ref().clone()
         out_ref_mask = run_ref(slice(0, 2), mask).clone()
         res["diffusers_ms"] = timed(run_ref)
-    del ref
+    ref = None  # free the diffusers copy before loading ours
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

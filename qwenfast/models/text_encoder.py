@@ -44,10 +44,17 @@ class TextEncoder:
             tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
         except Exception as e:  # transformers raises many types here; the message is what matters
             raise CheckpointError(f"cannot load the tokenizer from {tokenizer_dir}: {e}") from e
+        from transformers.utils import logging as hf_logging
+
+        bar = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # one bar per tensor is noise next to ours
         try:
             model = Qwen2_5_VLForConditionalGeneration.from_pretrained(str(text_encoder_dir), dtype=dtype)
         except Exception as e:
             raise CheckpointError(f"cannot load the text encoder from {text_encoder_dir}: {e}") from e
+        finally:
+            if bar:
+                hf_logging.enable_progress_bar()
         model = model.to(device).eval().requires_grad_(False)
         return cls(model, tok)
 

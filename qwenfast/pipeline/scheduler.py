@@ -43,7 +43,7 @@ def get_sigmas(
             s = mu / (mu + (1 / s - 1) ** 1.0)
     else:
         s = cfg.shift * s / (1 + (cfg.shift - 1) * s)
-    if cfg.shift_terminal:
+    if cfg.shift_terminal and s[-1] != 1:  # one step: diffusers divides by zero (NaN sigmas); skip
         one_minus_z = 1 - s
         scale = one_minus_z[-1] / (1 - cfg.shift_terminal)
         s = 1 - (one_minus_z / scale)
