@@ -55,6 +55,7 @@ class TransformerConfig:
     axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
     zero_cond_t: bool = False  # Edit-2511: reference-image tokens are modulated with t=0
     use_additional_t_cond: bool = False  # Qwen-Image-Layered: learned embedding added to temb
+    use_layer3d_rope: bool = False  # Qwen-Image-Layered: last image (the condition) at frame -1
     guidance_embeds: bool = False  # unused by released checkpoints; diffusers cannot run it either
 
     @property
@@ -80,7 +81,7 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TransformerConfig:
-        return _from_dict(cls, d, "transformer/config.json", unsupported={"use_layer3d_rope": False})
+        return _from_dict(cls, d, "transformer/config.json")
 
     def flops_per_forward(self, img_tokens: int, txt_tokens: int, batch: int = 1) -> float:
         """Matmul + attention FLOPs of one forward (2 per multiply-add), for the benchmark's floor."""

@@ -81,6 +81,29 @@ def test_zero_cond_t_with_reference_images():
     assert rel_err(a, b) < 1e-5
 
 
+def test_layered_config_layer3d_rope_and_additional_t_cond():
+    """Qwen-Image-Layered: condition image at frame -1, plus a learned additional timestep embedding."""
+    from diffusers import QwenImageTransformer2DModel
+
+    torch.manual_seed(5)
+    ref = QwenImageTransformer2DModel(num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=48,
+                                      axes_dims_rope=(8, 12, 12), use_layer3d_rope=True,
+                                      use_additional_t_cond=True).eval()  # fmt: skip
+    cfg = TransformerConfig.from_dict(dict(ref.config))
+    with torch.device("meta"):
+        ours = QwenImageTransformer(cfg)
+    items = ((k, v.clone(), Path("mem")) for k, v in ref.state_dict().items())
+    load_streaming(ours, items, dtype=torch.float32, where="test", convert=QKVFuser(fuse_qkv_key))
+    shapes = [(1, 3, 4), (1, 3, 4), (1, 3, 4)]
+    x, txt, t = _inputs(2, shapes, 5)
+    cond = torch.tensor([0, 1])
+    with torch.no_grad():
+        a = ref(hidden_states=x, encoder_hidden_states=txt, timestep=t, img_shapes=[shapes] * 2,
+                additional_t_cond=cond, return_dict=False)[0]  # fmt: skip
+        b = ours(x, txt, None, t, shapes, additional_t_cond=cond)
+    assert rel_err(a, b) < 1e-5
+
+
 def test_bf16_matches_diffusers_bf16():
     """bf16 is where precision choices show (e.g. the timestep sinusoid's dtype)."""
     ref, ours = _pair(seed=3)
@@ -108,7 +131,7 @@ def test_config_rejects_unsupported_fields():
 
     with pytest.raises(ConfigError, match="axes_dims_rope"):
         TransformerConfig(attention_head_dim=32, axes_dims_rope=(8, 8, 8))
-    with pytest.raises(ConfigError, match="use_layer3d_rope"):
-        TransformerConfig.from_dict({"use_layer3d_rope": True})
+    with pytest.raises(ConfigError, match="guidance_embeds"):
+        TransformerConfig.from_dict({"guidance_embeds": True})
     with pytest.raises(ConfigError, match="unknown config fields"):
         TransformerConfig.from_dict({"num_layers": 2, "foo": 1})

@@ -135,27 +135,33 @@ def _centred(n: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _rope_tables_cpu(axes: tuple[int, int, int], img_shapes: tuple[tuple[int, int, int], ...], txt_len: int):
+def _rope_tables_cpu(axes: tuple[int, int, int], img_shapes: tuple[tuple[int, int, int], ...], txt_len: int,
+                     layer3d: bool = False):  # fmt: skip
     parts, max_idx = [], 0
+    last = len(img_shapes) - 1
     for idx, (f, h, w) in enumerate(img_shapes):
-        grid = torch.meshgrid(torch.arange(idx, idx + f), _centred(h), _centred(w), indexing="ij")
+        # Layered (layer3d): the last image is the condition image, at frame position -1
+        frames = torch.full((f,), -1) if layer3d and idx == last else torch.arange(idx, idx + f)
+        grid = torch.meshgrid(frames, _centred(h), _centred(w), indexing="ij")
         ang = [_axis_angles(g.reshape(-1), d) for g, d in zip(grid, axes)]
         parts.append(torch.cat(ang, dim=-1))  # (f*h*w, D/2)
         max_idx = max(max_idx, h // 2, w // 2)
+    if layer3d:
+        max_idx = max(max_idx, last)
     img = torch.cat(parts, dim=0)
     tpos = torch.arange(max_idx, max_idx + txt_len)
     txt = torch.cat([_axis_angles(tpos, d) for d in axes], dim=-1)  # (L_txt, D/2)
     return img.cos(), img.sin(), txt.cos(), txt.sin()
 
 
-def rope_tables(axes, img_shapes, txt_len: int, device) -> tuple[torch.Tensor, ...]:
+def rope_tables(axes, img_shapes, txt_len: int, device, layer3d: bool = False) -> tuple[torch.Tensor, ...]:
     """(img_cos, img_sin, txt_cos, txt_sin), each (S, head_dim/2) fp32 on `device`.
 
     `img_shapes` lists (frames, h, w) in patch units for every image whose tokens are in the
     sequence (the noise image first, then reference images for edit models); text positions start
     after the largest half-side, as in diffusers.
     """
-    key = (tuple(axes), tuple(tuple(int(v) for v in s) for s in img_shapes), int(txt_len))
+    key = (tuple(axes), tuple(tuple(int(v) for v in s) for s in img_shapes), int(txt_len), bool(layer3d))
     return tuple(t.to(device) for t in _rope_tables_cpu(*key))
 
 
@@ -306,7 +312,7 @@ class QwenImageTransformer(nn.Module):
             m = encoder_hidden_states_mask.to(torch.bool)
             ones = torch.ones(m.shape[0], img.shape[1], dtype=torch.bool, device=m.device)
             attn_mask = torch.cat([m, ones], dim=1)[:, None, None, :]  # (B, 1, 1, S)
-        rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device)
+        rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device, cfg.use_layer3d_rope)
 
         for block in self.transformer_blocks:
             img, txt = block(img, txt, temb, attn_mask, rope, mod_index)
