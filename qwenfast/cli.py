@@ -57,6 +57,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    b = sub.add_parser("bench", help="benchmarks (GPU)")
+    bsub = b.add_subparsers(dest="what", required=True)
+    bt = bsub.add_parser("transformer", help="full-size transformer forward, random bf16 weights")
+    bt.add_argument("--size", type=int, action="append", help="image side in pixels (repeatable; default 1024)")
+    bt.add_argument("--compare", choices=["diffusers", "none"], default="none")
+    bt.add_argument("--layers", type=_positive, default=60)
+    bt.add_argument("--txt", type=_positive, default=128, help="text tokens")
+    bt.add_argument("--iters", type=_positive, default=10)
+    bt.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    bt.add_argument("--results", default="bench/results", help="folder for the JSON record")
+
     d = sub.add_parser("doctor", help="versions, GPU, and whether a model folder is complete")
     d.add_argument("--model", default=None, help="model folder to check (default: the embedded model)")
     return p
@@ -147,6 +158,19 @@ def cmd_doctor(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("error: `qwenfast bench` measures GPU speed and needs a CUDA device", file=sys.stderr)
+        return 2
+    from .benchmarks.transformer import run
+
+    run(sizes=tuple(a.size or [1024]), compare=a.compare == "diffusers", num_layers=a.layers, txt_len=a.txt,
+        iters=a.iters, compile_=not a.no_compile, out_dir=Path(a.results))  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .config import ConfigError
@@ -157,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.cmd == "doctor":
             return cmd_doctor(args)
+        if args.cmd == "bench":
+            return cmd_bench(args)
     except (CheckpointError, ConfigError, ValueError, RuntimeError, OSError) as e:
         if isinstance(e, RuntimeError) and "CUDA" not in str(e) and "cuda" not in str(e):
             raise

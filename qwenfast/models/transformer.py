@@ -24,6 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import TransformerConfig
+from ..kernels.adaln import layernorm_modulate
+from ..kernels.gated_residual import gated_residual, gated_residual_layernorm_modulate
+from ..kernels.gelu import linear_gelu_tanh
+from ..kernels.qk_norm_rope import qk_norm_rope
+from ..runtime.attention import attention
 
 # ---------------------------------------------------------------------------------------------
 # Small layers
@@ -105,6 +110,10 @@ class FeedForward(nn.Module):
     def forward(self, x):
         return self.net(x)
 
+    def forward_fused(self, x):
+        p = self.net[0].proj
+        return self.net[2](linear_gelu_tanh(x, p.weight, p.bias))
+
 
 class AdaLayerNormOut(nn.Module):
     """AdaLayerNormContinuous: note the (scale, shift) order, unlike the blocks' (shift, scale)."""
@@ -162,7 +171,15 @@ def rope_tables(axes, img_shapes, txt_len: int, device, layer3d: bool = False) -
     after the largest half-side, as in diffusers.
     """
     key = (tuple(axes), tuple(tuple(int(v) for v in s) for s in img_shapes), int(txt_len), bool(layer3d))
-    return tuple(t.to(device) for t in _rope_tables_cpu(*key))
+    dkey = (key, str(torch.device(device)))
+    if dkey not in _ROPE_DEVICE:  # cached on the device: no host copy per step (and CUDA-graph safe)
+        if len(_ROPE_DEVICE) >= 64:
+            _ROPE_DEVICE.pop(next(iter(_ROPE_DEVICE)))
+        _ROPE_DEVICE[dkey] = tuple(t.to(device) for t in _rope_tables_cpu(*key))
+    return _ROPE_DEVICE[dkey]
+
+
+_ROPE_DEVICE: dict = {}
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -204,9 +221,24 @@ class JointAttention(nn.Module):
         q = torch.cat([tq, iq], dim=1).transpose(1, 2)  # (B, H, S, Dh)
         k = torch.cat([tk, ik], dim=1).transpose(1, 2)
         v = torch.cat([tv, iv], dim=1).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        o = attention(q, k, v, attn_mask)
         o = o.transpose(1, 2).flatten(2).to(q.dtype)  # (B, S, H*Dh)
         return self.to_out[0](o[:, Lt:].contiguous()), self.to_add_out(o[:, :Lt].contiguous())
+
+    def forward_fused(self, img, txt, attn_mask, rope):
+        """Same function; QK-norm + RoPE + the scatter into the joint [text; image] buffers is one
+        kernel per stream (no torch.cat), and the buffers are (B, S, H, Dh) so the attention output
+        reshapes to (B, S, H*Dh) for the out projections without a copy."""
+        B, Li, Lt = img.shape[0], img.shape[1], txt.shape[1]
+        H, Dh = self.heads, self.head_dim
+        icos, isin, tcos, tsin = rope
+        qkv_i, qkv_t = self.to_qkv(img), self.add_qkv_proj(txt)  # (B, L, 3*H*Dh)
+        q, k, v = (torch.empty(B, Lt + Li, H, Dh, dtype=img.dtype, device=img.device).transpose(1, 2)
+                   for _ in range(3))  # (B, H, S, Dh) views  # fmt: skip
+        qk_norm_rope(qkv_t, self.norm_added_q.weight, self.norm_added_k.weight, tcos, tsin, q, k, v, offset=0)
+        qk_norm_rope(qkv_i, self.norm_q.weight, self.norm_k.weight, icos, isin, q, k, v, offset=Lt)
+        o = attention(q, k, v, attn_mask).transpose(1, 2).reshape(B, Lt + Li, H * Dh)
+        return self.to_out[0](o[:, Lt:]), self.to_add_out(o[:, :Lt])
 
 
 def _modulate(x, mod, index):
@@ -256,6 +288,25 @@ class TransformerBlock(nn.Module):
             txt, img = txt.clip(-65504, 65504), img.clip(-65504, 65504)
         return img, txt
 
+    def forward_fused(self, img, txt, temb, attn_mask, rope, split):
+        """The same block with fused kernels: LayerNorm+modulation in one pass, the attention
+        residual fused with the next LayerNorm+modulation, cuBLASLt GELU epilogue. `split`: first
+        token modulated with t=0 (zero_cond_t), else None."""
+        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = self.img_mod(temb).chunk(6, dim=-1)  # (B|2B, D) views
+        txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
+        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = self.txt_mod(txt_temb).chunk(6, dim=-1)
+
+        img_in = layernorm_modulate(img, i_sh1, i_sc1, split=split)
+        txt_in = layernorm_modulate(txt, t_sh1, t_sc1)
+        img_attn, txt_attn = self.attn.forward_fused(img_in, txt_in, attn_mask, rope)
+        img, img_in = gated_residual_layernorm_modulate(img, img_attn, i_g1, i_sh2, i_sc2, split=split)
+        txt, txt_in = gated_residual_layernorm_modulate(txt, txt_attn, t_g1, t_sh2, t_sc2)
+        img = gated_residual(img, self.img_mlp.forward_fused(img_in), i_g2, split=split)
+        txt = gated_residual(txt, self.txt_mlp.forward_fused(txt_in), t_g2)
+        if txt.dtype == torch.float16:
+            txt, img = txt.clip(-65504, 65504), img.clip(-65504, 65504)
+        return img, txt
+
 
 # ---------------------------------------------------------------------------------------------
 # The model
@@ -273,6 +324,7 @@ class QwenImageTransformer(nn.Module):
         self.transformer_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.num_layers)])
         self.norm_out = AdaLayerNormOut(dim)
         self.proj_out = nn.Linear(dim, cfg.patch_size**2 * cfg.out_dim)
+        self.fused = True  # fused kernels (qwenfast.kernels; their torch references off CUDA)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -314,8 +366,13 @@ class QwenImageTransformer(nn.Module):
             attn_mask = torch.cat([m, ones], dim=1)[:, None, None, :]  # (B, 1, 1, S)
         rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device, cfg.use_layer3d_rope)
 
-        for block in self.transformer_blocks:
-            img, txt = block(img, txt, temb, attn_mask, rope, mod_index)
+        if self.fused:
+            split = img_shapes[0][0] * img_shapes[0][1] * img_shapes[0][2] if cfg.zero_cond_t else None
+            for block in self.transformer_blocks:
+                img, txt = block.forward_fused(img, txt, temb, attn_mask, rope, split)
+        else:
+            for block in self.transformer_blocks:
+                img, txt = block(img, txt, temb, attn_mask, rope, mod_index)
 
         if cfg.zero_cond_t:
             temb = temb.chunk(2, dim=0)[0]

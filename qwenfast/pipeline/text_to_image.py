@@ -23,6 +23,7 @@ from ..config import SchedulerConfig
 from ..loading.diffusers_folder import inspect_folder, load_scheduler_config, load_transformer, load_vae
 from ..loading.weights import CheckpointError
 from ..models.text_encoder import TextEncoder
+from ..runtime.cuda_graphs import CudaGraphRunner
 from . import scheduler as S
 
 log = logging.getLogger("qwenfast")
@@ -105,6 +106,9 @@ class QwenImagePipeline:
         self.defaults = {"height": 1024, "width": 1024, "num_inference_steps": 50, "true_cfg_scale": 4.0}
         self.defaults.update(defaults or {})
         self.progress_bar = True
+        self.batched_cfg = True  # cond + uncond in one batch-2 forward (exact; see join_text)
+        self.cuda_graphs = True  # replay the transformer forward as a CUDA graph (CUDA only)
+        self._graphs = CudaGraphRunner(transformer)
         self.vae_scale_factor = vae.cfg.scale_factor
 
     # ---------------------------------------------------------------- loading
@@ -199,12 +203,19 @@ class QwenImagePipeline:
         cfg = self.scheduler_config.replace(**scheduler_overrides) if scheduler_overrides else self.scheduler_config
         sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)
         ts = S.timesteps_from_sigmas(sig)
+        batched = do_cfg and self.batched_cfg
+        if batched:
+            emb2, mask2 = join_text(emb, mask, nemb, nmask)
         for i in tqdm(range(len(ts)), desc="denoising", unit="step", disable=not self.progress_bar, leave=False):
             t = S.model_timestep(ts[i], B, dt)
-            pred = self.transformer(x, emb, mask, t, img_shapes)
-            if do_cfg:
-                neg = self.transformer(x, nemb, nmask, t, img_shapes)
+            if batched:
+                pred, neg = self._forward(torch.cat([x, x]), emb2, mask2, torch.cat([t, t]), img_shapes).chunk(2)
                 pred = S.true_cfg(pred, neg, cfg_scale)
+            else:
+                pred = self._forward(x, emb, mask, t, img_shapes)
+                if do_cfg:
+                    neg = self._forward(x, nemb, nmask, t, img_shapes)
+                    pred = S.true_cfg(pred, neg, cfg_scale)
             x = S.euler_step(x, pred, sig[i], sig[i + 1])
             if callback is not None:
                 callback(i, len(ts), x)
@@ -213,6 +224,11 @@ class QwenImagePipeline:
             return QwenImageOutput(images=x)
         image = self.decode_latents(x, h, w)  # (B, 3, H, W) in [-1, 1]
         return QwenImageOutput(images=postprocess(image, output_type))
+
+    def _forward(self, x, emb, mask, t, img_shapes):
+        if self.cuda_graphs and x.is_cuda:
+            return self._graphs(x, emb, mask, t, img_shapes)
+        return self.transformer(x, emb, mask, t, img_shapes)
 
     def decode_latents(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         vcfg = self.vae.cfg
@@ -246,6 +262,29 @@ class QwenImagePipeline:
         if not 1 <= max_sequence_length <= 1024:
             raise ValueError(f"`max_sequence_length` must be in 1..1024, got {max_sequence_length}")
         return S.latent_hw(height, width, self.vae_scale_factor)
+
+
+def join_text(emb, mask, nemb, nmask):
+    """Stack conditional and negative prompt embeddings into one batch for a single forward.
+
+    The shorter side is right-padded with zeros and masked out as attention keys, which makes each
+    sample's result equal to its own forward (padded keys get zero weight; the extra text tokens are
+    dropped at the end and never reach the image). No mask at all when both sides are unpadded and
+    equally long, since a mask costs ~1.6x in attention.
+    """
+    L = max(emb.shape[1], nemb.shape[1])
+
+    def pad(e, m):
+        n = e.shape[1]
+        m = torch.ones(e.shape[:2], dtype=torch.long, device=e.device) if m is None else m
+        if n < L:
+            e = torch.cat([e, e.new_zeros(e.shape[0], L - n, e.shape[2])], dim=1)
+            m = torch.cat([m, m.new_zeros(m.shape[0], L - n)], dim=1)
+        return e, m
+
+    (e1, m1), (e2, m2) = pad(emb, mask), pad(nemb, nmask)
+    m = torch.cat([m1, m2])
+    return torch.cat([e1, e2]), (None if bool(m.all()) else m)
 
 
 def postprocess(image: torch.Tensor, output_type: str):

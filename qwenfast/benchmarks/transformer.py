@@ -1,0 +1,217 @@
+"""`qwenfast bench transformer`: full-size transformer forward, random bf16 weights, vs diffusers.
+
+With `--compare diffusers`, diffusers builds the random model and qwenfast takes the *same* tensors
+(shared storage; only Q/K/V are concatenated), so both engines run identical weights in the same
+process on the same GPU. Each variant: warm-up, then the median of timed forwards (CUDA events).
+FLOPs are counted from the config (GEMMs + attention); the floor assumes 809 TFLOP/s for every
+FLOP, the bf16 GEMM rate measured on H200. Prints a table and a final JSON line, also appended to
+bench/results/transformer.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+PEAK_TFLOPS = 809.0  # bf16 dense GEMM, measured on H200 (see shared facts)
+
+
+def _median_ms(fn, warmup: int, iters: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    if not torch.isfinite(b).all():
+        return float("nan")
+    return ((a - b).norm() / a.norm()).item()
+
+
+def _profile(fn) -> dict[str, float]:
+    """Share of GPU kernel time by category for one call of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    cats = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+        if t <= 0 or e.key.startswith("ProfilerStep"):
+            continue
+        n = e.key.lower()
+        if any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn_generated")):
+            cats["attention"] += t
+        elif any(s in n for s in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "_mm")):
+            cats["gemm"] += t
+        else:
+            cats["other"] += t
+    total = sum(cats.values()) or 1.0
+    return {k: round(100 * v / total, 1) for k, v in cats.items()} | {"total_ms": round(total / 1e3, 2)}
+
+
+def build(num_layers: int, compare: bool, dtype=torch.bfloat16, zero_cond_t: bool = False):
+    """(qwenfast model, diffusers model or None), same weights."""
+    from pathlib import Path as _P
+
+    from ..config import TransformerConfig
+    from ..loading.weights import QKVFuser, load_streaming
+    from ..models.transformer import QwenImageTransformer, fuse_qkv_key
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=num_layers, zero_cond_t=zero_cond_t)
+    ref = None
+    if compare:
+        from diffusers import QwenImageTransformer2DModel
+
+        with torch.device("cuda"):
+            torch.set_default_dtype(dtype)
+            try:
+                ref = QwenImageTransformer2DModel(num_layers=num_layers, zero_cond_t=zero_cond_t).eval()
+            finally:
+                torch.set_default_dtype(torch.float32)
+        with torch.device("meta"):
+            ours = QwenImageTransformer(cfg)
+        items = ((k, v, _P("diffusers")) for k, v in ref.state_dict().items())
+        load_streaming(ours, items, dtype=dtype, where="diffusers", convert=QKVFuser(fuse_qkv_key))
+    else:
+        with torch.device("cuda"):
+            torch.set_default_dtype(dtype)
+            try:
+                ours = QwenImageTransformer(cfg).eval().requires_grad_(False)
+            finally:
+                torch.set_default_dtype(torch.float32)
+    return ours, ref
+
+
+def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters=10, compile_=True,
+        variants=None, out_dir: Path | None = None) -> dict:  # fmt: skip
+    import triton
+
+    from .. import kernels
+    from ..runtime.cuda_graphs import CudaGraphRunner, compile_blocks
+
+    ours, ref = build(num_layers, compare)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "kernels_backend": kernels.backend(), "layers": num_layers, "txt_len": txt_len, "sizes": {}}  # fmt: skip
+    print(f"GPU {res['gpu']}, torch {res['torch']}, triton {res['triton']}, kernels {res['kernels_backend']}")
+    compiled_ref = compiled_ours = None
+    for size in sizes:
+        h = w = size // 16
+        g = torch.Generator(device=dev).manual_seed(size)
+        x = torch.randn(1, h * w, 64, device=dev, dtype=dt, generator=g)
+        txt = torch.randn(1, txt_len, 3584, device=dev, dtype=dt, generator=g)
+        t = torch.tensor([0.7], device=dev)
+        shapes = [(1, h, w)]
+        flops = ours.cfg.flops_per_forward(h * w, txt_len)
+        floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
+        rows, outs = {}, {}
+
+        def ref_fwd(model):
+            return lambda: model(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
+                                 timestep=t, img_shapes=[shapes], return_dict=False)[0]  # fmt: skip
+
+        def ours_fwd(fused: bool, model=ours):
+            def f():
+                model.fused = fused
+                return model(x, txt, None, t, shapes)
+            return f
+
+        graphs = CudaGraphRunner(ours)
+        todo = {}
+        if ref is not None:
+            todo["diffusers eager"] = ref_fwd(ref)
+        todo["qwenfast reference (eager)"] = ours_fwd(False)
+        todo["qwenfast fused (eager)"] = ours_fwd(True)
+        todo["qwenfast fused + CUDA graph"] = lambda: (setattr(ours, "fused", True), graphs(x, txt, None, t, shapes))[1]
+        if compile_:  # torch.compile of the plain-torch blocks, beside the hand kernels
+            if ref is not None:
+                todo["diffusers regional compile"] = "compile-ref"
+            todo["qwenfast reference + compile"] = "compile-ours"
+        for name, fn in todo.items():
+            if variants and not any(v in name for v in variants):
+                continue
+            t0 = time.perf_counter()
+            stance = "default"
+            if fn == "compile-ref":
+                if compiled_ref is None:
+                    ref.compile_repeated_blocks(fullgraph=True)
+                    compiled_ref = True
+                fn = ref_fwd(ref)
+            elif fn == "compile-ours":
+                if compiled_ours is None:
+                    compile_blocks(ours)
+                    compiled_ours = True
+                fn = ours_fwd(False)
+            else:
+                stance = "force_eager"  # blocks compiled for an earlier size run eagerly here
+            with torch.no_grad(), torch.compiler.set_stance(stance):
+                out = fn().clone()
+                ms = _median_ms(fn, warmup, iters)
+            outs[name] = out
+            rows[name] = {"ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1),
+                          "pct_floor": round(100 * floor_ms / ms, 1), "setup_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        base = outs.get("diffusers eager")
+        for name, r in rows.items():
+            if base is not None:
+                r["rel_err_vs_diffusers"] = float(f"{_rel(base, outs[name]):.2e}")
+                r["speedup_vs_diffusers_eager"] = round(rows["diffusers eager"]["ms"] / r["ms"], 2)
+                if "diffusers regional compile" in rows:
+                    r["speedup_vs_diffusers_compile"] = round(rows["diffusers regional compile"]["ms"] / r["ms"], 2)
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
+            ours.fused = True
+            prof = _profile(lambda: ours(x, txt, None, t, shapes))
+            cfg_check = _batched_cfg_check(ours, x, txt, t, shapes)
+        res["sizes"][size] = {"tflop": round(flops / 1e12, 2), "floor_ms": round(floor_ms, 1), "variants": rows,
+                              "profile_fused_eager_pct": prof, "batched_cfg_rel_err": cfg_check}  # fmt: skip
+        _print_table(size, flops, floor_ms, rows, prof, cfg_check)
+    line = json.dumps(res)
+    print(line)
+    for d in (out_dir, Path(os.environ["OUT"]) if os.environ.get("OUT") else None):
+        if d is not None:
+            d.mkdir(parents=True, exist_ok=True)
+            with open(d / "transformer.jsonl", "a") as f:
+                f.write(line + "\n")
+    return res
+
+
+def _batched_cfg_check(model, x, txt, t, shapes) -> float:
+    """Batch-2 forward with text lengths L and ~0.6L (padded + masked) vs two separate forwards."""
+    from ..pipeline.text_to_image import join_text
+
+    short = txt[:, : max(1, int(txt.shape[1] * 0.6))]
+    emb2, mask2 = join_text(txt, None, short, None)
+    both = model(torch.cat([x, x]), emb2, mask2, torch.cat([t, t]), shapes)
+    a, b = model(x, txt, None, t, shapes), model(x, short, None, t, shapes)
+    return float(f"{max(_rel(a, both[:1]), _rel(b, both[1:])):.2e}")
+
+
+def _print_table(size, flops, floor_ms, rows, prof, cfg_check):
+    print(f"\n{size}x{size}: {flops / 1e12:.1f} TFLOP per forward, floor {floor_ms:.1f} ms at {PEAK_TFLOPS:.0f} TFLOP/s")
+    print(f"{'variant':34}{'ms':>9}{'TFLOP/s':>9}{'%floor':>8}{'x eager':>9}{'x compile':>10}{'rel err':>10}")
+    for name, r in rows.items():
+        print(f"{name:34}{r['ms']:>9.1f}{r['tflops']:>9.0f}{r['pct_floor']:>8.1f}"
+              f"{r.get('speedup_vs_diffusers_eager', float('nan')):>9.2f}"
+              f"{r.get('speedup_vs_diffusers_compile', float('nan')):>10.2f}"
+              f"{r.get('rel_err_vs_diffusers', float('nan')):>10.1e}")  # fmt: skip
+    print(f"kernel time (fused eager): GEMM {prof['gemm']}%  attention {prof['attention']}%  other {prof['other']}%"
+          f"  ({prof['total_ms']} ms);  batched CFG vs separate: rel err {cfg_check:.1e}")  # fmt: skip
