@@ -15,7 +15,6 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,30 +22,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from qwenfast.benchmarks.transformer import _median_ms  # noqa: E402
+from qwenfast.benchmarks.transformer import _rel as rel
 
 
 def timed(fn, warmup=2, iters=5) -> float:
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # CPU smoke run of this script: one call, wall clock
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ms = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ms.append(a.elapsed_time(b))
-    return statistics.median(ms)
-
-
-def rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / a.norm()).item()
+    return _median_ms(fn, warmup, iters)
 
 
 def main():
