@@ -93,11 +93,16 @@ def _poison_cuda_allocator():
 
 
 def assert_match(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
+    """Relative error below TOL[dtype], in L2 norm and element-wise, where the element-wise absolute
+    slack is TOL times the tensor's largest magnitude: the kernels round intermediates to the
+    dtype like torch, so a last-bit difference in fp32 statistics can flip one intermediate by an
+    ulp of *its* magnitude, and `+ shift` can then cancel the result towards 0."""
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert torch.isfinite(out).all(), "NaN/inf in the kernel output (unwritten or bad)"
     tol = TOL[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)  # NaN never passes
-    assert rel_err(ref, out) < tol
+    a, b = out.double(), ref.double()
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())  # NaN never passes
+    assert rel_err(b, a) < tol
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,10 +375,9 @@ def _joint_buffers(B, H, S, Dh, dtype, device, layout):
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Dh", [64, 128])
+@pytest.mark.parametrize("Dh,layout", [(64, "bhsd"), (128, "bshd"), (80, "bhsd")])  # 80: not a power of 2
 @pytest.mark.parametrize("w_dtype", ["same", "fp32"])
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_kernel_qk_norm_rope(device, dtype, Dh, w_dtype, layout, triton_backend):
+def test_kernel_qk_norm_rope(device, dtype, Dh, layout, w_dtype, triton_backend):
     dev = _dev(device)
     B, H, Lt, Li = 2, 3, 13, 77
     S = Lt + Li
@@ -461,5 +465,5 @@ def test_interpreter_subprocess():
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 50, tail
+    assert passed and int(passed.group(1)) >= 40, tail
     assert not re.search(r"\d+ (failed|error|skipped)", proc.stdout), tail

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import lru_cache
 
 import torch
@@ -112,9 +112,20 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) and len({t.device for t in tensors}) == 1
 
 
+def _on_device(t: torch.Tensor) -> AbstractContextManager:
+    """Triton launches on the current CUDA device: switch to `t`'s device when it is another one."""
+    if t.is_cuda and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return nullcontext()
+
+
 def _num_warps(block: int) -> int:
-    """Warps for a one-row program of `block` elements: one per 256 elements, 1..8 warps."""
-    return max(1, min(8, block // 256))
+    """Warps for a one-row program of `block` elements: one per 1024 elements, 1..8.
+
+    Measured on H200 (bf16, 4096 x 3072 rows, block 4096): 4 warps beat 8 by ~10% for the
+    LayerNorm kernels and 16 was slowest; the gated residual was flat.
+    """
+    return max(1, min(8, block // 1024))
 
 
 def _tl_dtype(dtype: torch.dtype):

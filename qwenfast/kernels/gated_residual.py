@@ -2,17 +2,19 @@
 
 In every block the residual update is immediately normalised again:
 
-    img = img + gate1 * attn_out          # gated residual
+    img = img + gate1 * attn_out            # gated residual
     h   = LN2(img) * (1 + scale2) + shift2  # input of the MLP
 
-Why fuse: eager torch runs `gate * y` (read y, write t), `x + t` (read x and t, write x_new), then
-the four LayerNorm/modulation kernels (3 reads + 3 writes, see `adaln.py`): 6 reads + 5 writes of
-the (B, L, D) activation. The fused kernel reads x and y once and writes x_new and the modulated
-h once: 4 passes instead of 11 (about 50 MB instead of about 140 MB per call at L = 4096, D = 3072,
-bf16). `gated_residual` alone (x_new only) is 3 passes instead of 4.
+Why fuse (memory traffic): eager torch runs `gate * y` (read y, write t), `x + t` (read x and t,
+write x_new), then the LayerNorm/modulation kernels (6 passes, see `adaln.py`): 11 passes over the
+(B, L, D) activation. The fused kernel reads x and y once and writes x_new and h once: 4 passes
+(L = 4096, D = 3072, bf16: 100 MB instead of 275 MB). Measured on H200 (triton 3.6, bf16,
+4096 x 3072): 33 us vs 145 us eager (4.4x). `gated_residual` alone (the MLP residual): 3 passes
+instead of 5, 26 us vs 56 us (2.2x).
 
 Numerics follow torch's op order in x.dtype: `t = round(gate * y)`, `x_new = round(x + t)`; the
-LayerNorm then runs on the rounded x_new, exactly as the model normalises the stored tensor.
+LayerNorm then runs on the rounded x_new, exactly as the model normalises the stored tensor
+(x_new matched the reference bit for bit on H200; h as in `adaln.py`).
 
 `split` (zero_cond_t edit models): gate/shift/scale hold 2B rows and tokens `l >= split` take
 row B + b, like `torch.where(index, ...)` in `transformer._modulate`.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import FLOAT_DTYPES, _num_warps, _tl_dtype, triton_available, use_triton
+from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, triton_available, use_triton
 from .adaln import EPS, MAX_D, _mod_ok, _out_ok, layernorm_modulate_ref, select_rows
 
 __all__ = [
@@ -38,7 +40,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .adaln import _ln_modulate_row, _round
+    from .adaln import _cast, _ln_modulate_row, _round
 
     @triton.jit
     def _gated_residual_kernel(
@@ -57,13 +59,14 @@ if triton_available():
         x = tl.load(x_ptr + b * sx_b + tok * sx_l + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + b * sy_b + tok * sy_l + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + mrow * s_gate + cols, mask=mask, other=0.0).to(tl.float32)
-        xn = _round(x + _round(g * y, DT), DT)  # masked lanes stay 0
-        tl.store(xo_ptr + b * sxo_b + tok * sxo_l + cols, xn.to(DT), mask=mask)
         if NORM:
-            h = _ln_modulate_row(
-                xn, mask, cols, shift_ptr + mrow * s_shift, scale_ptr + mrow * s_scale, D, eps, DT
-            )
-            tl.store(mo_ptr + b * smo_b + tok * smo_l + cols, _round(h, DT).to(DT), mask=mask)
+            shift = tl.load(shift_ptr + mrow * s_shift + cols, mask=mask, other=0.0).to(tl.float32)
+            scale = tl.load(scale_ptr + mrow * s_scale + cols, mask=mask, other=0.0).to(tl.float32)
+        xn = _round(x + _round(g * y, DT), DT)  # masked lanes stay 0
+        tl.store(xo_ptr + b * sxo_b + tok * sxo_l + cols, xn.to(DT), mask=mask)  # exact: xn is in DT
+        if NORM:
+            h = _ln_modulate_row(xn, mask, shift, scale, D, eps, DT)
+            tl.store(mo_ptr + b * smo_b + tok * smo_l + cols, _cast(h, DT), mask=mask)
 
 
 def gated_residual_ref(
@@ -104,14 +107,15 @@ def _launch(x, y, gate, shift, scale, eps, split, out_x, out_mod, norm: bool):
     else:
         shift = scale = gate
     block = triton.next_power_of_2(D)
-    _gated_residual_kernel[(B * L,)](
-        x, y, gate, shift, scale, xo, mo,
-        L, D, B, L if split is None else split,
-        x.stride(0), x.stride(1), y.stride(0), y.stride(1), xo.stride(0), xo.stride(1),
-        mo.stride(0), mo.stride(1), gate.stride(0), shift.stride(0), scale.stride(0),
-        eps,
-        BLOCK=block, DT=_tl_dtype(x.dtype), NORM=norm, num_warps=_num_warps(block),
-    )  # fmt: skip
+    with _on_device(x):
+        _gated_residual_kernel[(B * L,)](
+            x, y, gate, shift, scale, xo, mo,
+            L, D, B, L if split is None else split,
+            x.stride(0), x.stride(1), y.stride(0), y.stride(1), xo.stride(0), xo.stride(1),
+            mo.stride(0), mo.stride(1), gate.stride(0), shift.stride(0), scale.stride(0),
+            eps,
+            BLOCK=block, DT=_tl_dtype(x.dtype), NORM=norm, num_warps=_num_warps(block),
+        )  # fmt: skip
     return xo, mo
 
 

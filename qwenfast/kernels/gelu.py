@@ -14,9 +14,13 @@ Which GELU (checked in PyTorch's aten/src/ATen/native/cuda/Blas.cpp, `addmm_out_
 - on CPU, `addmm_activation_out_cpu` calls `at::gelu_(result)`: the EXACT erf GELU. So the fused
   call is only used on CUDA; CPU tensors (and the Triton interpreter) take the reference.
 
+Checked on H200 (torch 2.11, fp32, TF32 off): `_addmm_activation(..., use_gelu=True)` differs from
+`F.gelu(F.linear(...), approximate="tanh")` by 5e-6 and from the erf GELU by 5e-4: it is tanh.
+
 Numerics: the epilogue applies GELU to the fp32 accumulator + bias and rounds once; the model rounds
-the Linear output to bf16 first, then rounds the GELU again. The two differ by about one bf16 ulp
-on a fraction of the elements (tested with a bf16 tolerance).
+the Linear output to bf16 first, then rounds the GELU again. In bf16 ~66% of the elements match the
+reference bit for bit and the rest differ by one ulp (tested with the bf16 tolerance).
+Measured on H200 (bf16, 4096 x 3072 -> 12288): 445 us vs 491 us for linear + gelu (1.1x).
 """
 
 from __future__ import annotations
