@@ -151,9 +151,15 @@ def test_ref_layernorm_modulate_is_model(dtype, split):
     rows = B if split is None else 2 * B
     mod = _randn(rows, 3 * D, dtype=dtype, device="cpu", seed=1)
     norm = nn.LayerNorm(D, elementwise_affine=False, eps=1e-6)
-    index = None if split is None else _mod_index(L, split)
-    want, gate_want = T._modulate(norm(x), mod, index)
+    want, gate_want = T._modulate(norm(x), mod, split)
     shift, scale, gate = mod.chunk(3, dim=-1)
+    # independent spelling of the zero_cond_t row choice (the model and the refs share select_rows)
+    if split is None:
+        pick = [m[:, None] for m in (shift, scale, gate)]
+    else:
+        index = _mod_index(L, split)
+        pick = [torch.where(index, m[B:, None], m[:B, None]) for m in (shift, scale, gate)]
+    assert torch.equal(want, norm(x) * (1 + pick[1]) + pick[0]) and torch.equal(gate_want, pick[2])
     got = layernorm_modulate_ref(x, shift, scale, split=split)
     assert got.dtype == dtype and torch.equal(got, want)
     # the gate half of _modulate, used by the gated residual

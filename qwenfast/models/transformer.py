@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import TransformerConfig
-from ..kernels.adaln import layernorm_modulate
+from ..kernels.adaln import layernorm_modulate, select_rows
 from ..kernels.gated_residual import gated_residual, gated_residual_layernorm_modulate
 from ..kernels.gelu import linear_gelu_tanh
 from ..kernels.qk_norm_rope import qk_norm_rope
@@ -241,16 +241,9 @@ class JointAttention(nn.Module):
         return self.to_out[0](o[:, Lt:]), self.to_add_out(o[:, :Lt])
 
 
-def _modulate(x, mod, index):
-    """x*(1+scale)+shift and the gate; `index` (1, L, 1) bool picks the t=0 half for zero_cond_t."""
-    shift, scale, gate = mod.chunk(3, dim=-1)  # each (B, D) or (2B, D)
-    if index is None:
-        shift, scale, gate = shift[:, None], scale[:, None], gate[:, None]
-    else:
-        b = shift.shape[0] // 2
-        shift = torch.where(index, shift[b:, None], shift[:b, None])
-        scale = torch.where(index, scale[b:, None], scale[:b, None])
-        gate = torch.where(index, gate[b:, None], gate[:b, None])
+def _modulate(x, mod, split):
+    """x*(1+scale)+shift and the gate; tokens from `split` on take the t=0 half (zero_cond_t)."""
+    shift, scale, gate = (select_rows(m, x.shape[1], split) for m in mod.chunk(3, dim=-1))  # (B, 1|L, D)
     return x * (1 + scale) + shift, gate
 
 
@@ -269,18 +262,18 @@ class TransformerBlock(nn.Module):
         self.img_mlp = FeedForward(dim)
         self.txt_mlp = FeedForward(dim)
 
-    def forward(self, img, txt, temb, attn_mask, rope, mod_index):
+    def forward(self, img, txt, temb, attn_mask, rope, split):
         img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)  # (B|2B, 3D) each
         txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
         txt_mod1, txt_mod2 = self.txt_mod(txt_temb).chunk(2, dim=-1)
 
-        img_in, img_gate1 = _modulate(self.img_norm1(img), img_mod1, mod_index)
+        img_in, img_gate1 = _modulate(self.img_norm1(img), img_mod1, split)
         txt_in, txt_gate1 = _modulate(self.txt_norm1(txt), txt_mod1, None)
         img_attn, txt_attn = self.attn(img_in, txt_in, attn_mask, rope)
         img = img + img_gate1 * img_attn
         txt = txt + txt_gate1 * txt_attn
 
-        img_in, img_gate2 = _modulate(self.img_norm2(img), img_mod2, mod_index)
+        img_in, img_gate2 = _modulate(self.img_norm2(img), img_mod2, split)
         img = img + img_gate2 * self.img_mlp(img_in)
         txt_in, txt_gate2 = _modulate(self.txt_norm2(txt), txt_mod2, None)
         txt = txt + txt_gate2 * self.txt_mlp(txt_in)
@@ -350,12 +343,11 @@ class QwenImageTransformer(nn.Module):
             raise ValueError(f"hidden_states has {hidden_states.shape[1]} tokens but img_shapes {img_shapes} give {n_img}")
         img = self.img_in(hidden_states)
         t = timestep.to(img.dtype)
-        mod_index = None
+        split = None  # zero_cond_t: tokens after the first image are modulated with t=0
         if cfg.zero_cond_t:
             t = torch.cat([t, t * 0], dim=0)
             f, h, w = img_shapes[0]
-            mod_index = torch.zeros(1, n_img, 1, dtype=torch.bool, device=img.device)
-            mod_index[:, f * h * w :] = True
+            split = f * h * w
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         temb = self.time_text_embed(t, img.dtype, additional_t_cond)
 
@@ -366,13 +358,9 @@ class QwenImageTransformer(nn.Module):
             attn_mask = torch.cat([m, ones], dim=1)[:, None, None, :]  # (B, 1, 1, S)
         rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device, cfg.use_layer3d_rope)
 
-        if self.fused:
-            split = img_shapes[0][0] * img_shapes[0][1] * img_shapes[0][2] if cfg.zero_cond_t else None
-            for block in self.transformer_blocks:
-                img, txt = block.forward_fused(img, txt, temb, attn_mask, rope, split)
-        else:
-            for block in self.transformer_blocks:
-                img, txt = block(img, txt, temb, attn_mask, rope, mod_index)
+        for block in self.transformer_blocks:
+            run = block.forward_fused if self.fused else block
+            img, txt = run(img, txt, temb, attn_mask, rope, split)
 
         if cfg.zero_cond_t:
             temb = temb.chunk(2, dim=0)[0]
