@@ -202,28 +202,42 @@ class QwenImagePipeline:
 
         cfg = self.scheduler_config.replace(**scheduler_overrides) if scheduler_overrides else self.scheduler_config
         sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)
-        ts = S.timesteps_from_sigmas(sig)
-        batched = do_cfg and self.batched_cfg
-        if batched:
-            emb2, mask2 = join_text(emb, mask, nemb, nmask)
-        for i in tqdm(range(len(ts)), desc="denoising", unit="step", disable=not self.progress_bar, leave=False):
-            t = S.model_timestep(ts[i], B, dt)
-            if batched:
-                pred, neg = self._forward(torch.cat([x, x]), emb2, mask2, torch.cat([t, t]), img_shapes).chunk(2)
-                pred = S.true_cfg(pred, neg, cfg_scale)
-            else:
-                pred = self._forward(x, emb, mask, t, img_shapes)
-                if do_cfg:
-                    neg = self._forward(x, nemb, nmask, t, img_shapes)
-                    pred = S.true_cfg(pred, neg, cfg_scale)
-            x = S.euler_step(x, pred, sig[i], sig[i + 1])
-            if callback is not None:
-                callback(i, len(ts), x)
+        x = self.denoise(x, sig, img_shapes, (emb, mask), (nemb, nmask) if do_cfg else None, cfg_scale, callback=callback)
 
         if output_type == "latent":
             return QwenImageOutput(images=x)
         image = self.decode_latents(x, h, w)  # (B, 3, H, W) in [-1, 1]
         return QwenImageOutput(images=postprocess(image, output_type))
+
+    def denoise(self, x, sig, img_shapes, text, neg_text=None, cfg_scale: float = 1.0, cond_latents=None,
+                callback=None) -> torch.Tensor:  # fmt: skip
+        """The sampling loop, shared by text-to-image and edit: Euler steps over `sig` (fp32 math).
+
+        x: (B, N, 64) packed noise latents. text / neg_text: (embeds, mask) pairs (neg_text None = no
+        CFG). cond_latents: (B, M, 64) packed reference-image latents appended after the noise tokens
+        (edit); the prediction is cut back to the first N tokens.
+        """
+        ts = S.timesteps_from_sigmas(sig)
+        B, N = x.shape[:2]
+        emb, mask = text
+        batched = neg_text is not None and self.batched_cfg
+        if batched:
+            emb2, mask2 = join_text(emb, mask, *neg_text)
+        for i in tqdm(range(len(ts)), desc="denoising", unit="step", disable=not self.progress_bar, leave=False):
+            t = S.model_timestep(ts[i], B, x.dtype)
+            inp = x if cond_latents is None else torch.cat([x, cond_latents], dim=1)
+            if batched:
+                pred, neg = self._forward(torch.cat([inp, inp]), emb2, mask2, torch.cat([t, t]), img_shapes).chunk(2)
+                pred = S.true_cfg(pred[:, :N], neg[:, :N], cfg_scale)
+            else:
+                pred = self._forward(inp, emb, mask, t, img_shapes)[:, :N]
+                if neg_text is not None:
+                    neg = self._forward(inp, *neg_text, t, img_shapes)[:, :N]
+                    pred = S.true_cfg(pred, neg, cfg_scale)
+            x = S.euler_step(x, pred, sig[i], sig[i + 1])
+            if callback is not None:
+                callback(i, len(ts), x)
+        return x
 
     def _forward(self, x, emb, mask, t, img_shapes):
         if self.cuda_graphs and x.is_cuda:
