@@ -23,6 +23,16 @@ T2I_TEMPLATE = (
 )
 T2I_DROP = 34
 TOKENIZER_MAX_LENGTH = 1024
+# Edit models: the user turn starts with the image placeholders (one per image); 64 prefix tokens dropped.
+EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+EDIT_DROP = 64
+IMAGE_PAD = "<|image_pad|>"
+VISION_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 class TextEncoder:
@@ -87,6 +97,47 @@ class TextEncoder:
         seqs = [self._get((p, template, drop))[:max_sequence_length] for p in prompts]
         return pad_embeddings(seqs)
 
+    @torch.no_grad()
+    def encode_with_images(
+        self, prompts: list[str], images: list, image_processor, template: str = EDIT_TEMPLATE, drop: int = EDIT_DROP
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Edit conditioning: each prompt (already holding one `VISION_SLOT` per image) is encoded
+        together with the same PIL `images`, as diffusers' edit pipelines do with a batch of one.
+
+        The `<|image_pad|>` placeholder is expanded here to one token per merged vision patch (what
+        `Qwen2VLProcessor` does), so only the image processor is needed, not torchvision.
+        """
+        digest = image_digest(images)
+        seqs = []
+        for p in prompts:
+            key = (p, template, drop, digest)
+            if key in self._cache:
+                h = self._get(key)
+            else:
+                h = self._hidden_vl(template.format(p), images, image_processor, drop)
+                self._put(key, h)
+            seqs.append(h)
+        return pad_embeddings(seqs)
+
+    def _hidden_vl(self, text: str, images: list, image_processor, drop: int) -> torch.Tensor:
+        vis = image_processor(images=images, return_tensors="pt")
+        grid = vis["image_grid_thw"]  # (n_images, 3): t, h, w in patches
+        parts = text.split(IMAGE_PAD)
+        if len(parts) - 1 != len(images):
+            raise ValueError(f"the prompt holds {len(parts) - 1} image placeholders for {len(images)} images")
+        merge = image_processor.merge_size**2
+        text = parts[0] + "".join(IMAGE_PAD * (int(g.prod()) // merge) + rest for g, rest in zip(grid, parts[1:]))
+        tok = self.tokenizer([text], padding=True, return_tensors="pt").to(self.device)
+        out = self.model(
+            input_ids=tok.input_ids,
+            attention_mask=tok.attention_mask,
+            pixel_values=vis["pixel_values"].to(self.device),
+            image_grid_thw=grid.to(self.device),
+            output_hidden_states=True,
+        )
+        hidden = out.hidden_states[-1][0]  # (T, D)
+        return hidden[tok.attention_mask[0].bool()][drop:]
+
     def _put(self, key, value):
         if self.cache_size <= 0:
             return
@@ -108,3 +159,14 @@ def pad_embeddings(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor
     emb = torch.stack([torch.cat([s, s.new_zeros(L - s.shape[0], s.shape[1])]) for s in seqs])
     mask = torch.stack([torch.arange(L, device=emb.device) < s.shape[0] for s in seqs]).long()
     return emb, (None if bool(mask.all()) else mask)
+
+
+def image_digest(images: list) -> str:
+    """A content hash of PIL images (mode, size, pixels) for the prompt cache key."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for im in images:
+        h.update(f"{im.mode}{im.size}".encode())
+        h.update(im.tobytes())
+    return h.hexdigest()

@@ -1,0 +1,255 @@
+"""`QwenImageEditPipeline`: Qwen-Image-Edit (v1), Edit-2509 and Edit-2511, diffusers' images.
+
+One class for all three, because they differ only in preprocessing, which `model_index.json`
+names: `QwenImageEditPipeline` (v1, mode "edit") takes one image, seen by the VL encoder and the
+VAE at ~1024² area; `QwenImageEditPlusPipeline` (2509 and 2511, mode "edit-plus") takes 1-3 images,
+each announced as "Picture N:" in the prompt, seen by the VL encoder at ~384² area and by the VAE
+at ~1024². Edit-2511 differs only in its transformer config (`zero_cond_t`: reference tokens are
+modulated with t=0), which the model handles. The reference latents ride after the noise tokens
+through the same `denoise` loop as text-to-image.
+
+Preprocessing reproduces diffusers exactly: sides from `calculate_dimensions` (area target, ratio
+kept, multiples of 32), PIL Lanczos resizes, [-1, 1] VAE input, VAE mode (not a sample), the
+output size following the last image (first for v1). No torchvision: the Qwen2-VL image processor
+runs in PIL and the `<|image_pad|>` tokens are expanded in `TextEncoder.encode_with_images`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..loading.diffusers_folder import inspect_folder, load_scheduler_config, load_transformer, load_vae
+from ..loading.weights import CheckpointError
+from ..models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT, TextEncoder
+from . import scheduler as S
+from .text_to_image import OUTPUT_TYPES, QwenImageOutput, QwenImagePipeline, _as_prompt_list, postprocess, randn_tensor
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+DEFAULT_EDIT_MODEL = ASSETS / "demo-edit"
+MODES = ("edit", "edit-plus")
+MAX_IMAGES = {"edit": 1, "edit-plus": 3}
+VL_AREA = {"edit": 1024 * 1024, "edit-plus": 384 * 384}
+VAE_AREA = 1024 * 1024
+
+# Qwen2-VL's image processor settings (what Qwen-Image-Edit's processor/ folder holds), for models
+# loaded from single files, which come without a processor folder.
+QWEN2VL_IMAGE_PROCESSOR = {
+    "do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "merge_size": 2, "patch_size": 14, "resample": 3, "rescale_factor": 1 / 255,
+    "size": {"longest_edge": 12845056, "shortest_edge": 3136}, "temporal_patch_size": 2,
+}  # fmt: skip
+
+
+def _image_processor_class():
+    try:  # transformers 5: the PIL backend, no torchvision
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil as cls
+    except ImportError:  # transformers 4.x
+        from transformers import Qwen2VLImageProcessor as cls
+    return cls
+
+
+def load_image_processor(folder: Path | None = None):
+    cls = _image_processor_class()
+    if folder is None:
+        return cls(**QWEN2VL_IMAGE_PROCESSOR)
+    if not (Path(folder) / "preprocessor_config.json").is_file():
+        raise CheckpointError(f"missing file {Path(folder) / 'preprocessor_config.json'} (the edit model's image processor)")
+    return cls.from_pretrained(str(folder))
+
+
+def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
+    """(width, height) with about `target_area` pixels and aspect `ratio`, each a multiple of 32."""
+    width = math.sqrt(target_area * ratio)
+    height = width / ratio
+    # diffusers gives 0 for very thin images (and then fails); 32 is the smallest valid side
+    return max(32, round(width / 32) * 32), max(32, round(height / 32) * 32)
+
+
+def load_images(image) -> list:
+    """PIL image / path / HxWx3 uint8 array, or a list of them -> list of PIL images."""
+    from PIL import Image, UnidentifiedImageError
+
+    items = image if isinstance(image, (list, tuple)) else [image]
+    out = []
+    for i, im in enumerate(items):
+        where = f"image[{i}]" if isinstance(image, (list, tuple)) else "image"
+        if isinstance(im, (str, Path)):
+            try:
+                with Image.open(im) as f:
+                    f.load()
+                    im = f.copy()
+            except FileNotFoundError:
+                raise ValueError(f"{where}: no such file {str(im)!r}") from None
+            except (UnidentifiedImageError, OSError) as e:
+                raise ValueError(f"{where}: {str(im)!r} is not a readable image ({e})") from None
+        elif isinstance(im, np.ndarray):
+            if im.dtype != np.uint8 or im.ndim != 3 or im.shape[2] not in (3, 4):
+                raise ValueError(f"{where}: arrays must be HxWx3 (or 4) uint8, got {im.dtype} {im.shape}")
+            im = Image.fromarray(im)
+        elif not isinstance(im, Image.Image):
+            raise TypeError(f"{where} must be a PIL image, a path or an HxWx3 uint8 array, got {type(im).__name__}")
+        if im.width < 1 or im.height < 1:
+            raise ValueError(f"{where} is empty ({im.width}x{im.height})")
+        out.append(im if im.mode == "RGB" else im.convert("RGB"))
+    return out
+
+
+class QwenImageEditPipeline(QwenImagePipeline):
+    """Image editing. `QwenImageEditPipeline.from_pretrained(path)(image, "make it red").images[0]`.
+
+    `mode` is "edit" (Qwen-Image-Edit v1) or "edit-plus" (Edit-2509 / Edit-2511), read from
+    `model_index.json`; for single-file checkpoints it defaults to "edit-plus".
+    """
+
+    def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config, *, model_path: str = "",
+                 defaults: dict | None = None, mode: str = "edit-plus", image_processor=None):  # fmt: skip
+        super().__init__(transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=defaults)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
+        self.image_processor = image_processor if image_processor is not None else load_image_processor()
+        self.defaults.pop("height", None)  # the output size follows the input image unless given
+        self.defaults.pop("width", None)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, device=None, dtype=None) -> QwenImageEditPipeline:
+        """Load a diffusers-layout edit folder (None = the embedded demo edit model)."""
+        from .text_to_image import resolve_device, resolve_dtype
+
+        path = Path(path) if path is not None else DEFAULT_EDIT_MODEL
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        kind, problems = inspect_folder(path)
+        if problems:
+            raise CheckpointError(f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems))
+        if kind not in MODES:
+            raise CheckpointError(f"{path} is a {kind} model; QwenImageEditPipeline runs Qwen-Image-Edit checkpoints "
+                                  "(use QwenImagePipeline, or qwenfast.from_pretrained which picks the class)")  # fmt: skip
+        transformer = load_transformer(path / "transformer", dev, dt)
+        vae = load_vae(path / "vae", dev, dt)
+        te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", dev, dt)
+        sched = load_scheduler_config(path / "scheduler")
+        defaults = None
+        if (path / "qwenfast.json").is_file():
+            defaults = json.loads((path / "qwenfast.json").read_text()).get("defaults")
+        return cls(transformer, vae, te, sched, model_path=str(path), defaults=defaults, mode=kind,
+                   image_processor=load_image_processor(path / "processor"))  # fmt: skip
+
+    # ---------------------------------------------------------------- preprocessing
+    def prepare_images(self, images: list) -> tuple[list, list[torch.Tensor], tuple[int, int]]:
+        """-> (VL images as PIL, VAE inputs (1, 3, h, w) in [-1, 1], default output (width, height))."""
+        from PIL import Image
+
+        vl, vae_in = [], []
+        for im in images:
+            ratio = im.width / im.height
+            cw, ch = calculate_dimensions(VL_AREA[self.mode], ratio)
+            vw, vh = calculate_dimensions(VAE_AREA, ratio)
+            vl.append(im.resize((cw, ch), resample=Image.LANCZOS))
+            small = vl[-1] if self.mode == "edit" else im.resize((vw, vh), resample=Image.LANCZOS)
+            arr = np.asarray(small, dtype=np.float32) / 255.0  # (h, w, 3)
+            vae_in.append(torch.from_numpy(arr).permute(2, 0, 1)[None] * 2.0 - 1.0)
+        ref = images[0] if self.mode == "edit" else images[-1]
+        return vl, vae_in, calculate_dimensions(VAE_AREA, ref.width / ref.height)
+
+    def encode_images(self, vae_in: list[torch.Tensor], batch: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """VAE-encode reference images -> packed latents (batch, sum of tokens, 64) and their shapes."""
+        vcfg, vdt = self.vae.cfg, self.vae_dtype
+        mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1)
+        std = torch.tensor(vcfg.latents_std).view(1, -1, 1, 1)
+        packed, shapes = [], []
+        for x in vae_in:
+            z, _ = self.vae.encode(x.to(self.device, vdt))  # mode of the posterior: (1, 16, h/8, w/8)
+            z = ((z - mean.to(z)) / std.to(z)).to(self.dtype)
+            packed.append(S.pack_latents(z).expand(batch, -1, -1))
+            shapes.append((1, z.shape[2] // 2, z.shape[3] // 2))
+        return torch.cat(packed, dim=1), shapes
+
+    def prompt_text(self, prompt: str, n_images: int) -> str:
+        if self.mode == "edit":
+            return VISION_SLOT + prompt
+        return "".join(f"Picture {i + 1}: {VISION_SLOT}" for i in range(n_images)) + prompt
+
+    def encode_edit_prompt(self, prompts: list[str], vl_images: list, num_images_per_prompt: int = 1):
+        texts = [self.prompt_text(p, len(vl_images)) for p in prompts]
+        emb, mask = self.text_encoder.encode_with_images(texts, vl_images, self.image_processor, EDIT_TEMPLATE, EDIT_DROP)
+        emb = emb.to(self.device, self.dtype).repeat_interleave(num_images_per_prompt, dim=0)
+        if mask is not None:
+            mask = mask.to(self.device).repeat_interleave(num_images_per_prompt, dim=0)
+        return emb, mask
+
+    # ---------------------------------------------------------------- generation
+    @torch.no_grad()
+    def __call__(
+        self,
+        image,
+        prompt: str | list[str],
+        negative_prompt: str | list[str] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_inference_steps: int | None = None,
+        true_cfg_scale: float | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        num_images_per_prompt: int = 1,
+        latents: torch.Tensor | None = None,
+        output_type: str = "pil",
+        max_sequence_length: int = 512,
+        sigmas: list[float] | None = None,
+        scheduler_overrides: dict | None = None,
+        callback: Callable[[int, int, torch.Tensor], None] | None = None,
+    ) -> QwenImageOutput:
+        """Edit `image` (one PIL image / path / array, or a list: 1 for v1, 1-3 for 2509/2511).
+
+        Same arguments as diffusers' edit pipelines; `prompt` may also be a list (each prompt edits
+        the same images), which diffusers does not allow. `max_sequence_length` is only checked, as in
+        diffusers (edit prompts are not truncated).
+        """
+        images = load_images(image)
+        if not 1 <= len(images) <= MAX_IMAGES[self.mode]:
+            kind = "Qwen-Image-Edit (v1) takes exactly 1 image" if self.mode == "edit" else "Edit-2509/2511 take 1 to 3 images"
+            raise ValueError(f"got {len(images)} images; {kind}")
+        vl_images, vae_in, (dw, dh) = self.prepare_images(images)
+        d = self.defaults
+        height, width = height or dh, width or dw
+        steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
+        cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
+        mult = self.vae_scale_factor * 2
+        height, width = (height // mult * mult, width // mult * mult) if height >= mult and width >= mult else (height, width)
+        prompts = _as_prompt_list(prompt, "prompt")
+        h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
+        negs = None
+        if negative_prompt is not None:
+            negs = _as_prompt_list(negative_prompt, "negative_prompt")
+            if len(negs) == 1 and len(prompts) > 1:
+                negs = negs * len(prompts)
+            if len(negs) != len(prompts):
+                raise ValueError(f"got {len(negs)} negative prompts for {len(prompts)} prompts")
+        do_cfg = cfg_scale > 1 and negs is not None
+
+        B = len(prompts) * num_images_per_prompt
+        emb, mask = self.encode_edit_prompt(prompts, vl_images, num_images_per_prompt)
+        neg_text = self.encode_edit_prompt(negs, vl_images, num_images_per_prompt) if do_cfg else None
+        cond, ref_shapes = self.encode_images(vae_in, B)
+
+        dev, dt = self.device, self.dtype
+        if latents is None:
+            x = S.pack_latents(randn_tensor((B, 1, 16, h, w), generator, dev, dt)[:, 0])  # (B, h/2*w/2, 64)
+        else:
+            if tuple(latents.shape) != (B, (h // 2) * (w // 2), 64):
+                raise ValueError(f"latents must have shape {(B, (h // 2) * (w // 2), 64)} (packed), got {tuple(latents.shape)}")
+            x = latents.to(dev, dt)
+        img_shapes = [(1, h // 2, w // 2), *ref_shapes]
+        cfg = self.scheduler_config.replace(**scheduler_overrides) if scheduler_overrides else self.scheduler_config
+        sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)
+        x = self.denoise(x, sig, img_shapes, (emb, mask), neg_text, cfg_scale, cond_latents=cond, callback=callback)
+        if output_type == "latent":
+            return QwenImageOutput(images=x)
+        assert output_type in OUTPUT_TYPES
+        return QwenImageOutput(images=postprocess(self.decode_latents(x, h, w), output_type))
