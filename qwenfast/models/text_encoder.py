@@ -80,14 +80,20 @@ class TextEncoder:
         tok = self.tokenizer(
             texts, max_length=TOKENIZER_MAX_LENGTH + drop, padding=True, truncation=True, return_tensors="pt"
         ).to(self.device)
-        out = self.model(input_ids=tok.input_ids, attention_mask=tok.attention_mask, output_hidden_states=True)
+        out = self.model(
+            input_ids=tok.input_ids, attention_mask=tok.attention_mask, output_hidden_states=True
+        )
         hidden = out.hidden_states[-1]  # (B, T, D)
         mask = tok.attention_mask.bool()
         return [h[m][drop:] for h, m in zip(hidden, mask)]  # real tokens only, template prefix dropped
 
     @torch.no_grad()
     def encode(
-        self, prompts: list[str], max_sequence_length: int = 512, template: str = T2I_TEMPLATE, drop: int = T2I_DROP
+        self,
+        prompts: list[str],
+        max_sequence_length: int = 512,
+        template: str = T2I_TEMPLATE,
+        drop: int = T2I_DROP,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, L, D) embeddings right-padded with zeros, and a (B, L) long mask or None if all ones."""
         todo = [p for p in dict.fromkeys(prompts) if (p, template, drop) not in self._cache]
@@ -99,7 +105,12 @@ class TextEncoder:
 
     @torch.no_grad()
     def encode_with_images(
-        self, prompts: list[str], images: list, image_processor, template: str = EDIT_TEMPLATE, drop: int = EDIT_DROP
+        self,
+        prompts: list[str],
+        images: list,
+        image_processor,
+        template: str = EDIT_TEMPLATE,
+        drop: int = EDIT_DROP,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Edit conditioning: each prompt (already holding one `VISION_SLOT` per image) is encoded
         together with the same PIL `images`, as diffusers' edit pipelines do with a batch of one.
@@ -126,7 +137,9 @@ class TextEncoder:
         if len(parts) - 1 != len(images):
             raise ValueError(f"the prompt holds {len(parts) - 1} image placeholders for {len(images)} images")
         merge = image_processor.merge_size**2
-        text = parts[0] + "".join(IMAGE_PAD * (int(g.prod()) // merge) + rest for g, rest in zip(grid, parts[1:]))
+        text = parts[0] + "".join(
+            IMAGE_PAD * (int(g.prod()) // merge) + rest for g, rest in zip(grid, parts[1:])
+        )
         tok = self.tokenizer([text], padding=True, return_tensors="pt").to(self.device)
         out = self.model(
             input_ids=tok.input_ids,

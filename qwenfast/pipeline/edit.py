@@ -28,7 +28,14 @@ from ..loading.diffusers_folder import inspect_folder, load_scheduler_config, lo
 from ..loading.weights import CheckpointError
 from ..models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT, TextEncoder
 from . import scheduler as S
-from .text_to_image import OUTPUT_TYPES, QwenImageOutput, QwenImagePipeline, _as_prompt_list, postprocess, randn_tensor
+from .text_to_image import (
+    OUTPUT_TYPES,
+    QwenImageOutput,
+    QwenImagePipeline,
+    _as_prompt_list,
+    postprocess,
+    randn_tensor,
+)
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_EDIT_MODEL = ASSETS / "demo-edit"
@@ -60,7 +67,9 @@ def load_image_processor(folder: Path | None = None):
     if folder is None:
         return cls(**QWEN2VL_IMAGE_PROCESSOR)
     if not (Path(folder) / "preprocessor_config.json").is_file():
-        raise CheckpointError(f"missing file {Path(folder) / 'preprocessor_config.json'} (the edit model's image processor)")
+        raise CheckpointError(
+            f"missing file {Path(folder) / 'preprocessor_config.json'} (the edit model's image processor)"
+        )
     return cls.from_pretrained(str(folder))
 
 
@@ -94,7 +103,9 @@ def load_images(image) -> list:
                 raise ValueError(f"{where}: arrays must be HxWx3 (or 4) uint8, got {im.dtype} {im.shape}")
             im = Image.fromarray(im)
         elif not isinstance(im, Image.Image):
-            raise TypeError(f"{where} must be a PIL image, a path or an HxWx3 uint8 array, got {type(im).__name__}")
+            raise TypeError(
+                f"{where} must be a PIL image, a path or an HxWx3 uint8 array, got {type(im).__name__}"
+            )
         if im.width < 1 or im.height < 1:
             raise ValueError(f"{where} is empty ({im.width}x{im.height})")
         out.append(im if im.mode == "RGB" else im.convert("RGB"))
@@ -110,7 +121,9 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config, *, model_path: str = "",
                  defaults: dict | None = None, mode: str = "edit-plus", image_processor=None):  # fmt: skip
-        super().__init__(transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=defaults)
+        super().__init__(
+            transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=defaults
+        )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -119,7 +132,9 @@ class QwenImageEditPipeline(QwenImagePipeline):
         self.defaults.pop("width", None)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device=None, dtype=None) -> QwenImageEditPipeline:
+    def from_pretrained(
+        cls, path: str | Path | None = None, device=None, dtype=None
+    ) -> QwenImageEditPipeline:
         """Load a diffusers-layout edit folder (None = the embedded demo edit model)."""
         from .text_to_image import resolve_device, resolve_dtype
 
@@ -128,7 +143,9 @@ class QwenImageEditPipeline(QwenImagePipeline):
         dt = resolve_dtype(dtype, dev)
         kind, problems = inspect_folder(path)
         if problems:
-            raise CheckpointError(f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems))
+            raise CheckpointError(
+                f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems)
+            )
         if kind not in MODES:
             raise CheckpointError(f"{path} is a {kind} model; QwenImageEditPipeline runs Qwen-Image-Edit checkpoints "
                                   "(use QwenImagePipeline, or qwenfast.from_pretrained which picks the class)")  # fmt: skip
@@ -159,7 +176,9 @@ class QwenImageEditPipeline(QwenImagePipeline):
         ref = images[0] if self.mode == "edit" else images[-1]
         return vl, vae_in, calculate_dimensions(VAE_AREA, ref.width / ref.height)
 
-    def encode_images(self, vae_in: list[torch.Tensor], batch: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    def encode_images(
+        self, vae_in: list[torch.Tensor], batch: int
+    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """VAE-encode reference images -> packed latents (batch, sum of tokens, 64) and their shapes."""
         vcfg, vdt = self.vae.cfg, self.vae_dtype
         mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1)
@@ -179,7 +198,9 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     def encode_edit_prompt(self, prompts: list[str], vl_images: list, num_images_per_prompt: int = 1):
         texts = [self.prompt_text(p, len(vl_images)) for p in prompts]
-        emb, mask = self.text_encoder.encode_with_images(texts, vl_images, self.image_processor, EDIT_TEMPLATE, EDIT_DROP)
+        emb, mask = self.text_encoder.encode_with_images(
+            texts, vl_images, self.image_processor, EDIT_TEMPLATE, EDIT_DROP
+        )
         emb = emb.to(self.device, self.dtype).repeat_interleave(num_images_per_prompt, dim=0)
         if mask is not None:
             mask = mask.to(self.device).repeat_interleave(num_images_per_prompt, dim=0)
@@ -213,7 +234,11 @@ class QwenImageEditPipeline(QwenImagePipeline):
         """
         images = load_images(image)
         if not 1 <= len(images) <= MAX_IMAGES[self.mode]:
-            kind = "Qwen-Image-Edit (v1) takes exactly 1 image" if self.mode == "edit" else "Edit-2509/2511 take 1 to 3 images"
+            kind = (
+                "Qwen-Image-Edit (v1) takes exactly 1 image"
+                if self.mode == "edit"
+                else "Edit-2509/2511 take 1 to 3 images"
+            )
             raise ValueError(f"got {len(images)} images; {kind}")
         vl_images, vae_in, (dw, dh) = self.prepare_images(images)
         d = self.defaults
@@ -221,9 +246,15 @@ class QwenImageEditPipeline(QwenImagePipeline):
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
         mult = self.vae_scale_factor * 2
-        height, width = (height // mult * mult, width // mult * mult) if height >= mult and width >= mult else (height, width)
+        height, width = (
+            (height // mult * mult, width // mult * mult)
+            if height >= mult and width >= mult
+            else (height, width)
+        )
         prompts = _as_prompt_list(prompt, "prompt")
-        h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
+        h, w = self._check(
+            height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas
+        )
         negs = None
         if negative_prompt is not None:
             negs = _as_prompt_list(negative_prompt, "negative_prompt")
@@ -243,12 +274,20 @@ class QwenImageEditPipeline(QwenImagePipeline):
             x = S.pack_latents(randn_tensor((B, 1, 16, h, w), generator, dev, dt)[:, 0])  # (B, h/2*w/2, 64)
         else:
             if tuple(latents.shape) != (B, (h // 2) * (w // 2), 64):
-                raise ValueError(f"latents must have shape {(B, (h // 2) * (w // 2), 64)} (packed), got {tuple(latents.shape)}")
+                raise ValueError(
+                    f"latents must have shape {(B, (h // 2) * (w // 2), 64)} (packed), got {tuple(latents.shape)}"
+                )
             x = latents.to(dev, dt)
         img_shapes = [(1, h // 2, w // 2), *ref_shapes]
-        cfg = self.scheduler_config.replace(**scheduler_overrides) if scheduler_overrides else self.scheduler_config
+        cfg = (
+            self.scheduler_config.replace(**scheduler_overrides)
+            if scheduler_overrides
+            else self.scheduler_config
+        )
         sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)
-        x = self.denoise(x, sig, img_shapes, (emb, mask), neg_text, cfg_scale, cond_latents=cond, callback=callback)
+        x = self.denoise(
+            x, sig, img_shapes, (emb, mask), neg_text, cfg_scale, cond_latents=cond, callback=callback
+        )
         if output_type == "latent":
             return QwenImageOutput(images=x)
         assert output_type in OUTPUT_TYPES
