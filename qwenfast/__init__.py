@@ -6,7 +6,19 @@
 """
 
 __version__ = "0.1.0"
-__all__ = ["QwenImagePipeline", "__version__"]
+__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "from_pretrained", "__version__"]
+
+
+def from_pretrained(path, device=None, dtype=None):
+    """Load any Qwen-Image diffusers folder with the right pipeline class (from `model_index.json`):
+    text-to-image -> `QwenImagePipeline`, Edit / Edit-2509 / Edit-2511 -> `QwenImageEditPipeline`."""
+    from pathlib import Path
+
+    from .loading.diffusers_folder import PIPELINE_CLASSES, read_json
+
+    kind = PIPELINE_CLASSES.get(read_json(Path(path) / "model_index.json").get("_class_name"))
+    cls = __getattr__("QwenImageEditPipeline" if kind in ("edit", "edit-plus") else "QwenImagePipeline")
+    return cls.from_pretrained(path, device=device, dtype=dtype)
 
 
 def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch
@@ -14,4 +26,8 @@ def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch
         from .pipeline.text_to_image import QwenImagePipeline
 
         return QwenImagePipeline
+    if name == "QwenImageEditPipeline":
+        from .pipeline.edit import QwenImageEditPipeline
+
+        return QwenImageEditPipeline
     raise AttributeError(name)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 
 from ..loading.diffusers_folder import inspect_folder, load_scheduler_config, load_transformer, load_vae
 from ..loading.weights import CheckpointError
-from ..models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT, TextEncoder
+from ..models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT, TextEncoder, image_digest
 from . import scheduler as S
 from .text_to_image import (
     OUTPUT_TYPES,
@@ -128,6 +129,8 @@ class QwenImageEditPipeline(QwenImagePipeline):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         self.image_processor = image_processor if image_processor is not None else load_image_processor()
+        self.latent_cache_size = 16
+        self._latent_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.defaults.pop("height", None)  # the output size follows the input image unless given
         self.defaults.pop("width", None)
 
@@ -160,8 +163,8 @@ class QwenImageEditPipeline(QwenImagePipeline):
                    image_processor=load_image_processor(path / "processor"))  # fmt: skip
 
     # ---------------------------------------------------------------- preprocessing
-    def prepare_images(self, images: list) -> tuple[list, list[torch.Tensor], tuple[int, int]]:
-        """-> (VL images as PIL, VAE inputs (1, 3, h, w) in [-1, 1], default output (width, height))."""
+    def prepare_images(self, images: list) -> tuple[list, list, tuple[int, int]]:
+        """-> (VL images, VAE images (both PIL, resized as diffusers does), default output (width, height))."""
         from PIL import Image
 
         vl, vae_in = [], []
@@ -170,26 +173,39 @@ class QwenImageEditPipeline(QwenImagePipeline):
             cw, ch = calculate_dimensions(VL_AREA[self.mode], ratio)
             vw, vh = calculate_dimensions(VAE_AREA, ratio)
             vl.append(im.resize((cw, ch), resample=Image.LANCZOS))
-            small = vl[-1] if self.mode == "edit" else im.resize((vw, vh), resample=Image.LANCZOS)
-            arr = np.asarray(small, dtype=np.float32) / 255.0  # (h, w, 3)
-            vae_in.append(torch.from_numpy(arr).permute(2, 0, 1)[None] * 2.0 - 1.0)
+            vae_in.append(vl[-1] if self.mode == "edit" else im.resize((vw, vh), resample=Image.LANCZOS))
         ref = images[0] if self.mode == "edit" else images[-1]
         return vl, vae_in, calculate_dimensions(VAE_AREA, ref.width / ref.height)
 
-    def encode_images(
-        self, vae_in: list[torch.Tensor], batch: int
-    ) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """VAE-encode reference images -> packed latents (batch, sum of tokens, 64) and their shapes."""
-        vcfg, vdt = self.vae.cfg, self.vae_dtype
-        mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1)
-        std = torch.tensor(vcfg.latents_std).view(1, -1, 1, 1)
+    def encode_images(self, vae_in: list, batch: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """VAE-encode reference images -> packed latents (batch, sum of tokens, 64) and their shapes.
+
+        Latents are cached by image content (LRU): editing one picture with several prompts, or a
+        server batch of edits of the same picture, encodes it once.
+        """
         packed, shapes = [], []
-        for x in vae_in:
-            z, _ = self.vae.encode(x.to(self.device, vdt))  # mode of the posterior: (1, 16, h/8, w/8)
-            z = ((z - mean.to(z)) / std.to(z)).to(self.dtype)
+        for im in vae_in:
+            key = (image_digest([im]), self.vae_dtype, str(self.device))
+            z = self._latent_cache.get(key)
+            if z is None:
+                z = self._encode_image(im)
+                self._latent_cache[key] = z
+                while len(self._latent_cache) > self.latent_cache_size:
+                    self._latent_cache.popitem(last=False)
+            self._latent_cache.move_to_end(key)
             packed.append(S.pack_latents(z).expand(batch, -1, -1))
             shapes.append((1, z.shape[2] // 2, z.shape[3] // 2))
         return torch.cat(packed, dim=1), shapes
+
+    def _encode_image(self, im) -> torch.Tensor:
+        """PIL RGB -> normalised latents (1, 16, h/8, w/8): the posterior's mode, as diffusers uses."""
+        vcfg, vdt = self.vae.cfg, self.vae_dtype
+        arr = np.asarray(im, dtype=np.float32) / 255.0  # (h, w, 3)
+        x = torch.from_numpy(arr).permute(2, 0, 1)[None] * 2.0 - 1.0
+        z, _ = self.vae.encode(x.to(self.device, vdt))
+        mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1).to(z)
+        std = torch.tensor(vcfg.latents_std).view(1, -1, 1, 1).to(z)
+        return ((z - mean) / std).to(self.dtype)
 
     def prompt_text(self, prompt: str, n_images: int) -> str:
         if self.mode == "edit":
@@ -279,11 +295,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
                 )
             x = latents.to(dev, dt)
         img_shapes = [(1, h // 2, w // 2), *ref_shapes]
-        cfg = (
-            self.scheduler_config.replace(**scheduler_overrides)
-            if scheduler_overrides
-            else self.scheduler_config
-        )
+        cfg = self.scheduler_config_for(scheduler_overrides)
         sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)
         x = self.denoise(
             x, sig, img_shapes, (emb, mask), neg_text, cfg_scale, cond_latents=cond, callback=callback
