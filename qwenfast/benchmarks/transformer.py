@@ -103,7 +103,7 @@ def build(num_layers: int, compare: bool, dtype=torch.bfloat16, zero_cond_t: boo
 
 
 def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters=10, compile_=True,
-        variants=None, out_dir: Path | None = None) -> dict:  # fmt: skip
+        variants=None, out_dir: Path | None = None, fp8: bool = True) -> dict:  # fmt: skip
     import triton
 
     from .. import kernels
@@ -115,6 +115,7 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
            "kernels_backend": kernels.backend(), "layers": num_layers, "txt_len": txt_len, "sizes": {}}  # fmt: skip
     print(f"GPU {res['gpu']}, torch {res['torch']}, triton {res['triton']}, kernels {res['kernels_backend']}")
     compiled_ref = compiled_ours = None
+    fp8_modules = fp8_graphs = bf16_modules = None
     for size in sizes:
         h = w = size // 16
         g = torch.Generator(device=dev).manual_seed(size)
@@ -143,6 +144,8 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
         todo["qwenfast reference (eager)"] = ours_fwd(False)
         todo["qwenfast fused (eager)"] = ours_fwd(True)
         todo["qwenfast fused + CUDA graph"] = lambda: (setattr(ours, "fused", True), graphs(x, txt, None, t, shapes))[1]
+        if fp8:  # FP8 e4m3 block GEMMs (opt-in in the product: not bitwise diffusers)
+            todo["qwenfast FP8 + CUDA graph"] = "fp8"
         if compile_:  # torch.compile of the plain-torch blocks, beside the hand kernels
             if ref is not None:
                 todo["diffusers regional compile"] = "compile-ref"
@@ -162,12 +165,25 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
                     compile_blocks(ours)
                     compiled_ours = True
                 fn = ours_fwd(False)
+            elif fn == "fp8":
+                if fp8_modules is None:
+                    fp8_modules = _fp8_modules(ours)
+                    fp8_graphs = CudaGraphRunner(ours)
+                bf16_modules = _swap(ours, fp8_modules)
+                stance = "force_eager"
+
+                def fn(g=fp8_graphs):
+                    ours.fused = True
+                    return g(x, txt, None, t, shapes)
             else:
                 stance = "force_eager"  # blocks compiled for an earlier size run eagerly here
             with torch.no_grad(), torch.compiler.set_stance(stance):
                 out = fn().clone()
                 ms = _median_ms(fn, warmup, iters)
             outs[name] = out
+            if bf16_modules is not None:  # back to bf16 for the other variants and sizes
+                _swap(ours, bf16_modules)
+                bf16_modules = None
             rows[name] = {"ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1),
                           "pct_floor": round(100 * floor_ms / ms, 1), "setup_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
         base = outs.get("diffusers eager")
@@ -192,6 +208,28 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
             with open(d / "transformer.jsonl", "a") as f:
                 f.write(line + "\n")
     return res
+
+
+def _fp8_modules(model) -> dict:
+    """FP8 copies of the blocks' big Linears, by module name (the bf16 ones stay for other variants)."""
+    from ..kernels.fp8_linear import BLOCK_LINEARS, FP8Linear
+
+    return {f"transformer_blocks.{i}.{n}": FP8Linear.from_linear(b.get_submodule(n))
+            for i, b in enumerate(model.transformer_blocks) for n in BLOCK_LINEARS}  # fmt: skip
+
+
+def _swap(model, modules: dict) -> dict:
+    """Put `modules` (name -> module) into `model`; returns the ones they replaced."""
+    old = {}
+    for name, m in modules.items():
+        parent, _, leaf = name.rpartition(".")
+        par = model.get_submodule(parent)
+        old[name] = par[int(leaf)] if leaf.isdigit() else getattr(par, leaf)
+        if leaf.isdigit():
+            par[int(leaf)] = m
+        else:
+            setattr(par, leaf, m)
+    return old
 
 
 def _batched_cfg_check(model, x, txt, t, shapes) -> float:

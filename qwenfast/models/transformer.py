@@ -112,6 +112,8 @@ class FeedForward(nn.Module):
 
     def forward_fused(self, x):
         p = self.net[0].proj
+        if not isinstance(p, nn.Linear):  # FP8Linear: no cuBLASLt GELU epilogue for scaled GEMMs
+            return self.net[2](F.gelu(p(x), approximate="tanh"))
         return self.net[2](linear_gelu_tanh(x, p.weight, p.bias))
 
 
