@@ -39,7 +39,20 @@ def _positive(s: str) -> int:
     return v
 
 
+def _lora_spec(s: str) -> tuple[str, float]:
+    """PATH[:STRENGTH]; a last `:` part that is not a number belongs to the path (C:\\loras\\x.safetensors)."""
+    path, sep, tail = s.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return s, 1.0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .config import PRESETS
+
     p = argparse.ArgumentParser(prog="qwenfast", description="Fast Qwen-Image inference.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -56,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--quiet", action="store_true", help="no progress bar")
+    g.add_argument("--lora", type=_lora_spec, action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="fuse a LoRA (.safetensors; diffusers, kohya, ComfyUI names) at STRENGTH (default 1); repeatable")
+    g.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
     bsub = b.add_subparsers(dest="what", required=True)
@@ -83,6 +100,9 @@ def cmd_generate(a) -> int:
     t0 = time.perf_counter()
     pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype)
     pipe.progress_bar = not a.quiet
+    if a.preset:
+        pipe.apply_preset(a.preset)
+    loras = [{"name": pipe.load_lora(p, s), "path": p, "strength": s} for p, s in a.lora]
     t_load = time.perf_counter() - t0
     d = pipe.defaults
     w, h = a.size if a.size else (d["width"], d["height"])
@@ -97,6 +117,12 @@ def cmd_generate(a) -> int:
     t_gen = time.perf_counter() - t1
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
+    if loras:
+        import json
+
+        meta["loras"] = json.dumps(loras)
+    if a.preset:
+        meta["preset"] = a.preset
     paths = save_pngs(out.images, Path(a.output), meta)
     print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
           f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip

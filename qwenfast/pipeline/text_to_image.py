@@ -110,6 +110,9 @@ class QwenImagePipeline:
         self.cuda_graphs = True  # replay the transformer forward as a CUDA graph (CUDA only)
         self._graphs = CudaGraphRunner(transformer)
         self.vae_scale_factor = vae.cfg.scale_factor
+        # scheduler fields every call uses (set by apply_preset or by hand); a call's own
+        # `scheduler_overrides=` wins key by key
+        self.scheduler_overrides: dict = {}
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -139,6 +142,59 @@ class QwenImagePipeline:
     @property
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
+
+    # ---------------------------------------------------------------- LoRA and presets (qwenfast/loading/lora.py)
+    @property
+    def lora_manager(self):
+        """The LoRAs fused into `self.transformer` (created on first use; see `LoraManager`)."""
+        m = self.__dict__.get("_lora_manager")
+        if m is None or m.model is not self.transformer:
+            if m is not None and m.active:
+                raise RuntimeError("pipe.transformer was replaced while LoRAs were fused into the old one")
+            from ..loading.lora import LoraManager
+
+            m = self._lora_manager = LoraManager(self.transformer)
+        return m
+
+    def load_lora(self, lora: str | Path | dict, strength: float = 1.0, name: str | None = None) -> str:
+        """Fuse a LoRA (.safetensors path or state dict, any common naming) into the transformer; returns its name.
+
+        Several LoRAs stack. Errors (unknown layers, wrong shapes, unreadable file) are raised before
+        any weight changes. The original values of touched weights are kept in host memory so that
+        `unload_lora` restores them bitwise (as much host memory as the touched weights).
+        """
+        return self.lora_manager.load(lora, strength, name)
+
+    def unload_lora(self, name: str | None = None) -> None:
+        """Remove one LoRA by name, or all of them: touched weights are restored bitwise."""
+        self.lora_manager.unload(name)
+
+    @property
+    def loras(self) -> dict[str, float]:
+        """Active LoRAs, name -> strength, in load order."""
+        return self.lora_manager.loras
+
+    def set_loras(self, loras) -> None:
+        """Make the active LoRAs exactly `[(path, strength[, name]), ...]`, changing only what differs."""
+        self.lora_manager.set(loras)
+
+    def apply_preset(self, name: str) -> None:
+        """Sampling defaults for a distilled LoRA (`qwenfast.config.PRESETS`): steps, true CFG and scheduler fields.
+
+        Sets `self.defaults` (explicit call arguments still win) and `self.scheduler_overrides`.
+        """
+        from ..config import PRESETS
+
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+        p = PRESETS[name]
+        self.defaults.update(num_inference_steps=p.steps, true_cfg_scale=p.true_cfg_scale)
+        self.scheduler_overrides = dict(p.scheduler_overrides)
+
+    def scheduler_config_for(self, overrides: dict | None = None) -> SchedulerConfig:
+        """The scheduler config of one call: checkpoint config <- `self.scheduler_overrides` <- `overrides`."""
+        merged = {**getattr(self, "scheduler_overrides", {}), **(overrides or {})}
+        return self.scheduler_config.replace(**merged) if merged else self.scheduler_config
 
     # ---------------------------------------------------------------- prompt
     def encode_prompt(self, prompts: list[str], num_images_per_prompt: int = 1, max_sequence_length: int = 512):
@@ -200,7 +256,7 @@ class QwenImagePipeline:
             x = latents.to(dev, dt)
         img_shapes = [(1, h // 2, w // 2)]
 
-        cfg = self.scheduler_config.replace(**scheduler_overrides) if scheduler_overrides else self.scheduler_config
+        cfg = self.scheduler_config_for(scheduler_overrides)
         sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)
         x = self.denoise(x, sig, img_shapes, (emb, mask), (nemb, nmask) if do_cfg else None, cfg_scale, callback=callback)
 
