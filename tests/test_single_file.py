@@ -145,7 +145,7 @@ def _scale(w: torch.Tensor) -> torch.Tensor:
 def write_fp8(folder, sd, style, prefix=""):
     """Quantise every 2D `.weight` of `sd` in a ComfyUI format; -> (path, expected fp32 weights, diffusers-keyed).
 
-    style: cast | scaled_fp8 | comfy_quant | metadata | mixed (every other layer FP8 + comfy_quant, others bf16).
+    style: cast | cast-e5m2 | scaled_fp8 | comfy_quant | metadata | mixed (every other layer FP8 + comfy_quant, others bf16).
     """
     out, expected, layers = {}, {}, {}
     quantised = [k for k in sorted(sd) if k.endswith(".weight") and sd[k].ndim == 2]
@@ -155,8 +155,8 @@ def write_fp8(folder, sd, style, prefix=""):
             out[key] = v.bfloat16() if style == "mixed" else v
             expected[k] = out[key].float()
             continue
-        if style == "cast":
-            out[key] = v.to(E4M3)
+        if style.startswith("cast"):
+            out[key] = v.to(torch.float8_e5m2 if style == "cast-e5m2" else E4M3)
             expected[k] = out[key].float()
             continue
         s = _scale(v)
@@ -186,7 +186,7 @@ def write_fp8(folder, sd, style, prefix=""):
     return _save(folder, f"fp8-{style}-{len(prefix)}.safetensors", out, meta), expected
 
 
-FP8_STYLES = {"cast": "fp8 cast", "scaled_fp8": "legacy scaled_fp8", "comfy_quant": "comfy_quant",
+FP8_STYLES = {"cast": "fp8 cast", "cast-e5m2": "fp8 cast", "scaled_fp8": "legacy scaled_fp8", "comfy_quant": "comfy_quant",
               "metadata": "_quantization_metadata", "mixed": "comfy_quant"}  # fmt: skip
 
 

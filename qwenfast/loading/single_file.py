@@ -486,8 +486,10 @@ def resolve_tokenizer(tokenizer) -> Path:
             (d / "vocab.json").is_file() and (d / "merges.txt").is_file()
         )
 
+    if p.is_file() and p.name in ("tokenizer.json", "tokenizer_config.json", "vocab.json"):
+        p = p.parent  # the folder of a tokenizer file
     if p.is_dir() and not ok(p) and ok(p / "tokenizer"):
-        p = p / "tokenizer"
+        p = p / "tokenizer"  # a model folder
     if not p.is_dir() or not ok(p):
         found = sorted(x.name for x in p.iterdir())[:10] if p.is_dir() else "not a folder"
         raise CheckpointError(

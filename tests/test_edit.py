@@ -1,0 +1,196 @@
+"""Edit pipelines (v1, Edit-Plus 2509 with 1 and 3 images, Edit-2511 `zero_cond_t`) against diffusers.
+
+Tiny random models are built with diffusers, saved in the Hugging Face layout and loaded by
+qwenfast; the same seed must give the same pixels (fp32, CPU). The reference images are resized to
+~1024² area for the VAE whatever their size (as in diffusers), so the output is kept small to stay fast.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+
+def _image(w: int, h: int, seed: int):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _build(tmp_path_factory, edit: str, zero_cond_t: bool = False):
+    from qwenfast.pipeline.edit import QwenImageEditPipeline
+    from qwenfast.testing.tiny import build_tiny_pipeline
+
+    path = tmp_path_factory.mktemp("models") / f"tiny-{edit}-{int(zero_cond_t)}"
+    ref = build_tiny_pipeline(path, seed=0, edit=edit, zero_cond_t=zero_cond_t)
+    qf = QwenImageEditPipeline.from_pretrained(path, device="cpu", dtype=torch.float32)
+    qf.progress_bar = False
+    return ref, qf, path
+
+
+@pytest.fixture(scope="module")
+def edit_v1(tmp_path_factory):
+    return _build(tmp_path_factory, "edit")
+
+
+@pytest.fixture(scope="module")
+def edit_plus(tmp_path_factory):
+    return _build(tmp_path_factory, "edit-plus")
+
+
+@pytest.fixture(scope="module")
+def edit_2511(tmp_path_factory):
+    return _build(tmp_path_factory, "edit-plus", zero_cond_t=True)
+
+
+KW = dict(prompt="make the circle red", negative_prompt=" ", num_inference_steps=2, true_cfg_scale=4.0, height=48, width=80)
+
+
+def _both(ref, qf, images, diffusers_image, **kw):
+    args = {**KW, **kw}
+    a = ref(image=diffusers_image, generator=torch.Generator().manual_seed(7), output_type="np", **args).images
+    b = qf(images, generator=torch.Generator().manual_seed(7), output_type="np", **args).images
+    return a, b
+
+
+def test_edit_v1_matches_diffusers(edit_v1):
+    ref, qf, _ = edit_v1
+    img = _image(72, 40, 1)
+    assert qf.mode == "edit"
+    a, b = _both(ref, qf, [img], img)
+    assert a.shape == b.shape == (1, 48, 80, 3)
+    assert np.isfinite(b).all() and np.abs(a - b).max() < 1e-3
+
+
+def test_edit_v1_default_size_follows_the_image(edit_v1):
+    ref, qf, _ = edit_v1
+    img = _image(40, 72, 2)  # portrait: output ~1024² area, same aspect, multiples of 32
+    kw = {**KW, "height": None, "width": None, "negative_prompt": None, "true_cfg_scale": 1.0}
+    a = ref(image=img, generator=torch.Generator().manual_seed(7), output_type="latent", **kw).images
+    b = qf(img, generator=torch.Generator().manual_seed(7), output_type="latent", **kw).images
+    w = round(math.sqrt(1024 * 1024 * 40 / 72) / 32) * 32
+    h = round(math.sqrt(1024 * 1024 * 40 / 72) / (40 / 72) / 32) * 32
+    assert a.shape == b.shape == (1, (h // 16) * (w // 16), 64)  # packed latents of the output size
+    assert (a - b).abs().max() < 1e-4
+
+
+def test_edit_plus_one_image_matches_diffusers(edit_plus):
+    ref, qf, _ = edit_plus
+    img = _image(64, 48, 3)
+    assert qf.mode == "edit-plus"
+    a, b = _both(ref, qf, [img], [img])
+    assert np.isfinite(b).all() and np.abs(a - b).max() < 1e-3
+
+
+def test_edit_plus_three_images_matches_diffusers(edit_plus):
+    ref, qf, _ = edit_plus
+    imgs = [_image(64, 40, 4), _image(40, 64, 5), _image(56, 56, 6)]
+    a, b = _both(ref, qf, imgs, imgs)
+    assert np.isfinite(b).all() and np.abs(a - b).max() < 1e-3
+
+
+def test_edit_2511_zero_cond_t_matches_diffusers(edit_2511):
+    ref, qf, _ = edit_2511
+    assert qf.transformer.cfg.zero_cond_t
+    imgs = [_image(64, 40, 7), _image(48, 48, 8)]
+    a, b = _both(ref, qf, imgs, imgs)
+    assert np.isfinite(b).all() and np.abs(a - b).max() < 1e-3
+
+
+def test_batched_cfg_equals_separate_passes_and_prompt_cache(edit_plus):
+    _, qf, _ = edit_plus
+    img = _image(48, 48, 9)
+    calls = []
+    hook = qf.text_encoder.model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        outs = []
+        for batched in (True, False):
+            qf.batched_cfg = batched
+            outs.append(qf(img, generator=torch.Generator().manual_seed(3), output_type="np", **KW).images)
+    finally:
+        qf.batched_cfg = True
+        hook.remove()
+    assert np.abs(outs[0] - outs[1]).max() < 1e-5
+    assert len(calls) == 2  # prompt and negative once; the second run hits the cache
+
+
+def test_prompt_list_is_each_prompt_alone(edit_plus):
+    _, qf, _ = edit_plus
+    img = _image(48, 40, 10)
+    kw = {**KW, "negative_prompt": None, "true_cfg_scale": 1.0}
+    kw.pop("prompt")
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    both = qf(img, ["make it red", "add a blue star to the left"], generator=gens, output_type="np", **kw).images
+    for i, (p, s) in enumerate((("make it red", 1), ("add a blue star to the left", 2))):
+        one = qf(img, p, generator=torch.Generator().manual_seed(s), output_type="np", **kw).images
+        assert np.abs(both[i] - one[0]).max() < 1e-5
+
+
+def test_wrong_number_of_images(edit_v1, edit_plus):
+    img = _image(32, 32, 0)
+    with pytest.raises(ValueError, match="exactly 1 image"):
+        edit_v1[1]([img, img], "x", num_inference_steps=1)
+    with pytest.raises(ValueError, match="1 to 3 images"):
+        edit_plus[1]([img] * 4, "x", num_inference_steps=1)
+    with pytest.raises(ValueError, match="1 to 3 images"):
+        edit_plus[1]([], "x", num_inference_steps=1)
+
+
+def test_bad_images(edit_plus, tmp_path):
+    qf = edit_plus[1]
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"this is not a png")
+    with pytest.raises(ValueError, match="not a readable image"):
+        qf(str(junk), "x")
+    with pytest.raises(ValueError, match="no such file"):
+        qf(str(tmp_path / "missing.png"), "x")
+    with pytest.raises(TypeError, match="PIL image"):
+        qf(42, "x")
+    with pytest.raises(ValueError, match="uint8"):
+        qf(np.zeros((8, 8, 3), dtype=np.float32), "x")
+
+
+def test_paths_arrays_and_rgba_are_accepted(edit_plus, tmp_path):
+    _, qf, _ = edit_plus
+    img = _image(40, 40, 11)
+    p = tmp_path / "in.png"
+    img.convert("RGBA").save(p)
+    kw = {**KW, "num_inference_steps": 1}
+    a = qf(img, generator=torch.Generator().manual_seed(0), output_type="np", **kw).images
+    b = qf(str(p), generator=torch.Generator().manual_seed(0), output_type="np", **kw).images
+    c = qf(np.asarray(img), generator=torch.Generator().manual_seed(0), output_type="np", **kw).images
+    assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+def test_pipeline_classes_refuse_the_other_kind(edit_plus, tiny_t2i):
+    import qwenfast
+    from qwenfast.loading.weights import CheckpointError
+
+    with pytest.raises(CheckpointError, match="QwenImageEditPipeline"):
+        qwenfast.QwenImagePipeline.from_pretrained(edit_plus[2], device="cpu")
+    with pytest.raises(CheckpointError, match="runs Qwen-Image-Edit checkpoints"):
+        qwenfast.QwenImageEditPipeline.from_pretrained(tiny_t2i[1], device="cpu")
+    pipe = qwenfast.from_pretrained(edit_plus[2], device="cpu")
+    assert type(pipe).__name__ == "QwenImageEditPipeline" and pipe.mode == "edit-plus"
+
+
+def test_cli_edit(edit_plus, tmp_path):
+    from PIL import Image
+
+    from qwenfast.cli import main
+
+    src = tmp_path / "src.png"
+    _image(48, 32, 12).save(src)
+    out = tmp_path / "out.png"
+    rc = main(["edit", str(src), "--prompt", "make it red", "--model", str(edit_plus[2]), "--steps", "1",
+               "--size", "64x48", "--seed", "1", "--quiet", "--device", "cpu", "-o", str(out)])  # fmt: skip
+    assert rc == 0
+    im = Image.open(out)
+    assert im.size == (64, 48) and im.text["mode"] == "edit-plus" and im.text["prompt"] == "make it red"
+    assert main(["edit", str(tmp_path / "nope.png"), "--prompt", "x", "--model", str(edit_plus[2])]) == 2
