@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--iters", type=_positive, default=10)
     bt.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     bt.add_argument("--results", default="bench/results", help="folder for the JSON record")
+    from .benchmarks.serve import add_arguments as add_bench_serve_arguments
+
+    add_bench_serve_arguments(bsub.add_parser("serve", help="server throughput and p50/p95 latency vs concurrency"))
+
+    from .server.options import add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible image server + web page ([server] extra)"))
 
     d = sub.add_parser("doctor", help="versions, GPU, and whether a model folder is complete")
     d.add_argument("--model", default=None, help="model folder to check (default: the embedded model)")
@@ -187,6 +194,10 @@ def cmd_doctor(a) -> int:
 def cmd_bench(a) -> int:
     import torch
 
+    if a.what == "serve":  # runs on CPU too (smoke test on the embedded model)
+        from .benchmarks.serve import run_from_args
+
+        return run_from_args(a)
     if not torch.cuda.is_available():
         print("error: `qwenfast bench` measures GPU speed and needs a CUDA device", file=sys.stderr)
         return 2
@@ -209,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_doctor(args)
         if args.cmd == "bench":
             return cmd_bench(args)
+        if args.cmd == "serve":
+            from .server.run import serve
+
+            return serve(args)
     except (CheckpointError, ConfigError, ValueError, RuntimeError, OSError) as e:
         if isinstance(e, RuntimeError) and "CUDA" not in str(e) and "cuda" not in str(e):
             raise

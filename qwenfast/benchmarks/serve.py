@@ -1,0 +1,235 @@
+"""`qwenfast bench serve`: server throughput and p50/p95 latency vs concurrency, batching on and off.
+
+Runs the real server (uvicorn in a thread, the same app `qwenfast serve` builds) on 127.0.0.1 and
+drives it with closed-loop HTTP clients: at concurrency c, c threads each send a request, wait for
+the image, and send the next. Levels 1, 2, 4, 8 run with `--max-batch` (default 8); the last level
+runs again with max-batch 1, which separates what batching gains from what overlapping CPU work
+(PNG encoding, HTTP) with GPU work gains. Throughput = images / wall time of the level; latency is
+per request, queue wait included. A warm-up round at each level is not counted.
+
+`--model random-full` builds Qwen-Image's full architecture with random weights on the GPU (60-layer
+transformer as `bench transformer` does, the 7B Qwen2.5-VL text model from its config, the VAE from
+its config; the embedded tokenizer): no checkpoint needed, same FLOPs as the real model. Without
+`--model`, the embedded tiny model runs anywhere, CPU included, as a smoke test.
+
+Prints a table and a final JSON line (GPU name, torch and triton versions); the line is appended to
+bench/results/serve.jsonl (and $OUT/serve.jsonl when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+TEXT_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
+           "max_window_layers": 28, "layer_types": ["full_attention"] * 28}  # fmt: skip
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="model folder, or `random-full` for full-size random weights on the GPU (default: embedded "
+                        "tiny model, for a CPU smoke test)")  # fmt: skip
+    p.add_argument(
+        "--size", type=int, default=None, help="image side in pixels (default 1024 for random-full, else 64)"
+    )
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument(
+        "--cfg", type=float, default=1.0, help="true CFG scale (1 = off, as with Lightning-8 LoRAs)"
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument(
+        "--requests", type=int, default=None, help="measured requests per level (default max(8, 3*c))"
+    )
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument(
+        "--no-baseline", action="store_true", help="skip the max-batch 1 run at the top concurrency"
+    )
+    p.add_argument("--layers", type=int, default=60, help="transformer layers for random-full")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--results", default="bench/results", help="folder for the JSON record")
+
+
+def build_random_full(num_layers: int = 60):
+    """QwenImagePipeline with full-size random bf16 weights on the GPU (see the module docstring)."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from ..config import QWEN_IMAGE_SCHEDULER, QWEN_IMAGE_VAE
+    from ..models.text_encoder import TextEncoder
+    from ..models.vae import QwenImageVAE
+    from ..pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
+    from .transformer import build
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    transformer, _ = build(num_layers, compare=False)
+    d = json.loads((DEFAULT_MODEL / "text_encoder" / "config.json").read_text())
+    d["text_config"].update(TEXT_7B)
+    d["text_config"]["rope_parameters"]["mrope_section"] = [16, 24, 24]
+    d["vision_config"]["out_hidden_size"] = TEXT_7B["hidden_size"]  # vision tower unused by text-to-image
+    d.update({k: v for k, v in TEXT_7B.items() if k in ("hidden_size", "vocab_size")})
+    cfg = Qwen2_5_VLConfig.from_dict(d)
+    torch.manual_seed(0)
+    with torch.device(dev):
+        te_model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=dt).eval().requires_grad_(False)
+        vae = QwenImageVAE(QWEN_IMAGE_VAE).to(dt).eval().requires_grad_(False)
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL / "tokenizer"))
+    pipe = QwenImagePipeline(transformer, vae, TextEncoder(te_model, tok), QWEN_IMAGE_SCHEDULER,
+                             model_path="random-full", defaults={"num_inference_steps": 8})  # fmt: skip
+    return pipe
+
+
+def _post(url: str, body: dict, timeout: float = 3600) -> dict:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def run_level(base: str, c: int, n_requests: int, size: int, steps: int, cfg: float, seed0: int) -> dict:
+    """Closed loop: c clients, n_requests in total. -> throughput and latencies."""
+    lat: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    counter = iter(range(n_requests))
+
+    def client():
+        while True:
+            with lock:
+                k = next(counter, None)
+            if k is None:
+                return
+            body = {"prompt": f"a watercolor painting of a lighthouse, variation {k % 10}", "size": f"{size}x{size}",
+                    "steps": steps, "true_cfg_scale": cfg, "seed": seed0 + k}  # fmt: skip
+            t = time.perf_counter()
+            try:
+                out = _post(base + "/v1/images/generations", body)
+                assert len(out["data"]) == 1
+            except (urllib.error.URLError, AssertionError, KeyError, OSError) as e:
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+                continue
+            with lock:
+                lat.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat.sort()
+    q = (
+        (lambda p: lat[min(len(lat) - 1, int(round(p * (len(lat) - 1))))])
+        if lat
+        else (lambda p: float("nan"))
+    )
+    return {"images": len(lat), "errors": len(errors), "first_error": errors[0] if errors else None,
+            "wall_s": round(wall, 3), "images_per_s": round(len(lat) / wall, 4),
+            "p50_s": round(q(0.5), 4), "p95_s": round(q(0.95), 4),
+            "mean_s": round(statistics.fmean(lat), 4) if lat else None}  # fmt: skip
+
+
+def run(model=None, size=None, steps=8, cfg=1.0, concurrency=(1, 2, 4, 8), requests=None, max_batch=8,
+        baseline=True, layers=60, device=None, dtype=None, cuda_graphs=False, out_dir: Path | None = None) -> dict:  # fmt: skip
+    import torch
+
+    from ..server.app import create_app
+    from ..server.options import ServerConfig
+    from ..server.run import load_pipeline, start_server, stop_server
+
+    t0 = time.perf_counter()
+    if model == "random-full":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--model random-full builds full-size weights on a CUDA GPU; none is visible")
+        pipe = build_random_full(layers)
+        pipe.progress_bar, pipe.cuda_graphs = False, cuda_graphs
+    else:
+        pipe = load_pipeline(model, device, dtype, cuda_graphs)
+    size = size or (1024 if model == "random-full" else 64)
+    build_s = time.perf_counter() - t0
+    try:
+        import triton
+
+        triton_v = triton.__version__
+    except ImportError:
+        triton_v = None
+    gpu = torch.cuda.get_device_name() if pipe.device.type == "cuda" else None
+    res = {"bench": "serve", "gpu": gpu, "torch": torch.__version__, "triton": triton_v, "device": str(pipe.device),
+           "dtype": str(pipe.dtype).replace("torch.", ""), "model": model or "embedded-tiny", "size": size,
+           "steps": steps, "cfg": cfg, "max_batch": max_batch, "cuda_graphs": cuda_graphs,
+           "build_s": round(build_s, 1), "levels": []}  # fmt: skip
+    print(f"qwenfast bench serve: {res['model']} on {gpu or pipe.device} ({res['dtype']}), {size}x{size}, "
+          f"{steps} steps, cfg {cfg}; torch {res['torch']}, triton {triton_v}; built in {build_s:.1f}s")  # fmt: skip
+    plan = [(c, max_batch) for c in concurrency]
+    if baseline and max_batch > 1:
+        plan.append((max(concurrency), 1))
+    for mb in dict.fromkeys(m for _, m in plan):
+        scfg = ServerConfig(max_batch=mb, max_queue=1024, batch_wait_s=0.02, timeout_s=3600)
+        app = create_app(pipe, scfg)
+        server, th, base = start_server(app)
+        try:
+            for c, m in plan:
+                if m != mb:
+                    continue
+                n = requests or max(8, 3 * c)
+                run_level(base, c, c, size, steps, cfg, seed0=10_000)  # warm-up: shapes, allocator, kernels
+                if pipe.device.type == "cuda":
+                    torch.cuda.synchronize()
+                hist = app.state.metrics.batch_size
+                b0, s0 = hist.count, hist.sum
+                row = {
+                    "concurrency": c,
+                    "max_batch": m,
+                    "requests": n,
+                    **run_level(base, c, n, size, steps, cfg, 0),
+                }
+                row["mean_batch"] = round((hist.sum - s0) / max(1, hist.count - b0), 2)
+                res["levels"].append(row)
+                print(f"  c={c:<3} max_batch={m:<3} {row['images_per_s']:8.3f} img/s  p50 {row['p50_s']:7.3f}s  "
+                      f"p95 {row['p95_s']:7.3f}s  mean batch {row['mean_batch']:.2f}  errors {row['errors']}")  # fmt: skip
+        finally:
+            stop_server(server, th)
+    _summarise(res)
+    line = json.dumps(res)
+    print(line)
+    for d in (out_dir, Path(os.environ["OUT"]) if os.environ.get("OUT") else None):
+        if d is not None:
+            d.mkdir(parents=True, exist_ok=True)
+            with open(d / "serve.jsonl", "a") as f:
+                f.write(line + "\n")
+    return res
+
+
+def _summarise(res: dict) -> None:
+    rows = res["levels"]
+    seq = next((r for r in rows if r["concurrency"] == 1 and r["max_batch"] == res["max_batch"]), None)
+    print(f"\n{'concurrency':>11} {'max batch':>9} {'img/s':>8} {'x seq':>6} {'p50 s':>8} {'p95 s':>8} "
+          f"{'mean batch':>10} {'errors':>6}")  # fmt: skip
+    for r in rows:
+        x = r["images_per_s"] / seq["images_per_s"] if seq and seq["images_per_s"] else float("nan")
+        r["speedup_vs_sequential"] = round(x, 2)
+        print(f"{r['concurrency']:>11} {r['max_batch']:>9} {r['images_per_s']:>8.3f} {x:>6.2f} {r['p50_s']:>8.3f} "
+              f"{r['p95_s']:>8.3f} {r['mean_batch']:>10.2f} {r['errors']:>6}")  # fmt: skip
+    top = max(
+        (r for r in rows if r["max_batch"] == res["max_batch"]), key=lambda r: r["concurrency"], default=None
+    )
+    if top is not None:
+        res["speedup_at_top_concurrency"] = top["speedup_vs_sequential"]
+
+
+def run_from_args(a) -> int:
+    run(model=a.model, size=a.size, steps=a.steps, cfg=a.cfg, concurrency=tuple(a.concurrency), requests=a.requests,
+        max_batch=a.max_batch, baseline=not a.no_baseline, layers=a.layers, device=a.device, dtype=a.dtype,
+        cuda_graphs=a.cuda_graphs, out_dir=Path(a.results))  # fmt: skip
+    return 0

@@ -1,0 +1,14 @@
+"""`qwenfast serve`: an OpenAI-compatible image server with request batching, limits and metrics.
+
+Layout (FastAPI and uvicorn come from the `[server]` extra; nothing here imports them at package
+import time, so `qwenfast --help` stays fast):
+
+- `options.py`   command-line flags and the `Limits` every request is checked against
+- `schemas.py`   request parsing and validation, OpenAI-shaped errors
+- `scheduler.py` the bounded queue and the worker thread that batches compatible requests
+- `imaging.py`   image encoding, previews, upload checks
+- `loras.py`     LoRA names -> files, only inside `--lora-dir`
+- `metrics.py`   Prometheus text format, hand-written (no extra dependency)
+- `app.py`       the FastAPI app, auth and body-size middleware, and `serve()`
+- `static/`      the web page (plain HTML/JS, no build step)
+"""

@@ -1,0 +1,459 @@
+"""The FastAPI app: OpenAI-compatible image endpoints, the web page, health and metrics.
+
+Robustness rules this file follows:
+- every request is parsed by hand (not by FastAPI's body binding), so every malformed input gets an
+  OpenAI-shaped 4xx that names the parameter, and nothing a client sends can raise out of a handler;
+- the body size is enforced in a raw ASGI middleware while bytes arrive (Content-Length is not
+  trusted, chunked bodies are counted), before anything is buffered or parsed;
+- the API key is checked before the body is read, with a constant-time compare;
+- GPU work happens on the scheduler's worker thread; image encoding on a thread-pool thread; the
+  event loop only waits, so /health and /metrics answer while a batch runs;
+- a client that disconnects or times out cancels its job (queued images are dropped, a batch with
+  nobody left stops at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .imaging import MIME, b64, encode_image, load_upload
+from .loras import LoraResolver
+from .metrics import Metrics, gpu_memory
+from .options import ServerConfig
+from .scheduler import Job, Scheduler
+from .schemas import APIError, form_to_dict, parse_json_body, validate
+
+log = logging.getLogger("qwenfast.server")
+STATIC = Path(__file__).resolve().parent / "static"
+EDITS = "/v1/images/edits"
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+class Guard:
+    """Raw ASGI middleware: API key (before the body is read) and body-size limits (while it arrives)."""
+
+    def __init__(self, app, cfg: ServerConfig):
+        self.app, self.cfg = app, cfg
+        self._key = hashlib.sha256(cfg.api_key.encode()).digest() if cfg.api_key else None
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = auth.partition(" ")
+        # hash both sides: compare_digest on equal-length digests leaks neither content nor length
+        given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
+        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._key)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        if self._key is not None and path.startswith("/v1/") and not self._authorized(scope):
+            e = APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key",
+                         headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            return await _error_response(e)(scope, receive, send)
+        limit = self.cfg.limits.max_upload_bytes if path == EDITS else self.cfg.limits.max_json_bytes
+        for k, v in scope.get("headers") or []:
+            if k == b"content-length":
+                try:
+                    n = int(v)
+                except ValueError:
+                    return await _error_response(APIError(400, "bad Content-Length header"))(
+                        scope, receive, send
+                    )
+                if n > limit:
+                    return await _error_response(_too_large(limit))(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > limit:
+                    raise BodyTooLarge
+            return msg
+
+        return await self.app(scope, counted, send)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+
+class UrlStore:
+    """Images served at /files/<token> for response_format=url; they expire (issue: URLs expire)."""
+
+    def __init__(self, ttl: float, max_bytes: int):
+        self.ttl, self.max_bytes = ttl, max_bytes
+        self.items: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
+        self.size = 0
+        self.lock = threading.Lock()
+
+    def put(self, data: bytes, mime: str, ext: str) -> str:
+        token = f"{secrets.token_urlsafe(24)}.{ext}"  # unguessable: the token is the only credential
+        with self.lock:
+            self._purge()
+            self.items[token] = (time.monotonic() + self.ttl, data, mime)
+            self.size += len(data)
+            while self.size > self.max_bytes and len(self.items) > 1:
+                _, (_, d, _) = self.items.popitem(last=False)
+                self.size -= len(d)
+        return token
+
+    def get(self, token: str) -> tuple[bytes, str] | None:
+        with self.lock:
+            self._purge()
+            v = self.items.get(token)
+            return None if v is None else (v[1], v[2])
+
+    def _purge(self):
+        now = time.monotonic()
+        while self.items:
+            tok, (exp, d, _) = next(iter(self.items.items()))
+            if exp > now:
+                break
+            self.items.popitem(last=False)
+            self.size -= len(d)
+
+
+def edit_pipeline_class():
+    """`qwenfast.pipeline.edit.QwenImageEditPipeline`, or None while that module does not exist."""
+    try:
+        from ..pipeline.edit import QwenImageEditPipeline
+    except ImportError:
+        return None
+    return QwenImageEditPipeline
+
+
+def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
+    cfg = cfg or ServerConfig()
+    metrics = Metrics()
+    sched = Scheduler(pipe, cfg, metrics)
+    loras = LoraResolver(cfg.lora_dir)
+    urls = UrlStore(cfg.url_ttl_s, cfg.url_store_bytes)
+    edit_cls = edit_pipeline_class()
+    is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
+    model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
+    multiple = 2 * pipe.vae_scale_factor
+    page = (STATIC / "index.html").read_text(encoding="utf-8")
+    state = {"stopping": False}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        sched.start()
+        yield
+        state["stopping"] = True  # uvicorn has already waited (up to its graceful timeout) for open requests
+        await asyncio.to_thread(sched.stop, 30.0)
+
+    app = FastAPI(title="qwenfast", lifespan=lifespan, docs_url="/docs", redoc_url=None)
+    app.state.scheduler, app.state.metrics, app.state.config = sched, metrics, cfg
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _body_too_large(request, e):
+        limit = cfg.limits.max_upload_bytes if request.url.path == EDITS else cfg.limits.max_json_bytes
+        return _error_response(_too_large(limit))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request, e):
+        return _error_response(APIError(400, f"invalid request: {str(e)[:300]}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request, e):
+        msg = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))  # fmt: skip
+        return _error_response(APIError(e.status_code, msg, headers=dict(e.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, e):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}"))
+
+    # ------------------------------------------------------------------ pages and status
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache", "Content-Security-Policy":
+                            "default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
+                            "script-src 'self' 'unsafe-inline'"})  # fmt: skip
+
+    @app.get("/health")
+    async def health():
+        q, qi, run = sched.depth()
+        body = {"status": "shutting_down" if state["stopping"] else "ok", "model": model_id,
+                "kind": "edit" if is_edit else "text-to-image", "device": str(pipe.device), "dtype": str(pipe.dtype),
+                "queue": {"requests": q, "images": qi, "running": run, "max": cfg.max_queue},
+                "max_batch": cfg.max_batch, "auth": cfg.api_key is not None, "loras": loras.dir is not None,
+                "lora_support": hasattr(pipe, "set_loras"), "defaults": dict(pipe.defaults), "size_multiple": multiple,
+                "limits": {k: v for k, v in vars(cfg.limits).items()}}  # fmt: skip
+        return JSONResponse(body, status_code=503 if state["stopping"] else 200)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus():
+        q, qi, run = sched.depth()
+        text = metrics.render(q, qi, run, gpu_memory(pipe.device))
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(model_id, metrics.started)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        if name != model_id:
+            raise APIError(404, f"model {name[:80]!r} is not served here; this server serves {model_id!r}",
+                           code="model_not_found", param="model")  # fmt: skip
+        return _model_card(model_id, metrics.started)
+
+    @app.get("/v1/loras")
+    async def list_loras():
+        names = await asyncio.to_thread(loras.available)
+        return {"object": "list", "data": [{"id": n, "object": "lora"} for n in names]}
+
+    @app.get("/files/{token}", include_in_schema=False)
+    async def files(token: str):
+        hit = urls.get(token)
+        if hit is None:
+            raise APIError(404, "this image URL has expired or never existed (URLs live "
+                                f"{cfg.url_ttl_s:g} s; use response_format=b64_json to keep images)", code="expired")  # fmt: skip
+        return Response(hit[0], media_type=hit[1], headers={"Cache-Control": "private, max-age=3600"})
+
+    # ------------------------------------------------------------------ image endpoints
+    def _check_common(body: dict, p, endpoint: str) -> tuple:
+        name = body.get("model")
+        if name is not None and name != model_id:
+            raise APIError(404, f"model {str(name)[:80]!r} is not served here; this server serves {model_id!r} "
+                                "(GET /v1/models)", code="model_not_found", param="model")  # fmt: skip
+        if p.loras and not hasattr(pipe, "set_loras"):
+            raise APIError(501, "this qwenfast build cannot apply LoRAs yet (the pipeline has no set_loras)",
+                           param="lora", code="lora_unsupported")  # fmt: skip
+        return loras.resolve_all(p.loras)
+
+    @app.post("/v1/images/generations")
+    async def generations(request: Request):
+        t0 = time.monotonic()
+        try:
+            ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise APIError(415, f"send the request as JSON with `Content-Type: application/json` (got {ctype[:60]!r})",
+                               code="unsupported_media_type")  # fmt: skip
+            body = parse_json_body(await request.body())
+            p = validate(body, cfg.limits, pipe.defaults, multiple=multiple)
+            resolved = _check_common(body, p, "generations")
+            if is_edit:
+                raise APIError(400, f"the loaded model ({model_id}) is an edit model; use POST /v1/images/edits",
+                               code="wrong_endpoint")  # fmt: skip
+            job = Job(p, asyncio.get_running_loop(), loras=resolved, stream_events=p.stream)
+            return await _respond(request, job, "generations", t0)
+        except APIError as e:
+            metrics.request("generations", e.status)
+            raise
+
+    @app.post(EDITS)
+    async def edits(request: Request):
+        t0 = time.monotonic()
+        try:
+            ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "multipart/form-data":
+                raise APIError(415, "send edits as multipart/form-data with the image in `image` (or `image[]`)",
+                               code="unsupported_media_type")  # fmt: skip
+            lim = cfg.limits
+            try:
+                form = await request.form(max_files=lim.max_images + 1, max_fields=64, max_part_size=1 << 20)
+            except BodyTooLarge:
+                raise
+            except StarletteHTTPException as e:
+                raise APIError(400, f"malformed multipart form: {e.detail}") from None
+            except Exception as e:
+                raise APIError(400, f"malformed multipart form: {type(e).__name__}: {str(e)[:200]}") from None
+            files, fields = [], {}
+            for k, v in form.multi_items():
+                if k == "mask":
+                    raise APIError(
+                        400, "`mask` is not supported: Qwen-Image-Edit edits from the prompt", param="mask"
+                    )
+                if hasattr(v, "read"):
+                    if k not in ("image", "image[]"):
+                        raise APIError(400, f"unexpected file field `{k[:40]}`; send images as `image` or `image[]`",
+                                       param=k[:40])  # fmt: skip
+                    files.append(v)
+                elif k in fields:
+                    raise APIError(400, f"`{k[:40]}` is given twice", param=k[:40])
+                else:
+                    fields[k] = v
+            if not files:
+                raise APIError(
+                    400, "missing `image`: attach 1 to 3 images as `image` or `image[]`", param="image"
+                )
+            if len(files) > lim.max_images:
+                raise APIError(
+                    400, f"{len(files)} images attached; the limit is {lim.max_images}", param="image"
+                )
+            body = form_to_dict(fields)
+            p = validate(body, lim, pipe.defaults, multiple=multiple, edit=True)
+            datas = [await f.read() for f in files]
+            images = [await asyncio.to_thread(load_upload, d, f"image {i + 1} ({(f.filename or '')[:40]!r})",
+                                              lim.image_formats, lim.max_input_pixels)
+                      for i, (f, d) in enumerate(zip(files, datas))]  # fmt: skip
+            resolved = _check_common(body, p, "edits")
+            if not is_edit:
+                why = ("this qwenfast build has no edit pipeline yet (qwenfast.pipeline.edit is missing)"
+                       if edit_cls is None else
+                       f"the loaded model ({model_id}) is a text-to-image model; start `qwenfast serve --model` "
+                       "with a Qwen-Image-Edit checkpoint to use edits")  # fmt: skip
+                raise APIError(501, f"image edits are not available: {why}", code="edit_unavailable")
+            job = Job(p, asyncio.get_running_loop(), kind="edit", loras=resolved, images=images,
+                      stream_events=p.stream)  # fmt: skip
+            return await _respond(request, job, "edits", t0)
+        except APIError as e:
+            metrics.request("edits", e.status)
+            raise
+
+    async def _respond(request: Request, job: Job, endpoint: str, t0: float):
+        position = sched.submit(job)
+        deadline = t0 + cfg.timeout_s
+        base = str(request.base_url)
+        if job.params.stream:
+            return StreamingResponse(_sse(job, endpoint, t0, deadline, base, position), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        watch = asyncio.create_task(_wait_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({job.future, watch}, timeout=max(0.0, deadline - time.monotonic()),
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        except asyncio.CancelledError:  # server shutting down past its grace period
+            sched.cancel(job, "shutdown")
+            raise
+        finally:
+            watch.cancel()
+        if not job.future.done():
+            if watch in done:
+                sched.cancel(job, "disconnect")
+                metrics.request(endpoint, 499)
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+            sched.cancel(job, "timeout")
+            raise APIError(504, f"the request did not finish within {cfg.timeout_s:g} s (queue wait included)",
+                           code="timeout")  # fmt: skip
+        images = job.future.result()  # raises the job's APIError
+        data = await asyncio.to_thread(_encode_all, job, images, base)
+        metrics.request(endpoint, 200, time.monotonic() - t0)
+        p = job.params
+        return {"created": int(time.time()), "data": data, "size": f"{images[0].width}x{images[0].height}",
+                "output_format": p.output_format, "quality": "auto", "background": "opaque"}  # fmt: skip
+
+    def _encode_all(job: Job, images: list, base: str) -> list[dict]:
+        p, out = job.params, []
+        for i, img in enumerate(images):
+            meta = {"prompt": p.prompt, "negative_prompt": p.negative or "", "seed": str(job.seeds[i]),
+                    "steps": str(p.steps), "cfg": str(p.cfg), "size": f"{img.width}x{img.height}", "model": model_id,
+                    "loras": json.dumps(p.loras), "generator": "qwenfast serve"}  # fmt: skip
+            data = encode_image(img, p.output_format, p.compression, meta)
+            item = {"seed": job.seeds[i], "revised_prompt": None}
+            if p.response_format == "url":
+                item["url"] = base + "files/" + urls.put(data, MIME[p.output_format], p.output_format)
+            else:
+                item["b64_json"] = b64(data)
+            out.append(item)
+        return out
+
+    async def _sse(job: Job, endpoint: str, t0: float, deadline: float, base: str, position: int):
+        p, status = job.params, 499
+        extra = {"size": f"{p.width}x{p.height}" if not p.size_auto else "auto", "output_format": p.output_format,
+                 "quality": "auto", "background": "opaque"}  # fmt: skip
+        try:
+            if p.progress:
+                yield _event(
+                    {"type": "image_generation.queued", "position": position, "created_at": int(time.time())}
+                )
+            while True:
+                get = asyncio.ensure_future(job.events.get())
+                done, _ = await asyncio.wait({get, job.future}, timeout=min(2.0, max(0.0, deadline - time.monotonic())),
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if get in done:
+                    ev = get.result()
+                    if ev["type"] == "image_generation.partial_image":
+                        yield _event({**ev, **extra, "created_at": int(time.time())})
+                    elif p.progress:  # qwenfast's own event types only when asked for
+                        yield _event(ev)
+                    continue
+                get.cancel()
+                if job.future.done():
+                    break
+                if time.monotonic() >= deadline:
+                    sched.cancel(job, "timeout")
+                    status = 504
+                    yield _event({"type": "error", "error": APIError(504, f"the request did not finish within "
+                                  f"{cfg.timeout_s:g} s", code="timeout").body()["error"]})  # fmt: skip
+                    return
+                yield ": keep-alive\n\n"  # also notices a vanished client while queued
+            exc = job.future.exception()
+            if exc is not None:
+                status = getattr(exc, "status", 500)
+                err = (
+                    exc.body()["error"]
+                    if isinstance(exc, APIError)
+                    else {"message": str(exc), "type": "server_error"}
+                )
+                yield _event({"type": "error", "error": err})
+                return
+            images = job.future.result()
+            data = await asyncio.to_thread(_encode_all, job, images, base)
+            for i, d in enumerate(data):
+                ev = {"type": "image_generation.completed", "index": i, "created_at": int(time.time()), **extra,
+                      "size": f"{images[i].width}x{images[i].height}", "usage": _NO_USAGE, **d}  # fmt: skip
+                if "b64_json" not in ev:  # streams always carry the image; url is extra
+                    ev["b64_json"] = b64(encode_image(images[i], p.output_format, p.compression))
+                yield _event(ev)
+            status = 200
+            yield "data: [DONE]\n\n"
+        finally:
+            if not job.future.done():
+                sched.cancel(job, "disconnect")
+            metrics.request(endpoint, status, time.monotonic() - t0 if status == 200 else None)
+
+    app.add_middleware(Guard, cfg=cfg)
+    return app
+
+
+_NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
+             "total_tokens": 0}  # fmt: skip
+
+
+def _event(ev: dict) -> str:
+    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
+
+
+def _model_card(model_id: str, created: float) -> dict:
+    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "qwenfast"}
+
+
+async def _wait_disconnect(request: Request) -> None:
+    """Returns when the client hangs up (the body is already read, so receive() only reports that)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return

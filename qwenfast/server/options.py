@@ -1,0 +1,103 @@
+"""Flags of `qwenfast serve` and the limits every request is checked against.
+
+Kept free of FastAPI/torch imports so that `qwenfast --help` and `qwenfast serve --help` work
+without the `[server]` extra installed; `serve` itself says which package is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Limits:
+    """What one request may ask for. Defaults suit one GPU serving Qwen-Image at up to 2048²."""
+
+    max_side: int = 2048  # pixels, each of width and height
+    min_side: int = 16
+    max_pixels: int = 2048 * 2048  # width*height
+    max_n: int = 4  # images per request
+    max_steps: int = 100
+    max_prompt_chars: int = 4000
+    max_cfg: float = 20.0
+    max_loras: int = 4
+    max_lora_strength: float = 8.0
+    max_json_bytes: int = 1 << 20  # JSON request bodies
+    max_upload_bytes: int = 20 << 20  # a whole multipart edit request
+    max_images: int = 3  # input images of one edit request
+    max_input_pixels: int = 4096 * 4096  # per uploaded image, checked before decoding (no pixel bombs)
+    image_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP")  # allowed upload formats (PIL names)
+
+
+@dataclass
+class ServerConfig:
+    """Everything `create_app` needs besides the pipeline; built from the flags or by tests."""
+
+    api_key: str | None = None
+    max_queue: int = 64  # requests waiting (not yet started); more -> 429 with Retry-After
+    max_batch: int = 4  # images per pipeline call
+    batch_wait_s: float = 0.02  # how long a lone request waits for batch-mates (added latency cap)
+    timeout_s: float = 600.0  # per request, queue wait included
+    lora_dir: str | None = None
+    url_ttl_s: float = 3600.0  # response_format=url images live this long
+    url_store_bytes: int = 1 << 30  # and at most this much memory; oldest go first
+    preview_px: int = 192  # long side of the streamed preview images
+    limits: Limits = field(default_factory=Limits)
+    model_name: str | None = None  # id in /v1/models (default: the model folder's name)
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d, lim = ServerConfig(), Limits()
+    p.add_argument(
+        "--model", default=None, help="diffusers-layout model folder (default: embedded tiny model)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/*; also read from $QWENFAST_API_KEY "
+                        "(better: keeps the key out of `ps`)")  # fmt: skip
+    p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="waiting requests before 429")
+    p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="images per pipeline call")
+    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_s * 1e3,
+                   help="how long a request may wait for batch-mates (default 20)")  # fmt: skip
+    p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per request, queue included")
+    p.add_argument("--lora-dir", default=None, help="folder of LoRA .safetensors files requests may name")
+    p.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="replay the transformer as CUDA graphs (off by default: every new prompt length "
+                        "or batch size is a new capture)")  # fmt: skip
+    p.add_argument("--max-size", type=_positive, default=lim.max_side, help="largest width or height")
+    p.add_argument("--max-n", type=_positive, default=lim.max_n, help="most images per request")
+    p.add_argument("--max-steps", type=_positive, default=lim.max_steps)
+    p.add_argument("--max-prompt-chars", type=_positive, default=lim.max_prompt_chars)
+    p.add_argument("--max-upload-mb", type=float, default=lim.max_upload_bytes / 2**20,
+                   help="largest edit request (all images together)")  # fmt: skip
+    p.add_argument(
+        "--url-ttl", type=float, default=d.url_ttl_s, help="seconds a response_format=url image lives"
+    )
+    p.add_argument("--shutdown-timeout", type=float, default=120.0,
+                   help="on SIGTERM/Ctrl-C, seconds to let running and queued requests finish")  # fmt: skip
+    p.add_argument("--model-name", default=None, help="model id shown in /v1/models (default: folder name)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(a: argparse.Namespace) -> ServerConfig:
+    lim = Limits(max_side=a.max_size, max_pixels=a.max_size * a.max_size, max_n=a.max_n, max_steps=a.max_steps,
+                 max_prompt_chars=a.max_prompt_chars, max_upload_bytes=int(a.max_upload_mb * 2**20))  # fmt: skip
+    key = a.api_key if a.api_key is not None else os.environ.get("QWENFAST_API_KEY") or None
+    return ServerConfig(api_key=key, max_queue=a.max_queue, max_batch=a.max_batch,
+                        batch_wait_s=max(0.0, a.batch_wait_ms / 1e3), timeout_s=a.timeout, lora_dir=a.lora_dir,
+                        url_ttl_s=a.url_ttl, limits=lim, model_name=a.model_name)  # fmt: skip

@@ -1,0 +1,103 @@
+"""`qwenfast serve`: load the model, build the app, run uvicorn with a graceful shutdown.
+
+Shutdown (SIGTERM / Ctrl-C): uvicorn stops accepting connections and waits up to
+`--shutdown-timeout` for open requests, i.e. for everything queued or running, since each waits on
+its connection; then the app's lifespan stops the worker. Work of clients that gave up is dropped.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+import threading
+import time
+
+from .options import config_from_args
+
+log = logging.getLogger("qwenfast.server")
+
+
+def load_pipeline(model: str | None, device=None, dtype=None, cuda_graphs: bool = False):
+    """A text-to-image or (if `qwenfast.pipeline.edit` exists and the folder is an edit model) edit pipeline."""
+    from pathlib import Path
+
+    from ..loading.diffusers_folder import inspect_folder
+    from ..pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
+
+    path = Path(model) if model else DEFAULT_MODEL
+    kind, _ = inspect_folder(path)
+    cls = QwenImagePipeline
+    if kind in ("edit", "edit-plus"):
+        from .app import edit_pipeline_class
+
+        cls = edit_pipeline_class()
+        if cls is None:
+            raise RuntimeError(f"{path} is an edit model, but this qwenfast build has no edit pipeline yet")
+    pipe = cls.from_pretrained(model, device=device, dtype=dtype)
+    pipe.progress_bar = False
+    pipe.cuda_graphs = cuda_graphs
+    return pipe
+
+
+def serve(a) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        print(f"error: `qwenfast serve` needs the server extra ({e.name} is missing): "
+              "pip install 'qwenfast[server]'", file=sys.stderr)  # fmt: skip
+        return 2
+    from ..cli import EMBEDDED_NOTE
+    from ..pipeline.text_to_image import DEFAULT_MODEL
+    from .app import create_app
+
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = config_from_args(a)
+    if a.model is None:
+        print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
+    if cfg.lora_dir:
+        from .loras import LoraResolver
+
+        LoraResolver(cfg.lora_dir)  # fail now, not on the first request
+    pipe = load_pipeline(a.model, a.device, a.dtype, a.cuda_graphs)
+    app = create_app(pipe, cfg)
+    if not _is_loopback(a.host) and cfg.api_key is None:
+        print(f"warning: serving on {a.host} without --api-key: anyone who can reach this port can use the GPU",
+              file=sys.stderr)  # fmt: skip
+    print(f"qwenfast serve: {app.state.config.model_name or pipe.model_path} on {pipe.device}; "
+          f"open http://{a.host}:{a.port}/ (max batch {cfg.max_batch}, queue {cfg.max_queue})", file=sys.stderr)  # fmt: skip
+    uvicorn.run(
+        app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout
+    )
+    return 0
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start_server(app, host: str = "127.0.0.1"):
+    """uvicorn in a background thread on a free port -> (server, thread, base URL)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=0, log_level="warning", lifespan="on"))
+    th = threading.Thread(target=server.run, name="uvicorn", daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    while not server.started:
+        if not th.is_alive() or time.monotonic() - t0 > 60:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return server, th, f"http://{host}:{port}"
+
+
+def stop_server(server, th, timeout: float = 60) -> None:
+    server.should_exit = True
+    th.join(timeout)

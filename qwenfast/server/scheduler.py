@@ -1,0 +1,307 @@
+"""The bounded queue and the worker thread that batches compatible requests.
+
+Why one worker thread: one GPU runs one pipeline call at a time anyway, and the call (seconds of
+GPU work) must not run on the event loop, which keeps answering /health, /metrics, new requests
+and streams meanwhile. torch releases the GIL inside its ops, so the loop stays responsive.
+
+Batching: requests with the same batch key (size, steps, CFG scale and on/off, LoRA set; one model
+per server) share a pipeline call of up to `max_batch` images. Each image keeps its own
+`torch.Generator(seed)`, so it draws the same noise as alone. The VAE decode runs per image because
+convolutions pick their algorithm by batch size, which changes low bits; per-image decode makes the
+decode batch-invariant at ~no cost (the GPU is busy at batch 1 for real image sizes). What remains
+batch-dependent is inside the transformer (see `tests/test_server.py::test_batched_equals_alone`).
+
+A lone request waits at most `batch_wait_s` for batch-mates, counted from when it was queued, so
+batching never adds more than that to anyone's latency. Batches are formed FIFO by their oldest
+item, so a rare size is never starved by a common one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+from .imaging import preview_images
+from .metrics import Metrics
+from .options import ServerConfig
+from .schemas import APIError, Params
+
+log = logging.getLogger("qwenfast.server")
+
+
+class Cancelled(Exception):
+    """Every request of a running batch went away; stop spending GPU time on it."""
+
+
+class Job:
+    """One HTTP request: n images, their results, and (if streaming) an event queue for the client."""
+
+    def __init__(self, params: Params, loop: asyncio.AbstractEventLoop, *, kind: str = "t2i",
+                 loras: tuple = (), images: list | None = None, stream_events: bool = False):  # fmt: skip
+        self.id = uuid.uuid4().hex
+        self.params, self.kind, self.loras, self.images = params, kind, loras, images
+        self.seeds = params.seeds()
+        self.loop = loop
+        self.future: asyncio.Future = loop.create_future()
+        self.events: asyncio.Queue | None = asyncio.Queue() if stream_events else None
+        self.results: list = [None] * params.n
+        self.done = 0
+        self.cancelled = False
+        self.enqueued = time.monotonic()
+        self.started: float | None = None
+        p = params
+        if kind == "t2i":
+            self.key = ("t2i", p.width, p.height, p.steps, p.cfg, p.negative is not None, loras)
+        else:  # edit inputs differ per request; run alone (see app.py)
+            self.key = ("edit", self.id)
+
+    # called from the worker thread -------------------------------------------------------------
+    def post(self, event: dict) -> None:
+        if self.events is not None and not self.cancelled:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def finish(self, result) -> None:
+        """Resolve the request with a list of images or an exception (thread-safe, idempotent)."""
+
+        def _set():
+            if not self.future.done():
+                (self.future.set_exception if isinstance(result, BaseException) else self.future.set_result)(
+                    result
+                )
+
+        self.loop.call_soon_threadsafe(_set)
+
+
+@dataclass
+class Item:
+    job: Job
+    index: int  # which of the job's n images
+
+
+class Scheduler:
+    def __init__(self, pipe, cfg: ServerConfig, metrics: Metrics):
+        self.pipe, self.cfg, self.metrics = pipe, cfg, metrics
+        self.cond = threading.Condition()
+        self.pending: deque[Item] = deque()
+        self.queued: set[Job] = set()  # jobs none of whose images has started
+        self.running: set[Job] = set()
+        self.stopping = False
+        self.avg_batch_s = 1.0
+        self._loras = None  # the LoRA set currently applied to the pipeline
+        self._thread = threading.Thread(target=self._loop, name="qwenfast-worker", daemon=True)
+
+    # ------------------------------------------------------------------ called from the event loop
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> int:
+        """Queue `job`; its queue position, or APIError(429/503) when full or shutting down."""
+        with self.cond:
+            if self.stopping:
+                raise APIError(
+                    503, "the server is shutting down; retry on another instance", code="shutting_down"
+                )
+            if len(self.queued) >= self.cfg.max_queue:
+                self.metrics.reject("queue_full")
+                wait = self.retry_after()
+                raise APIError(429, f"the queue is full ({len(self.queued)} requests waiting); retry in ~{wait} s",
+                               code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
+            self.pending.extend(Item(job, i) for i in range(job.params.n))
+            self.queued.add(job)
+            self.cond.notify_all()
+            return len(self.queued)
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """The client went away or timed out: drop its waiting images; a running batch stops at the
+        next step if nobody else is in it."""
+        with self.cond:
+            if job.cancelled:
+                return
+            job.cancelled = True
+            self.metrics.reject(reason)
+            self.pending = deque(it for it in self.pending if it.job is not job)
+            self.queued.discard(job)
+            self.cond.notify_all()
+
+    def retry_after(self) -> int:
+        batches = len(self.pending) / max(1, self.cfg.max_batch) + 1
+        return max(1, math.ceil(batches * self.avg_batch_s))
+
+    def depth(self) -> tuple[int, int, int]:
+        """(requests waiting, images waiting, requests running)."""
+        with self.cond:
+            return len(self.queued), len(self.pending), len(self.running)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is queued (nobody waits for cancelled work), then end the worker."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ worker thread
+    def _loop(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._run(batch)
+            except BaseException as e:  # never let the worker die: that would hang every request
+                log.exception("worker: unexpected error")
+                for job in {it.job for it in batch}:
+                    job.finish(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+            finally:
+                with self.cond:
+                    for job in {it.job for it in batch}:
+                        if job.done >= job.params.n or job.cancelled:
+                            self.running.discard(job)
+
+    def _next_batch(self) -> list[Item] | None:
+        with self.cond:
+            while True:
+                while not self.pending:
+                    if self.stopping:
+                        return None
+                    self.cond.wait()
+                first = self.pending[0]
+                key = first.job.key
+                limit = self.cfg.max_batch if first.job.kind == "t2i" else 1
+                deadline = first.job.enqueued + self.cfg.batch_wait_s
+                while not self.stopping and not first.job.cancelled:
+                    n = sum(1 for it in self.pending if it.job.key == key)
+                    now = time.monotonic()
+                    if n >= limit or now >= deadline:
+                        break
+                    self.cond.wait(deadline - now)
+                take, rest = [], deque()
+                for it in self.pending:
+                    (take if len(take) < limit and it.job.key == key else rest).append(it)
+                self.pending = rest
+                if not take:  # the first request was cancelled while waiting for batch-mates
+                    continue
+                for job in {it.job for it in take}:
+                    self.queued.discard(job)
+                    self.running.add(job)
+                return take
+
+    def _run(self, items: list[Item]) -> None:
+        jobs = list(dict.fromkeys(it.job for it in items))
+        t0 = time.perf_counter()
+        for job in jobs:
+            if job.started is None:
+                job.started = time.monotonic()
+            job.post({"type": "image_generation.started", "batch_size": len(items)})
+        try:
+            images = self._generate(items)
+        except Cancelled:
+            log.info("batch of %d cancelled: every client went away", len(items))
+            return
+        except Exception as e:
+            self._empty_cache()
+            if len(jobs) > 1:  # find the culprit: one bad request must not fail its batch-mates
+                log.warning("batch of %d failed (%s: %s); retrying its requests one by one", len(items),
+                            type(e).__name__, e)  # fmt: skip
+                for job in jobs:
+                    self._run([it for it in items if it.job is job])
+                return
+            log.exception("generation failed")
+            jobs[0].finish(APIError(500, f"generation failed: {type(e).__name__}: {str(e)[:300]}",
+                                    code="generation_failed"))  # fmt: skip
+            return
+        dt = time.perf_counter() - t0
+        self.avg_batch_s = 0.8 * self.avg_batch_s + 0.2 * dt
+        self.metrics.batch(len(items), dt)
+        for it, img in zip(items, images):
+            job = it.job
+            job.results[it.index] = img
+            job.done += 1
+            if job.done == job.params.n:
+                job.finish(list(job.results))
+
+    def _empty_cache(self) -> None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:  # pragma: no cover - best effort
+            pass
+
+    def _apply_loras(self, loras: tuple) -> None:
+        """`pipe.set_loras([(path, strength), ...])` when the batch's LoRA set differs from the last."""
+        if loras == self._loras:
+            return
+        if not hasattr(self.pipe, "set_loras"):
+            if loras:  # the app refuses such requests earlier; a bug if reached
+                raise RuntimeError("this pipeline has no set_loras()")
+            return
+        self.pipe.set_loras(list(loras))
+        self._loras = loras
+
+    def _generate(self, items: list[Item]) -> list:
+        import torch
+
+        from ..pipeline import scheduler as S
+        from ..pipeline.text_to_image import postprocess
+
+        job0 = items[0].job
+        p = job0.params
+        jobs = list(dict.fromkeys(it.job for it in items))
+        self._apply_loras(job0.loras)
+        lat_hw = None if p.size_auto else S.latent_hw(p.height, p.width, self.pipe.vae_scale_factor)
+        preview_at = {job: _preview_steps(job.params.steps, job.params.partial_images) for job in jobs}
+        sent = {job: 0 for job in jobs}
+
+        def callback(i: int, n: int, x) -> None:
+            if all(j.cancelled for j in jobs):
+                raise Cancelled
+            for job in jobs:
+                job.post({"type": "image_generation.progress", "step": i + 1, "steps": n})
+            rows = [r for r, it in enumerate(items) if i in preview_at[it.job] and not it.job.cancelled]
+            if rows and lat_hw is not None and x.dim() == 3:
+                try:
+                    previews = preview_images(self.pipe, x[rows], *lat_hw, self.cfg.preview_px)
+                except Exception as e:  # a preview must never break the image
+                    log.warning("preview failed: %s", e)
+                    return
+                for r, b in zip(rows, previews):
+                    it = items[r]
+                    it.job.post({"type": "image_generation.partial_image", "b64_json": b, "index": it.index,
+                                 "partial_image_index": sent[it.job], "step": i + 1, "steps": n})  # fmt: skip
+                for job in {items[r].job for r in rows}:
+                    sent[job] += 1
+
+        gens = [torch.Generator("cpu").manual_seed(it.job.seeds[it.index]) for it in items]
+        common = dict(num_inference_steps=p.steps, true_cfg_scale=p.cfg, callback=callback)
+        if job0.kind == "edit":
+            out = []
+            for it, g in zip(items, gens):
+                hw = {} if p.size_auto else {"height": p.height, "width": p.width}
+                out += self.pipe(image=it.job.images, prompt=p.prompt, negative_prompt=p.negative, generator=g,
+                                 output_type="pil", **hw, **common).images  # fmt: skip
+            return out
+        prompts = [it.job.params.prompt for it in items]
+        negs = [it.job.params.negative for it in items] if p.negative is not None else None
+        res = self.pipe(prompt=prompts, negative_prompt=negs, height=p.height, width=p.width, generator=gens,
+                        output_type="latent", **common)  # fmt: skip
+        lat = res.images
+        # per-image decode: batch-invariant (see the module docstring)
+        return [
+            postprocess(self.pipe.decode_latents(lat[r : r + 1], *lat_hw), "pil")[0]
+            for r in range(len(items))
+        ]
+
+
+def _preview_steps(steps: int, k: int) -> set[int]:
+    """Step indices (0-based) after which to send the k partial images, evenly spread, never the last."""
+    if k <= 0 or steps < 2:
+        return set()
+    return {min(steps - 2, max(0, round(j * steps / (k + 1)) - 1)) for j in range(1, k + 1)}
