@@ -245,19 +245,20 @@ def _measure_fp8_load(path: str) -> dict:
     """Load an FP8 transformer file to fp32 on CPU and watch memory (run in a fresh process, see below).
 
     (1) counting: at every read from the file, how many tensors read earlier are still alive outside
-    the model (Q/K/V pieces waiting for their group may be); (2) bytes: anonymous RSS above the start
+    the model (Q/K/V pieces waiting for their group may be); (2) bytes: resident memory (VmRSS: anonymous
+    and file-backed, so a memory-mapped file would show) above the start
     minus the model tensors assigned so far, sampled at every read, dequantisation and assignment.
     """
 
-    def rss_anon() -> int:
+    def rss() -> int:
         with open("/proc/self/status") as fh:
-            return int(re.search(r"RssAnon:\s+(\d+) kB", fh.read()).group(1)) * 1024
+            return int(re.search(r"VmRSS:\s+(\d+) kB", fh.read()).group(1)) * 1024
 
     st = {"assigned": 0, "ptrs": set(), "reads": [], "peak": 0, "max_alive": 0, "largest": 0}
-    real_set, real_open, real_deq = W._set_tensor, F.safe_open, F.dequantize
+    real_set, real_read, real_deq = W._set_tensor, F.read_tensor, F.dequantize
 
     def sample():
-        st["peak"] = max(st["peak"], rss_anon() - base - st["assigned"])
+        st["peak"] = max(st["peak"], rss() - base - st["assigned"])
 
     def set_tensor(module, name, value):
         real_set(module, name, value)
@@ -272,30 +273,17 @@ def _measure_fp8_load(path: str) -> dict:
         sample()  # the stored FP8 tensor and its dequantised copy are both alive here
         return out
 
-    class CountingOpen:
-        def __init__(self, *a, **kw):
-            self.cm = real_open(*a, **kw)
+    def read_tensor(*a):
+        alive = [t for t in (r() for r in st["reads"]) if t is not None and t.numel() > 1]
+        st["max_alive"] = max(st["max_alive"], sum(t.data_ptr() not in st["ptrs"] for t in alive))
+        t = real_read(*a)
+        st["reads"].append(weakref.ref(t))
+        sample()
+        return t
 
-        def __enter__(self):
-            self.sf = self.cm.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.cm.__exit__(*exc)
-
-        def keys(self):
-            return self.sf.keys()
-
-        def get_tensor(self, key):
-            alive = [t for t in (r() for r in st["reads"]) if t is not None and t.numel() > 1]
-            st["max_alive"] = max(st["max_alive"], sum(t.data_ptr() not in st["ptrs"] for t in alive))
-            t = self.sf.get_tensor(key)
-            st["reads"].append(weakref.ref(t))
-            sample()
-            return t
-
-    W._set_tensor, F.safe_open, F.dequantize = set_tensor, CountingOpen, dequantize
-    base = rss_anon()
+    S.load_transformer_file(path, "cpu", torch.float32)  # warm-up: lazy imports, libraries mapped; then freed
+    W._set_tensor, F.read_tensor, F.dequantize = set_tensor, read_tensor, dequantize
+    base = rss()
     model = S.load_transformer_file(path, "cpu", torch.float32)
     st["model"] = sum(p.numel() * p.element_size() for p in model.state_dict().values())
     st["layers"] = model.cfg.num_layers

@@ -21,13 +21,15 @@ only matter for FP8 matmuls, which qwenfast does not do: they are ignored. Dequa
 (`w.to(dtype) * s` with a 0-dim fp32 scale, which torch evaluates in fp32), and it is exact for fp32.
 
 Memory: the header is parsed with `json` (no tensor is read), the scales (a few bytes each) and
-`comfy_quant` markers are read up front, then each weight is read straight onto the target device,
-dequantised there and handed on; the stored FP8 tensor is dropped before the next one is read.
+`comfy_quant` markers are read up front, then each tensor is read with a plain file read (not mmap,
+see `read_tensor`), moved to the target device, dequantised there and handed on; the stored tensor
+is dropped before the next one is read.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 from collections import Counter
@@ -36,12 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from .weights import CheckpointError
 
 FLOAT = {"F64", "F32", "F16", "BF16"}
 FP8 = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, **FP8,
+                "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                "BOOL": torch.bool}  # fmt: skip
 QUANT_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}  # comfy_quant "format" -> stored dtype
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 IGNORED_SUFFIXES = (".scale_input", ".input_scale")
@@ -80,6 +84,8 @@ class Header:
     dtypes: dict[str, str]
     shapes: dict[str, tuple[int, ...]]
     metadata: dict[str, str]
+    offsets: dict[str, tuple[int, int]]  # byte range of each tensor, from `data_start`
+    data_start: int
 
 
 def read_header(path: str | Path, what: str = "checkpoint") -> Header:
@@ -107,13 +113,17 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{path}: unreadable safetensors header ({e})") from e
     meta = raw.pop("__metadata__", None) or {}
-    dtypes, shapes, end = {}, {}, 0
+    dtypes, shapes, offsets, end = {}, {}, {}, 0
     for key, info in raw.items():
         try:
             dtypes[key], shapes[key] = info["dtype"], tuple(int(d) for d in info["shape"])
-            end = max(end, int(info["data_offsets"][1]))
+            offsets[key] = (int(info["data_offsets"][0]), int(info["data_offsets"][1]))
+            end = max(end, offsets[key][1])
+            item = torch.empty((), dtype=TORCH_DTYPES[dtypes[key]]).element_size()
+            if offsets[key][1] - offsets[key][0] != math.prod(shapes[key]) * item:
+                raise ValueError(f"{offsets[key]} is not the size of {dtypes[key]} {list(shapes[key])}")
         except (KeyError, TypeError, ValueError, IndexError) as e:
-            raise CheckpointError(f"{path}: malformed header entry for {key!r} ({e})") from e
+            raise CheckpointError(f"{path}: malformed header entry for {key!r} ({e!r})") from e
     if 8 + n + end > size:
         raise CheckpointError(
             f"{path}: truncated: the header describes {8 + n + end} bytes but the file has {size}; "
@@ -121,7 +131,22 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
         )
     if not dtypes:
         raise CheckpointError(f"{path}: the file holds no tensors")
-    return Header(path, dtypes, shapes, {str(k): str(v) for k, v in meta.items()})
+    return Header(path, dtypes, shapes, {str(k): str(v) for k, v in meta.items()}, offsets, 8 + n)
+
+
+def read_tensor(f, header: Header, key: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One stored tensor, read with a plain file read into a fresh buffer, then moved to `device`.
+
+    Not mmap (what safetensors' `safe_open` does): a mapped file counts in the process's resident
+    memory as it is read, up to the whole file (19 GiB for a full-size FP8 transformer), while this
+    buffer is freed once the tensor has moved on or been dequantised.
+    """
+    start, end = header.offsets[key]
+    buf = torch.empty(end - start, dtype=torch.uint8)
+    f.seek(header.data_start + start)
+    if f.readinto(buf.numpy()) != end - start:
+        raise CheckpointError(f"{header.path}: the file ended inside {key}; is it truncated?")
+    return buf.view(TORCH_DTYPES[header.dtypes[key]]).reshape(header.shapes[key]).to(device)
 
 
 @dataclass
@@ -137,21 +162,16 @@ class QuantPlan:
 def _read_markers(header: Header, keys: list[str]) -> dict[str, dict]:
     """The `<layer>.comfy_quant` uint8 JSON tensors (a few dozen bytes each), decoded."""
     out = {}
-    try:
-        with safe_open(str(header.path), framework="pt", device="cpu") as sf:
-            for k in keys:
-                raw = bytes(sf.get_tensor(k).to(torch.uint8).tolist())
-                try:
-                    conf = json.loads(raw.decode("utf-8"))
-                except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                    raise CheckpointError(f"{header.path}: {k} is not JSON ({e})") from e
-                if not isinstance(conf, dict):
-                    raise CheckpointError(f"{header.path}: {k} holds {conf!r}, expected a JSON object")
-                out[k[: -len(MARKER_SUFFIX)]] = conf
-    except SafetensorError as e:
-        raise CheckpointError(
-            f"{header.path}: cannot read safetensors file ({e}); is it truncated or corrupt?"
-        ) from e
+    with open(header.path, "rb") as f:
+        for k in keys:
+            raw = bytes(read_tensor(f, header, k).to(torch.uint8).tolist())
+            try:
+                conf = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{header.path}: {k} is not JSON ({e})") from e
+            if not isinstance(conf, dict):
+                raise CheckpointError(f"{header.path}: {k} holds {conf!r}, expected a JSON object")
+            out[k[: -len(MARKER_SUFFIX)]] = conf
     return out
 
 
@@ -277,26 +297,22 @@ def iter_plain_tensors(
     dtype: torch.dtype,
     keep: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, Path]]:
-    """Yield (file key, tensor in `dtype` on `device`, path), one tensor at a time, in file order.
+    """Yield (file key, tensor in `dtype` on `device`, path), one tensor at a time, in key order.
 
     Scales, markers and input scales are consumed here; `keep(key)` False skips a tensor without
     reading it (the other components of an all-in-one checkpoint).
     """
-    dev = str(torch.device(device))
-    try:
-        with safe_open(str(header.path), framework="pt", device=dev) as sf:
-            scales = {w: sf.get_tensor(s) for w, s in plan.scales.items() if keep is None or keep(w)}
-            for key in sf.keys():
-                if key in plan.aux or (keep is not None and not keep(key)):
-                    continue
-                t = sf.get_tensor(key)
-                if key in scales:
-                    t = dequantize(t, scales[key], dtype)
-                elif t.is_floating_point():
-                    t = t.to(dtype)
-                yield key, t, header.path
-                del t
-    except SafetensorError as e:
-        raise CheckpointError(
-            f"{header.path}: cannot read safetensors file ({e}); is it truncated or corrupt?"
-        ) from e
+    with open(header.path, "rb") as f:
+        scales = {
+            w: read_tensor(f, header, s, device) for w, s in plan.scales.items() if keep is None or keep(w)
+        }
+        for key in sorted(header.offsets):  # name order keeps each block's Q/K/V pieces together
+            if key in plan.aux or (keep is not None and not keep(key)):
+                continue
+            t = read_tensor(f, header, key, device)
+            if key in scales:
+                t = dequantize(t, scales[key], dtype)
+            elif t.is_floating_point():
+                t = t.to(dtype)
+            yield key, t, header.path
+            del t
