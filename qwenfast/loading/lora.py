@@ -404,9 +404,9 @@ class LoraManager:
     def set(self, items) -> None:
         """Make the active set exactly `items` ([(path_or_dict, strength[, name]), ...]) with the fewest changes.
 
-        Entries already fused with the same source (and name, if given) and strength stay untouched;
-        a changed strength re-applies only that LoRA; new files are read and checked before
-        anything is modified, so a bad file leaves the current set as it was.
+        Entries already fused with the same file (and name, if given; a state dict matches by name
+        only) and strength stay untouched; a changed strength re-applies only that LoRA; new files
+        are read and checked before anything is modified, so a bad file leaves the set as it was.
         """
         want = []
         for it in items:
