@@ -115,7 +115,7 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
            "kernels_backend": kernels.backend(), "layers": num_layers, "txt_len": txt_len, "sizes": {}}  # fmt: skip
     print(f"GPU {res['gpu']}, torch {res['torch']}, triton {res['triton']}, kernels {res['kernels_backend']}")
     compiled_ref = compiled_ours = None
-    fp8_modules = fp8_graphs = bf16_modules = None
+    fp8_sets, bf16_modules = {}, None
     for size in sizes:
         h = w = size // 16
         g = torch.Generator(device=dev).manual_seed(size)
@@ -145,7 +145,8 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
         todo["qwenfast fused (eager)"] = ours_fwd(True)
         todo["qwenfast fused + CUDA graph"] = lambda: (setattr(ours, "fused", True), graphs(x, txt, None, t, shapes))[1]
         if fp8:  # FP8 e4m3 block GEMMs (opt-in in the product: not bitwise diffusers)
-            todo["qwenfast FP8 + CUDA graph"] = "fp8"
+            todo["qwenfast FP8 + CUDA graph"] = "fp8:all"
+            todo["qwenfast FP8 image stream + CUDA graph"] = "fp8:img"
         if compile_:  # torch.compile of the plain-torch blocks, beside the hand kernels
             if ref is not None:
                 todo["diffusers regional compile"] = "compile-ref"
@@ -165,11 +166,11 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
                     compile_blocks(ours)
                     compiled_ours = True
                 fn = ours_fwd(False)
-            elif fn == "fp8":
-                if fp8_modules is None:
-                    fp8_modules = _fp8_modules(ours)
-                    fp8_graphs = CudaGraphRunner(ours)
-                bf16_modules = _swap(ours, fp8_modules)
+            elif isinstance(fn, str) and fn.startswith("fp8:"):
+                if fn not in fp8_sets:
+                    fp8_sets[fn] = (_fp8_modules(ours, fn == "fp8:img"), CudaGraphRunner(ours))
+                mods, fp8_graphs = fp8_sets[fn]
+                bf16_modules = _swap(ours, mods)
                 stance = "force_eager"
 
                 def fn(g=fp8_graphs):
@@ -210,12 +211,13 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
     return res
 
 
-def _fp8_modules(model) -> dict:
+def _fp8_modules(model, image_only: bool = False) -> dict:
     """FP8 copies of the blocks' big Linears, by module name (the bf16 ones stay for other variants)."""
-    from ..kernels.fp8_linear import BLOCK_LINEARS, FP8Linear
+    from ..kernels.fp8_linear import BLOCK_LINEARS, IMAGE_LINEARS, FP8Linear
 
+    names = IMAGE_LINEARS if image_only else BLOCK_LINEARS
     return {f"transformer_blocks.{i}.{n}": FP8Linear.from_linear(b.get_submodule(n))
-            for i, b in enumerate(model.transformer_blocks) for n in BLOCK_LINEARS}  # fmt: skip
+            for i, b in enumerate(model.transformer_blocks) for n in names}  # fmt: skip
 
 
 def _swap(model, modules: dict) -> dict:

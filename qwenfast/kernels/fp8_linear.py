@@ -144,6 +144,7 @@ class FP8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 rowwise"
 
 
+IMAGE_LINEARS = ("attn.to_qkv", "attn.to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")  # 97% of the FLOPs at 1024²
 BLOCK_LINEARS = ("attn.to_qkv", "attn.add_qkv_proj", "attn.to_out.0", "attn.to_add_out",
                  "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")  # fmt: skip
 
