@@ -203,11 +203,11 @@ def run(model=None, size=None, steps=8, cfg=1.0, concurrency=(1, 2, 4, 8), reque
     _summarise(res)
     line = json.dumps(res)
     print(line)
-    for d in (out_dir, Path(os.environ["OUT"]) if os.environ.get("OUT") else None):
-        if d is not None:
-            d.mkdir(parents=True, exist_ok=True)
-            with open(d / "serve.jsonl", "a") as f:
-                f.write(line + "\n")
+    dirs = (out_dir, Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    for d in dict.fromkeys(Path(d).resolve() for d in dirs if d is not None):  # once each, if both are $OUT
+        d.mkdir(parents=True, exist_ok=True)
+        with open(d / "serve.jsonl", "a") as f:
+            f.write(line + "\n")
     return res
 
 

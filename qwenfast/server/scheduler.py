@@ -69,8 +69,8 @@ class Job:
     def finish(self, result) -> None:
         """Resolve the request with a list of images or an exception (thread-safe, idempotent)."""
 
-        def _set():
-            if not self.future.done():
+        def _set():  # nobody awaits a cancelled request: leave its future alone (no "never retrieved" noise)
+            if not self.future.done() and not self.cancelled:
                 (self.future.set_exception if isinstance(result, BaseException) else self.future.set_result)(
                     result
                 )
@@ -157,7 +157,7 @@ class Scheduler:
             except BaseException as e:  # never let the worker die: that would hang every request
                 log.exception("worker: unexpected error")
                 for job in {it.job for it in batch}:
-                    job.finish(APIError(500, f"internal error: {type(e).__name__}: {e}"))
+                    self._finish(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
             finally:
                 with self.cond:
                     for job in {it.job for it in batch}:
@@ -213,8 +213,8 @@ class Scheduler:
                     self._run([it for it in items if it.job is job])
                 return
             log.exception("generation failed")
-            jobs[0].finish(APIError(500, f"generation failed: {type(e).__name__}: {str(e)[:300]}",
-                                    code="generation_failed"))  # fmt: skip
+            self._finish(jobs[0], APIError(500, f"generation failed: {type(e).__name__}: {str(e)[:300]}",
+                                           code="generation_failed"))  # fmt: skip
             return
         dt = time.perf_counter() - t0
         self.avg_batch_s = 0.8 * self.avg_batch_s + 0.2 * dt
@@ -224,7 +224,13 @@ class Scheduler:
             job.results[it.index] = img
             job.done += 1
             if job.done == job.params.n:
-                job.finish(list(job.results))
+                self._finish(job, list(job.results))
+
+    def _finish(self, job: Job, result) -> None:
+        """Leave the running set first, so that a client that has its answer sees the queue as it is."""
+        with self.cond:
+            self.running.discard(job)
+        job.finish(result)
 
     def _empty_cache(self) -> None:
         try:

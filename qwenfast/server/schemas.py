@@ -280,6 +280,6 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
         n=1 if r.n is None else r.n, seed=secrets.randbelow(2**31) if r.seed is None else r.seed,
         response_format=r.response_format or "b64_json", output_format=r.output_format or "png",
         compression=r.output_compression, stream=bool(r.stream), progress=bool(r.progress),
-        partial_images=(2 if r.stream else 0) if r.partial_images is None else r.partial_images,
+        partial_images=r.partial_images or 0,  # OpenAI's default: no previews unless asked for
         loras=sorted(loras), size_auto=size_auto,
     )  # fmt: skip
