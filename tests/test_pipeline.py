@@ -93,3 +93,18 @@ def test_join_text_mask_only_when_needed():
     assert e.shape == (4, 5, 8) and m is None
     e, m = join_text(a, None, torch.randn(2, 3, 8), None)
     assert e.shape == (4, 5, 8) and m[2:, 3:].sum() == 0 and m[:2].all() and torch.equal(e[2:, 3:], torch.zeros(2, 2, 8))
+
+
+def test_prompt_cache_off_gives_the_same_embeddings(qf_t2i):
+    te = qf_t2i.text_encoder
+    ref, _ = te.encode(["a red circle", "two blue squares", "a red circle"])
+    old = te.cache_size
+    te.cache_size, saved = 0, dict(te._cache)
+    te._cache.clear()
+    try:
+        emb, _ = te.encode(["a red circle", "two blue squares", "a red circle"])
+        assert len(te._cache) == 0
+    finally:
+        te.cache_size = old
+        te._cache.update(saved)
+    assert torch.equal(emb, ref)

@@ -97,10 +97,10 @@ class TextEncoder:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, L, D) embeddings right-padded with zeros, and a (B, L) long mask or None if all ones."""
         todo = [p for p in dict.fromkeys(prompts) if (p, template, drop) not in self._cache]
-        if todo:
-            for p, h in zip(todo, self._hidden([template.format(p) for p in todo], drop)):
-                self._put((p, template, drop), h)
-        seqs = [self._get((p, template, drop))[:max_sequence_length] for p in prompts]
+        fresh = dict(zip(todo, self._hidden([template.format(p) for p in todo], drop))) if todo else {}
+        for p, h in fresh.items():
+            self._put((p, template, drop), h)
+        seqs = [(fresh[p] if p in fresh else self._get((p, template, drop)))[:max_sequence_length] for p in prompts]
         return pad_embeddings(seqs)
 
     @torch.no_grad()
