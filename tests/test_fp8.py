@@ -95,3 +95,24 @@ def test_fp8_linear_gpu_matches_reference(m, k, n):
     ref = fp8_linear_ref(x, q.weight_fp8, q.weight_scale, q.bias, torch.float32)
     assert _rel(ref, y.float()) < 1e-2
     assert _rel(lin(x).float(), y.float()) < 0.06
+
+
+def test_pipeline_enable_fp8_on_cpu_bakes_loras_and_freezes_them(qf_t2i, tiny_t2i):
+    import copy
+
+    pipe = copy.copy(qf_t2i)  # shallow: share the loaded parts, replace the transformer below
+    pipe.transformer = copy.deepcopy(qf_t2i.transformer)
+    pipe.__dict__.pop("_lora_manager", None)
+    from qwenfast.runtime.cuda_graphs import CudaGraphRunner
+
+    pipe._graphs = CudaGraphRunner(pipe.transformer)
+    kw = dict(prompt="a red circle", num_inference_steps=2, height=32, width=32, output_type="np")
+    ref = pipe(generator=torch.Generator().manual_seed(0), **kw).images
+    n = pipe.enable_fp8()
+    assert n == 8 * len(pipe.transformer.transformer_blocks)
+    out = pipe(generator=torch.Generator().manual_seed(0), **kw).images
+    assert out.shape == ref.shape and abs(out - ref).max() > 0  # really a different (quantised) path
+    assert abs(out - ref).mean() < 0.05
+    pipe.set_loras([])  # no LoRAs before, none after: allowed
+    with pytest.raises(RuntimeError, match="enable_fp8"):
+        pipe.unload_lora()

@@ -125,7 +125,8 @@ class QwenImagePipeline:
         if problems:
             raise CheckpointError(f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems))
         if kind != "text-to-image":
-            raise CheckpointError(f"{path} is an {kind} model; QwenImagePipeline runs text-to-image checkpoints")
+            raise CheckpointError(f"{path} is an {kind} model; QwenImagePipeline runs text-to-image checkpoints "
+                                  "(use QwenImageEditPipeline or `qwenfast edit`)")  # fmt: skip
         transformer = load_transformer(path / "transformer", dev, dt)
         vae = load_vae(path / "vae", dev, dt)
         te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", dev, dt)
@@ -134,6 +135,23 @@ class QwenImagePipeline:
         if (path / "qwenfast.json").is_file():  # optional sampling defaults shipped with a model
             defaults = json.loads((path / "qwenfast.json").read_text()).get("defaults")
         return cls(transformer, vae, te, sched, model_path=str(path), defaults=defaults)
+
+    @classmethod
+    def from_single_files(cls, transformer, vae, text_encoder, tokenizer=None, device=None, dtype=None,
+                          scheduler=None, *, transformer_config=None, vae_config=None, text_encoder_config=None):  # fmt: skip
+        """Load ComfyUI-style single files (bf16 or FP8) + a tokenizer folder; see `qwenfast.loading.single_file`.
+
+        Configs are inferred from the tensors; `*_config` (dict of fields, or a config.json path) override
+        them for non-standard sizes. `scheduler` defaults to Qwen-Image's scheduler config.
+        """
+        from ..loading.single_file import load_single_files
+
+        dev = resolve_device(device)
+        c = load_single_files(transformer, vae, text_encoder, tokenizer, device=dev, dtype=resolve_dtype(dtype, dev),
+                              scheduler=scheduler, transformer_config=transformer_config, vae_config=vae_config,
+                              text_encoder_config=text_encoder_config)  # fmt: skip
+        te, sched = c.text_encoder, c.scheduler_config
+        return cls(c.transformer, c.vae, te, sched, model_path=c.model_path, defaults=None)
 
     @property
     def device(self) -> torch.device:
@@ -163,10 +181,12 @@ class QwenImagePipeline:
         any weight changes. The original values of touched weights are kept in host memory so that
         `unload_lora` restores them bitwise (as much host memory as the touched weights).
         """
+        self._check_lora_change()
         return self.lora_manager.load(lora, strength, name)
 
     def unload_lora(self, name: str | None = None) -> None:
         """Remove one LoRA by name, or all of them: touched weights are restored bitwise."""
+        self._check_lora_change()
         self.lora_manager.unload(name)
 
     @property
@@ -176,7 +196,9 @@ class QwenImagePipeline:
 
     def set_loras(self, loras) -> None:
         """Make the active LoRAs exactly `[(path, strength[, name]), ...]`, changing only what differs."""
-        self.lora_manager.set(loras)
+        if not getattr(self, "_fp8", False) or list(loras) or self.loras:  # "none -> none" is fine with FP8
+            self._check_lora_change()
+            self.lora_manager.set(loras)
 
     def apply_preset(self, name: str) -> None:
         """Sampling defaults for a distilled LoRA (`qwenfast.config.PRESETS`): steps, true CFG and scheduler fields.
@@ -299,6 +321,25 @@ class QwenImagePipeline:
         if self.cuda_graphs and x.is_cuda:
             return self._graphs(x, emb, mask, t, img_shapes)
         return self.transformer(x, emb, mask, t, img_shapes)
+
+    def enable_fp8(self) -> int:
+        """Run the transformer blocks' big Linears as FP8 e4m3 GEMMs (rowwise scales, Hopper/Ada).
+
+        About 1.8x faster GEMMs; not bitwise diffusers any more (see `qwenfast.kernels.fp8_linear`).
+        Irreversible for this pipeline object: LoRAs loaded before are baked into the FP8 weights, and
+        the LoRA set cannot change afterwards. Returns the number of layers converted.
+        """
+        from ..kernels.fp8_linear import quantize_model
+
+        n = quantize_model(self.transformer)
+        self._fp8 = True
+        self._graphs.clear()
+        return n
+
+    def _check_lora_change(self):
+        if getattr(self, "_fp8", False):
+            raise RuntimeError("LoRAs cannot change after enable_fp8(): load them first, then enable FP8 "
+                               "(reload the model to use another LoRA set)")  # fmt: skip
 
     def decode_latents(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
         vcfg = self.vae.cfg
