@@ -24,6 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qwenfast.config import VAEConfig
+from qwenfast.kernels.rmsnorm_silu import rmsnorm_silu
+from qwenfast.kernels.upsample_conv import subpixel_weights, upsample_conv
 
 __all__ = ["QwenImageVAE", "convert_vae_tensor", "convert_vae_state_dict"]
 
@@ -44,6 +46,10 @@ class RMSNorm(nn.Module):
             return F.normalize(x.float(), dim=1).to(x.dtype) * self.scale * self.gamma
         return F.normalize(x, dim=1) * self.scale * self.gamma
 
+    def forward_fast(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
+        """`silu(self(x))` (or `self(x)`) in one fused pass (`qwenfast.kernels.rmsnorm_silu`)."""
+        return rmsnorm_silu(x, self.gamma, self.scale, silu=silu)
+
 
 class ResidualBlock(nn.Module):
     """`QwenImageResidualBlock`: (RMSNorm, SiLU, conv3x3) x 2 + (1x1 conv) shortcut. Dropout is omitted:
@@ -63,6 +69,12 @@ class ResidualBlock(nn.Module):
         x = self.conv2(F.silu(self.norm2(x)))
         return x + h
 
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv_shortcut(x)
+        x = self.conv1(self.norm1.forward_fast(x, silu=True))
+        x = self.conv2(self.norm2.forward_fast(x, silu=True))
+        return x.add_(h)  # conv2's output is a fresh tensor: add in place, one activation less
+
 
 class AttentionBlock(nn.Module):
     """`QwenImageAttentionBlock`: single-head self-attention over the H*W positions of each image."""
@@ -73,10 +85,10 @@ class AttentionBlock(nn.Module):
         self.to_qkv = nn.Conv2d(dim, dim * 3, 1)
         self.proj = nn.Conv2d(dim, dim, 1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W)
+    def forward(self, x: torch.Tensor, fast: bool = False) -> torch.Tensor:  # (B, C, H, W)
         identity = x
         b, c, h, w = x.shape
-        qkv = self.to_qkv(self.norm(x))  # (B, 3C, H, W)
+        qkv = self.to_qkv(self.norm.forward_fast(x, silu=False) if fast else self.norm(x))  # (B, 3C, H, W)
         # flatten+transpose is a view for channels-last input (no copy); equals diffusers' reshape+permute.
         q, k, v = qkv.flatten(2).transpose(1, 2).unsqueeze(1).chunk(3, dim=-1)  # each (B, 1, HW, C)
         x = F.scaled_dot_product_attention(q, k, v)  # (B, 1, HW, C), scale 1/sqrt(C)
@@ -114,6 +126,21 @@ class Resample(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, C/2, 2H, 2W) | (B, C, H/2, W/2)
         return self.resample(x)
 
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        """Upsamplers: four 2x2 convs on the low-res input (`qwenfast.kernels.upsample_conv`), no 4x tensor."""
+        if not self.mode.startswith("upsample"):
+            return self.resample(x)
+        conv = self.resample[1]
+        w = conv.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        cached = self.__dict__.get("_subpixel")
+        if cached is None or cached[0] != key:  # built once after loading (weights never change after)
+            w4 = subpixel_weights(w.detach())
+            if x.is_contiguous(memory_format=torch.channels_last) and x.is_cuda:
+                w4 = w4.to(memory_format=torch.channels_last)
+            cached = self.__dict__["_subpixel"] = (key, w4)
+        return upsample_conv(x, cached[1], conv.bias)
+
 
 class MidBlock(nn.Module):
     """`QwenImageMidBlock(num_layers=1)`: resnet, attention, resnet."""
@@ -127,6 +154,12 @@ class MidBlock(nn.Module):
         x = self.resnets[0](x)
         for attn, resnet in zip(self.attentions, self.resnets[1:]):
             x = resnet(attn(x))
+        return x
+
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.resnets[0].forward_fast(x)
+        for attn, resnet in zip(self.attentions, self.resnets[1:]):
+            x = resnet.forward_fast(attn(x, fast=True))
         return x
 
 
@@ -161,6 +194,13 @@ class Encoder(nn.Module):
         x = self.mid_block(x)
         return self.conv_out(F.silu(self.norm_out(x)))
 
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(x)
+        for layer in self.down_blocks:
+            x = layer(x, fast=True) if isinstance(layer, AttentionBlock) else layer.forward_fast(x)
+        x = self.mid_block.forward_fast(x)
+        return self.conv_out(self.norm_out.forward_fast(x, silu=True))
+
 
 class UpBlock(nn.Module):
     """`QwenImageUpBlock`: num_res_blocks + 1 resnets, then an optional 2x upsampler."""
@@ -178,6 +218,13 @@ class UpBlock(nn.Module):
             x = resnet(x)
         if self.upsamplers is not None:
             x = self.upsamplers[0](x)
+        return x
+
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        for resnet in self.resnets:
+            x = resnet.forward_fast(x)
+        if self.upsamplers is not None:
+            x = self.upsamplers[0].forward_fast(x)
         return x
 
 
@@ -208,13 +255,34 @@ class Decoder(nn.Module):
             x = up_block(x)
         return self.conv_out(F.silu(self.norm_out(x)))
 
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mid_block.forward_fast(self.conv_in(x))
+        for up_block in self.up_blocks:
+            x = up_block.forward_fast(x)
+        return self.conv_out(self.norm_out.forward_fast(x, silu=True))
+
 
 class QwenImageVAE(nn.Module):
     """Single-image `AutoencoderKLQwenImage`: images (B, 3, H, W) in [-1, 1] <-> latents (B, z, H/8, W/8).
 
     Latents are the raw VAE latents (what `vae.encode(...).latent_dist` gives and `vae.decode` takes);
     the pipeline's normalisation with `latents_mean` / `latents_std` is not applied here.
+
+    Speed switches (plain attributes, no reload needed):
+    - `fast` (default True): fused RMSNorm+SiLU kernels, sub-pixel upsampling convs, and on CUDA
+      channels-last activations and weights (cuDNN's NHWC kernels). False = the reference modules.
+    - `tiling`: "auto" (default; tiles when the memory planner says an untiled pass would not fit in
+      90% of free GPU memory, or above `tile_above_pixels` output pixels when set), True, or False.
+      Tiles are `tile_sample_min` pixels with stride `tile_sample_stride` and linearly blended
+      overlaps, as diffusers' `enable_tiling()` (256 / 192). Tiled output differs from untiled at
+      the seams (the mid-block attention is global), as it does in diffusers.
     """
+
+    fast: bool = True
+    tiling: bool | str = "auto"
+    tile_sample_min: int = 256
+    tile_sample_stride: int = 192
+    tile_above_pixels: int | None = None
 
     def __init__(self, cfg: VAEConfig):
         super().__init__()
@@ -234,7 +302,10 @@ class QwenImageVAE(nn.Module):
         """(B, 3, H, W) in [-1, 1] -> (mean, logvar), each (B, z, H/8, W/8); logvar clamped to [-30, 20]."""
         if x.ndim != 4:
             raise ValueError(f"QwenImageVAE.encode expects (B, C, H, W) images, got shape {tuple(x.shape)}")
-        h = self.quant_conv(self.encoder(x))  # (B, 2z, H/8, W/8)
+        if self._want_tiling(x.shape[0], x.shape[2], x.shape[3], x.dtype, encode=True):
+            h = self.tiled_encode(x)
+        else:
+            h = self._encode_tile(x)  # (B, 2z, H/8, W/8)
         mean, logvar = h.chunk(2, dim=1)
         return mean, logvar.clamp(LOGVAR_MIN, LOGVAR_MAX)
 
@@ -242,11 +313,114 @@ class QwenImageVAE(nn.Module):
         """(B, z, h, w) latents -> (B, 3, 8h, 8w) images clamped to [-1, 1]."""
         if z.ndim != 4:
             raise ValueError(f"QwenImageVAE.decode expects (B, z, h, w) latents, got shape {tuple(z.shape)}")
-        return self.decoder(self.post_quant_conv(z)).clamp(-1.0, 1.0)
+        r = self.spatial_compression_ratio
+        if self._want_tiling(z.shape[0], z.shape[2] * r, z.shape[3] * r, z.dtype, encode=False):
+            return self.tiled_decode(z).clamp(-1.0, 1.0)
+        return self._decode_tile(z).clamp(-1.0, 1.0)
+
+    # ------------------------------------------------------------ fast path and tiling
+    def _prepare(self, t: torch.Tensor) -> torch.Tensor:
+        """Fast path on CUDA: channels-last weights (once) and input."""
+        if not (self.fast and t.is_cuda):
+            return t
+        if not getattr(self, "_channels_last", False):
+            self.to(memory_format=torch.channels_last)
+            self._channels_last = True
+        return t.contiguous(memory_format=torch.channels_last)
+
+    def _encode_tile(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 2z, H/8, W/8), contiguous
+        x = self._prepare(x)
+        h = self.encoder.forward_fast(x) if self.fast else self.encoder(x)
+        return self.quant_conv(h).contiguous()
+
+    def _decode_tile(self, z: torch.Tensor) -> torch.Tensor:  # (B, z, h, w) -> (B, 3, 8h, 8w), unclamped
+        z = self._prepare(self.post_quant_conv(z))
+        return (self.decoder.forward_fast(z) if self.fast else self.decoder(z)).contiguous()
+
+    def _want_tiling(self, b: int, height: int, width: int, dtype: torch.dtype, encode: bool) -> bool:
+        """Whether this call tiles: `tiling` True/False, or "auto" from `tile_above_pixels` / the memory planner."""
+        if self.tiling is True or self.tiling is False:
+            return self.tiling
+        if self.tiling != "auto":
+            raise ValueError(f"vae.tiling must be True, False or 'auto', got {self.tiling!r}")
+        if height <= self.tile_sample_min and width <= self.tile_sample_min:
+            return False
+        if self.tile_above_pixels is not None:
+            return height * width > self.tile_above_pixels
+        dev = next(self.parameters()).device
+        if dev.type != "cuda":
+            return False
+        from qwenfast.runtime.memory import default_budget, vae_activation_bytes
+
+        need = vae_activation_bytes(self.cfg, b, height, width, dtype, encode=encode, fast=self.fast)
+        return need > default_budget(dev, include_allocated=False)
+
+    def tiled_decode(self, z: torch.Tensor) -> torch.Tensor:
+        """Decode overlapping latent tiles one at a time and blend the seams linearly (unclamped output).
+
+        Same tiles, blend and crop as diffusers' `AutoencoderKLQwenImage.tiled_decode` (tiles of
+        `tile_sample_min` pixels every `tile_sample_stride`; each tile blends into the one above and the
+        one to its left over the overlap). Only the previous row of decoded tiles is kept, and each
+        finished (stride x stride) piece is written straight into the output, so peak memory is one
+        row of tiles plus the image, whatever the size.
+        """
+        r = self.spatial_compression_ratio
+        tmin, stride = self.tile_sample_min // r, self.tile_sample_stride // r  # latent units
+        blend = self.tile_sample_min - self.tile_sample_stride  # pixels
+        return self._tiled(z, self._decode_tile, tmin, stride, self.tile_sample_stride, blend, r, 3)
+
+    def tiled_encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode overlapping image tiles and blend the latent seams: (B, 3, H, W) -> (B, 2z, H/8, W/8) raw
+        (before the mean/logvar split), as diffusers' `tiled_encode`."""
+        r = self.spatial_compression_ratio
+        smin, sstride = self.tile_sample_min, self.tile_sample_stride
+        blend = smin // r - sstride // r
+        return self._tiled(x, self._encode_tile, smin, sstride, sstride // r, blend, 1 / r, 2 * self.z_dim)
+
+    @staticmethod
+    def _tiled(x, fn, tmin: int, stride: int, out_stride: int, blend: int, ratio: float, out_ch: int):
+        """Shared tile loop. x: (B, C, H, W); tiles x[..., i:i+tmin, j:j+tmin] every `stride` (input
+        units); fn(tile) is `ratio` times larger; `out_stride` / `blend` are in output units."""
+        B, _, H, W = x.shape
+        oh, ow = int(H * ratio), int(W * ratio)
+        out = None
+        prev_row: list[torch.Tensor] | None = None
+        for oi, i in enumerate(range(0, H, stride)):
+            row: list[torch.Tensor] = []
+            for oj, j in enumerate(range(0, W, stride)):
+                tile = fn(x[:, :, i : i + tmin, j : j + tmin])
+                if out is None:
+                    out = torch.empty((B, out_ch, oh, ow), dtype=tile.dtype, device=tile.device)
+                if prev_row is not None:
+                    tile = _blend(prev_row[oj], tile, blend, dim=2)
+                if oj > 0:
+                    tile = _blend(row[oj - 1], tile, blend, dim=3)
+                row.append(tile)
+                y0, x0 = oi * out_stride, oj * out_stride
+                piece = tile[:, :, :out_stride, :out_stride][:, :, : oh - y0, : ow - x0]
+                out[:, :, y0 : y0 + piece.shape[2], x0 : x0 + piece.shape[3]] = piece
+            prev_row = row
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Reconstruction through the posterior mode, like diffusers' `forward(sample_posterior=False)`."""
         return self.decode(self.encode(x)[0])
+
+
+def _blend(a: torch.Tensor, b: torch.Tensor, extent: int, dim: int) -> torch.Tensor:
+    """diffusers' `blend_v` (dim 2) / `blend_h` (dim 3), in place on b: the first `extent` rows/columns of
+    b become a's last ones * (1 - y/extent) + b's * y/extent. Returns b."""
+    extent = min(a.shape[dim], b.shape[dim], extent)
+    if extent <= 0:
+        return b
+    ramp = torch.arange(extent, device=b.device, dtype=torch.float32) / extent  # y / extent
+    shape = [1, 1, 1, 1]
+    shape[dim] = extent
+    ramp = ramp.view(shape)
+    head = b.narrow(dim, 0, extent)
+    tail = a.narrow(dim, a.shape[dim] - extent, extent)
+    head.copy_(tail.float() * (1 - ramp) + head.float() * ramp)
+    return b
 
 
 def convert_vae_tensor(key: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:

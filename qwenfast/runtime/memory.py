@@ -1,0 +1,228 @@
+"""Memory planner: predicts the peak GPU memory of a generation and picks the largest batch that fits.
+
+Why a model and not trial and error: an OOM in the middle of a 50-step batch wastes the steps already
+run (see `runtime/oom.py` for the back-off that handles it anyway). The peak is the largest of three
+phases, each = the weights resident on the device in that phase + the phase's activations:
+
+- encode:  resident weights (+ the text encoder when it is offloaded and moved in only now)
+           + text-encoder activations (small: prompts are short);
+- denoise: resident weights + transformer activations, linear in (batch x CFG) x tokens x dim;
+- decode:  resident weights + VAE activations, linear in batch x output pixels x base channels
+           (+ a term quadratic in latent tokens for the mid-block attention, zero when SDPA uses a
+           memory-efficient kernel), or the same for one tile when tiled.
+
+Weights come from the real modules (`ModelSizes.from_pipeline`) or from configs. Activation
+coefficients are in `Calibration`; the defaults are estimates from tensor counts, and
+`bench/gpu_issue6.sh` fits them on an H200 (`qwenfast.benchmarks.pipeline --memory`) and writes
+`memory_calibration.json`, which `Calibration.load()` reads when it sits next to this file.
+All sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "Calibration",
+    "ModelSizes",
+    "MemoryPlanner",
+    "Prediction",
+    "default_budget",
+    "vae_activation_bytes",
+]
+
+OFFLOAD_MODES = ("none", "model", "blocks")
+CALIBRATION_FILE = Path(__file__).with_name("memory_calibration.json")
+GiB = 1024**3
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Activation coefficients (dimensionless unless named)."""
+
+    transformer: float = (
+        14.0  # peak live activations of one block, in units of (B_eff * tokens * dim) elements
+    )
+    vae_decode: float = 6.0  # fast path: decoder peak, units of (B * pixels * base_dim) elements
+    vae_decode_ref: float = 9.0  # reference path (materialised 4x upsample)
+    vae_encode: float = 5.0
+    vae_attention: float = 0.0  # units of (B * latent_tokens^2) elements: mid-block attention scores
+    text_encoder: float = 40.0  # units of (prompts * tokens * hidden) elements
+    overhead: int = 512 * 1024**2  # CUDA context-independent slack: cuBLAS workspaces, RoPE tables, allocator
+    source: str = "default estimates"
+
+    @classmethod
+    def load(cls, path: Path | None = None) -> Calibration:
+        """The calibration file written by the GPU script if present, else the defaults."""
+        p = Path(path) if path is not None else CALIBRATION_FILE
+        if not p.is_file():
+            return cls()
+        d = json.loads(p.read_text())
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the planner needs to know about a model set: weight bytes and the shapes that scale activations."""
+
+    transformer: int  # all transformer weights
+    transformer_block: int  # the largest block (offload="blocks" keeps a ring of these on the GPU)
+    num_blocks: int
+    text_encoder: int
+    vae: int
+    dim: int = 3072  # transformer inner dim
+    te_hidden: int = 3584
+    vae_base_dim: int = 96
+    vae_scale: int = 8
+    patch: int = 2
+
+    @classmethod
+    def qwen_image(cls, dtype: torch.dtype = torch.bfloat16) -> ModelSizes:
+        """Qwen-Image at full size without loading anything (parameter counts of the released model)."""
+        e = torch.empty((), dtype=dtype).element_size()
+        block = 339_725_312  # parameters of one of the 60 transformer blocks
+        return cls(transformer=20_430_401_088 * e, transformer_block=block * e, num_blocks=60,
+                   text_encoder=8_292_166_656 * e, vae=126_892_531 * e)  # fmt: skip
+
+    @classmethod
+    def from_pipeline(cls, pipe) -> ModelSizes:
+        def nbytes(m) -> int:
+            return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+
+        tr = pipe.transformer
+        blocks = list(tr.transformer_blocks)
+        te_model = getattr(pipe.text_encoder, "model", pipe.text_encoder)
+        te_cfg = getattr(te_model, "config", None)
+        te_hidden = getattr(getattr(te_cfg, "text_config", te_cfg), "hidden_size", 3584)
+        return cls(transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
+                   text_encoder=nbytes(te_model), vae=nbytes(pipe.vae), dim=tr.cfg.inner_dim, te_hidden=te_hidden,
+                   vae_base_dim=pipe.vae.cfg.base_dim, vae_scale=pipe.vae.cfg.scale_factor,
+                   patch=tr.cfg.patch_size)  # fmt: skip
+
+
+@dataclass
+class Prediction:
+    peak: int
+    phases: dict[str, int] = field(default_factory=dict)  # phase -> predicted bytes at its peak
+    resident: int = 0  # weights on the device during denoising
+
+    def gib(self) -> dict[str, float]:
+        return {"peak": round(self.peak / GiB, 3), **{k: round(v / GiB, 3) for k, v in self.phases.items()}}
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def vae_activation_bytes(vae_cfg, batch: int, height: int, width: int, dtype: torch.dtype, *, encode: bool,
+                         fast: bool = True, calib: Calibration | None = None) -> int:  # fmt: skip
+    """Predicted VAE activation peak for one untiled pass over (batch, height, width) pixels."""
+    c = calib or Calibration.load()
+    px = batch * height * width
+    k = c.vae_encode if encode else (c.vae_decode if fast else c.vae_decode_ref)
+    tokens = (height // vae_cfg.scale_factor) * (width // vae_cfg.scale_factor)
+    return int(k * px * vae_cfg.base_dim * _elem(dtype) + c.vae_attention * batch * tokens**2 * _elem(dtype))
+
+
+def default_budget(
+    device: torch.device | str | None = None, fraction: float = 0.9, include_allocated: bool = True
+) -> int:
+    """Bytes this process may plan for: `fraction` of the free GPU memory (+ what torch already holds
+    when `include_allocated`, since predictions count the resident weights). Respects
+    `torch.cuda.set_per_process_memory_fraction`. CPU: effectively unlimited (2**62)."""
+    dev = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    if dev.type != "cuda":
+        return 2**62
+    free, total = torch.cuda.mem_get_info(dev)
+    reserved = torch.cuda.memory_reserved(dev)
+    if hasattr(torch.cuda, "get_per_process_memory_fraction"):
+        cap = int(torch.cuda.get_per_process_memory_fraction(dev) * total)
+        free = min(free + reserved, cap) - reserved  # the allocator's own limit
+    # memory the caching allocator holds but does not use is available to us too
+    free += reserved - torch.cuda.memory_allocated(dev)
+    used = torch.cuda.memory_allocated(dev) if include_allocated else 0
+    return int(fraction * max(free, 0)) + used
+
+
+class MemoryPlanner:
+    """`MemoryPlanner(ModelSizes.from_pipeline(pipe)).predict(1024, 1024, batch=2, offload="none")`."""
+
+    def __init__(self, sizes: ModelSizes, calib: Calibration | None = None, ring: int = 2):
+        self.sizes = sizes
+        self.calib = calib or Calibration.load()
+        self.ring = ring  # GPU block buffers for offload="blocks"
+
+    @classmethod
+    def from_pipeline(cls, pipe, calib: Calibration | None = None) -> MemoryPlanner:
+        return cls(ModelSizes.from_pipeline(pipe), calib)
+
+    def with_calibration(self, **kw) -> MemoryPlanner:
+        return MemoryPlanner(self.sizes, replace(self.calib, **kw), self.ring)
+
+    def resident(self, offload: str, offload_vae: bool = False) -> int:
+        """Weights on the GPU while denoising."""
+        s = self.sizes
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
+        vae = 0 if offload_vae else s.vae
+        if offload == "none":
+            return s.transformer + s.text_encoder + vae
+        if offload == "model":
+            return s.transformer + vae
+        rest = s.transformer - s.num_blocks * s.transformer_block  # embeddings, norm_out, proj_out (approx.)
+        return max(rest, 0) + self.ring * s.transformer_block + vae
+
+    def predict(self, height: int, width: int, batch: int = 1, *, cfg: bool = True, batched_cfg: bool = True,
+                offload: str = "none", dtype: torch.dtype = torch.bfloat16, txt_len: int = 256,
+                decode_batch: int | None = None, tile: int | None = None, fast_vae: bool = True,
+                offload_vae: bool = False) -> Prediction:  # fmt: skip
+        """Peak bytes of one call generating `batch` images of height x width (pixels)."""
+        if batch < 1 or height < 1 or width < 1:
+            raise ValueError(f"batch, height and width must be >= 1, got {batch}, {height}, {width}")
+        s, c, e = self.sizes, self.calib, _elem(dtype)
+        res = self.resident(offload, offload_vae)
+        # text encoder: moved in for the encode when offloaded; prompts + negatives
+        te_in = s.text_encoder if offload in ("model", "blocks") else 0
+        prompts = batch * (2 if cfg else 1)
+        encode = res + te_in + int(c.text_encoder * prompts * (txt_len + 34) * s.te_hidden * e)
+        # denoise: tokens of the packed latents (patch 2 over the /8 latents) + text
+        img_tokens = math.ceil(height / (s.vae_scale * s.patch)) * math.ceil(width / (s.vae_scale * s.patch))
+        b_eff = batch * (2 if cfg and batched_cfg else 1)
+        denoise = res + int(c.transformer * b_eff * (img_tokens + txt_len) * s.dim * e)
+        # decode (the transformer activations are gone; latents are tiny)
+        db = decode_batch or batch
+        th, tw = (min(tile, height), min(tile, width)) if tile else (height, width)
+        k = c.vae_decode if fast_vae else c.vae_decode_ref
+        tokens = (th // s.vae_scale) * (tw // s.vae_scale)
+        out_img = batch * 3 * height * width * e  # the decoded images (tiling writes into one output)
+        dec_in = s.vae if offload_vae else 0
+        decode = (
+            res
+            + dec_in
+            + out_img
+            + int(k * db * th * tw * s.vae_base_dim * e + c.vae_attention * db * tokens**2 * e)
+        )
+        phases = {"encode": encode, "denoise": denoise, "decode": decode}
+        return Prediction(peak=max(phases.values()) + c.overhead, phases=phases, resident=res)
+
+    def max_batch(self, height: int, width: int, budget: int | None = None, limit: int = 64, **kw) -> int:
+        """The largest batch <= limit whose predicted peak fits `budget` (default: `default_budget()`); 0 if none."""
+        budget = default_budget() if budget is None else budget
+        lo = 0
+        for b in range(1, limit + 1):  # peaks grow with b: stop at the first that does not fit
+            if self.predict(height, width, b, **kw).peak > budget:
+                break
+            lo = b
+        return lo
