@@ -24,6 +24,8 @@ from ..loading.diffusers_folder import inspect_folder, load_scheduler_config, lo
 from ..loading.weights import CheckpointError
 from ..models.text_encoder import TextEncoder
 from ..runtime.cuda_graphs import CudaGraphRunner
+from ..runtime.oom import vae_decode as _vae_decode_backoff
+from ..runtime.oom import with_oom_backoff
 from . import scheduler as S
 
 log = logging.getLogger("qwenfast")
@@ -113,11 +115,19 @@ class QwenImagePipeline:
         # scheduler fields every call uses (set by apply_preset or by hand); a call's own
         # `scheduler_overrides=` wins key by key
         self.scheduler_overrides: dict = {}
+        self.oom_backoff = True  # split the batch on CUDA OOM, then tile / offload (runtime/oom.py)
+        self.offload = "none"  # none | model | blocks (enable_offload)
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device=None, dtype=None) -> QwenImagePipeline:
-        """Load a diffusers-layout folder (None = the embedded tiny default model)."""
+    def from_pretrained(cls, path: str | Path | None = None, device=None, dtype=None,
+                        offload: str = "none") -> QwenImagePipeline:  # fmt: skip
+        """Load a diffusers-layout folder (None = the embedded tiny default model).
+
+        `offload`: "none" | "model" (text encoder in host memory, on the GPU only while encoding) |
+        "blocks" (also the transformer blocks streamed from host memory); see `enable_offload`.
+        Offloaded parts are loaded to the CPU, so the GPU never holds them all at once.
+        """
         path = Path(path) if path is not None else DEFAULT_MODEL
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
@@ -127,14 +137,21 @@ class QwenImagePipeline:
         if kind != "text-to-image":
             raise CheckpointError(f"{path} is an {kind} model; QwenImagePipeline runs text-to-image checkpoints "
                                   "(use QwenImageEditPipeline or `qwenfast edit`)")  # fmt: skip
-        transformer = load_transformer(path / "transformer", dev, dt)
+        from ..runtime.offload import check_mode
+
+        cpu = torch.device("cpu")
+        transformer = load_transformer(path / "transformer", cpu if check_mode(offload) == "blocks" else dev, dt)
         vae = load_vae(path / "vae", dev, dt)
-        te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", dev, dt)
+        te_dev = cpu if offload != "none" else dev
+        te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", te_dev, dt)
         sched = load_scheduler_config(path / "scheduler")
         defaults = None
         if (path / "qwenfast.json").is_file():  # optional sampling defaults shipped with a model
             defaults = json.loads((path / "qwenfast.json").read_text()).get("defaults")
-        return cls(transformer, vae, te, sched, model_path=str(path), defaults=defaults)
+        pipe = cls(transformer, vae, te, sched, model_path=str(path), defaults=defaults)
+        if offload != "none":
+            pipe.enable_offload(offload, device=dev)
+        return pipe
 
     @classmethod
     def from_single_files(cls, transformer, vae, text_encoder, tokenizer=None, device=None, dtype=None,
@@ -227,6 +244,16 @@ class QwenImagePipeline:
         return emb, mask
 
     # ---------------------------------------------------------------- generation
+    def enable_offload(self, mode: str = "model", device=None, vae: bool = False, ring: int = 2) -> None:
+        """Fit smaller GPUs (`qwenfast.runtime.offload`): "model" keeps the text encoder (and with `vae=True`
+        the VAE) in pinned host memory, on the GPU only while it runs; "blocks" also streams the
+        transformer blocks through a ring of `ring` GPU buffers. Same images; "blocks" is PCIe-bound.
+        Load LoRAs before; irreversible for this pipeline object (except "model" -> "blocks")."""
+        from ..runtime.offload import enable
+
+        enable(self, mode, device=device, vae=vae, ring=ring)
+
+    @with_oom_backoff
     @torch.no_grad()
     def __call__(
         self,
@@ -347,7 +374,7 @@ class QwenImagePipeline:
         z = S.unpack_latents(x, h, w).to(vdt)  # (B, 16, h, w)
         mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1).to(z.device, vdt)
         inv_std = 1.0 / torch.tensor(vcfg.latents_std).view(1, -1, 1, 1).to(z.device, vdt)
-        return self.vae.decode(z / inv_std + mean)
+        return _vae_decode_backoff(self.vae, z / inv_std + mean)  # splits / tiles on CUDA OOM
 
     @property
     def vae_dtype(self) -> torch.dtype:

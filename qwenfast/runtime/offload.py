@@ -1,0 +1,261 @@
+"""Offload modes for GPUs smaller than the model: `none | model | blocks`.
+
+- `model`: the text encoder (16.6 GB for Qwen2.5-VL-7B in bf16) lives in pinned host memory and is
+  copied to the GPU only while prompts are encoded (`ModelOffloader.on_device`); optionally the VAE
+  likewise. The weights never change, so "moving back" is dropping the GPU copy: no D2H traffic.
+- `blocks`: `model`, plus the transformer blocks (340 M parameters, 680 MB each in bf16) stream from
+  pinned host memory. A ring of `ring` (default 2) flat GPU buffers holds the blocks in use: while
+  block i computes on the current stream, block i+1 is copied into the next ring slot on a side
+  CUDA stream. CUDA events order it: the compute stream waits for "block i copied" before block i
+  runs, and the copy stream waits for "block i-1 finished" before it overwrites that slot. The last
+  block prefetches block 0 for the next step. Everything outside the blocks (embeddings, norm_out,
+  proj_out: ~0.2% of the weights) stays on the GPU. Streaming is PCIe-bound (a forward moves all
+  41 GB of weights); it trades speed for fitting in ~24 GB.
+
+Parameters are re-pointed (`p.data = view`) at host or ring views; a block's tensors point at the
+host copy between uses. On CPU the same code runs with plain copies and no streams/events (tests).
+LoRA changes and `enable_fp8` must happen before offloading (the fused weights are what is copied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+
+__all__ = ["MODES", "ModelOffloader", "BlockStreamer", "check_mode"]
+
+MODES = ("none", "model", "blocks")
+ALIGN = 256  # bytes: every tensor view in a flat buffer starts aligned (vectorised kernels need 16)
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"offload must be one of {MODES}, got {mode!r}")
+    return mode
+
+
+def _tensors(module: nn.Module) -> list[tuple[nn.Module, str, bool]]:
+    """Every (owner module, name, is_parameter) of `module`, tied tensors once."""
+    seen, out = set(), []
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append((m, name, True))
+        for name, b in m._buffers.items():
+            if b is not None and id(b) not in seen:
+                seen.add(id(b))
+                out.append((m, name, False))
+    return out
+
+
+def _get(owner: nn.Module, name: str, is_param: bool) -> torch.Tensor:
+    return owner._parameters[name] if is_param else owner._buffers[name]
+
+
+def _point(owner: nn.Module, name: str, is_param: bool, t: torch.Tensor) -> None:
+    """Make the parameter / buffer use storage `t` (same shape and dtype), keeping the Parameter object."""
+    if is_param:
+        owner._parameters[name].data = t
+    else:
+        owner._buffers[name] = t
+
+
+def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    return t.pin_memory() if pin else t
+
+
+class ModelOffloader:
+    """A module whose weights stay in (pinned) host memory except inside `with offloader.on_device():`."""
+
+    def __init__(self, module: nn.Module, device: torch.device | str, pin: bool | None = None):
+        self.module = module
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda" if pin is None else pin
+        self.entries = []  # (owner, name, is_param, host tensor)
+        for owner, name, is_param in _tensors(module):
+            host = _pin(_get(owner, name, is_param).detach().to("cpu"), pin)
+            _point(owner, name, is_param, host)
+            self.entries.append((owner, name, is_param, host))
+        self.depth = 0
+
+    @contextmanager
+    def on_device(self) -> Iterator[nn.Module]:
+        """Weights on the device for the duration (re-entrant); the device copies are dropped after."""
+        if self.depth == 0:
+            for owner, name, is_param, host in self.entries:
+                _point(owner, name, is_param, host.to(self.device, non_blocking=True))
+        self.depth += 1
+        try:
+            yield self.module
+        finally:
+            self.depth -= 1
+            if self.depth == 0:
+                for owner, name, is_param, host in self.entries:
+                    _point(owner, name, is_param, host)
+
+    def wrap(self, obj, *method_names: str) -> None:
+        """Replace `obj.<name>` by a version that runs inside `on_device()` (instance attributes)."""
+        for n in method_names:
+            fn = getattr(obj, n, None)
+            if fn is None:
+                continue
+
+            def run(*a, _fn=fn, **k):
+                with self.on_device():
+                    return _fn(*a, **k)
+
+            setattr(obj, n, run)
+
+
+class BlockStreamer:
+    """Streams `blocks` (an nn.ModuleList) through a ring of device buffers; see the module docstring."""
+
+    def __init__(
+        self, blocks: nn.ModuleList, device: torch.device | str, ring: int = 2, pin: bool | None = None
+    ):
+        if ring < 2:
+            raise ValueError("the block ring needs at least 2 slots (one computing, one loading)")
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        pin = self.cuda if pin is None else pin
+        self.blocks = list(blocks)
+        self.ring = min(ring, len(self.blocks))
+        self.layout = []  # per block: [(owner, name, is_param, offset, nbytes, dtype, shape)]
+        self.host = []  # per block: flat uint8 (pinned) buffer
+        self.host_views = []  # per block: the tensors' views into `host`
+        for block in self.blocks:
+            items, off = [], 0
+            for owner, name, is_param in _tensors(block):
+                t = _get(owner, name, is_param)
+                n = t.numel() * t.element_size()
+                items.append((owner, name, is_param, off, n, t.dtype, tuple(t.shape)))
+                off += -(-n // ALIGN) * ALIGN
+            flat = _pin(torch.empty(off, dtype=torch.uint8), pin)
+            views = []
+            for owner, name, is_param, o, n, dt, shape in items:
+                v = flat[o : o + n].view(dt).view(shape)
+                v.copy_(_get(owner, name, is_param).detach())
+                _point(owner, name, is_param, v)
+                views.append(v)
+            self.layout.append(items)
+            self.host.append(flat)
+            self.host_views.append(views)
+        slot_bytes = max(h.numel() for h in self.host)
+        self.slots = [
+            torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.ring)
+        ]
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.ready: list = [None] * len(self.blocks)  # event: block i is in its slot
+        self.freed: list = [None] * self.ring  # event: the last block computed from this slot is done
+        self.in_slot: list = [None] * self.ring  # which block each slot holds
+        self.copies = 0  # host->device block copies issued (tests, stats)
+        self.active: int | None = None  # the block computing now
+        for i, block in enumerate(self.blocks):
+            for attr in ("forward", "forward_fused"):
+                fn = getattr(block, attr, None)
+                if fn is not None:
+                    setattr(block, attr, self._wrapped(i, fn))
+
+    def _wrapped(self, i: int, fn):
+        def run(*a, **k):
+            self.before(i)
+            try:
+                return fn(*a, **k)
+            finally:
+                self.after(i)
+
+        return run
+
+    def prefetch(self, i: int) -> None:
+        """Start copying block i into its ring slot (side stream on CUDA), unless it is there already."""
+        slot = i % self.ring
+        if self.in_slot[slot] == i or (self.active is not None and self.active % self.ring == slot):
+            return  # there already, or the slot is computing (odd block counts): before(i) loads it later
+        dst = self.slots[slot][: self.host[i].numel()]
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                if self.freed[slot] is not None:
+                    self.stream.wait_event(self.freed[slot])  # don't overwrite a block still computing
+                dst.copy_(self.host[i], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+            self.ready[i] = ev
+        else:
+            dst.copy_(self.host[i])
+        self.in_slot[slot] = i
+        self.copies += 1
+
+    def before(self, i: int) -> None:
+        slot = i % self.ring
+        self.prefetch(i)  # no-op when prefetched by block i-1
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[i])
+        base = self.slots[slot]
+        for owner, name, is_param, o, n, dt, shape in self.layout[i]:
+            _point(owner, name, is_param, base[o : o + n].view(dt).view(shape))
+        self.active = i
+        self.prefetch((i + 1) % len(self.blocks))  # overlaps block i's compute
+
+    def after(self, i: int) -> None:
+        self.active = None
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            self.freed[i % self.ring] = ev
+        for (owner, name, is_param, *_), v in zip(self.layout[i], self.host_views[i]):
+            _point(owner, name, is_param, v)
+
+    def device_bytes(self) -> int:
+        return sum(s.numel() for s in self.slots)
+
+
+def enable(
+    pipe, mode: str, device: torch.device | str | None = None, vae: bool = False, ring: int = 2
+) -> None:
+    """Put `pipe` (QwenImagePipeline or the edit pipeline) into an offload mode; see the module docstring.
+
+    `device`: the compute device (default: where the transformer's non-block weights are, or CUDA when
+    the model was loaded on the CPU for offloading). Irreversible for this pipeline object.
+    """
+    check_mode(mode)
+    current = getattr(pipe, "offload", "none")
+    if mode == current:
+        return
+    if current != "none" and not (current == "model" and mode == "blocks"):
+        raise RuntimeError(f"offload is already {current!r}; load the model again to use {mode!r}")
+    tr = pipe.transformer
+    if device is None:
+        device = (
+            tr.device if tr.device.type != "cpu" or not torch.cuda.is_available() else torch.device("cuda")
+        )
+    device = torch.device(device)
+    te = pipe.text_encoder
+    if current == "none":
+        off = ModelOffloader(te.model, device)
+        off.wrap(te, "encode", "encode_with_images")
+        te._offloader = off
+        if vae:
+            voff = ModelOffloader(pipe.vae, device)
+            voff.wrap(pipe.vae, "encode", "decode")
+            pipe.vae._offloader = voff
+    if mode == "blocks":
+        if getattr(pipe, "_fp8", False):
+            raise RuntimeError("offload='blocks' does not support enable_fp8() models")
+        blocks = tr.transformer_blocks
+        # everything but the blocks on the compute device
+        for name, child in tr.named_children():
+            if name != "transformer_blocks":
+                child.to(device)
+        pipe._block_streamer = BlockStreamer(blocks, device, ring=ring)
+        pipe.cuda_graphs = False  # parameters are re-pointed per block: a captured graph would go stale
+        if hasattr(pipe, "_graphs"):
+            pipe._graphs.clear()
+    elif tr.device != device:
+        tr.to(device)
+    if not vae and next(pipe.vae.parameters()).device != device:
+        pipe.vae.to(device)
+    pipe.offload = mode

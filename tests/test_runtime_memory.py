@@ -1,0 +1,255 @@
+"""Runtime memory features on CPU: OOM back-off (injected OOMs), offload modes, memory planner.
+
+OOMs are injected by replacing a forward with one that raises `torch.OutOfMemoryError` above a
+batch size; the results of the split batch must equal the unsplit ones (same noise, per image).
+Offload runs its real code path with the CPU as "device" (plain copies, no streams): images must
+equal the non-offloaded pipeline's bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from qwenfast import QwenImagePipeline
+from qwenfast.runtime import oom
+from qwenfast.runtime.memory import Calibration, MemoryPlanner, ModelSizes, default_budget
+from qwenfast.runtime.offload import BlockStreamer
+
+SIZE = dict(height=64, width=48, num_inference_steps=2, output_type="np")
+
+
+@pytest.fixture(scope="module")
+def pipe_():
+    p = QwenImagePipeline.from_pretrained(None, device="cpu", dtype=torch.float32)
+    p.progress_bar = False
+    return p
+
+
+@pytest.fixture
+def pipe(pipe_):
+    """The module's pipeline, with every per-test tweak undone."""
+    yield pipe_
+    for obj in (pipe_.transformer, pipe_.vae):
+        obj.__dict__.pop("forward", None)
+        obj.__dict__.pop("_decode_tile", None)
+    pipe_.vae.tiling = "auto"
+    pipe_.oom_backoff = True
+
+
+def _gens(n, seed=0):
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+def _oom_above(module, limit, counter=None):
+    """Make module's forward raise OOM when its input batch is larger than `limit`."""
+    real = type(module).forward
+
+    def forward(*a, **k):
+        x = a[0] if a else next(iter(k.values()))
+        if counter is not None:
+            counter.append(x.shape[0])
+        if x.shape[0] > limit:
+            raise torch.OutOfMemoryError(f"CUDA out of memory (injected, batch {x.shape[0]})")
+        return real(module, *a, **k)
+
+    module.forward = forward
+
+
+PROMPTS = ["a red circle", "two blue squares on a green field, long prompt", "x"]
+
+
+def test_split_batch_equals_unsplit(pipe):
+    want = pipe(PROMPTS, negative_prompt=" ", true_cfg_scale=3.0, generator=_gens(3), **SIZE).images
+    seen = []
+    _oom_above(pipe.transformer, 2, seen)  # batched CFG: batch 6 -> OOM, 2 prompts (4 rows) -> OOM, 1 fits
+    out = pipe(PROMPTS, negative_prompt=" ", true_cfg_scale=3.0, generator=_gens(3), **SIZE)
+    assert out.images.shape == want.shape == (3, 64, 48, 3)
+    assert np.isfinite(out.images).all()
+    np.testing.assert_allclose(out.images, want, atol=1e-4)
+    assert out.info["oom_backoff"][0].startswith("batch of 3 ran out of memory")
+    assert {6, 4, 2} <= set(seen)  # CFG rows: 3 images -> chunks of 2 (OOM) -> chunks of 1
+    assert any("chunks of 1" in e for e in out.info["oom_backoff"])
+
+
+def test_split_with_one_generator_and_images_per_prompt(pipe):
+    """One generator for the whole batch: noise is drawn once for all images, so splits do not change it."""
+    kw = dict(num_images_per_prompt=2, generator=torch.Generator().manual_seed(3), true_cfg_scale=1.0, **SIZE)
+    want = pipe(PROMPTS[:2], **kw).images
+    kw["generator"] = torch.Generator().manual_seed(3)
+    _oom_above(pipe.transformer, 1)
+    out = pipe(PROMPTS[:2], **kw)
+    assert len(out.info["oom_backoff"]) >= 2
+    np.testing.assert_allclose(out.images, want, atol=1e-4)
+
+
+def test_pil_and_latent_outputs_merge(pipe):
+    _oom_above(pipe.transformer, 1)
+    kw = dict(SIZE, true_cfg_scale=1.0)
+    kw["output_type"] = "pil"
+    assert len(pipe(PROMPTS, generator=_gens(3), **kw).images) == 3
+    kw["output_type"] = "latent"
+    assert pipe(PROMPTS, generator=_gens(3), **kw).images.shape[0] == 3
+
+
+def test_vae_oom_splits_then_tiles(pipe):
+    vae = pipe.vae
+    z = torch.randn(3, 16, 8, 6)
+    vae.tiling = False
+    want = vae.decode(z)
+    real = vae._decode_tile
+    calls = []
+
+    def tile(x):  # OOM for any batch > 1 and for any untiled 64x48 pass
+        calls.append(tuple(x.shape))
+        if x.shape[0] > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(x)
+
+    vae._decode_tile = tile
+    events = []
+    got = oom.vae_decode(vae, z, events)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert vae.tiling is False and any("chunks of 1" in e for e in events)
+
+    def small_only(x):
+        if x.shape[2] * x.shape[3] > 16:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(x)
+
+    vae._decode_tile = small_only
+    vae.tile_sample_min, vae.tile_sample_stride = 32, 24
+    try:
+        events = []
+        got = oom.vae_decode(vae, z[:1], events)
+        assert got.shape == (1, 3, 64, 48) and torch.isfinite(got).all()
+        assert any("VAE tiling" in e for e in events) and vae.tiling is False
+    finally:
+        vae.tile_sample_min, vae.tile_sample_stride = 256, 192
+
+
+def test_oom_everywhere_gives_a_clear_error_and_the_process_lives(pipe):
+    def always(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    pipe.transformer.forward = always
+    with pytest.raises(oom.GenerationOutOfMemory, match="size 1 after every fallback"):
+        pipe(PROMPTS[:2], generator=_gens(2), true_cfg_scale=1.0, **SIZE)
+    pipe.transformer.__dict__.pop("forward")
+    assert pipe("ok", generator=_gens(1), true_cfg_scale=1.0, **SIZE).images.shape == (1, 64, 48, 3)
+
+
+def test_other_errors_are_not_swallowed(pipe):
+    def broken(*a, **k):
+        raise ValueError("not memory")
+
+    pipe.transformer.forward = broken
+    with pytest.raises(ValueError, match="not memory"):
+        pipe(PROMPTS, generator=_gens(3), **SIZE)
+
+
+def test_run_in_chunks_halves_and_keeps_done_work():
+    done = []
+
+    def fn(i, j):
+        if j - i > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        done.append((i, j))
+        return list(range(i, j))
+
+    parts = oom.run_in_chunks(fn, 7)
+    assert [x for p in parts for x in p] == list(range(7))
+    assert done == [(0, 2), (2, 4), (4, 6), (6, 7)]
+
+
+# ---------------------------------------------------------------------------------------------- offload
+
+
+def test_offload_modes_equal_no_offload():
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.0, **SIZE)
+    base = QwenImagePipeline.from_pretrained(None, device="cpu", dtype=torch.float32)
+    base.progress_bar = False
+    want = base(PROMPTS[:2], generator=_gens(2), **kw).images
+    for mode in ("model", "blocks"):
+        p = QwenImagePipeline.from_pretrained(None, device="cpu", dtype=torch.float32, offload=mode)
+        p.progress_bar = False
+        got = p(PROMPTS[:2], generator=_gens(2), **kw).images
+        np.testing.assert_array_equal(got, want)
+        assert p.offload == mode
+    streamer = p._block_streamer
+    assert streamer.copies > 0 and p.cuda_graphs is False
+    blk = p.transformer.transformer_blocks[0]
+    w = next(blk.parameters())
+    assert any(w.data_ptr() == v.data_ptr() for v in streamer.host_views[0])  # back on the host copy
+    with pytest.raises(RuntimeError, match="already 'blocks'"):
+        p.enable_offload("model")
+    with pytest.raises(ValueError, match="offload must be one of"):
+        p.enable_offload("disk")
+
+
+class _Blk(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("shift", torch.randn(d))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) + self.shift
+
+
+@pytest.mark.parametrize("n,ring", [(3, 2), (4, 2), (5, 3), (1, 2)])
+def test_block_streamer_odd_counts(n, ring):
+    """Odd block counts put the last block and the next forward's block 0 in the same slot."""
+    torch.manual_seed(n)
+    blocks = nn.ModuleList([_Blk(8) for _ in range(n)])
+    x = torch.randn(2, 8)
+
+    def run():
+        y = x
+        for b in blocks:
+            y = b(y)
+        return y
+
+    want = run()
+    s = BlockStreamer(blocks, "cpu", ring=ring)
+    for _ in range(3):
+        torch.testing.assert_close(run(), want, rtol=0, atol=0)
+    assert s.copies >= n
+
+
+# ---------------------------------------------------------------------------------------------- planner
+
+
+def test_planner_monotonic_and_batch_choice():
+    pl = MemoryPlanner(ModelSizes.qwen_image(), Calibration())
+    sizes = [512, 768, 1024, 1328, 2048]
+    peaks = [pl.predict(s, s, 1).peak for s in sizes]
+    assert peaks == sorted(peaks) and len(set(peaks)) == len(peaks)
+    for s in (512, 1024):
+        by_b = [pl.predict(s, s, b).peak for b in range(1, 8)]
+        assert by_b == sorted(by_b) and len(set(by_b)) == len(by_b)
+    budget = pl.predict(1024, 1024, 3).peak + 1
+    assert pl.max_batch(1024, 1024, budget=budget) == 3
+    assert pl.max_batch(1024, 1024, budget=pl.predict(1024, 1024, 3).peak - 1) == 2
+    assert pl.max_batch(1024, 1024, budget=10 * 2**20) == 0
+    assert pl.max_batch(512, 512, budget=2**62, limit=5) == 5
+    # full-size bf16 weights alone are ~57 GiB; offload lowers what stays resident
+    none, model, blocks = (pl.predict(1024, 1024, 1, offload=m) for m in ("none", "model", "blocks"))
+    assert 55e9 < none.resident < 60e9  # 40.9 GB transformer + 16.6 GB text encoder + VAE
+    assert none.peak > model.peak > blocks.peak
+    assert blocks.peak < 24 * 2**30
+    assert pl.predict(1024, 1024, 1, cfg=False).phases["denoise"] < none.phases["denoise"]
+    with pytest.raises(ValueError):
+        pl.predict(1024, 1024, 0)
+
+
+def test_planner_from_pipeline_and_calibration_file(pipe_, tmp_path):
+    pl = MemoryPlanner.from_pipeline(pipe_)
+    assert pl.sizes.num_blocks == 2 and pl.sizes.transformer > 0 and pl.sizes.vae > 0
+    c = Calibration(transformer=11.0, source="test")
+    c.save(tmp_path / "c.json")
+    assert Calibration.load(tmp_path / "c.json") == c
+    assert Calibration.load(tmp_path / "missing.json") == Calibration()
+    assert default_budget("cpu") > 2**60
