@@ -1,0 +1,472 @@
+"""`qwenfast bench pipeline`: end to end vs diffusers' QwenImagePipeline, same weights; VAE, memory, offload.
+
+Full size (GPU): diffusers builds a random 60-layer transformer and a random VAE, transformers a
+random Qwen2.5-VL-7B (released config), and qwenfast runs the SAME tensors (transformer storage
+shared, VAE converted, text encoder the same object), so both engines compute the same thing. The
+tokenizer is the embedded tiny one (tokenisation cost is negligible; ids fit the 7B vocabulary).
+`--smoke`: the embedded tiny model on the CPU (checks the harness, times mean nothing).
+
+Stages (flags; each appends one JSON line to <results>/pipeline.jsonl and prints it):
+- default: cases "1024:50:cfg", "1328:50:cfg", "1024:4:nocfg": per engine a warm-up call (2 steps,
+  same shapes: captures CUDA graphs), then one timed call with fresh prompts (qwenfast caches prompt
+  embeddings) and per-stage times (text encode, denoise, VAE decode: CUDA-synchronised wrappers),
+  peak memory, and the mean |difference| of the two engines' images.
+- `--vae`: decode/encode ms (median of 5, CUDA events) ours fast / ours reference / diffusers at
+  1024² and 1328², rel. error vs diffusers; decode at 2512² (auto tiling) with peak memory.
+- `--memory`: planner calibration: per-phase peaks of our pipeline over sizes x batches, fitted
+  coefficients, prediction error (goal <= 10% of measured peak); writes memory_calibration.json.
+- `--offload`: forced OOM recovery (a memory fraction that fits one image, a batch of 4 asked for:
+  must split and equal the unsplit images), then offload "model" and "blocks" (peaks, times), and
+  "blocks" under `set_per_process_memory_fraction` = 24 GiB. Runs last: it moves weights to the host.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GiB = 1024**3
+CASES = {"1024:50:cfg": (1024, 50, True), "1328:50:cfg": (1328, 50, True), "1024:4:nocfg": (1024, 4, False)}
+PROMPT = "a fox reading a newspaper in a cafe, watercolor, soft light"
+
+QWEN25_VL_7B = {  # Qwen/Qwen2.5-VL-7B-Instruct config.json (sizes), transformers-5 layout
+    "model_type": "qwen2_5_vl", "image_token_id": 151655, "video_token_id": 151656,
+    "vision_start_token_id": 151652, "vision_end_token_id": 151653, "tie_word_embeddings": False,
+    "text_config": {"model_type": "qwen2_5_vl_text", "hidden_size": 3584, "intermediate_size": 18944,
+                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "vocab_size": 152064, "max_position_embeddings": 128000, "rms_norm_eps": 1e-6,
+                    "hidden_act": "silu", "tie_word_embeddings": False,
+                    "rope_parameters": {"rope_type": "default", "type": "mrope", "mrope_section": [16, 24, 24],
+                                        "rope_theta": 1000000.0}},
+    "vision_config": {"model_type": "qwen2_5_vl_vision", "depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
+                      "in_channels": 3, "hidden_act": "silu"},
+}  # fmt: skip
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def _reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _free():
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+class StageTimer:
+    """Wraps methods (instance attributes) to add their synchronised wall time and peak memory to a stage."""
+
+    def __init__(self, stage_peaks: bool = False):
+        self.stage_peaks = stage_peaks  # reset the peak counter per stage (then the call's own peak is lost)
+        self.t: dict[str, float] = {}
+        self.peak: dict[str, int] = {}
+        self._undo = []
+
+    def wrap(self, obj, name: str, stage: str):
+        fn = getattr(obj, name)
+
+        def run(*a, **k):
+            _sync()
+            t0 = time.perf_counter()
+            if self.stage_peaks:
+                _reset_peak()
+            try:
+                return fn(*a, **k)
+            finally:
+                _sync()
+                self.t[stage] = self.t.get(stage, 0.0) + time.perf_counter() - t0
+                self.peak[stage] = max(self.peak.get(stage, 0), _peak())
+
+        had = name in obj.__dict__
+        self._undo.append((obj, name, obj.__dict__.get(name), had))
+        setattr(obj, name, run)
+
+    def reset(self):
+        self.t, self.peak = {}, {}
+
+    def restore(self):
+        for obj, name, old, had in reversed(self._undo):
+            if had:
+                setattr(obj, name, old)
+            else:
+                obj.__dict__.pop(name, None)
+        self._undo = []
+
+
+# ------------------------------------------------------------------------------------------------ build
+def build(smoke: bool, dtype=torch.bfloat16):
+    """(qwenfast pipeline, diffusers pipeline), same weights."""
+    import diffusers
+
+    from ..config import QWEN_IMAGE_SCHEDULER, VAEConfig
+    from ..models.text_encoder import TextEncoder
+    from ..models.vae import QwenImageVAE, convert_vae_state_dict
+    from ..pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
+
+    if smoke:
+        ours = QwenImagePipeline.from_pretrained(None, device="cpu", dtype=torch.float32)
+        ref = diffusers.QwenImagePipeline.from_pretrained(str(DEFAULT_MODEL), torch_dtype=torch.float32)
+        ref.text_encoder = ours.text_encoder.model  # one text encoder for both, as at full size
+        return ours, ref
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from .transformer import build as build_transformer
+
+    dev = torch.device("cuda")
+    tr, ref_tr = build_transformer(60, compare=True, dtype=dtype)
+    with torch.device(dev):
+        torch.set_default_dtype(dtype)
+        try:
+            ref_vae = diffusers.AutoencoderKLQwenImage().eval().requires_grad_(False)
+            te_model = (
+                Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B))
+                .eval()
+                .requires_grad_(False)
+            )
+        finally:
+            torch.set_default_dtype(torch.float32)
+    vae = QwenImageVAE(VAEConfig.from_dict(dict(ref_vae.config))).to(dev, dtype).eval().requires_grad_(False)
+    vae.load_state_dict(convert_vae_state_dict(ref_vae.state_dict()), strict=True)
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL / "tokenizer"))
+    ours = QwenImagePipeline(
+        tr, vae, TextEncoder(te_model, tok), QWEN_IMAGE_SCHEDULER, model_path="random full size"
+    )
+    sched_cfg = json.loads((DEFAULT_MODEL / "scheduler" / "scheduler_config.json").read_text())
+    sched_cfg.update({k: v for k, v in vars(QWEN_IMAGE_SCHEDULER).items() if not k.startswith("_")})
+    sched = diffusers.FlowMatchEulerDiscreteScheduler.from_config(sched_cfg)
+    ref = diffusers.QwenImagePipeline(scheduler=sched, vae=ref_vae, text_encoder=te_model, tokenizer=tok,
+                                      transformer=ref_tr)  # fmt: skip
+    return ours, ref
+
+
+# ------------------------------------------------------------------------------------------------ stages
+def _call(pipe, engine: str, size: int, steps: int, cfg: bool, prompt: str, seed: int = 0, batch: int = 1):
+    kw = dict(height=size, width=size, num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
+              true_cfg_scale=4.0 if cfg else 1.0, output_type="np")  # fmt: skip
+    if cfg:
+        kw["negative_prompt"] = " "
+    return pipe([prompt] * batch if batch > 1 else prompt, **kw).images
+
+
+def end_to_end(ours, ref, cases, smoke: bool) -> dict:
+    res = {}
+    for name in cases:
+        size, steps, cfg = CASES[name]
+        if smoke:
+            size, steps = 64, min(steps, 2)
+        row, images = {}, {}
+        for engine, pipe in (("diffusers", ref), ("qwenfast", ours)):
+            if pipe is None:
+                continue
+            timer = StageTimer()
+            timer.wrap(pipe, "encode_prompt", "text_encode_s")
+            timer.wrap(pipe.vae, "decode", "vae_decode_s")
+            try:
+                _call(pipe, engine, size, 2, cfg, f"warm-up {name}")
+                _free()
+                timer.reset()
+                _reset_peak()
+                _sync()
+                t0 = time.perf_counter()
+                images[engine] = _call(pipe, engine, size, steps, cfg, f"{PROMPT} ({name})")
+                _sync()
+                total = time.perf_counter() - t0
+            finally:
+                timer.restore()
+            st = {k: round(v, 3) for k, v in timer.t.items()}
+            st["denoise_s"] = round(total - sum(timer.t.values()), 3)
+            row[engine] = {"total_s": round(total, 3), **st, "peak_gib": round(_peak() / GiB, 2)}
+            print(f"  {name:14s} {engine:10s} {json.dumps(row[engine])}", flush=True)
+        if "diffusers" in images:
+            row["speedup"] = round(row["diffusers"]["total_s"] / row["qwenfast"]["total_s"], 2)
+            row["mean_abs_diff_images"] = float(
+                f"{np.abs(images['diffusers'] - images['qwenfast']).mean():.3e}"
+            )
+        res[name] = row
+    return res
+
+
+def _median_ms(fn, n=5) -> float:
+    fn()
+    _sync()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        ts.append(1e3 * (time.perf_counter() - t0))
+    return round(statistics.median(ts), 2)
+
+
+@torch.no_grad()
+def vae_bench(ours, ref, smoke: bool) -> dict:
+    vae, rvae = ours.vae, ref.vae
+    dev, dt = next(vae.parameters()).device, next(vae.parameters()).dtype
+    res = {}
+    for size in (64, 96) if smoke else (1024, 1328):
+        g = torch.Generator().manual_seed(size)
+        z = torch.randn(1, 16, size // 8, size // 8, generator=g).to(dev, dt)
+        x = (torch.rand(1, 3, size, size, generator=g) * 2 - 1).to(dev, dt)
+        row = {}
+        want = rvae.decode(z[:, :, None]).sample[:, :, 0].clamp(-1, 1)
+        want_m = rvae.encode(x[:, :, None]).latent_dist.mean[:, :, 0]
+        row["diffusers_decode_ms"] = _median_ms(lambda: rvae.decode(z[:, :, None]))
+        row["diffusers_encode_ms"] = _median_ms(lambda: rvae.encode(x[:, :, None]))
+        vae.tiling = False
+        for fast in (False, True):
+            vae.fast = fast
+            tag = "fast" if fast else "reference"
+            got = vae.decode(z)
+            row[f"ours_{tag}_decode_rel_err"] = float(
+                f"{((got - want).float().norm() / want.float().norm()):.2e}"
+            )
+            row[f"ours_{tag}_encode_rel_err"] = float(
+                f"{((vae.encode(x)[0] - want_m).float().norm() / want_m.float().norm()):.2e}"
+            )
+            row[f"ours_{tag}_decode_ms"] = _median_ms(lambda: vae.decode(z))
+            row[f"ours_{tag}_encode_ms"] = _median_ms(lambda: vae.encode(x))
+        row["decode_speedup"] = round(row["diffusers_decode_ms"] / row["ours_fast_decode_ms"], 2)
+        row["encode_speedup"] = round(row["diffusers_encode_ms"] / row["ours_fast_encode_ms"], 2)
+        res[str(size)] = row
+        print(f"  VAE {size}: {json.dumps(row)}", flush=True)
+    vae.fast, vae.tiling = True, "auto"
+    big = 128 if smoke else 2512
+    z = torch.randn(1, 16, big // 8, big // 8, device=dev, dtype=dt)
+    for mode in ("auto", True):
+        vae.tiling = mode
+        _free()
+        _reset_peak()
+        base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        t0 = time.perf_counter()
+        out = vae.decode(z)
+        _sync()
+        key = f"decode_{big}_{'auto' if mode == 'auto' else 'tiled'}"
+        res[key] = {"s": round(time.perf_counter() - t0, 3), "shape": list(out.shape),
+                    "finite": bool(torch.isfinite(out).all()), "activation_peak_gib": round((_peak() - base) / GiB, 2),
+                    "tiled": mode is True or vae._want_tiling(1, big, big, dt, encode=False)}  # fmt: skip
+        print(f"  VAE {key}: {json.dumps(res[key])}", flush=True)
+        del out
+    vae.tiling = "auto"
+    return res
+
+
+@torch.no_grad()
+def memory_calibration(ours, smoke: bool, out_dir: Path) -> dict:
+    """Measure per-phase peaks of our pipeline over a grid; fit the planner's coefficients; report errors."""
+    from dataclasses import replace
+
+    from ..runtime.memory import Calibration, MemoryPlanner, ModelSizes, _elem
+
+    sizes = ModelSizes.from_pipeline(ours)
+    grid = [(s, b) for s in ((64, 96) if smoke else (512, 768, 1024, 1328)) for b in (1, 2)]
+    dt = ours.dtype
+    e = _elem(dt)
+    rows = []
+    ours.cuda_graphs = False  # graph pools would carry memory from one grid point to the next
+    _drop_graphs(ours)
+    for size, b in grid:
+        _free()
+        timer = StageTimer(stage_peaks=True)
+        timer.wrap(ours, "encode_prompt", "encode")
+        timer.wrap(ours, "denoise", "denoise")
+        timer.wrap(ours.vae, "decode", "decode")
+        base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
+        try:
+            _call(ours, "qwenfast", size, 1, True, f"calibration {size} {b}", batch=b)
+        finally:
+            timer.restore()
+        rows.append({"size": size, "batch": b, "base": base, **{k: v - base for k, v in timer.peak.items()}})
+    if not torch.cuda.is_available():  # the harness ran; CPU has no allocator peaks to fit
+        ours.cuda_graphs = True
+        return {"grid": rows, "skipped": "no CUDA memory counters on CPU"}
+    # activation features per phase (what the planner multiplies its coefficients by)
+    txt = 64
+    feats = []
+    for r in rows:
+        toks = (r["size"] // 16) ** 2
+        feats.append({"denoise": 2 * r["batch"] * (toks + txt) * sizes.dim * e,
+                      "decode": r["batch"] * r["size"] ** 2 * sizes.vae_base_dim * e})  # fmt: skip
+    fit = {}
+    for phase, key in (("denoise", "transformer"), ("decode", "vae_decode")):
+        xs = np.array([f[phase] for f in feats], dtype=np.float64)
+        ys = np.array([r.get(phase, 0) for r in rows], dtype=np.float64)
+        if phase == "decode":
+            ys = ys - np.array([r["batch"] * 3 * r["size"] ** 2 * e for r in rows])
+        A = np.stack([xs, np.ones_like(xs)], 1)
+        (k, c), *_ = np.linalg.lstsq(A, ys, rcond=None)
+        fit[key], fit[f"{phase}_offset"] = float(k), float(c)
+    calib = replace(Calibration(), transformer=round(fit["transformer"], 3), vae_decode=round(fit["vae_decode"], 3),
+                    overhead=int(max(0.0, fit["denoise_offset"], fit["decode_offset"])),
+                    source=f"fitted by qwenfast bench pipeline --memory on {_device_name()}")  # fmt: skip
+    pl = MemoryPlanner(sizes, calib)
+    errs = []
+    for r in rows:
+        p = pl.predict(r["size"], r["size"], r["batch"], cfg=True, txt_len=txt, offload="none")
+        measured = r["base"] + max(r.get("encode", 0), r.get("denoise", 0), r.get("decode", 0))
+        r["predicted_gib"], r["measured_gib"] = round(p.peak / GiB, 3), round(measured / GiB, 3)
+        r["rel_err"] = round((p.peak - measured) / max(measured, 1), 4)
+        act_pred = p.peak - p.resident
+        act_meas = measured - r["base"]
+        r["activation_rel_err"] = round((act_pred - act_meas) / max(act_meas, 1), 4)
+        errs.append(abs(r["rel_err"]))
+    ours.cuda_graphs = True
+    out_dir.mkdir(parents=True, exist_ok=True)
+    calib.save(out_dir / "memory_calibration.json")
+    res = {
+        "calibration": vars(calib),
+        "grid": rows,
+        "max_abs_rel_err": max(errs),
+        "within_10pct": max(errs) <= 0.10,
+    }
+    print(
+        f"  memory: max |pred - measured| / measured = {max(errs):.3f}; calibration {vars(calib)}", flush=True
+    )
+    return res
+
+
+def _drop_graphs(pipe) -> None:
+    """Captured CUDA graphs keep their activation pool allocated: drop them before measuring memory."""
+    pipe._graphs.clear()
+    pipe._graphs._pool = None
+    _free()
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+@torch.no_grad()
+def offload_bench(ours, smoke: bool) -> dict:
+    """Forced OOM recovery, then offload modes (irreversible: run last)."""
+    from ..runtime.memory import MemoryPlanner
+
+    res = {}
+    cuda = torch.cuda.is_available()
+    size, steps = (64, 2) if smoke else (1024, 4)
+    prompts = [f"{PROMPT} #{i}" for i in range(4)]
+
+    def run(batch_prompts, **kw):
+        return ours(batch_prompts, height=size, width=size, num_inference_steps=steps, true_cfg_scale=1.0,
+                    generator=[torch.Generator("cpu").manual_seed(i) for i in range(len(batch_prompts))],
+                    output_type="np", **kw)  # fmt: skip
+
+    ours.cuda_graphs = False  # a captured batch-4 graph would keep its pool: the OOM must be real
+    _drop_graphs(ours)
+    want = run(prompts).images
+    if cuda:  # a fraction that holds the weights + one image's activations, not four
+        _free()
+        total = torch.cuda.get_device_properties(0).total_memory
+        pl = MemoryPlanner.from_pipeline(ours)
+        one = pl.predict(size, size, 1, cfg=False).peak - pl.resident("none")
+        allowed = torch.cuda.memory_allocated() + int(1.6 * one)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total))
+    try:
+        t0 = time.perf_counter()
+        out = run(prompts)
+        res["forced_oom"] = {"s": round(time.perf_counter() - t0, 2), "events": out.info.get("oom_backoff", []),
+                             "max_abs_diff_vs_unsplit": float(np.abs(out.images - want).max())}  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the record says what happened
+        res["forced_oom"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+    print(f"  forced OOM: {json.dumps(res['forced_oom'])}", flush=True)
+    for mode in ("model", "blocks"):
+        t0 = time.perf_counter()
+        ours.enable_offload(mode)
+        setup = time.perf_counter() - t0
+        _free()
+        _reset_peak()
+        t0 = time.perf_counter()
+        got = run(prompts[:1]).images
+        _sync()
+        res[mode] = {"setup_s": round(setup, 1), "s": round(time.perf_counter() - t0, 2),
+                     "peak_gib": round(_peak() / GiB, 2), "max_abs_diff_vs_none": float(np.abs(got - want[:1]).max())}  # fmt: skip
+        print(f"  offload {mode}: {json.dumps(res[mode])}", flush=True)
+    if cuda:
+        _free()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, 24 * GiB / total))
+        try:
+            _reset_peak()
+            t0 = time.perf_counter()
+            got = run(prompts[:1])
+            res["blocks_24gib"] = {"s": round(time.perf_counter() - t0, 2), "peak_gib": round(_peak() / GiB, 2),
+                                   "max_abs_diff_vs_none": float(np.abs(got - want[:1]).max())}  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            res["blocks_24gib"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        print(f"  offload blocks under 24 GiB: {json.dumps(res['blocks_24gib'])}", flush=True)
+    return res
+
+
+def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool = False, offload: bool = False,
+        e2e: bool = True, out_dir: Path = Path("bench/results")) -> dict:  # fmt: skip
+    t0 = time.perf_counter()
+    ours, ref = build(smoke)
+    for p in (ours, ref):
+        p.set_progress_bar_config(disable=True) if hasattr(p, "set_progress_bar_config") else None
+    ours.progress_bar = False
+    record = {"bench": "pipeline", "device": _device_name(), "torch": torch.__version__, "smoke": smoke,
+              "build_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    print(f"built in {record['build_s']} s on {record['device']}", flush=True)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def save(key, value):
+        record[key] = value
+        with open(out_dir / "pipeline.jsonl", "a") as f:
+            f.write(
+                json.dumps({k: record[k] for k in ("bench", "device", "torch", "smoke")} | {key: value})
+                + "\n"
+            )
+
+    if e2e:
+        save("end_to_end", end_to_end(ours, ref, cases, smoke))
+    if vae:
+        save("vae", vae_bench(ours, ref, smoke))
+    if memory:
+        save("memory", memory_calibration(ours, smoke, out_dir))
+    if offload:
+        ref = None  # drop diffusers' references to the shared GPU weights before moving them to the host
+        gc.collect()
+        save("offload", offload_bench(ours, smoke))
+    print(json.dumps(record))
+    return record
+
+
+def add_arguments(p) -> None:
+    p.add_argument(
+        "--case", action="append", choices=list(CASES), help="end-to-end cases (default: all three)"
+    )
+    p.add_argument("--smoke", action="store_true", help="embedded tiny model on the CPU (checks the harness)")
+    p.add_argument("--vae", action="store_true", help="also VAE decode/encode timings and the 2512² decode")
+    p.add_argument("--memory", action="store_true", help="also calibrate/check the memory planner")
+    p.add_argument("--offload", action="store_true", help="also forced-OOM recovery and offload modes (last)")
+    p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end cases")
+    p.add_argument("--results", default="bench/results", help="folder for pipeline.jsonl")
+
+
+def run_from_args(a) -> int:
+    run(cases=tuple(a.case or CASES), smoke=a.smoke, vae=a.vae, memory=a.memory, offload=a.offload,
+        e2e=not a.no_e2e, out_dir=Path(a.results))  # fmt: skip
+    return 0
