@@ -21,10 +21,10 @@ def test_generate_embedded_default_writes_png_with_metadata(tmp_path, capsys):
     im = Image.open(out)
     assert im.size == (64, 48) and im.mode == "RGB"
     assert im.text["prompt"] == "a red circle" and im.text["seed"] == "3" and im.text["steps"] == "2"
-    assert im.text["size"] == "64x48" and im.text["cfg"] == "4.0" and im.text["model"] == str(DEFAULT_MODEL)
+    assert im.text["size"] == "64x48" and im.text["cfg"] == "2.0" and im.text["model"] == str(DEFAULT_MODEL)
     assert im.text["negative_prompt"] == " "
     err = capsys.readouterr().err
-    assert "RANDOM weights" in err
+    assert "embedded demo model" in err
     # same seed, same picture
     out2 = tmp_path / "img2.png"
     main(["generate", "a red circle", "-o", str(out2), "--seed", "3", "--steps", "2", "--size", "64x48", "--quiet"])

@@ -30,7 +30,8 @@ from . import scheduler as S
 
 log = logging.getLogger("qwenfast")
 
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-random"
+# The embedded default: a small trained Qwen-Image for 128x128 pictures of shapes (tools/train_demo.py).
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "demo-t2i"
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
 
