@@ -241,6 +241,20 @@ def test_fp8_pixels_match_diffusers_with_the_same_dequantised_weights(tiny):
     assert np.abs(a - b).max() <= 1e-3
 
 
+def test_chunked_staged_read_equals_direct_read(tiny):
+    """The GPU path reads through a small reused buffer in chunks; here on CPU with a 7-byte buffer."""
+    _, _, tmp, sd, _, _ = tiny
+    f, _ = write_fp8(tmp, sd, "mixed")
+    header = F.read_header(f)
+    with open(f, "rb") as fh:
+        for key in ["img_in.weight", "img_in.weight_scale", "proj_out.bias", "txt_norm.weight"]:
+            direct = F.read_tensor(fh, header, key)
+            staged = F.read_tensor(fh, header, key, "cpu", torch.empty(7, dtype=torch.uint8))
+            assert staged.dtype == direct.dtype and torch.equal(
+                staged.reshape(-1).view(torch.uint8), direct.reshape(-1).view(torch.uint8)
+            )
+
+
 def _measure_fp8_load(path: str) -> dict:
     """Load an FP8 transformer file to fp32 on CPU and watch memory (run in a fresh process, see below).
 

@@ -66,6 +66,7 @@ _FOREIGN = {
     ".weight_s_rel": "int4 (w4a8)",
 }
 _MAX_HEADER = 256 * 2**20
+STAGING_BYTES = 64 * 2**20
 
 
 def key_patterns(keys, n: int = 6) -> str:
@@ -134,19 +135,34 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
     return Header(path, dtypes, shapes, {str(k): str(v) for k, v in meta.items()}, offsets, 8 + n)
 
 
-def read_tensor(f, header: Header, key: str, device: torch.device | str = "cpu") -> torch.Tensor:
-    """One stored tensor, read with a plain file read into a fresh buffer, then moved to `device`.
+def read_tensor(
+    f, header: Header, key: str, device="cpu", staging: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One stored tensor, read with plain file reads (not mmap), on `device`.
 
     Not mmap (what safetensors' `safe_open` does): a mapped file counts in the process's resident
-    memory as it is read, up to the whole file (19 GiB for a full-size FP8 transformer), while this
-    buffer is freed once the tensor has moved on or been dequantised.
+    memory as it is read, up to the whole file (19 GiB for a full-size FP8 transformer). Without
+    `staging` the bytes go to a fresh host buffer (on CPU it becomes the tensor). With `staging` (a
+    pinned uint8 buffer, reused) they go through it chunk by chunk into a tensor allocated on the
+    device: fast host-to-device copies, and host memory bounded by the buffer, not by the tensor.
     """
     start, end = header.offsets[key]
-    buf = torch.empty(end - start, dtype=torch.uint8)
+    n = end - start
     f.seek(header.data_start + start)
-    if f.readinto(buf.numpy()) != end - start:
+    if staging is None:
+        out = torch.empty(n, dtype=torch.uint8)
+        got = f.readinto(out.numpy())
+    else:
+        out, got = torch.empty(n, dtype=torch.uint8, device=device), 0
+        while got < n:
+            m = f.readinto(staging[: min(len(staging), n - got)].numpy())
+            if not m:
+                break
+            out[got : got + m].copy_(staging[:m])  # synchronous: the buffer is free again afterwards
+            got += m
+    if got != n:
         raise CheckpointError(f"{header.path}: the file ended inside {key}; is it truncated?")
-    return buf.view(TORCH_DTYPES[header.dtypes[key]]).reshape(header.shapes[key]).to(device)
+    return out.view(TORCH_DTYPES[header.dtypes[key]]).reshape(header.shapes[key]).to(device)
 
 
 @dataclass
@@ -302,6 +318,10 @@ def iter_plain_tensors(
     Scales, markers and input scales are consumed here; `keep(key)` False skips a tensor without
     reading it (the other components of an all-in-one checkpoint).
     """
+    staging = None
+    if torch.device(device).type == "cuda":  # pinned, at most 64 MiB (the host allocator rounds up to 2^k)
+        size = min(STAGING_BYTES, max(e - b for b, e in header.offsets.values()))
+        staging = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=True)
     with open(header.path, "rb") as f:
         scales = {
             w: read_tensor(f, header, s, device) for w, s in plan.scales.items() if keep is None or keep(w)
@@ -309,7 +329,7 @@ def iter_plain_tensors(
         for key in sorted(header.offsets):  # name order keeps each block's Q/K/V pieces together
             if key in plan.aux or (keep is not None and not keep(key)):
                 continue
-            t = read_tensor(f, header, key, device)
+            t = read_tensor(f, header, key, device, staging)
             if key in scales:
                 t = dequantize(t, scales[key], dtype)
             elif t.is_floating_point():
