@@ -473,3 +473,17 @@ def test_interpreter_subprocess():
     passed = re.search(r"(\d+) passed", proc.stdout)
     assert passed and int(passed.group(1)) >= 40, tail
     assert not re.search(r"\d+ (failed|error|skipped)", proc.stdout), tail
+
+
+def test_kernels_step_aside_while_autograd_records(monkeypatch):
+    """Triton kernels have no backward: with gradients on, launchers must take the references."""
+    import qwenfast.kernels as K
+
+    monkeypatch.setattr(K, "triton_available", lambda: True)
+    monkeypatch.setattr(K, "interpreting", lambda: True)  # CPU tensors count as kernel-capable
+    with K.use_backend("triton"):
+        x, w = torch.randn(4, 8), torch.randn(8, requires_grad=True)
+        assert K.use_triton(x, w.detach())
+        assert not K.use_triton(x, w)
+        with torch.no_grad():
+            assert K.use_triton(x, w)

@@ -21,7 +21,7 @@ from qwenfast.runtime.memory import Calibration, MemoryPlanner, ModelSizes, defa
 from qwenfast.runtime.offload import BlockStreamer
 
 TINY = (
-    Path(__file__).resolve().parents[1] / "qwenfast" / "assets" / "tiny-random"
+    Path(__file__).resolve().parent / "assets" / "tiny-random"
 )  # not the default: it may change
 SIZE = dict(height=64, width=48, num_inference_steps=2, output_type="np")
 

@@ -94,8 +94,9 @@ def png_pixels(b64: str) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
 
 
-def alone(pipe, prompt, seed, w, h, steps=2, cfg=4.0, negative=" ") -> np.ndarray:
+def alone(pipe, prompt, seed, w, h, steps=2, cfg=None, negative=" ") -> np.ndarray:
     """The request run by itself (batch of one) straight through the pipeline, as uint8 pixels."""
+    cfg = pipe.defaults["true_cfg_scale"] if cfg is None else cfg  # the server's default too
     out = pipe(prompt=[prompt], negative_prompt=[negative] if negative is not None else None, height=h, width=w,
                num_inference_steps=steps, true_cfg_scale=cfg, generator=[torch.Generator("cpu").manual_seed(seed)],
                output_type="pil")  # fmt: skip
@@ -172,7 +173,7 @@ def test_openai_client_generations(server, pipe):
     openai = pytest.importorskip("openai")
     base, _ = server
     cl = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
-    assert [m.id for m in cl.models.list().data] == ["tiny-random"]
+    assert [m.id for m in cl.models.list().data] == [Path(pipe.model_path).name]
 
     r = cl.images.generate(prompt="a red cat", size="48x32", n=2, extra_body={"steps": 2, "seed": 11})
     assert r.size == "48x32" and len(r.data) == 2
@@ -537,7 +538,7 @@ def test_web_page_in_headless_chromium(server, tmp_path):
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(base + "/")
             page.wait_for_function(
-                "() => document.getElementById('model').textContent.includes('tiny-random')"
+                "() => document.getElementById('model').textContent.includes('demo-t2i')"
             )
             page.evaluate("""() => { window.seen = []; new MutationObserver(() => window.seen.push(
                 document.getElementById('status').textContent)).observe(document.getElementById('status'),

@@ -4,7 +4,7 @@ It is saved by diffusers in the real Hugging Face layout and loaded by qwenfast'
 `qwenfast generate "..."` works on a fresh CPU machine. A later step replaces it with a trained demo
 model. Needs the [test] extra (diffusers).
 
-    python tools/make_default_model.py [--out qwenfast/assets/tiny-random]
+    python tools/make_default_model.py [--out tests/assets/tiny-random]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ DEFAULTS = {"height": 256, "width": 256, "num_inference_steps": 20, "true_cfg_sc
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "qwenfast/assets/tiny-random"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent / "tests/assets/tiny-random"))
     a = ap.parse_args()
     out = Path(a.out)
     if out.exists():

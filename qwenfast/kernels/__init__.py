@@ -104,8 +104,15 @@ def use_backend(name: str) -> Iterator[str]:
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
-    """Whether a launcher should run its Triton kernel on these tensors (not the layout checks)."""
+    """Whether a launcher should run its Triton kernel on these tensors (not the layout checks).
+
+    Never while autograd records: the kernels have no backward, and running them would silently cut
+    the gradient (training would leave the modulation weights untouched), so training gets the
+    differentiable references.
+    """
     if backend() != "triton" or not triton_available():
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     if interpreting():
         return all(t.device.type == "cpu" for t in tensors)

@@ -46,6 +46,7 @@ def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     ok = (
         backend() == "triton" and x.is_cuda and bias is not None and x.dtype in FLOAT_DTYPES
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
         and weight.dtype == x.dtype and bias.dtype == x.dtype and weight.dim() == 2 and bias.dim() == 1
         and x.shape[-1] == weight.shape[1] and bias.shape[0] == weight.shape[0] and x.numel() > 0
     )  # fmt: skip
