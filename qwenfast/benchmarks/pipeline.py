@@ -180,7 +180,9 @@ def end_to_end(ours, ref, cases, smoke: bool) -> dict:
             timer.wrap(pipe, "encode_prompt", "text_encode_s")
             timer.wrap(pipe.vae, "decode", "vae_decode_s")
             try:
-                _call(pipe, engine, size, 2, cfg, f"warm-up {name}")
+                # warm-up with the timed prompt: same shapes, so CUDA graphs are captured here, as in
+                # a running service (diffusers gets the same warm-up)
+                _call(pipe, engine, size, 2, cfg, f"{PROMPT} ({name})")
                 _free()
                 timer.reset()
                 _reset_peak()
