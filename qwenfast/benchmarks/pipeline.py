@@ -422,7 +422,7 @@ def offload_bench(ours, smoke: bool) -> dict:
 
 
 def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool = False, offload: bool = False,
-        e2e: bool = True, out_dir: Path = Path("bench/results")) -> dict:  # fmt: skip
+        e2e: bool = True, out_dir: Path = Path("bench/results"), fp8: bool = False) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     ours, ref = build(smoke)
     for p in (ours, ref):
@@ -444,6 +444,9 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
 
     if e2e:
         save("end_to_end", end_to_end(ours, ref, cases, smoke))
+    if fp8 and e2e:  # qwenfast again with FP8 block GEMMs (irreversible for `ours`, so after the bf16 rows)
+        ours.enable_fp8()
+        save("end_to_end_fp8", end_to_end(ours, None, cases, smoke))
     if vae:
         save("vae", vae_bench(ours, ref, smoke))
     if memory:
@@ -465,10 +468,11 @@ def add_arguments(p) -> None:
     p.add_argument("--memory", action="store_true", help="also calibrate/check the memory planner")
     p.add_argument("--offload", action="store_true", help="also forced-OOM recovery and offload modes (last)")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end cases")
+    p.add_argument("--fp8", action="store_true", help="repeat the end-to-end cases with qwenfast's FP8 GEMMs")
     p.add_argument("--results", default="bench/results", help="folder for pipeline.jsonl")
 
 
 def run_from_args(a) -> int:
     run(cases=tuple(a.case or CASES), smoke=a.smoke, vae=a.vae, memory=a.memory, offload=a.offload,
-        e2e=not a.no_e2e, out_dir=Path(a.results))  # fmt: skip
+        e2e=not a.no_e2e, out_dir=Path(a.results), fp8=a.fp8)  # fmt: skip
     return 0
