@@ -34,8 +34,8 @@ from .text_to_image import (
     QwenImageOutput,
     QwenImagePipeline,
     _as_prompt_list,
+    negative_prompts,
     postprocess,
-    randn_tensor,
 )
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -271,13 +271,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         h, w = self._check(
             height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas
         )
-        negs = None
-        if negative_prompt is not None:
-            negs = _as_prompt_list(negative_prompt, "negative_prompt")
-            if len(negs) == 1 and len(prompts) > 1:
-                negs = negs * len(prompts)
-            if len(negs) != len(prompts):
-                raise ValueError(f"got {len(negs)} negative prompts for {len(prompts)} prompts")
+        negs = negative_prompts(prompts, negative_prompt)
         do_cfg = cfg_scale > 1 and negs is not None
 
         B = len(prompts) * num_images_per_prompt
@@ -285,15 +279,8 @@ class QwenImageEditPipeline(QwenImagePipeline):
         neg_text = self.encode_edit_prompt(negs, vl_images, num_images_per_prompt) if do_cfg else None
         cond, ref_shapes = self.encode_images(vae_in, B)
 
-        dev, dt = self.device, self.dtype
-        if latents is None:
-            x = S.pack_latents(randn_tensor((B, 1, 16, h, w), generator, dev, dt)[:, 0])  # (B, h/2*w/2, 64)
-        else:
-            if tuple(latents.shape) != (B, (h // 2) * (w // 2), 64):
-                raise ValueError(
-                    f"latents must have shape {(B, (h // 2) * (w // 2), 64)} (packed), got {tuple(latents.shape)}"
-                )
-            x = latents.to(dev, dt)
+        dev = self.device
+        x = self.initial_latents(B, h, w, generator, latents)  # (B, h/2*w/2, 64)
         img_shapes = [(1, h // 2, w // 2), *ref_shapes]
         cfg = self.scheduler_config_for(scheduler_overrides)
         sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)

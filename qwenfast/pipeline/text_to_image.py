@@ -283,13 +283,7 @@ class QwenImagePipeline:
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
         prompts = _as_prompt_list(prompt, "prompt")
         h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
-        negs = None
-        if negative_prompt is not None:
-            negs = _as_prompt_list(negative_prompt, "negative_prompt")
-            if len(negs) == 1 and len(prompts) > 1:
-                negs = negs * len(prompts)
-            if len(negs) != len(prompts):
-                raise ValueError(f"got {len(negs)} negative prompts for {len(prompts)} prompts")
+        negs = negative_prompts(prompts, negative_prompt)
         do_cfg = cfg_scale > 1 and negs is not None
         if cfg_scale > 1 and negs is None:
             log.info("true_cfg_scale=%s but no negative_prompt: classifier-free guidance is off", cfg_scale)
@@ -299,14 +293,8 @@ class QwenImagePipeline:
         if do_cfg:
             nemb, nmask = self.encode_prompt(negs, num_images_per_prompt, max_sequence_length)
 
-        dev, dt = self.device, self.dtype
-        if latents is None:
-            noise = randn_tensor((B, 1, 16, h, w), generator, dev, dt)
-            x = S.pack_latents(noise[:, 0])  # (B, h/2*w/2, 64)
-        else:
-            if tuple(latents.shape) != (B, (h // 2) * (w // 2), 64):
-                raise ValueError(f"latents must have shape {(B, (h // 2) * (w // 2), 64)} (packed), got {tuple(latents.shape)}")
-            x = latents.to(dev, dt)
+        dev = self.device
+        x = self.initial_latents(B, h, w, generator, latents)  # (B, h/2*w/2, 64)
         img_shapes = [(1, h // 2, w // 2)]
 
         cfg = self.scheduler_config_for(scheduler_overrides)
@@ -317,6 +305,16 @@ class QwenImagePipeline:
             return QwenImageOutput(images=x)
         image = self.decode_latents(x, h, w)  # (B, 3, H, W) in [-1, 1]
         return QwenImageOutput(images=postprocess(image, output_type))
+
+    def initial_latents(self, B: int, h: int, w: int, generator, latents=None) -> torch.Tensor:
+        """Packed starting noise (B, h/2*w/2, 64) drawn as diffusers draws it, or the caller's `latents`."""
+        if latents is None:
+            noise = randn_tensor((B, 1, 16, h, w), generator, self.device, self.dtype)
+            return S.pack_latents(noise[:, 0])
+        want = (B, (h // 2) * (w // 2), 64)
+        if tuple(latents.shape) != want:
+            raise ValueError(f"latents must have shape {want} (packed), got {tuple(latents.shape)}")
+        return latents.to(self.device, self.dtype)
 
     def denoise(self, x, sig, img_shapes, text, neg_text=None, cfg_scale: float = 1.0, cond_latents=None,
                 callback=None) -> torch.Tensor:  # fmt: skip
@@ -429,6 +427,18 @@ def join_text(emb, mask, nemb, nmask):
     (e1, m1), (e2, m2) = pad(emb, mask), pad(nemb, nmask)
     m = torch.cat([m1, m2])
     return torch.cat([e1, e2]), (None if bool(m.all()) else m)
+
+
+def negative_prompts(prompts: list[str], negative_prompt) -> list[str] | None:
+    """The negative prompt(s) as a list matching `prompts` (one is repeated), or None."""
+    if negative_prompt is None:
+        return None
+    negs = _as_prompt_list(negative_prompt, "negative_prompt")
+    if len(negs) == 1 and len(prompts) > 1:
+        negs = negs * len(prompts)
+    if len(negs) != len(prompts):
+        raise ValueError(f"got {len(negs)} negative prompts for {len(prompts)} prompts")
+    return negs
 
 
 def postprocess(image: torch.Tensor, output_type: str):
