@@ -84,9 +84,28 @@ def single_file_kwargs(a) -> dict | None:
     return given
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _add_sampling_args(p: argparse.ArgumentParser, size_help: str) -> None:
+    """Options `generate` and `edit` share."""
     from .config import PRESETS
 
+    p.add_argument("--negative", default=None, help="negative prompt (default ' ' when --cfg > 1, as Qwen's examples)")
+    p.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: model's, 50 for Qwen-Image)")
+    p.add_argument("--cfg", type=float, default=None, help="true CFG scale; 1 disables CFG (default: model's, 4.0)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
+    p.add_argument("--size", type=_size, default=None, help=size_help)
+    p.add_argument("--n", type=_positive, default=1, help="number of images")
+    p.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--lora", type=_lora_spec, action="append", default=[], metavar="PATH[:STRENGTH]",
+                   help="fuse a LoRA (.safetensors; diffusers, kohya, ComfyUI names) at STRENGTH (default 1); repeatable")
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
+    p.add_argument("--fp8", action="store_true",
+                   help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): ~1.35x faster, not bitwise diffusers")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qwenfast", description="Fast Qwen-Image inference.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -95,21 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output", default="out.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
     g.add_argument("--model", default=None, help="diffusers-layout model folder (default: embedded tiny model)")
     add_single_file_args(g)
-    g.add_argument("--negative", default=None, help="negative prompt (default ' ' when --cfg > 1, as Qwen's examples)")
-    g.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: model's, 50 for Qwen-Image)")
-    g.add_argument("--cfg", type=float, default=None, help="true CFG scale; 1 disables CFG (default: model's, 4.0)")
-    g.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
-    g.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT, multiples of 16 (default: model's, 1024x1024)")
-    g.add_argument("--n", type=_positive, default=1, help="number of images")
-    g.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
-    g.add_argument("--quiet", action="store_true", help="no progress bar")
-    g.add_argument("--lora", type=_lora_spec, action="append", default=[], metavar="PATH[:STRENGTH]",
-                   help="fuse a LoRA (.safetensors; diffusers, kohya, ComfyUI names) at STRENGTH (default 1); repeatable")
-    g.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
-    g.add_argument("--fp8", action="store_true",
-                   help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): ~1.35x faster, not bitwise diffusers")  # fmt: skip
+    _add_sampling_args(g, size_help="WIDTHxHEIGHT, multiples of 16 (default: model's, 1024x1024)")
     g.add_argument("--offload", choices=["none", "model", "blocks"], default="none",
                    help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
                         "the transformer blocks from host memory (~24 GB GPUs; slower)")  # fmt: skip
@@ -119,20 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt", required=True, help="the edit instruction")
     e.add_argument("-o", "--output", default="edited.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
     e.add_argument("--model", default=None, help="diffusers-layout edit model folder (default: embedded demo edit model)")
-    e.add_argument("--negative", default=None, help="negative prompt (default ' ' when --cfg > 1)")
-    e.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: model's, 50)")
-    e.add_argument("--cfg", type=float, default=None, help="true CFG scale; 1 disables CFG (default: model's, 4.0)")
-    e.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
-    e.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT (default: ~1024² area, the last image's aspect)")
-    e.add_argument("--n", type=_positive, default=1, help="number of images")
-    e.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
-    e.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
-    e.add_argument("--quiet", action="store_true", help="no progress bar")
-    e.add_argument("--lora", type=_lora_spec, action="append", default=[], metavar="PATH[:STRENGTH]",
-                   help="fuse a LoRA at STRENGTH (default 1); repeatable")  # fmt: skip
-    e.add_argument("--preset", choices=list(PRESETS), default=None, help="sampling recipe for distilled LoRAs")
-    e.add_argument("--fp8", action="store_true",
-                   help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): ~1.35x faster, not bitwise diffusers")  # fmt: skip
+    add_single_file_args(e)
+    _add_sampling_args(e, size_help="WIDTHxHEIGHT (default: ~1024² area, the last image's aspect)")
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
     bsub = b.add_subparsers(dest="what", required=True)
@@ -227,12 +220,17 @@ def cmd_edit(a) -> int:
     from .pipeline.edit import DEFAULT_EDIT_MODEL, QwenImageEditPipeline, load_images
 
     images = load_images(a.image)  # unreadable input fails before the model loads
-    if a.model is None:
+    single = single_file_kwargs(a)
+    if a.model is None and single is None:
         if not DEFAULT_EDIT_MODEL.is_dir():
-            raise ValueError("no embedded edit model in this install; pass --model /path/to/Qwen-Image-Edit-2509")
+            raise ValueError("no embedded edit model in this install; pass --model /path/to/Qwen-Image-Edit-2509 "
+                             "(or --transformer/--vae/--text-encoder/--tokenizer single files)")  # fmt: skip
         print(f"note: no --model given, using the embedded demo edit model ({DEFAULT_EDIT_MODEL})", file=sys.stderr)
     t0 = time.perf_counter()
-    pipe = QwenImageEditPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype)
+    if single is not None:  # Edit-2509/2511 preprocessing; Edit v1 single files: set pipe.mode = "edit" in Python
+        pipe = QwenImageEditPipeline.from_single_files(**single, device=a.device, dtype=a.dtype)
+    else:
+        pipe = QwenImageEditPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype)
     pipe.progress_bar = not a.quiet
     if a.preset:
         pipe.apply_preset(a.preset)
