@@ -163,6 +163,37 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _setup(pipe, a) -> list[dict]:
+    """Progress bar, preset, LoRAs, FP8 (in that order: FP8 bakes the LoRAs in)."""
+    pipe.progress_bar = not a.quiet
+    if a.preset:
+        pipe.apply_preset(a.preset)
+    loras = [{"name": pipe.load_lora(p, s), "path": p, "strength": s} for p, s in a.lora]
+    if a.fp8:
+        pipe.enable_fp8()
+    return loras
+
+
+def _sampling(d: dict, a) -> tuple[int, float, str | None, int]:
+    """(steps, cfg, negative prompt, seed) from the flags over the model's defaults."""
+    steps = a.steps or d["num_inference_steps"]
+    cfg = d["true_cfg_scale"] if a.cfg is None else a.cfg
+    negative = a.negative if a.negative is not None else (" " if cfg > 1 else None)
+    seed = a.seed if a.seed is not None else random.randrange(2**31)
+    return steps, cfg, negative, seed
+
+
+def _meta_extras(meta: dict, a, loras: list[dict]) -> None:
+    import json
+
+    if loras:
+        meta["loras"] = json.dumps(loras)
+    if a.preset:
+        meta["preset"] = a.preset
+    if a.fp8:
+        meta["fp8"] = "e4m3 rowwise (transformer blocks)"
+
+
 def cmd_generate(a) -> int:
     import torch
 
@@ -176,21 +207,13 @@ def cmd_generate(a) -> int:
         pipe = QwenImagePipeline.from_single_files(**single, device=a.device, dtype=a.dtype)
     else:
         pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, offload=a.offload)
-    pipe.progress_bar = not a.quiet
-    if a.preset:
-        pipe.apply_preset(a.preset)
-    loras = [{"name": pipe.load_lora(p, s), "path": p, "strength": s} for p, s in a.lora]
-    if a.fp8:
-        pipe.enable_fp8()
+    loras = _setup(pipe, a)
     if a.offload != "none" and single is not None:  # from_single_files loads to the device; offload afterwards
         pipe.enable_offload(a.offload)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
     w, h = a.size if a.size else (d["width"], d["height"])
-    steps = a.steps or d["num_inference_steps"]
-    cfg = d["true_cfg_scale"] if a.cfg is None else a.cfg
-    negative = a.negative if a.negative is not None else (" " if cfg > 1 else None)
-    seed = a.seed if a.seed is not None else random.randrange(2**31)
+    steps, cfg, negative, seed = _sampling(d, a)
     gen = torch.Generator("cpu").manual_seed(seed)
     t1 = time.perf_counter()
     out = pipe(a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
@@ -198,14 +221,7 @@ def cmd_generate(a) -> int:
     t_gen = time.perf_counter() - t1
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
-    if loras:
-        import json
-
-        meta["loras"] = json.dumps(loras)
-    if a.preset:
-        meta["preset"] = a.preset
-    if a.fp8:
-        meta["fp8"] = "e4m3 rowwise (transformer blocks)"
+    _meta_extras(meta, a, loras)
     paths = save_pngs(out.images, Path(a.output), meta)
     print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
           f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
@@ -231,19 +247,11 @@ def cmd_edit(a) -> int:
         pipe = QwenImageEditPipeline.from_single_files(**single, device=a.device, dtype=a.dtype)
     else:
         pipe = QwenImageEditPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype)
-    pipe.progress_bar = not a.quiet
-    if a.preset:
-        pipe.apply_preset(a.preset)
-    loras = [{"name": pipe.load_lora(p, s), "path": p, "strength": s} for p, s in a.lora]
-    if a.fp8:
-        pipe.enable_fp8()
+    loras = _setup(pipe, a)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
     w, h = a.size if a.size else (None, None)
-    steps = a.steps or d["num_inference_steps"]
-    cfg = d["true_cfg_scale"] if a.cfg is None else a.cfg
-    negative = a.negative if a.negative is not None else (" " if cfg > 1 else None)
-    seed = a.seed if a.seed is not None else random.randrange(2**31)
+    steps, cfg, negative, seed = _sampling(d, a)
     t1 = time.perf_counter()
     out = pipe(images, a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
                true_cfg_scale=cfg, generator=torch.Generator("cpu").manual_seed(seed), num_images_per_prompt=a.n)  # fmt: skip
@@ -252,12 +260,7 @@ def cmd_edit(a) -> int:
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "mode": pipe.mode,
             "inputs": json.dumps([str(p) for p in a.image]), "generator": "qwenfast"}  # fmt: skip
-    if loras:
-        meta["loras"] = json.dumps(loras)
-    if a.preset:
-        meta["preset"] = a.preset
-    if a.fp8:
-        meta["fp8"] = "e4m3 rowwise (transformer blocks)"
+    _meta_extras(meta, a, loras)
     paths = save_pngs(out.images, Path(a.output), meta)
     print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {ow}x{oh}, {pipe.mode}; "
           f"load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})")  # fmt: skip
