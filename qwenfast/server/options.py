@@ -48,17 +48,9 @@ class ServerConfig:
     model_name: str | None = None  # id in /v1/models (default: the model folder's name)
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import _positive  # the CLI's whole-number parser (same messages)
+
     d, lim = ServerConfig(), Limits()
     p.add_argument(
         "--model", default=None, help="diffusers-layout model folder (default: embedded tiny model)"
