@@ -263,3 +263,21 @@ def test_planner_from_pipeline_and_calibration_file(pipe_, tmp_path):
     assert Calibration.load(tmp_path / "c.json") == c
     assert Calibration.load(tmp_path / "missing.json") == Calibration()
     assert default_budget("cpu") > 2**60
+
+
+def test_graph_capture_oom_is_raised_not_swallowed(monkeypatch):
+    """An OOM while capturing must reach the OOM back-off; graphs stay enabled for smaller batches."""
+    from qwenfast.runtime.cuda_graphs import CudaGraphRunner
+
+    runner = CudaGraphRunner(torch.nn.Identity())
+
+    def capture(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(runner, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    x = torch.zeros(1)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with pytest.raises(torch.OutOfMemoryError):
+        runner(x, x, None, x, [(1, 1, 1)])
+    assert runner.enabled

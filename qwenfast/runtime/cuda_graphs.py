@@ -38,6 +38,9 @@ class CudaGraphRunner:
         if entry is None:
             try:
                 entry = self._capture(x, txt, mask, t, img_shapes, additional_t_cond)
+            except torch.OutOfMemoryError:  # not a capture problem: let the OOM back-off split the batch
+                torch.cuda.synchronize()
+                raise
             except Exception as e:  # any capture failure: fall back to eager, keep serving
                 warnings.warn(f"CUDA graph capture failed, running eagerly from now on: {e}", stacklevel=2)
                 self.enabled = False
