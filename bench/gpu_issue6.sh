@@ -22,3 +22,7 @@ timeout 150 python3 -m pytest -q -x tests/test_vae_fast.py tests/test_runtime_me
 timeout 400 python3 -m qwenfast.cli bench pipeline --vae --memory --offload --results "$OUT" 2>&1 \
     | grep -v "it/s\]" | tee -a "$OUT/gpu_issue6.log" | tail -40
 echo "exit ${PIPESTATUS[0]}"
+# 3. end to end once more with FP8 block GEMMs (a separate process: enable_fp8 is irreversible and
+#    would change the planner calibration above)
+timeout 220 python3 -m qwenfast.cli bench pipeline --fp8 --results "$OUT" 2>&1 | grep -v "it/s\]" \
+    | tee -a "$OUT/gpu_issue6.log" | grep -v '^{' | tail -12
