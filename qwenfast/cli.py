@@ -243,7 +243,7 @@ def cmd_edit(a) -> int:
                              "(or --transformer/--vae/--text-encoder/--tokenizer single files)")  # fmt: skip
         print(f"note: no --model given, using the embedded demo edit model ({DEFAULT_EDIT_MODEL})", file=sys.stderr)
     t0 = time.perf_counter()
-    if single is not None:  # Edit-2509/2511 preprocessing; Edit v1 single files: set pipe.mode = "edit" in Python
+    if single is not None:  # Edit-2509/2511 preprocessing (Edit v1 files: from_single_files(..., mode="edit"))
         pipe = QwenImageEditPipeline.from_single_files(**single, device=a.device, dtype=a.dtype)
     else:
         pipe = QwenImageEditPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype)

@@ -194,3 +194,21 @@ def test_cli_edit(edit_plus, tmp_path):
     im = Image.open(out)
     assert im.size == (64, 48) and im.text["mode"] == "edit-plus" and im.text["prompt"] == "make it red"
     assert main(["edit", str(tmp_path / "nope.png"), "--prompt", "x", "--model", str(edit_plus[2])]) == 2
+
+
+def test_single_files_edit_v1_mode(edit_v1):
+    from qwenfast.pipeline.edit import QwenImageEditPipeline
+
+    _, qf, path = edit_v1
+    files = {k: path / k for k in ("transformer", "vae", "text_encoder", "tokenizer")}
+    sf = QwenImageEditPipeline.from_single_files(**files, scheduler=path / "scheduler" / "scheduler_config.json",
+                                                 device="cpu", dtype=torch.float32, mode="edit")  # fmt: skip
+    sf.progress_bar = False
+    assert sf.mode == "edit"
+    img = _image(40, 32, 13)
+    kw = {**KW, "num_inference_steps": 1, "negative_prompt": None, "true_cfg_scale": 1.0}
+    a = qf(img, generator=torch.Generator().manual_seed(0), output_type="np", **kw).images
+    b = sf(img, generator=torch.Generator().manual_seed(0), output_type="np", **kw).images
+    assert np.abs(a - b).max() < 1e-6
+    with pytest.raises(ValueError, match="mode must be one of"):
+        QwenImageEditPipeline.from_single_files(**files, mode="v3")

@@ -162,6 +162,16 @@ class QwenImageEditPipeline(QwenImagePipeline):
         return cls(transformer, vae, te, sched, model_path=str(path), defaults=defaults, mode=kind,
                    image_processor=load_image_processor(path / "processor"))  # fmt: skip
 
+    @classmethod
+    def from_single_files(cls, *args, mode: str = "edit-plus", **kwargs) -> QwenImageEditPipeline:
+        """ComfyUI single files (see `QwenImagePipeline.from_single_files`). Single files do not say
+        which edit model they are: `mode="edit"` for Qwen-Image-Edit v1, else Edit-2509/2511."""
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        pipe = super().from_single_files(*args, **kwargs)
+        pipe.mode = mode
+        return pipe
+
     # ---------------------------------------------------------------- preprocessing
     def prepare_images(self, images: list) -> tuple[list, list, tuple[int, int]]:
         """-> (VL images, VAE images (both PIL, resized as diffusers does), default output (width, height))."""
