@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from qwenfast.demo import data as D  # noqa: E402
+from qwenfast.testing.tiny import SCHEDULER_CONFIG  # noqa: E402  (Qwen-Image's scheduler config)
 
 SEED = 0
 VAE_CFG = {"base_dim": 24, "z_dim": 16, "dim_mult": [1, 2, 2, 2], "num_res_blocks": 1, "attn_scales": [],
@@ -316,21 +317,6 @@ def train_dit(dit, ema, lat, emb, lens, cap_idx, null_idx, dev, *, steps, batch,
     return hist, step + 1
 
 
-SCHEDULER_CONFIG = {
-    "num_train_timesteps": 1000,
-    "shift": 1.0,
-    "use_dynamic_shifting": True,
-    "base_shift": 0.5,
-    "max_shift": 0.9,
-    "base_image_seq_len": 256,
-    "max_image_seq_len": 8192,
-    "shift_terminal": 0.02,
-    "time_shift_type": "exponential",
-    "invert_sigmas": False,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-}  # fmt: skip  (qwenfast.testing.tiny.SCHEDULER_CONFIG, Qwen-Image's)
 
 
 def sweep(pipe, n, grid, hard_deadline=float("inf"), batch=24):
