@@ -97,6 +97,18 @@ if triton_available():
         return y + shift  # rounded by the caller's store
 
     @triton.jit
+    def _row_coords(L, D, B, split, BLOCK: tl.constexpr):
+        """One program per token row: (sample, token, column offsets, column mask, modulation row).
+
+        The modulation row is `b`, or `b + B` (the t=0 half) for tokens from `split` on (zero_cond_t).
+        """
+        row = tl.program_id(0).to(tl.int64)
+        b = row // L
+        tok = row % L
+        cols = tl.arange(0, BLOCK)
+        return b, tok, cols, cols < D, b + tl.where(tok >= split, B, 0)
+
+    @triton.jit
     def _layernorm_modulate_kernel(
         x_ptr, shift_ptr, scale_ptr, out_ptr,
         L, D, B, split,
@@ -104,12 +116,7 @@ if triton_available():
         eps,
         BLOCK: tl.constexpr, DT: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        b = row // L
-        tok = row % L
-        cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        mrow = b + tl.where(tok >= split, B, 0)
+        b, tok, cols, mask, mrow = _row_coords(L, D, B, split, BLOCK)
         x = tl.load(x_ptr + b * sx_b + tok * sx_l + cols, mask=mask, other=0.0).to(tl.float32)
         shift = tl.load(shift_ptr + mrow * s_shift + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + mrow * s_scale + cols, mask=mask, other=0.0).to(tl.float32)

@@ -40,7 +40,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .adaln import _cast, _ln_modulate_row, _round
+    from .adaln import _cast, _ln_modulate_row, _round, _row_coords
 
     @triton.jit
     def _gated_residual_kernel(
@@ -50,12 +50,7 @@ if triton_available():
         eps,
         BLOCK: tl.constexpr, DT: tl.constexpr, NORM: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        b = row // L
-        tok = row % L
-        cols = tl.arange(0, BLOCK)
-        mask = cols < D
-        mrow = b + tl.where(tok >= split, B, 0)
+        b, tok, cols, mask, mrow = _row_coords(L, D, B, split, BLOCK)
         x = tl.load(x_ptr + b * sx_b + tok * sx_l + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + b * sy_b + tok * sy_l + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(gate_ptr + mrow * s_gate + cols, mask=mask, other=0.0).to(tl.float32)
