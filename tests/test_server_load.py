@@ -29,22 +29,11 @@ from PIL import Image  # noqa: E402
 from qwenfast.server.app import create_app  # noqa: E402
 from qwenfast.server.options import ServerConfig  # noqa: E402
 from qwenfast.server.run import load_pipeline, start_server, stop_server  # noqa: E402
+from tests.test_server import _one_torch_thread  # noqa: E402, F401  (autouse: one intra-op thread)
 
 SIZES = [(32, 32), (48, 32), (32, 48), (64, 32), (64, 64)]
 WORDS = "red blue small large cat dog house tree river moon over under a the with painting photo".split()
 N_REQUESTS, N_CLIENTS = 200, 16
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models on CPU: one intra-op thread. With two, every small op waits for the second core,
-    which on a shared 2-core runner makes these tests ~10x slower (measured 0.16 s vs 0.011 s per image)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _requests(seed: int = 0) -> list[dict]:
