@@ -7,6 +7,7 @@ Errors a user can fix (bad size, missing files, unknown dtype) print one line st
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import random
 import sys
@@ -153,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     bq.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
     bq.add_argument("--verbose", action="store_true", help="list the failing prompts and checks")
+    bq.add_argument("--paths", action="store_true",
+                    help="score every code path (fp32 reference, bf16, kernels, graphs, batched CFG, FP8) "
+                         "and each one's gap to the reference")  # fmt: skip
+    bq.add_argument("--results", default="bench/results", help="folder for quality.jsonl (with --paths)")
 
     from .server.options import add_serve_arguments
 
@@ -326,9 +331,19 @@ def cmd_bench(a) -> int:
     import torch
 
     if a.what == "quality":  # the demo model's quality gate; CPU or GPU
-        from .demo.bench import quality
+        from .demo.bench import quality, quality_paths
 
-        quality(a.model, n=min(a.n, 120), device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg, verbose=a.verbose)
+        if not a.paths:
+            quality(a.model, n=min(a.n, 120), device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg,
+                    verbose=a.verbose)  # fmt: skip
+            return 0
+        from .benchmarks import save_record, versions
+
+        rows = quality_paths(a.model, n=min(a.n, 120), device=a.device)
+        record = {"bench": "quality_paths", **versions(), "n": min(a.n, 120), "rows": rows,
+                  "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
+        save_record(record, Path(a.results) / "quality.jsonl")
+        print(json.dumps(record))
         return 0
     if a.what == "serve":  # runs on CPU too (smoke test on the embedded model)
         from .benchmarks.serve import run_from_args

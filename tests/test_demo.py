@@ -151,3 +151,18 @@ def test_shipped_demo_model_scores_on_cpu():
 
 
 MIN_SCORE_16 = 75.0  # % of the first 16 held-out prompts passing every check (measured 87.5% on CPU)
+
+
+@pytest.mark.skipif(not (DEMO / "transformer").is_dir(), reason="demo model not built")
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the fast paths need a GPU")
+def test_fast_paths_keep_the_score_on_gpu():
+    """Issue 5's gate: every fast path (bf16, kernels, CUDA graphs, batched CFG, FP8) scores within 2
+    points of the fp32 reference path on the whole held-out suite (same seeds)."""
+    from qwenfast.demo.bench import quality_paths
+
+    rows = quality_paths(DEMO, n=120, device="cuda")
+    scored = [r for r in rows if "score" in r]
+    assert len(scored) >= 5, rows
+    assert scored[0]["score"] >= 90.0, rows
+    bad = [r for r in scored if abs(r["gap"]) > 2.0]
+    assert not bad, rows

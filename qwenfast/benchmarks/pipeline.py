@@ -183,6 +183,8 @@ def end_to_end(ours, ref, cases, smoke: bool) -> dict:
                 # warm-up with the timed prompt: same shapes, so CUDA graphs are captured here, as in
                 # a running service (diffusers gets the same warm-up)
                 _call(pipe, engine, size, 2, cfg, f"{PROMPT} ({name})")
+                if engine == "qwenfast":  # time a real encode: the warm-up cached this prompt's embedding
+                    pipe.text_encoder.clear_cache()
                 _free()
                 timer.reset()
                 _reset_peak()
@@ -365,25 +367,32 @@ def offload_bench(ours, smoke: bool) -> dict:
     size, steps = (64, 2) if smoke else (1024, 4)
     prompts = [f"{PROMPT} #{i}" for i in range(4)]
 
-    def run(batch_prompts, **kw):
+    def run(batch_prompts, output_type="np"):
         return ours(batch_prompts, height=size, width=size, num_inference_steps=steps, true_cfg_scale=1.0,
                     generator=[torch.Generator("cpu").manual_seed(i) for i in range(len(batch_prompts))],
-                    output_type="np", **kw)  # fmt: skip
+                    output_type=output_type)  # fmt: skip
 
     ours.cuda_graphs = False  # a captured batch-4 graph would keep its pool: the OOM must be real
     _drop_graphs(ours)
+    want_lat = run(prompts, "latent").images.float()
     want = run(prompts).images
-    if cuda:  # a fraction that holds the weights + one image's activations, not four
+    if cuda:  # a fraction that holds the weights + the denoising activations of two images, not four
         _free()
         total = torch.cuda.get_device_properties(0).total_memory
-        pl = MemoryPlanner.from_pipeline(ours)
-        one = pl.predict(size, size, 1, cfg=False).peak - pl.resident("none")
-        allowed = torch.cuda.memory_allocated() + int(1.6 * one)
+        p4 = MemoryPlanner.from_pipeline(ours).predict(size, size, 4, cfg=False)
+        act4 = p4.phases["denoise"] - p4.resident
+        allowed = torch.cuda.memory_allocated() + int(0.6 * act4)
+        res["forced_oom_allowed_gib"] = round(allowed / GiB, 2)
         torch.cuda.set_per_process_memory_fraction(min(1.0, allowed / total))
     try:
+        # latents first (the split itself must not change them), then the whole call to pixels (the VAE
+        # may also tile under this cap, which moves pixels a little: reported, not compared)
+        lat = run(prompts, "latent")
         t0 = time.perf_counter()
         out = run(prompts)
         res["forced_oom"] = {"s": round(time.perf_counter() - t0, 2), "events": out.info.get("oom_backoff", []),
+                             "latent_events": lat.info.get("oom_backoff", []),
+                             "latent_max_abs_diff_vs_unsplit": float((lat.images.float() - want_lat).abs().max()),
                              "max_abs_diff_vs_unsplit": float(np.abs(out.images - want).max())}  # fmt: skip
     except Exception as e:  # noqa: BLE001 - the record says what happened
         res["forced_oom"] = {"error": f"{type(e).__name__}: {e}"[:500]}
@@ -425,10 +434,12 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
         e2e: bool = True, out_dir: Path = Path("bench/results"), fp8: bool = False) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     ours, ref = build(smoke)
-    for p in (ours, ref):
-        p.set_progress_bar_config(disable=True) if hasattr(p, "set_progress_bar_config") else None
+    ref.set_progress_bar_config(disable=True)
     ours.progress_bar = False
-    record = {"bench": "pipeline", "device": _device_name(), "torch": torch.__version__, "smoke": smoke,
+    from . import versions
+
+    record = {"bench": "pipeline", "device": _device_name(), "torch": torch.__version__,
+              "triton": versions()["triton"], "smoke": smoke,
               "build_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     print(f"built in {record['build_s']} s on {record['device']}", flush=True)
     out_dir = Path(out_dir)
@@ -438,7 +449,7 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
         record[key] = value
         with open(out_dir / "pipeline.jsonl", "a") as f:
             f.write(
-                json.dumps({k: record[k] for k in ("bench", "device", "torch", "smoke")} | {key: value})
+                json.dumps({k: record[k] for k in ("bench", "device", "torch", "triton", "smoke")} | {key: value})
                 + "\n"
             )
 
@@ -449,11 +460,14 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
         save("end_to_end_fp8", end_to_end(ours, None, cases, smoke))
     if vae:
         save("vae", vae_bench(ours, ref, smoke))
+    # Drop diffusers: it shares our GPU weights but also holds its own unfused Q/K/V copies (6.3 GiB at
+    # full size), which would count as our base memory, and it would keep the weights on the GPU after
+    # offloading moves ours to the host.
+    del ref
+    _free()
     if memory:
         save("memory", memory_calibration(ours, smoke, out_dir))
     if offload:
-        ref = None  # drop diffusers' references to the shared GPU weights before moving them to the host
-        gc.collect()
         save("offload", offload_bench(ours, smoke))
     print(json.dumps(record))
     return record

@@ -62,3 +62,49 @@ def quality(model=None, n: int = 120, device=None, dtype=None, steps=None, cfg=N
                 bad = [k for k, v in it["checks"].items() if not v]
                 print(f"  FAIL {it['prompt']!r}: {', '.join(bad)}")
     return res
+
+
+# ------------------------------------------------------------------------------------ the gate per path
+# (name, dtype, kernel backend, CUDA graphs, batched CFG, fast VAE, FP8): each path adds one speed-up to
+# the one above it, so a drop in score points at the step that caused it. True (not "auto") batched
+# CFG forces the padded, masked batch, the riskier path.
+PATHS = (
+    ("reference fp32", torch.float32, "torch", False, False, False, False),
+    ("bf16", torch.bfloat16, "torch", False, False, False, False),
+    ("bf16 + kernels", torch.bfloat16, "triton", False, False, True, False),
+    ("bf16 + kernels + graphs", torch.bfloat16, "triton", True, False, True, False),
+    ("bf16 + kernels + graphs + batched CFG", torch.bfloat16, "triton", True, True, True, False),
+    ("fp8 + kernels + graphs + batched CFG", torch.bfloat16, "triton", True, True, True, True),
+)
+
+
+def quality_paths(model=None, n: int = 120, device=None, batch: int = 24, paths=PATHS) -> list[dict]:
+    """Score the held-out suite once per code path (same seeds); rows with the gap to the reference.
+
+    FP8 rows are skipped where FP8 GEMMs are not supported (CPU, pre-Ada GPUs)."""
+    from ..kernels import use_backend
+    from ..kernels.fp8_linear import fp8_supported
+    from ..pipeline.text_to_image import QwenImagePipeline, resolve_device
+
+    dev = resolve_device(device)
+    rows, ref = [], None
+    for name, dtype, kernels, graphs, batched, fast_vae, fp8 in paths:
+        if fp8 and not fp8_supported(dev):
+            rows.append({"path": name, "skipped": f"FP8 GEMMs need an Ada/Hopper GPU, not {dev}"})
+            continue
+        pipe = QwenImagePipeline.from_pretrained(model, device=dev, dtype=dtype)
+        pipe.progress_bar = False
+        pipe.cuda_graphs, pipe.batched_cfg, pipe.vae.fast = graphs, batched, fast_vae
+        if fp8:
+            pipe.enable_fp8()
+        t0 = time.perf_counter()
+        with use_backend(kernels):
+            res, _ = run_t2i(pipe, n, batch=batch)
+        row = {"path": name, "score": round(res.score, 2), "attribute": round(res.attribute, 2),
+               "s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        ref = row["score"] if ref is None else ref
+        row["gap"] = round(row["score"] - ref, 2)
+        rows.append(row)
+        print(f"  {name:40s} {row['score']:5.1f}%  (gap {row['gap']:+.1f})  {row['s']:.1f}s", flush=True)
+        del pipe
+    return rows

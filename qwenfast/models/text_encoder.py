@@ -151,6 +151,10 @@ class TextEncoder:
         hidden = out.hidden_states[-1][0]  # (T, D)
         return hidden[tok.attention_mask[0].bool()][drop:]
 
+    def clear_cache(self) -> None:
+        """Forget every cached prompt embedding."""
+        self._cache.clear()
+
     def _put(self, key, value):
         if self.cache_size <= 0:
             return
