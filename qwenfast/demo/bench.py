@@ -40,6 +40,21 @@ def run_t2i(
     return S.score_prompts(images, prompts), images
 
 
+def run_edits(pipe, n: int = 36, *, steps=None, cfg=None, seed0: int = 0) -> tuple[S.SuiteResult, list[np.ndarray]]:
+    """The held-out edit suite with an edit pipeline: edit i of `before` i with seed seed0 + i."""
+    suite = D.eval_edits()[:n]
+    d = pipe.defaults
+    steps = d["num_inference_steps"] if steps is None else steps
+    cfg = d["true_cfg_scale"] if cfg is None else cfg
+    images = []
+    for i, (before, instruction, _) in enumerate(suite):
+        res = pipe(D.render(before), instruction, negative_prompt=" " if cfg > 1 else None, num_inference_steps=steps,
+                   true_cfg_scale=cfg, generator=torch.Generator("cpu").manual_seed(seed0 + i), output_type="np")  # fmt: skip
+        images.append(S.to_uint8(res.images[0]))
+    befores = [b for b, _, _ in suite]
+    return S.score_edits(images, befores, [ins for _, ins, _ in suite]), images
+
+
 def quality(model=None, n: int = 120, device=None, dtype=None, steps=None, cfg=None, batch: int = 16,
             verbose: bool = False) -> S.SuiteResult:  # fmt: skip
     """Load a text-to-image model folder (None = the embedded default) and print its suite score."""

@@ -119,28 +119,32 @@ class TextEncoder:
         `Qwen2VLProcessor` does), so only the image processor is needed, not torchvision.
         """
         digest = image_digest(images)
-        seqs = []
-        for p in prompts:
-            key = (p, template, drop, digest)
-            if key in self._cache:
-                h = self._get(key)
-            else:
-                h = self._hidden_vl(template.format(p), images, image_processor, drop)
-                self._put(key, h)
-            seqs.append(h)
-        return pad_embeddings(seqs)
+        keys = [(p, template, drop, digest) for p in prompts]
+        todo = [k for k in dict.fromkeys(keys) if k not in self._cache]
+        if todo:  # every new prompt in one batched forward (padding masked)
+            hs = self._hidden_vl([template.format(k[0]) for k in todo], [images] * len(todo), image_processor, drop)
+            fresh = dict(zip(todo, hs))
+            for k, h in fresh.items():
+                self._put(k, h)
+        else:
+            fresh = {}
+        return pad_embeddings([fresh[k] if k in fresh else self._get(k) for k in keys])
 
-    def _hidden_vl(self, text: str, images: list, image_processor, drop: int) -> torch.Tensor:
-        vis = image_processor(images=images, return_tensors="pt")
+    def _hidden_vl(self, texts: list[str], images: list[list], image_processor, drop: int) -> list[torch.Tensor]:
+        """Last hidden states (template prefix dropped) of each text with its own list of PIL images."""
+        flat = [im for ims in images for im in ims]
+        vis = image_processor(images=flat, return_tensors="pt")
         grid = vis["image_grid_thw"]  # (n_images, 3): t, h, w in patches
-        parts = text.split(IMAGE_PAD)
-        if len(parts) - 1 != len(images):
-            raise ValueError(f"the prompt holds {len(parts) - 1} image placeholders for {len(images)} images")
         merge = image_processor.merge_size**2
-        text = parts[0] + "".join(
-            IMAGE_PAD * (int(g.prod()) // merge) + rest for g, rest in zip(grid, parts[1:])
-        )
-        tok = self.tokenizer([text], padding=True, return_tensors="pt").to(self.device)
+        expanded, g = [], 0
+        for text, ims in zip(texts, images):
+            parts = text.split(IMAGE_PAD)
+            if len(parts) - 1 != len(ims):
+                raise ValueError(f"the prompt holds {len(parts) - 1} image placeholders for {len(ims)} images")
+            counts = [int(grid[g + i].prod()) // merge for i in range(len(ims))]
+            expanded.append(parts[0] + "".join(IMAGE_PAD * c + rest for c, rest in zip(counts, parts[1:])))
+            g += len(ims)
+        tok = self.tokenizer(expanded, padding=True, return_tensors="pt").to(self.device)
         out = self.model(
             input_ids=tok.input_ids,
             attention_mask=tok.attention_mask,
@@ -148,8 +152,9 @@ class TextEncoder:
             image_grid_thw=grid.to(self.device),
             output_hidden_states=True,
         )
-        hidden = out.hidden_states[-1][0]  # (T, D)
-        return hidden[tok.attention_mask[0].bool()][drop:]
+        hidden = out.hidden_states[-1]  # (B, T, D)
+        mask = tok.attention_mask.bool()
+        return [h[m][drop:] for h, m in zip(hidden, mask)]
 
     def clear_cache(self) -> None:
         """Forget every cached prompt embedding."""

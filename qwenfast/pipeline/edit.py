@@ -82,6 +82,18 @@ def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
     return max(32, round(width / 32) * 32), max(32, round(height / 32) * 32)
 
 
+def check_image_areas(areas: dict, where: str) -> dict:
+    """{"vl_area": px, "vae_area": px} (either optional) -> the same dict, or a ValueError naming the field."""
+    if not isinstance(areas, dict):
+        raise ValueError(f"{where}: image_areas must be an object like {{'vl_area': 4096, 'vae_area': 16384}}")
+    for k, v in areas.items():
+        if k not in ("vl_area", "vae_area"):
+            raise ValueError(f"{where}: unknown image_areas field {k!r} (allowed: vl_area, vae_area)")
+        if not isinstance(v, int) or isinstance(v, bool) or not 32 * 32 <= v <= 4096 * 4096:
+            raise ValueError(f"{where}: image_areas.{k} must be a whole number of pixels in [1024, 4096²], got {v!r}")
+    return dict(areas)
+
+
 def load_images(image) -> list:
     """PIL image / path / HxWx3 uint8 array, or a list of them -> list of PIL images."""
     from PIL import Image, UnidentifiedImageError
@@ -121,13 +133,17 @@ class QwenImageEditPipeline(QwenImagePipeline):
     """
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config, *, model_path: str = "",
-                 defaults: dict | None = None, mode: str = "edit-plus", image_processor=None):  # fmt: skip
+                 defaults: dict | None = None, mode: str = "edit-plus", image_processor=None,
+                 image_areas: dict | None = None):  # fmt: skip
         super().__init__(
             transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=defaults
         )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
+        # pixel areas the reference images are resized to (the released models: VL_AREA / VAE_AREA);
+        # a model trained at another scale (the 128² demo) says so in qwenfast.json "image_areas"
+        self.image_areas = check_image_areas(image_areas or {}, model_path or "image_areas")
         self.image_processor = image_processor if image_processor is not None else load_image_processor()
         self.latent_cache_size = 16
         self._latent_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
@@ -156,11 +172,10 @@ class QwenImageEditPipeline(QwenImagePipeline):
         vae = load_vae(path / "vae", dev, dt)
         te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", dev, dt)
         sched = load_scheduler_config(path / "scheduler")
-        defaults = None
-        if (path / "qwenfast.json").is_file():
-            defaults = json.loads((path / "qwenfast.json").read_text()).get("defaults")
-        return cls(transformer, vae, te, sched, model_path=str(path), defaults=defaults, mode=kind,
-                   image_processor=load_image_processor(path / "processor"))  # fmt: skip
+        extra = json.loads((path / "qwenfast.json").read_text()) if (path / "qwenfast.json").is_file() else {}
+        return cls(transformer, vae, te, sched, model_path=str(path), defaults=extra.get("defaults"), mode=kind,
+                   image_processor=load_image_processor(path / "processor"),
+                   image_areas=extra.get("image_areas"))  # fmt: skip
 
     @classmethod
     def from_single_files(cls, *args, mode: str = "edit-plus", **kwargs) -> QwenImageEditPipeline:
@@ -177,15 +192,17 @@ class QwenImageEditPipeline(QwenImagePipeline):
         """-> (VL images, VAE images (both PIL, resized as diffusers does), default output (width, height))."""
         from PIL import Image
 
+        vl_area = self.image_areas.get("vl_area", VL_AREA[self.mode])
+        vae_area = self.image_areas.get("vae_area", VAE_AREA)
         vl, vae_in = [], []
         for im in images:
             ratio = im.width / im.height
-            cw, ch = calculate_dimensions(VL_AREA[self.mode], ratio)
-            vw, vh = calculate_dimensions(VAE_AREA, ratio)
+            cw, ch = calculate_dimensions(vl_area, ratio)
+            vw, vh = calculate_dimensions(vae_area, ratio)
             vl.append(im.resize((cw, ch), resample=Image.LANCZOS))
             vae_in.append(vl[-1] if self.mode == "edit" else im.resize((vw, vh), resample=Image.LANCZOS))
         ref = images[0] if self.mode == "edit" else images[-1]
-        return vl, vae_in, calculate_dimensions(VAE_AREA, ref.width / ref.height)
+        return vl, vae_in, calculate_dimensions(vae_area, ref.width / ref.height)
 
     def encode_images(self, vae_in: list, batch: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """VAE-encode reference images -> packed latents (batch, sum of tokens, 64) and their shapes.
