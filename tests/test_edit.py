@@ -212,3 +212,44 @@ def test_single_files_edit_v1_mode(edit_v1):
     assert np.abs(a - b).max() < 1e-6
     with pytest.raises(ValueError, match="mode must be one of"):
         QwenImageEditPipeline.from_single_files(**files, mode="v3")
+
+
+def test_batched_vl_encode_equals_each_text_alone(edit_plus):
+    """Texts with different pictures in one padded forward (how training and prompt lists encode) give
+    each text's embedding alone."""
+    from qwenfast.models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT
+
+    qf = edit_plus[1]
+    te, proc = qf.text_encoder, qf.image_processor
+    texts = [EDIT_TEMPLATE.format(f"Picture 1: {VISION_SLOT}{t}") for t in ("make it red", "add a small blue star")]
+    ims = [[_image(56, 56, 11)], [_image(84, 56, 12)]]  # different sizes: different image-token counts
+    with torch.no_grad():
+        both = te._hidden_vl(texts, ims, proc, EDIT_DROP)
+        for t, im, got in zip(texts, ims, both):
+            (alone,) = te._hidden_vl([t], [im], proc, EDIT_DROP)
+            assert got.shape == alone.shape
+            assert torch.allclose(got, alone, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="placeholders"):
+        te._hidden_vl(texts[:1], [ims[0] * 2], proc, EDIT_DROP)
+
+
+def test_image_areas_from_qwenfast_json(edit_plus, tmp_path):
+    """A model trained at another scale says so in qwenfast.json; the default output size follows it."""
+    import json
+    import shutil
+
+    from qwenfast.pipeline.edit import QwenImageEditPipeline, calculate_dimensions
+
+    path = tmp_path / "small-edit"
+    shutil.copytree(edit_plus[2], path)
+    (path / "qwenfast.json").write_text(json.dumps({"image_areas": {"vl_area": 56 * 56, "vae_area": 64 * 64}}))
+    qf = QwenImageEditPipeline.from_pretrained(path, device="cpu", dtype=torch.float32)
+    assert qf.image_areas == {"vl_area": 3136, "vae_area": 4096}
+    vl, vae_in, (w, h) = qf.prepare_images([_image(200, 100, 13)])
+    assert (w, h) == (96, 32) and vae_in[0].size == (96, 32)  # ~4096 px at 2:1, sides multiples of 32
+    assert vl[0].size == calculate_dimensions(3136, 2.0)
+    for bad, msg in (({"vl_area": 10}, "vl_area"), ({"size": 4096}, "unknown image_areas field"),
+                     ({"vae_area": "big"}, "vae_area"), ([1], "must be an object")):  # fmt: skip
+        (path / "qwenfast.json").write_text(json.dumps({"image_areas": bad}))
+        with pytest.raises(ValueError, match=msg):
+            QwenImageEditPipeline.from_pretrained(path, device="cpu", dtype=torch.float32)
