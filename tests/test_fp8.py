@@ -85,7 +85,8 @@ def test_quantize_rows_triton_matches_ref(shape):
 
 
 @gpu
-@pytest.mark.parametrize("m,k,n", [(1, 3072, 9216), (130, 3072, 3072), (4096, 12288, 3072)])
+@pytest.mark.parametrize("m,k,n", [(1, 3072, 9216), (6, 3072, 3072), (23, 3072, 12288), (130, 3072, 3072),
+                                   (4096, 12288, 3072), (6889, 3072, 9216)])
 def test_fp8_linear_gpu_matches_reference(m, k, n):
     torch.manual_seed(0)
     lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
@@ -116,3 +117,24 @@ def test_pipeline_enable_fp8_on_cpu_bakes_loras_and_freezes_them(qf_t2i, tiny_t2
     pipe.set_loras([])  # no LoRAs before, none after: allowed
     with pytest.raises(RuntimeError, match="enable_fp8"):
         pipe.unload_lora()
+
+
+def test_quantize_rows_pads_with_zero_rows():
+    x = torch.randn(5, 48)
+    q, s = quantize_rows(x, rows=16)
+    qr, sr = quantize_rows_ref(x)
+    assert q.shape == (16, 48) and s.shape == (16, 1)
+    assert torch.equal(q[:5].view(torch.uint8), qr.view(torch.uint8)) and torch.equal(s[:5], sr)
+    assert not q[5:].float().any() and torch.equal(s[5:], torch.ones(11, 1))
+    with pytest.raises(ValueError, match="rows"):
+        quantize_rows(x, rows=4)
+
+
+@gpu
+def test_quantize_rows_triton_padding():
+    x = torch.randn(23, 3072, device="cuda", dtype=torch.bfloat16)
+    q, s = quantize_rows(x, rows=32)
+    qr, sr = quantize_rows_ref(x)
+    assert torch.equal(s[:23], sr) and torch.equal(s[23:], torch.ones(9, 1, device="cuda"))
+    assert not q[23:].float().any()
+    assert (q[:23].view(torch.uint8) != qr.view(torch.uint8)).float().mean().item() < 1e-4

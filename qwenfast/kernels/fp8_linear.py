@@ -86,13 +86,27 @@ def _get_kernel():
     return _kernel
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row e4m3 quantisation of a 2-D tensor; one Triton program per row on CUDA."""
+def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row e4m3 quantisation of a 2-D tensor; one Triton program per row on CUDA.
+
+    `rows` > M pads the outputs with zero rows (scale 1) written at allocation, for GEMMs that need
+    M to be a multiple of 16.
+    """
+    M, K = x.shape if x.dim() == 2 else (0, 0)
+    rows = M if rows is None else rows
+    if rows < M:
+        raise ValueError(f"rows ({rows}) must be >= the {M} rows of x")
     if x.dim() != 2 or x.stride(-1) != 1 or not use_triton(x) or x.shape[0] == 0:
-        return quantize_rows_ref(x)
-    M, K = x.shape
-    q = torch.empty(M, K, dtype=FP8, device=x.device)
-    s = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+        q, s = quantize_rows_ref(x)
+        if rows > M:
+            q = torch.cat([q, torch.zeros(rows - M, K, dtype=FP8, device=x.device)])
+            s = torch.cat([s, torch.ones(rows - M, 1, dtype=s.dtype, device=x.device)])
+        return q, s
+    q = torch.empty(rows, K, dtype=FP8, device=x.device)
+    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows > M:
+        q[M:].view(torch.uint8).zero_()
+        s[M:].fill_(1.0)
     block = min(4096, max(128, 1 << (K - 1).bit_length()))
     with _on_device(x):
         _get_kernel()[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block, num_warps=4)
@@ -134,11 +148,15 @@ class FP8Linear(nn.Module):
         x2 = x.reshape(-1, K)
         if x2.stride(-1) != 1 or x2.stride(0) != K:
             x2 = x2.contiguous()
-        x8, sx = quantize_rows(x2)
+        M = x2.shape[0]
+        # cuBLASLt has no FP8 algorithm for some M that are not multiples of 16 (short text streams:
+        # CUBLAS_STATUS_NOT_SUPPORTED): quantise into a padded buffer, multiply, keep the first M rows
+        Mp = -(-M // 16) * 16
+        x8, sx = quantize_rows(x2, rows=Mp)
         bias = None if self.bias is None else self.bias.to(self.out_dtype)
         y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=sx, scale_b=self.weight_scale.t(), bias=bias,
                              out_dtype=self.out_dtype, use_fast_accum=True)  # fmt: skip
-        return y.view(*x.shape[:-1], self.out_features)
+        return y[:M].view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 rowwise"

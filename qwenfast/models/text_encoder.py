@@ -43,6 +43,8 @@ class TextEncoder:
         self.tokenizer = tokenizer
         self.cache_size = cache_size
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self.cuda_graphs = True  # text-only encodes replay a CUDA graph on CUDA (runtime/cuda_graphs.py)
+        self._graphs = None
 
     @classmethod
     def from_pretrained(cls, text_encoder_dir: Path, tokenizer_dir: Path, device, dtype) -> TextEncoder:
@@ -80,12 +82,29 @@ class TextEncoder:
         tok = self.tokenizer(
             texts, max_length=TOKENIZER_MAX_LENGTH + drop, padding=True, truncation=True, return_tensors="pt"
         ).to(self.device)
-        out = self.model(
-            input_ids=tok.input_ids, attention_mask=tok.attention_mask, output_hidden_states=True
-        )
-        hidden = out.hidden_states[-1]  # (B, T, D)
         mask = tok.attention_mask.bool()
+        graphs = self._graph_runner() if self.cuda_graphs and tok.input_ids.is_cuda else None
+        if graphs is not None and self.tokenizer.padding_side == "right":
+            hidden = graphs(tok.input_ids, tok.attention_mask)  # (B, T, D), rows past the mask unused
+        else:
+            out = self.model(
+                input_ids=tok.input_ids, attention_mask=tok.attention_mask, output_hidden_states=True
+            )
+            hidden = out.hidden_states[-1]  # (B, T, D): the language model's normed last state
         return [h[m][drop:] for h, m in zip(hidden, mask)]  # real tokens only, template prefix dropped
+
+    def _graph_runner(self):
+        """The language model's graph runner, or None where the model is not Qwen2.5-VL-shaped."""
+        if self._graphs is None:
+            from ..runtime.cuda_graphs import TextEncoderGraphs
+
+            lm = getattr(getattr(self.model, "model", None), "language_model", None)
+            pad = self.tokenizer.pad_token_id
+            if lm is None or pad is None:
+                self._graphs = False
+            else:
+                self._graphs = TextEncoderGraphs(lm, pad)
+        return self._graphs or None
 
     @torch.no_grad()
     def encode(

@@ -78,6 +78,95 @@ class CudaGraphRunner:
         self.graphs.clear()
 
 
+class TextEncoderGraphs:
+    """CUDA graphs for the text-only prompt encode (Qwen2.5-VL's language model).
+
+    Why: the 7B encoder reads 15 GB of weights (~3 ms on an H200) but launches ~700 small kernels
+    from Python, ~20 ms eagerly: with 4-step LoRAs that is 5% of a whole 1024² image. Static shapes
+    come from right-padding the token ids to a multiple of `bucket` tokens and dropping the padding
+    mask: attention is causal, so a pad token (always after the real ones) never reaches a real one,
+    and the real tokens' states are those of the masked call (the padded rows are cut off). One graph
+    per (batch, bucket); capture failures fall back to eager once, with a warning.
+    """
+
+    def __init__(self, language_model: torch.nn.Module, pad_id: int, bucket: int = 64, max_graphs: int = 8,
+                 warmup: int = 2):  # fmt: skip
+        self.lm = language_model
+        self.pad_id = pad_id
+        self.bucket = bucket
+        self.max_graphs = max_graphs
+        self.warmup = warmup
+        self.enabled = True
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self._pool = None
+
+    def padded(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, T) right-padded ids + mask -> (B, T_bucket) ids with pad tokens after the real ones."""
+        B, T = ids.shape
+        Tb = -(-T // self.bucket) * self.bucket
+        out = torch.full((B, Tb), self.pad_id, dtype=ids.dtype, device=ids.device)
+        out[:, :T] = torch.where(mask.bool(), ids, self.pad_id)
+        return out
+
+    def eager(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, use_cache=False).last_hidden_state
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden states (B, T, D) of right-padded `ids` (B, T); rows past each mask are garbage."""
+        if bool((mask[:, :-1] < mask[:, 1:]).any()):
+            raise ValueError("TextEncoderGraphs needs right-padded ids (real tokens first)")
+        T = ids.shape[1]
+        x = self.padded(ids, mask)
+        if not (self.enabled and x.is_cuda):
+            return self.eager(x)[:, :T]
+        # a graph reads the weights where they were at capture: if any moved (offload, .to(), a new
+        # load), every graph is stale
+        where = tuple(t.data_ptr() for t in self.lm.parameters())
+        if where != getattr(self, "_where", None):
+            self.graphs.clear()
+            self._where = where
+        key = (tuple(x.shape), str(x.device))
+        entry = self.graphs.get(key)
+        if entry is None:
+            try:
+                entry = self._capture(x)
+            except torch.OutOfMemoryError:
+                torch.cuda.synchronize()
+                raise
+            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
+                warnings.warn(f"text encoder CUDA graph capture failed, running eagerly: {e}", stacklevel=2)
+                self.enabled = False
+                torch.cuda.synchronize()
+                return self.eager(x)[:, :T]
+            self.graphs[key] = entry
+            while len(self.graphs) > self.max_graphs:
+                self.graphs.popitem(last=False)
+        else:
+            self.graphs.move_to_end(key)
+        graph, static_in, static_out = entry
+        static_in.copy_(x)
+        graph.replay()
+        return static_out[:, :T].clone()
+
+    def _capture(self, x: torch.Tensor):
+        static_in = x.clone()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(self.warmup):
+                self.eager(static_in)
+        torch.cuda.current_stream().wait_stream(s)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.eager(static_in)
+        return graph, static_in, out
+
+    def clear(self):
+        self.graphs.clear()
+
+
 def compile_blocks(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
     """Regional compilation: compile each transformer block in place (one compile, reused by all 60
     identical blocks), which is how diffusers' `compile_repeated_blocks` works and far faster to

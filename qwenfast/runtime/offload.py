@@ -238,6 +238,7 @@ def enable(
         off = ModelOffloader(te.model, device)
         off.wrap(te, "encode", "encode_with_images")
         te._offloader = off
+        te.cuda_graphs = False  # its weights move in and out: a captured graph would go stale
         if vae:
             voff = ModelOffloader(pipe.vae, device)
             voff.wrap(pipe.vae, "encode", "decode")
