@@ -229,8 +229,11 @@ def cmd_train(a):
 
     dit = load_transformer(model / "transformer", dev, torch.float32)
     ema = load_transformer(model / "transformer", dev, torch.float32).requires_grad_(False)
+    if a.init:  # continue from an earlier run's EMA weights (same architecture, our key layout)
+        for m in (dit, ema):
+            m.load_state_dict(T.load_dit(Path(a.init)))
     dit.requires_grad_(True)
-    metrics["init"] = str(model / "transformer")
+    metrics["init"] = a.init or str(model / "transformer")
     hist, end = finetune(dit, ema, edit, t2i, dev, steps=a.steps, batch=a.batch, lr=a.lr,
                          deadline=deadline - a.eval_reserve, ckpt=ckpt, p_edit=a.p_edit)  # fmt: skip
     T.save_dit(ckpt, ema.state_dict())
@@ -261,9 +264,14 @@ def evaluate(ema, vae, te, proc, a, ckpt: Path, hard: float) -> dict:
     out = {}
     pipe = QwenImagePipeline(ema, vae, te, sched, defaults=t2i_defaults)
     pipe.progress_bar = False
-    res, _ = bench.run_t2i(pipe, a.eval_t2i_n, batch=24)
-    out["t2i"] = {"score": res.score, "attribute": res.attribute, "per_check": res.per_check, **t2i_defaults}
-    log(f"text-to-image: {res.score:.1f}% ({res.per_check})")
+    t2i = []
+    for cfg in (float(c) for c in a.eval_t2i_cfg.split(",")):
+        res, _ = bench.run_t2i(pipe, a.eval_t2i_n, cfg=cfg, batch=24)
+        t2i.append({"score": res.score, "attribute": res.attribute, "per_check": res.per_check, **t2i_defaults,
+                    "true_cfg_scale": cfg})  # fmt: skip
+        log(f"text-to-image cfg {cfg}: {res.score:.1f}% ({res.per_check})")
+    out["t2i_sweep"] = t2i
+    out["t2i"] = max(t2i, key=lambda r: (r["score"], r["attribute"]))
     epipe = QwenImageEditPipeline(ema, vae, te, sched, mode="edit-plus", image_processor=proc,
                                   image_areas=IMAGE_AREAS, defaults={"num_inference_steps": 20, "true_cfg_scale": 2.0})  # fmt: skip
     epipe.progress_bar = False
@@ -314,6 +322,7 @@ def cmd_export(a):
     note["training"]["edit_finetune"] = {"device": metrics["device"], "steps": metrics["steps"],
                                          "train_time": round(metrics["train_time"], 1)}  # fmt: skip
     note["held_out_score"] = {k: metrics["t2i"][k] for k in ("score", "attribute", "per_check")}
+    note["defaults"]["true_cfg_scale"] = float(metrics["t2i"].get("true_cfg_scale", note["defaults"]["true_cfg_scale"]))
     note_path.write_text(json.dumps(note, indent=2) + "\n")
 
     out.mkdir(parents=True, exist_ok=True)
@@ -400,6 +409,8 @@ def main(argv=None):
     t.add_argument("--eval-reserve", type=float, default=80)
     t.add_argument("--eval-grid", default="20x2,20x3,20x1.5,30x3")
     t.add_argument("--eval-t2i-n", type=int, default=120)
+    t.add_argument("--eval-t2i-cfg", default="2,3", help="text-to-image CFG scales to score (20 steps)")
+    t.add_argument("--init", default=None, help="checkpoint folder whose EMA transformer to continue")
     t.add_argument("--eval-edit-n", type=int, default=36)
     e = sub.add_parser("export")
     e.add_argument("--ckpt", required=True)
