@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Device call 2 of 2 for issue 6, H200, <= 8 min: `qwenfast bench pipeline --no-e2e --vae --memory --offload`
+# Device call 2 of 2 for issue 6, H200, <= 5 min: `qwenfast bench pipeline --no-e2e --vae --memory --offload`
 # in one process (full-size random weights built once): VAE decode/encode vs diffusers and the 2512² decode;
-# then, with diffusers dropped (it holds its own unfused Q/K/V copies of the shared weights), the planner
+# built without diffusers' transformer (only its VAE, for the VAE rows), as a user's GPU memory looks: the planner
 # calibration grid (goal: prediction within 10% of the measured peak), forced-OOM recovery, offload
 # model / blocks, and blocks under a 24 GiB cap. $OUT/pipeline.jsonl, $OUT/memory_calibration.json.
 set -uo pipefail
