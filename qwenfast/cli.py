@@ -147,8 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_pipeline_arguments(bsub.add_parser(
         "pipeline", help="end to end vs diffusers (random full-size weights), VAE, memory planner, offload"))  # fmt: skip
     bq = bsub.add_parser("quality", help="prompt-adherence score of the held-out demo suite (CPU or GPU)")
-    bq.add_argument("--model", default=None, help="text-to-image model folder (default: the embedded demo model)")
-    bq.add_argument("--n", type=_positive, default=120, help="prompts of the held-out suite to score (max 120)")
+    bq.add_argument("--model", default=None,
+                    help="demo model folder, text-to-image or edit (default: the embedded text-to-image demo; "
+                         "'edit': the embedded edit demo)")  # fmt: skip
+    bq.add_argument("--n", type=_positive, default=None,
+                    help="items of the held-out suite to score (default and max: 120 prompts, or 36 edits; "
+                         "--paths scores up to 120 edits)")  # fmt: skip
     bq.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: model's)")
     bq.add_argument("--cfg", type=float, default=None, help="true CFG scale (default: model's)")
     bq.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
@@ -334,13 +338,13 @@ def cmd_bench(a) -> int:
         from .demo.bench import quality, quality_paths
 
         if not a.paths:
-            quality(a.model, n=min(a.n, 120), device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg,
-                    verbose=a.verbose)  # fmt: skip
+            quality(a.model, n=a.n, device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg, verbose=a.verbose)
             return 0
         from .benchmarks import save_record, versions
 
-        rows = quality_paths(a.model, n=min(a.n, 120), device=a.device)
-        record = {"bench": "quality_paths", **versions(), "n": min(a.n, 120), "rows": rows,
+        n = min(a.n or 120, 120)
+        rows = quality_paths(a.model, n=n, device=a.device)
+        record = {"bench": "quality_paths", "model": a.model or "demo-t2i", **versions(), "n": n, "rows": rows,
                   "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
         save_record(record, Path(a.results) / "quality.jsonl")
         print(json.dumps(record))

@@ -253,3 +253,37 @@ def test_image_areas_from_qwenfast_json(edit_plus, tmp_path):
         (path / "qwenfast.json").write_text(json.dumps({"image_areas": bad}))
         with pytest.raises(ValueError, match=msg):
             QwenImageEditPipeline.from_pretrained(path, device="cpu", dtype=torch.float32)
+
+
+def test_edit_oom_backoff_splits_and_keeps_the_images(edit_plus, monkeypatch):
+    """An OOM in a batch of edits splits it like text-to-image; the images equal the unsplit batch."""
+    _, qf, _ = edit_plus
+    img = _image(48, 40, 14)
+    kw = {**KW, "negative_prompt": None, "true_cfg_scale": 1.0, "num_images_per_prompt": 2}
+    kw.pop("prompt")
+    prompts = ["make it red", "add a blue star"]
+    want = qf(img, prompts, generator=torch.Generator().manual_seed(5), output_type="np", **kw).images
+    real = qf.denoise
+
+    def tight(x, *a, **k):  # more than 2 images at once "does not fit"
+        if x.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(qf, "denoise", tight)
+    out = qf(img, prompts, generator=torch.Generator().manual_seed(5), output_type="np", **kw)
+    assert out.info["oom_backoff"] and "batch of 4" in out.info["oom_backoff"][0]
+    assert out.images.shape == want.shape and np.abs(out.images - want).max() < 1e-5
+
+
+def test_edit_offload_model_equals_no_offload(edit_plus):
+    from qwenfast.pipeline.edit import QwenImageEditPipeline
+
+    _, qf, path = edit_plus
+    off = QwenImageEditPipeline.from_pretrained(path, device="cpu", dtype=torch.float32, offload="model")
+    off.progress_bar = False
+    assert off.offload == "model"
+    img = _image(48, 48, 15)
+    a = qf(img, generator=torch.Generator().manual_seed(2), output_type="np", **KW).images
+    b = off(img, generator=torch.Generator().manual_seed(2), output_type="np", **KW).images
+    assert np.abs(a - b).max() < 1e-5

@@ -42,7 +42,7 @@ def run_t2i(
 
 def run_edits(pipe, n: int = 36, *, steps=None, cfg=None, seed0: int = 0) -> tuple[S.SuiteResult, list[np.ndarray]]:
     """The held-out edit suite with an edit pipeline: edit i of `before` i with seed seed0 + i."""
-    suite = D.eval_edits()[:n]
+    suite = D.eval_edits(max(n, 36))[:n]  # the first 36 are the held-out suite; more only for path gates
     d = pipe.defaults
     steps = d["num_inference_steps"] if steps is None else steps
     cfg = d["true_cfg_scale"] if cfg is None else cfg
@@ -55,21 +55,47 @@ def run_edits(pipe, n: int = 36, *, steps=None, cfg=None, seed0: int = 0) -> tup
     return S.score_edits(images, befores, [ins for _, ins, _ in suite]), images
 
 
-def quality(model=None, n: int = 120, device=None, dtype=None, steps=None, cfg=None, batch: int = 16,
-            verbose: bool = False) -> S.SuiteResult:  # fmt: skip
-    """Load a text-to-image model folder (None = the embedded default) and print its suite score."""
-    from ..pipeline.text_to_image import QwenImagePipeline
+def load(model=None, device=None, dtype=None):
+    """The demo pipeline for a folder: text-to-image, or edit when the folder is an edit model
+    (None = the embedded text-to-image demo; "edit" = the embedded edit demo)."""
+    from ..loading.diffusers_folder import inspect_folder
+    from ..pipeline.edit import DEFAULT_EDIT_MODEL, QwenImageEditPipeline
+    from ..pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
-    pipe = QwenImagePipeline.from_pretrained(model, device=device, dtype=dtype)
+    path = DEFAULT_EDIT_MODEL if model == "edit" else DEFAULT_MODEL if model is None else model
+    kind, _ = inspect_folder(path)
+    cls = QwenImageEditPipeline if kind in ("edit", "edit-plus") else QwenImagePipeline
+    pipe = cls.from_pretrained(path, device=device, dtype=dtype)
     pipe.progress_bar = False
+    return pipe
+
+
+def run_suite(pipe, n: int | None = None, *, steps=None, cfg=None, batch: int = 16):
+    """The pipeline's held-out suite: edits (n default 36) or text-to-image prompts (n default 120)."""
+    from ..pipeline.edit import QwenImageEditPipeline
+
+    if isinstance(pipe, QwenImageEditPipeline):
+        return run_edits(pipe, n or 36, steps=steps, cfg=cfg)
+    return run_t2i(pipe, n or 120, steps=steps, cfg=cfg, batch=batch)
+
+
+def quality(model=None, n: int | None = None, device=None, dtype=None, steps=None, cfg=None, batch: int = 16,
+            verbose: bool = False) -> S.SuiteResult:  # fmt: skip
+    """Load a demo model folder (None = the embedded default, "edit" = the embedded edit model) and
+    print its held-out suite score (120 prompts, or 36 edit instructions)."""
+    pipe = load(model, device, dtype)
+    cap = 36 if hasattr(pipe, "mode") else 120  # the held-out suites' sizes
+    n = min(n or cap, cap)
     t0 = time.perf_counter()
-    res, _ = run_t2i(pipe, n, steps=steps, cfg=cfg, batch=batch)
+    res, images = run_suite(pipe, n, steps=steps, cfg=cfg, batch=batch)
+    n = len(images)
     dt = time.perf_counter() - t0
     d = pipe.defaults
+    what = "edit instructions" if hasattr(pipe, "mode") else "prompts"
     print(f"model    {pipe.model_path}")
-    print(f"suite    {n} held-out prompts (seed i for prompt i), {steps or d['num_inference_steps']} steps, "
+    print(f"suite    {n} held-out {what} (seed i for item i), {steps or d['num_inference_steps']} steps, "
           f"cfg {cfg if cfg is not None else d['true_cfg_scale']}, {pipe.device} {pipe.dtype}, {dt:.1f}s")  # fmt: skip
-    print(f"score    {res.score:.1f}% of prompts pass every check ({res.attribute:.1f}% of single checks)")
+    print(f"score    {res.score:.1f}% of {what} pass every check ({res.attribute:.1f}% of single checks)")
     print("checks   " + ", ".join(f"{k} {v:.1f}%" for k, v in res.per_check.items()))
     if verbose:
         for it in res.items:
@@ -96,10 +122,12 @@ PATHS = (
 def quality_paths(model=None, n: int = 120, device=None, batch: int = 24, paths=PATHS) -> list[dict]:
     """Score the held-out suite once per code path (same seeds); rows with the gap to the reference.
 
-    FP8 rows are skipped where FP8 GEMMs are not supported (CPU, pre-Ada GPUs)."""
+    Edit models score `n` edits (beyond the 36 held-out ones the suite continues with the same
+    generator, so 2 points are more than one item). FP8 rows are skipped where FP8 GEMMs are not
+    supported (CPU, pre-Ada GPUs)."""
     from ..kernels import use_backend
     from ..kernels.fp8_linear import fp8_supported
-    from ..pipeline.text_to_image import QwenImagePipeline, resolve_device
+    from ..pipeline.text_to_image import resolve_device
 
     dev = resolve_device(device)
     rows, ref = [], None
@@ -107,14 +135,14 @@ def quality_paths(model=None, n: int = 120, device=None, batch: int = 24, paths=
         if fp8 and not fp8_supported(dev):
             rows.append({"path": name, "skipped": f"FP8 GEMMs need an Ada/Hopper GPU, not {dev}"})
             continue
-        pipe = QwenImagePipeline.from_pretrained(model, device=dev, dtype=dtype)
-        pipe.progress_bar = False
+        pipe = load(model, dev, dtype)
         pipe.cuda_graphs, pipe.batched_cfg, pipe.vae.fast = graphs, batched, fast_vae
+        pipe.text_encoder.cuda_graphs = graphs
         if fp8:
             pipe.enable_fp8()
         t0 = time.perf_counter()
         with use_backend(kernels):
-            res, _ = run_t2i(pipe, n, batch=batch)
+            res, _ = run_suite(pipe, n, batch=batch)
         row = {"path": name, "score": round(res.score, 2), "attribute": round(res.attribute, 2),
                "s": round(time.perf_counter() - t0, 1)}  # fmt: skip
         ref = row["score"] if ref is None else ref

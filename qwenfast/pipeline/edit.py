@@ -28,6 +28,7 @@ import torch
 from ..loading.diffusers_folder import inspect_folder, load_scheduler_config, load_transformer, load_vae
 from ..loading.weights import CheckpointError
 from ..models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT, TextEncoder, image_digest
+from ..runtime.oom import with_oom_backoff
 from . import scheduler as S
 from .text_to_image import (
     OUTPUT_TYPES,
@@ -152,9 +153,13 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path | None = None, device=None, dtype=None
+        cls, path: str | Path | None = None, device=None, dtype=None, offload: str = "none"
     ) -> QwenImageEditPipeline:
-        """Load a diffusers-layout edit folder (None = the embedded demo edit model)."""
+        """Load a diffusers-layout edit folder (None = the embedded demo edit model).
+
+        `offload`: "none" | "model" | "blocks", as for `QwenImagePipeline.from_pretrained`.
+        """
+        from ..runtime.offload import check_mode
         from .text_to_image import resolve_device, resolve_dtype
 
         path = Path(path) if path is not None else DEFAULT_EDIT_MODEL
@@ -168,14 +173,18 @@ class QwenImageEditPipeline(QwenImagePipeline):
         if kind not in MODES:
             raise CheckpointError(f"{path} is a {kind} model; QwenImageEditPipeline runs Qwen-Image-Edit checkpoints "
                                   "(use QwenImagePipeline, or qwenfast.from_pretrained which picks the class)")  # fmt: skip
-        transformer = load_transformer(path / "transformer", dev, dt)
+        cpu = torch.device("cpu")
+        transformer = load_transformer(path / "transformer", cpu if check_mode(offload) == "blocks" else dev, dt)
         vae = load_vae(path / "vae", dev, dt)
-        te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", dev, dt)
+        te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", cpu if offload != "none" else dev, dt)
         sched = load_scheduler_config(path / "scheduler")
         extra = json.loads((path / "qwenfast.json").read_text()) if (path / "qwenfast.json").is_file() else {}
-        return cls(transformer, vae, te, sched, model_path=str(path), defaults=extra.get("defaults"), mode=kind,
+        pipe = cls(transformer, vae, te, sched, model_path=str(path), defaults=extra.get("defaults"), mode=kind,
                    image_processor=load_image_processor(path / "processor"),
                    image_areas=extra.get("image_areas"))  # fmt: skip
+        if offload != "none":
+            pipe.enable_offload(offload, device=dev)
+        return pipe
 
     @classmethod
     def from_single_files(cls, *args, mode: str = "edit-plus", **kwargs) -> QwenImageEditPipeline:
@@ -249,7 +258,17 @@ class QwenImageEditPipeline(QwenImagePipeline):
             mask = mask.to(self.device).repeat_interleave(num_images_per_prompt, dim=0)
         return emb, mask
 
+    def output_size(self, call_args: dict) -> tuple[int, int]:
+        """(height, width) of a call: given, or following the (last) input image, as `__call__` does."""
+        images = load_images(call_args["image"])
+        ref = images[0] if self.mode == "edit" else images[-1]
+        dw, dh = calculate_dimensions(self.image_areas.get("vae_area", VAE_AREA), ref.width / ref.height)
+        height, width = call_args.get("height") or dh, call_args.get("width") or dw
+        mult = self.vae_scale_factor * 2
+        return (height // mult * mult, width // mult * mult) if height >= mult and width >= mult else (height, width)
+
     # ---------------------------------------------------------------- generation
+    @with_oom_backoff
     @torch.no_grad()
     def __call__(
         self,
@@ -283,17 +302,11 @@ class QwenImageEditPipeline(QwenImagePipeline):
                 else "Edit-2509/2511 take 1 to 3 images"
             )
             raise ValueError(f"got {len(images)} images; {kind}")
-        vl_images, vae_in, (dw, dh) = self.prepare_images(images)
+        vl_images, vae_in, _ = self.prepare_images(images)
         d = self.defaults
-        height, width = height or dh, width or dw
+        height, width = self.output_size({"image": images, "height": height, "width": width})
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        mult = self.vae_scale_factor * 2
-        height, width = (
-            (height // mult * mult, width // mult * mult)
-            if height >= mult and width >= mult
-            else (height, width)
-        )
         prompts = _as_prompt_list(prompt, "prompt")
         h, w = self._check(
             height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas

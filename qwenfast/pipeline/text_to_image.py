@@ -248,6 +248,11 @@ class QwenImagePipeline:
         return emb, mask
 
     # ---------------------------------------------------------------- generation
+    def output_size(self, call_args: dict) -> tuple[int, int]:
+        """(height, width) in pixels that a call with these (bound) arguments generates."""
+        d = self.defaults
+        return call_args.get("height") or d["height"], call_args.get("width") or d["width"]
+
     def enable_offload(self, mode: str = "model", device=None, vae: bool = False, ring: int = 2) -> None:
         """Fit smaller GPUs (`qwenfast.runtime.offload`): "model" keeps the text encoder (and with `vae=True`
         the VAE) in pinned host memory, on the GPU only while it runs; "blocks" also streams the

@@ -165,9 +165,7 @@ def _split_call(pipe, call, a: dict, first_error: str):
     B = len(prompts)
     x = a.get("latents")
     if x is None:  # the whole batch's noise, drawn exactly as the unsplit call would draw it
-        d = pipe.defaults
-        height = a["height"] or d["height"]
-        width = a["width"] or d["width"]
+        height, width = pipe.output_size(a)
         h, w = S.latent_hw(height, width, pipe.vae_scale_factor)
         noise = randn_tensor((B, 1, 16, h, w), a.get("generator"), pipe.device, pipe.dtype)
         x = S.pack_latents(noise[:, 0])
