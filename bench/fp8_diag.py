@@ -29,9 +29,9 @@ for K, N in ((3072, 3072), (3072, 9216), (3072, 12288), (12288, 3072)):
             torch.cuda.synchronize()
         except RuntimeError as e:
             bad_ours.append((M, K, N, str(e).splitlines()[0][:80]))
-print(f"raw _scaled_mm refused {len(bad_raw)} shapes: {[b[:3] for b in bad_raw][:40]}")
-print(f"  first error: {bad_raw[0][3] if bad_raw else '-'}")
-print(f"FP8Linear (padded) refused {len(bad_ours)} shapes: {bad_ours[:10]}")
+summary = [f"raw _scaled_mm refused {len(bad_raw)} shapes (M, K, N): {[b[:3] for b in bad_raw][:60]}",
+           f"  first error: {bad_raw[0][3] if bad_raw else '-'}",
+           f"FP8Linear (padded, with fallback) failed on {len(bad_ours)} shapes: {bad_ours[:10]}"]
 
 from qwenfast.config import TransformerConfig  # noqa: E402
 from qwenfast.models.transformer import QwenImageTransformer  # noqa: E402
@@ -56,7 +56,8 @@ with torch.no_grad():
                     assert torch.isfinite(y).all()
                 except Exception:  # noqa: BLE001
                     fails += 1
-                    print(f"FAIL B={B} L={L} masked={masked}")
-                    if fails <= 2:
+                    summary.append(f"FAIL B={B} L={L} masked={masked}")
+                    if fails <= 1:
                         traceback.print_exc()
+print("\n".join(summary))
 print(f"transformer FP8 forward failures: {fails}")

@@ -85,8 +85,8 @@ def test_quantize_rows_triton_matches_ref(shape):
 
 
 @gpu
-@pytest.mark.parametrize("m,k,n", [(1, 3072, 9216), (6, 3072, 3072), (23, 3072, 12288), (130, 3072, 3072),
-                                   (4096, 12288, 3072), (6889, 3072, 9216)])
+@pytest.mark.parametrize("m,k,n", [(1, 3072, 9216), (6, 3072, 3072), (23, 3072, 12288), (16, 12288, 3072),
+                                   (32, 3072, 9216), (130, 3072, 3072), (4096, 12288, 3072), (6889, 3072, 9216)])
 def test_fp8_linear_gpu_matches_reference(m, k, n):
     torch.manual_seed(0)
     lin = torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)
@@ -138,3 +138,25 @@ def test_quantize_rows_triton_padding():
     assert torch.equal(s[:23], sr) and torch.equal(s[23:], torch.ones(9, 1, device="cuda"))
     assert not q[23:].float().any()
     assert (q[:23].view(torch.uint8) != qr.view(torch.uint8)).float().mean().item() < 1e-4
+
+
+@gpu
+def test_fp8_linear_falls_back_when_cublaslt_refuses_a_shape(monkeypatch):
+    import qwenfast.kernels.fp8_linear as F8
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 128, device="cuda", dtype=torch.bfloat16)
+    q = FP8Linear.from_linear(lin)
+    x = torch.randn(3, 7, 256, device="cuda", dtype=torch.bfloat16)
+
+    def refuse(*a, **k):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic(...)`")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refuse)
+    monkeypatch.setattr(F8, "_REFUSED", set())
+    with pytest.warns(UserWarning, match="refused by cuBLASLt"):
+        y = q(x)
+    assert len(F8._REFUSED) == 1
+    y2 = q(x)  # remembered: no second try, no warning
+    ref = fp8_linear_ref(x, q.weight_fp8, q.weight_scale, q.bias, torch.float32)
+    assert torch.equal(y, y2) and _rel(ref, y.float()) < 1e-2

@@ -216,6 +216,10 @@ def end_to_end(ours, ref, cases, smoke: bool) -> dict:
     return res
 
 
+def _rel(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
 def _median_ms(fn, n=5) -> float:
     fn()
     _sync()
@@ -240,6 +244,14 @@ def vae_bench(ours, ref, smoke: bool) -> dict:
         row = {}
         want = rvae.decode(z[:, :, None]).sample[:, :, 0].clamp(-1, 1)
         want_m = rvae.encode(x[:, :, None]).latent_dist.mean[:, :, 0]
+        # how far bf16 itself moves the decode: diffusers' bf16 and ours, each vs diffusers in fp32
+        rvae.float()
+        exact = rvae.decode(z[:, :, None].float()).sample[:, :, 0].clamp(-1, 1)
+        rvae.to(dt)
+        row["diffusers_bf16_vs_fp32_decode_rel_err"] = float(f"{_rel(want, exact):.2e}")
+        vae.fast, vae.tiling = True, False
+        row["ours_fast_vs_fp32_decode_rel_err"] = float(f"{_rel(vae.decode(z), exact):.2e}")
+        del exact
         row["diffusers_decode_ms"] = _median_ms(lambda: rvae.decode(z[:, :, None]))
         row["diffusers_encode_ms"] = _median_ms(lambda: rvae.encode(x[:, :, None]))
         vae.tiling = False

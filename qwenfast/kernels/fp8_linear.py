@@ -18,6 +18,7 @@ multiplied in fp32, so tests can check the GPU path against it.
 
 from __future__ import annotations
 
+import warnings
 from functools import lru_cache
 
 import torch
@@ -37,6 +38,8 @@ __all__ = [
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
+MIN_ROWS = 64  # GEMM rows are padded to at least this (see FP8Linear.forward)
+_REFUSED: set[tuple] = set()  # (rows, K, N, device) that cuBLASLt refused: the dequantised fallback runs
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -149,14 +152,31 @@ class FP8Linear(nn.Module):
         if x2.stride(-1) != 1 or x2.stride(0) != K:
             x2 = x2.contiguous()
         M = x2.shape[0]
-        # cuBLASLt has no FP8 algorithm for some M that are not multiples of 16 (short text streams:
-        # CUBLAS_STATUS_NOT_SUPPORTED): quantise into a padded buffer, multiply, keep the first M rows
-        Mp = -(-M // 16) * 16
+        # cuBLASLt (rowwise scales) refuses short text streams with CUBLAS_STATUS_NOT_SUPPORTED: seen on
+        # an H200 for 2 <= M <= 32 at full width, while 1 and >= 40 ran. Quantise into a buffer of at
+        # least MIN_ROWS rows (a multiple of 16; the extra rows are zeros), multiply, keep the first M.
+        Mp = max(MIN_ROWS, -(-M // 16) * 16) if M > 1 else M
         x8, sx = quantize_rows(x2, rows=Mp)
         bias = None if self.bias is None else self.bias.to(self.out_dtype)
-        y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=sx, scale_b=self.weight_scale.t(), bias=bias,
-                             out_dtype=self.out_dtype, use_fast_accum=True)  # fmt: skip
-        return y[:M].view(*x.shape[:-1], self.out_features)
+        key = (Mp, K, self.out_features, x.device.index)
+        if key not in _REFUSED:
+            try:
+                y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=sx, scale_b=self.weight_scale.t(), bias=bias,
+                                     out_dtype=self.out_dtype, use_fast_accum=True)  # fmt: skip
+                return y[:M].view(*x.shape[:-1], self.out_features)
+            except RuntimeError as e:  # the heuristic query fails on the host, before any launch
+                if "NOT_SUPPORTED" not in str(e):
+                    raise
+                _REFUSED.add(key)
+                warnings.warn(f"FP8 GEMM {key[:3]} refused by cuBLASLt ({str(e).splitlines()[0][:60]}); "
+                              "this shape runs as a dequantised bf16 GEMM", stacklevel=2)  # fmt: skip
+        # the same operands, dequantised: exact FP8 products, bf16 GEMM (small M only in practice)
+        y = (x8[:M].to(self.out_dtype) * sx[:M].to(self.out_dtype)) @ (
+            self.weight_fp8.to(self.out_dtype) * self.weight_scale.to(self.out_dtype)
+        ).t()
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 rowwise"
