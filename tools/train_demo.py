@@ -358,7 +358,7 @@ def grid_png(images, prompts, path, cols=4, marks=None):
                 cur = (cur + " " + w).strip()
         lines.append(cur)
         colour = (0, 0, 0)
-        if marks is not None:
+        if marks is not None and marks[i] is not None:  # None: no verdict under this picture
             colour = (0, 110, 0) if marks[i] else (190, 0, 0)
             lines[-1] += "  [pass]" if marks[i] else "  [FAIL]"
         for j, line in enumerate(lines[:5]):

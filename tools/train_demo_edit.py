@@ -391,6 +391,22 @@ def check_same_edit(folder: Path, instruction: str = "make the circle red"):
     return diff
 
 
+def cmd_grid(a):
+    """docs/demo-edit-grid.png: held-out edits with the shipped model on CPU (before | after pairs)."""
+    from qwenfast import QwenImageEditPipeline
+    from qwenfast.demo import bench
+
+    pipe = QwenImageEditPipeline.from_pretrained(a.model, device="cpu", dtype=torch.float32)
+    pipe.progress_bar = False
+    res, images = bench.run_edits(pipe, a.n)
+    suite = D.eval_edits()[: a.n]
+    pairs = [im for (b, _, _), after in zip(suite, images) for im in (D.render(b), after)]
+    labels = [x for _, ins, _ in suite for x in ("before:", ins)]
+    marks = [m for it in res.items for m in (None, it["pass"])]
+    T.grid_png(pairs, labels, a.out, cols=a.cols, marks=marks)
+    log(f"wrote {a.out}: {sum(it['pass'] for it in res.items)}/{a.n} edits pass")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -417,8 +433,13 @@ def main(argv=None):
     e.add_argument("--t2i", default=str(T2I))
     e.add_argument("--out", default=str(EDIT))
     e.add_argument("--no-check", action="store_true")
+    gr = sub.add_parser("grid", help="picture grid of held-out edits (docs/demo-edit-grid.png)")
+    gr.add_argument("--model", default=str(EDIT))
+    gr.add_argument("--out", default=str(ROOT / "docs/demo-edit-grid.png"))
+    gr.add_argument("--n", type=int, default=8)
+    gr.add_argument("--cols", type=int, default=8)
     a = ap.parse_args(argv)
-    {"train": cmd_train, "export": cmd_export}[a.cmd](a)
+    {"train": cmd_train, "export": cmd_export, "grid": cmd_grid}[a.cmd](a)
 
 
 if __name__ == "__main__":
