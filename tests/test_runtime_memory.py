@@ -184,6 +184,10 @@ def test_offload_modes_equal_no_offload():
         got = p(PROMPTS[:2], generator=_gens(2), **kw).images
         np.testing.assert_array_equal(got, want)
         assert p.offload == mode
+        te_stream = p.text_encoder._layer_streamer  # the text encoder's layers stream too
+        assert te_stream.copies >= len(te_stream.blocks)
+        w = next(te_stream.blocks[-1].parameters())
+        assert any(w.data_ptr() == v.data_ptr() for v in te_stream.host_views[-1])  # back on the host
     streamer = p._block_streamer
     assert streamer.copies > 0 and p.cuda_graphs is False
     blk = p.transformer.transformer_blocks[0]

@@ -432,6 +432,7 @@ def offload_bench(ours, smoke: bool) -> dict:
     run(prompts[:1])
     _sync()
     res["none"] = {"s": round(time.perf_counter() - t0, 2), "peak_gib": round(_peak() / GiB, 2),
+                   "predicted_gib": round(MemoryPlanner.from_pipeline(ours).predict(size, size, 1, cfg=False).peak / GiB, 2),
                    "offload_after_forced_oom": ours.offload}  # "none" unless a fallback switched it on
     print(f"  offload none: {json.dumps(res['none'])}", flush=True)
     for mode in ("model", "blocks"):
@@ -447,24 +448,28 @@ def offload_bench(ours, smoke: bool) -> dict:
         t0 = time.perf_counter()
         got = run(prompts[:1]).images
         _sync()
+        pred = MemoryPlanner.from_pipeline(ours).predict(size, size, 1, cfg=False, offload=mode).peak
         res[mode] = {"setup_s": round(setup, 1), "first_s": round(first, 2), "s": round(time.perf_counter() - t0, 2),
-                     "peak_gib": round(_peak() / GiB, 2), "max_abs_diff_vs_none": float(np.abs(got - want[:1]).max())}  # fmt: skip
+                     "peak_gib": round(_peak() / GiB, 2), "predicted_gib": round(pred / GiB, 2),
+                     "max_abs_diff_vs_none": float(np.abs(got - want[:1]).max())}  # fmt: skip
         print(f"  offload {mode}: {json.dumps(res[mode])}", flush=True)
-    if cuda:
+    for cap in (24, 8) if cuda else ():  # the 24 GiB card, and a smaller one
         _free()
         total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, 24 * GiB / total))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total))
+        key = f"blocks_{cap}gib"
         try:
             _reset_peak()
             t0 = time.perf_counter()
-            got = run(prompts[:1]).images
-            res["blocks_24gib"] = {"s": round(time.perf_counter() - t0, 2), "peak_gib": round(_peak() / GiB, 2),
-                                   "max_abs_diff_vs_none": float(np.abs(got - want[:1]).max())}  # fmt: skip
+            out = run(prompts[:1])
+            res[key] = {"s": round(time.perf_counter() - t0, 2), "peak_gib": round(_peak() / GiB, 2),
+                        "oom_backoff": out.info.get("oom_backoff", []),
+                        "max_abs_diff_vs_none": float(np.abs(out.images - want[:1]).max())}  # fmt: skip
         except Exception as e:  # noqa: BLE001
-            res["blocks_24gib"] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            res[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
-        print(f"  offload blocks under 24 GiB: {json.dumps(res['blocks_24gib'])}", flush=True)
+        print(f"  offload blocks under {cap} GiB: {json.dumps(res[key])}", flush=True)
     return res
 
 

@@ -78,6 +78,8 @@ class ModelSizes:
     num_blocks: int
     text_encoder: int
     vae: int
+    te_block: int = 0  # the largest text-encoder decoder layer (offload streams these through a ring)
+    te_blocks: int = 0
     dim: int = 3072  # transformer inner dim
     te_hidden: int = 3584
     vae_base_dim: int = 96
@@ -89,8 +91,10 @@ class ModelSizes:
         """Qwen-Image at full size without loading anything (parameter counts of the released model)."""
         e = torch.empty((), dtype=dtype).element_size()
         block = 339_725_312  # parameters of one of the 60 transformer blocks
+        te_layer = 233_057_792  # one of Qwen2.5-VL-7B's 28 decoder layers
         return cls(transformer=20_430_401_088 * e, transformer_block=block * e, num_blocks=60,
-                   text_encoder=8_292_166_656 * e, vae=126_892_531 * e)  # fmt: skip
+                   text_encoder=8_292_166_656 * e, vae=126_892_531 * e, te_block=te_layer * e,
+                   te_blocks=28)  # fmt: skip
 
     @classmethod
     def from_pipeline(cls, pipe) -> ModelSizes:
@@ -102,8 +106,12 @@ class ModelSizes:
         te_model = getattr(pipe.text_encoder, "model", pipe.text_encoder)
         te_cfg = getattr(te_model, "config", None)
         te_hidden = getattr(getattr(te_cfg, "text_config", te_cfg), "hidden_size", 3584)
+        from .offload import text_encoder_layers
+
+        te_layers = list(text_encoder_layers(te_model) or [])
         return cls(transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
                    text_encoder=nbytes(te_model), vae=nbytes(pipe.vae), dim=tr.cfg.inner_dim, te_hidden=te_hidden,
+                   te_block=max((nbytes(b) for b in te_layers), default=0), te_blocks=len(te_layers),
                    vae_base_dim=pipe.vae.cfg.base_dim, vae_scale=pipe.vae.cfg.scale_factor,
                    patch=tr.cfg.patch_size)  # fmt: skip
 
@@ -179,10 +187,16 @@ class MemoryPlanner:
         vae = 0 if offload_vae else s.vae
         if offload == "none":
             return s.transformer + s.text_encoder + vae
+        te_ring = min(self.ring, s.te_blocks) * s.te_block  # the text encoder's layer ring stays allocated
         if offload == "model":
-            return s.transformer + vae
+            return s.transformer + vae + te_ring
         rest = s.transformer - s.num_blocks * s.transformer_block  # embeddings, norm_out, proj_out (approx.)
-        return max(rest, 0) + self.ring * s.transformer_block + vae
+        return max(rest, 0) + self.ring * s.transformer_block + vae + te_ring
+
+    def text_encoder_moved_in(self) -> int:
+        """Text-encoder bytes copied to the GPU for an encode when offloaded (its layers stream)."""
+        s = self.sizes
+        return s.text_encoder - s.te_blocks * s.te_block
 
     def predict(self, height: int, width: int, batch: int = 1, *, cfg: bool = True, batched_cfg: bool = True,
                 offload: str = "none", dtype: torch.dtype = torch.bfloat16, txt_len: int = 256,
@@ -194,7 +208,7 @@ class MemoryPlanner:
         s, c, e = self.sizes, self.calib, _elem(dtype)
         res = self.resident(offload, offload_vae)
         # text encoder: moved in for the encode when offloaded; prompts + negatives
-        te_in = s.text_encoder if offload in ("model", "blocks") else 0
+        te_in = self.text_encoder_moved_in() if offload in ("model", "blocks") else 0
         prompts = batch * (2 if cfg else 1)
         encode = res + te_in + int(c.text_encoder * prompts * (txt_len + 34) * s.te_hidden * e)
         # denoise: tokens of the packed latents (patch 2 over the /8 latents) + text

@@ -1,8 +1,12 @@
 """Offload modes for GPUs smaller than the model: `none | model | blocks`.
 
-- `model`: the text encoder (16.6 GB for Qwen2.5-VL-7B in bf16) lives in pinned host memory and is
-  copied to the GPU only while prompts are encoded (`ModelOffloader.on_device`); optionally the VAE
-  likewise. The weights never change, so "moving back" is dropping the GPU copy: no D2H traffic.
+- `model`: the text encoder (16.6 GB for Qwen2.5-VL-7B in bf16) lives in pinned host memory. Its 28
+  decoder layers (80% of it) stream through a ring of 2 layer buffers while prompts are encoded, the
+  same way the transformer's blocks do in `blocks`; the rest (embeddings, LM head, vision tower) is
+  copied in for the encode (`ModelOffloader.on_device`). So the GPU never holds more than ~4 GB of
+  the encoder next to the transformer (a whole copy would put the peak back at both models).
+  Optionally the VAE likewise. The weights never change, so "moving back" is dropping the GPU copy:
+  no D2H traffic.
 - `blocks`: `model`, plus the transformer blocks (340 M parameters, 680 MB each in bf16) stream from
   pinned host memory. A ring of `ring` (default 2) flat GPU buffers holds the blocks in use: while
   block i computes on the current stream, block i+1 is copied into the next ring slot on a side
@@ -25,7 +29,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-__all__ = ["MODES", "ModelOffloader", "BlockStreamer", "check_mode"]
+__all__ = ["MODES", "ModelOffloader", "BlockStreamer", "check_mode", "text_encoder_layers"]
 
 MODES = ("none", "model", "blocks")
 ALIGN = 256  # bytes: every tensor view in a flat buffer starts aligned (vectorised kernels need 16)
@@ -71,12 +75,17 @@ def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
 class ModelOffloader:
     """A module whose weights stay in (pinned) host memory except inside `with offloader.on_device():`."""
 
-    def __init__(self, module: nn.Module, device: torch.device | str, pin: bool | None = None):
+    def __init__(self, module: nn.Module, device: torch.device | str, pin: bool | None = None,
+                 skip: nn.Module | None = None):  # fmt: skip
+        """`skip`: a submodule whose tensors are handled elsewhere (a `BlockStreamer`'s blocks)."""
         self.module = module
         self.device = torch.device(device)
         pin = self.device.type == "cuda" if pin is None else pin
         self.entries = []  # (owner, name, is_param, host tensor)
+        skipped = {id(_get(*t)) for t in _tensors(skip)} if skip is not None else set()
         for owner, name, is_param in _tensors(module):
+            if id(_get(owner, name, is_param)) in skipped:
+                continue
             host = _pin(_get(owner, name, is_param).detach().to("cpu"), pin)
             _point(owner, name, is_param, host)
             self.entries.append((owner, name, is_param, host))
@@ -213,6 +222,17 @@ class BlockStreamer:
         return sum(s.numel() for s in self.slots)
 
 
+def text_encoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """Qwen2.5-VL's language-model decoder layers (transformers 4.5x / 5 layouts), or None."""
+    for path in ("model.language_model.layers", "model.layers", "language_model.layers"):
+        m = model
+        for part in path.split("."):
+            m = getattr(m, part, None)
+        if isinstance(m, nn.ModuleList) and len(m) > 0:
+            return m
+    return None
+
+
 def enable(
     pipe, mode: str, device: torch.device | str | None = None, vae: bool = False, ring: int = 2
 ) -> None:
@@ -235,7 +255,10 @@ def enable(
     device = torch.device(device)
     te = pipe.text_encoder
     if current == "none":
-        off = ModelOffloader(te.model, device)
+        layers = text_encoder_layers(te.model)
+        if layers is not None:  # stream the decoder layers; the rest moves in per encode
+            te._layer_streamer = BlockStreamer(layers, device, ring=ring)
+        off = ModelOffloader(te.model, device, skip=layers)
         off.wrap(te, "encode", "encode_with_images")
         te._offloader = off
         te.cuda_graphs = False  # its weights move in and out: a captured graph would go stale
