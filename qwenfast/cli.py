@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g, size_help="WIDTHxHEIGHT, multiples of 16 (default: model's, 1024x1024)")
     g.add_argument("--offload", choices=["none", "model", "blocks"], default="none",
                    help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
-                        "the transformer blocks from host memory (~24 GB GPUs; slower)")  # fmt: skip
+                        "the transformer blocks from host memory (1024² in ~6 GB; ~6x slower)")  # fmt: skip
 
     e = sub.add_parser("edit", help="edit images (Qwen-Image-Edit v1, 2509, 2511)")
     e.add_argument("image", nargs="+", help="input image(s): 1 for Edit v1, 1-3 for Edit-2509/2511")

@@ -17,7 +17,7 @@ Stages (flags; each appends one JSON line to <results>/pipeline.jsonl and prints
   coefficients, prediction error (goal <= 10% of measured peak); writes memory_calibration.json.
 - `--offload`: forced OOM recovery (a memory fraction that fits one image, a batch of 4 asked for:
   must split and equal the unsplit images), then offload "model" and "blocks" (peaks, times), and
-  "blocks" under `set_per_process_memory_fraction` = 24 GiB. Runs last: it moves weights to the host.
+  "blocks" under `set_per_process_memory_fraction` = 24 GiB and 8 GiB. Runs last: it moves weights to the host.
 """
 
 from __future__ import annotations
