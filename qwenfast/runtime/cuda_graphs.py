@@ -15,70 +15,88 @@ from collections import OrderedDict
 import torch
 
 
-class CudaGraphRunner:
-    """Call like the transformer; replays a captured graph when the inputs are on CUDA."""
+class _GraphCache:
+    """Captured graphs per input signature in a small LRU, one shared memory pool, eager fallback.
 
-    def __init__(self, model: torch.nn.Module, max_graphs: int = 4, warmup: int = 2):
-        self.model = model
+    `_run(key, fn, inputs)` replays the graph captured for `key` (capturing `fn(*inputs)` the first
+    time, after `warmup` eager runs on a side stream), with `inputs` copied into its static buffers
+    (None entries stay None). An OOM during capture is re-raised for the OOM back-off; any other
+    capture failure warns once and turns graphs off for good (eager from then on).
+    """
+
+    what = "CUDA graph"
+
+    def __init__(self, max_graphs: int = 4, warmup: int = 2):
         self.max_graphs = max_graphs
         self.warmup = warmup
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.enabled = True
         self._pool = None
 
-    def _key(self, x, txt, mask, t, img_shapes, extra):
-        return (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
-                str(x.device), extra is None)  # fmt: skip
-
-    def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None):
-        if not (self.enabled and x.is_cuda):
-            return self.model(x, txt, mask, t, img_shapes, additional_t_cond)
-        key = self._key(x, txt, mask, t, img_shapes, additional_t_cond)
+    def _run(self, key: tuple, fn, inputs: tuple) -> torch.Tensor:
         entry = self.graphs.get(key)
         if entry is None:
             try:
-                entry = self._capture(x, txt, mask, t, img_shapes, additional_t_cond)
+                entry = self._capture(fn, inputs)
             except torch.OutOfMemoryError:  # not a capture problem: let the OOM back-off split the batch
                 torch.cuda.synchronize()
                 raise
-            except Exception as e:  # any capture failure: fall back to eager, keep serving
-                warnings.warn(f"CUDA graph capture failed, running eagerly from now on: {e}", stacklevel=2)
+            except Exception as e:  # noqa: BLE001 - any capture failure: fall back to eager, keep serving
+                warnings.warn(f"{self.what} capture failed, running eagerly from now on: {e}", stacklevel=3)
                 self.enabled = False
                 torch.cuda.synchronize()
-                return self.model(x, txt, mask, t, img_shapes, additional_t_cond)
+                return fn(*inputs)
             self.graphs[key] = entry
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         else:
             self.graphs.move_to_end(key)
         graph, static_in, static_out = entry
-        for dst, src in zip(static_in, (x, txt, mask, t, additional_t_cond)):
+        for dst, src in zip(static_in, inputs):
             if dst is not None:
                 dst.copy_(src)
         graph.replay()
         return static_out.clone()  # the static buffer is overwritten by the next replay
 
-    def _capture(self, x, txt, mask, t, img_shapes, extra):
-        static_in = tuple(None if a is None else a.clone() for a in (x, txt, mask, t, extra))
-        sx, stxt, smask, st, sextra = static_in
+    def _capture(self, fn, inputs: tuple):
+        static_in = tuple(None if a is None else a.clone() for a in inputs)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(self.warmup):  # warm-up outside the graph: lazy inits, autotuning, caches
-                self.model(sx, stxt, smask, st, img_shapes, sextra)
+                fn(*static_in)
         torch.cuda.current_stream().wait_stream(s)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self.model(sx, stxt, smask, st, img_shapes, sextra)
+            out = fn(*static_in)
         return graph, static_in, out
 
     def clear(self):
         self.graphs.clear()
 
 
-class TextEncoderGraphs:
+class CudaGraphRunner(_GraphCache):
+    """Call like the transformer; replays a captured graph when the inputs are on CUDA."""
+
+    def __init__(self, model: torch.nn.Module, max_graphs: int = 4, warmup: int = 2):
+        super().__init__(max_graphs, warmup)
+        self.model = model
+
+    def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None):
+        if not (self.enabled and x.is_cuda):
+            return self.model(x, txt, mask, t, img_shapes, additional_t_cond)
+        key = (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
+               str(x.device), additional_t_cond is None)  # fmt: skip
+
+        def fn(x, txt, mask, t, extra):
+            return self.model(x, txt, mask, t, img_shapes, extra)
+
+        return self._run(key, fn, (x, txt, mask, t, additional_t_cond))
+
+
+class TextEncoderGraphs(_GraphCache):
     """CUDA graphs for the text-only prompt encode (Qwen2.5-VL's language model).
 
     Why: the 7B encoder reads 15 GB of weights (~3 ms on an H200) but launches ~700 small kernels
@@ -89,16 +107,15 @@ class TextEncoderGraphs:
     per (batch, bucket); capture failures fall back to eager once, with a warning.
     """
 
+    what = "text encoder CUDA graph"
+
     def __init__(self, language_model: torch.nn.Module, pad_id: int, bucket: int = 64, max_graphs: int = 8,
                  warmup: int = 2):  # fmt: skip
+        super().__init__(max_graphs, warmup)
         self.lm = language_model
         self.pad_id = pad_id
         self.bucket = bucket
-        self.max_graphs = max_graphs
-        self.warmup = warmup
-        self.enabled = True
-        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
-        self._pool = None
+        self._where = None
 
     def padded(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """(B, T) right-padded ids + mask -> (B, T_bucket) ids with pad tokens after the real ones."""
@@ -122,49 +139,10 @@ class TextEncoderGraphs:
         # a graph reads the weights where they were at capture: if any moved (offload, .to(), a new
         # load), every graph is stale
         where = tuple(t.data_ptr() for t in self.lm.parameters())
-        if where != getattr(self, "_where", None):
+        if where != self._where:
             self.graphs.clear()
             self._where = where
-        key = (tuple(x.shape), str(x.device))
-        entry = self.graphs.get(key)
-        if entry is None:
-            try:
-                entry = self._capture(x)
-            except torch.OutOfMemoryError:
-                torch.cuda.synchronize()
-                raise
-            except Exception as e:  # noqa: BLE001 - any capture failure: eager from now on
-                warnings.warn(f"text encoder CUDA graph capture failed, running eagerly: {e}", stacklevel=2)
-                self.enabled = False
-                torch.cuda.synchronize()
-                return self.eager(x)[:, :T]
-            self.graphs[key] = entry
-            while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
-        else:
-            self.graphs.move_to_end(key)
-        graph, static_in, static_out = entry
-        static_in.copy_(x)
-        graph.replay()
-        return static_out[:, :T].clone()
-
-    def _capture(self, x: torch.Tensor):
-        static_in = x.clone()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(self.warmup):
-                self.eager(static_in)
-        torch.cuda.current_stream().wait_stream(s)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out = self.eager(static_in)
-        return graph, static_in, out
-
-    def clear(self):
-        self.graphs.clear()
+        return self._run((tuple(x.shape), str(x.device)), self.eager, (x,))[:, :T]
 
 
 def compile_blocks(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
