@@ -114,11 +114,42 @@ def encode_texts(te, texts: list[str], batch: int = 512):
             h.float().cpu()
             for h in te._hidden([T2I_TEMPLATE.format(t) for t in texts[s : s + batch]], T2I_DROP)
         ]
-    L = max(h.shape[0] for h in seqs)
-    emb = torch.zeros(len(seqs), L, seqs[0].shape[1])
-    for i, h in enumerate(seqs):
-        emb[i, : h.shape[0]] = h
-    return emb, torch.tensor([h.shape[0] for h in seqs])
+    return padded_rows(seqs)
+
+
+def padded_rows(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L_i, D) sequences -> (zero-padded (N, max L, D), lengths (N,)) on the sequences' device."""
+    from qwenfast.models.text_encoder import pad_embeddings
+
+    emb, _ = pad_embeddings(seqs)
+    return emb, torch.tensor([h.shape[0] for h in seqs], device=emb.device)
+
+
+def start_run(a) -> tuple[float, torch.device, Path]:
+    """Common start of a training run: (start time, device, checkpoint folder); seeds, TF32, and
+    plain math attention (short sequences with masks and a backward pass)."""
+    from qwenfast.runtime.attention import set_attention
+
+    t_start = time.time()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(a.seed)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    set_attention("math")
+    ckpt = Path(a.ckpt)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    return t_start, dev, ckpt
+
+
+def optimizer_step(opt, loss, params: list, ema_params: list | None = None, decay: float = 0.0) -> None:
+    """Backward, clip to norm 1, step; then the EMA copy (if any) moves toward the weights by 1 - decay."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+    if ema_params is not None:
+        with torch.no_grad():
+            torch._foreach_lerp_(ema_params, params, 1 - decay)
 
 
 # ============================================================================================ models
@@ -222,10 +253,7 @@ def train_vae(vae, imgs, dev, steps, batch, lr, deadline, beta=3e-4, edge=1.0, w
         grad = (rec.diff(dim=2) - x.diff(dim=2)).abs().mean() + (rec.diff(dim=3) - x.diff(dim=3)).abs().mean()
         kl = 0.5 * (mean.pow(2) + logvar.exp() - 1 - logvar).mean()
         loss = l1 + mse + edge * grad + beta * kl
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, list(vae.parameters()))
         if step % 200 == 0 or step == steps - 1:
             hist.append(
                 {"step": step, "l1": l1.item(), "mse": mse.item(), "kl": kl.item(), "t": time.time() - t0}
@@ -292,13 +320,7 @@ def train_dit(dit, ema, lat, emb, lens, cap_idx, null_idx, dev, *, steps, batch,
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             pred = dit(xt, e, mask, sigma, img_shapes)
         loss = F.mse_loss(pred.float(), noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            d = min(0.9995, (1 + step) / (10 + step))
-            torch._foreach_lerp_(ema_list, params, 1 - d)
+        optimizer_step(opt, loss, params, ema_list, decay=min(0.9995, (1 + step) / (10 + step)))
         run.append(loss.detach())
         if step % log_every == 0 or step == start_step + steps - 1:
             lv = torch.stack(run).mean().item()
@@ -383,17 +405,9 @@ def cmd_grid(a):
 
 def cmd_train(a):
     from qwenfast.models.text_encoder import TextEncoder
-    from qwenfast.runtime.attention import set_attention
 
-    t_start = time.time()
+    t_start, dev, ckpt = start_run(a)  # 92-token sequences: plain math attention is cheap
     deadline = t_start + a.budget
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(a.seed)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    set_attention("math")  # 92-token sequences: plain math attention is cheap and takes masks + backward
-    ckpt = Path(a.ckpt)
-    ckpt.mkdir(parents=True, exist_ok=True)
     resume = Path(a.resume) if a.resume else None
     metrics = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "args": vars(a)}
     if resume and (resume / "metrics.json").is_file():
@@ -489,6 +503,8 @@ def cmd_train(a):
     pipe = QwenImagePipeline(ema, vae, te, SchedulerConfig.from_dict(SCHEDULER_CONFIG))
     pipe.progress_bar = False
     pipe.cuda_graphs = False
+    from qwenfast.runtime.attention import set_attention
+
     set_attention("auto")
     grid = [tuple(float(v) for v in g.split("x")) for g in a.eval_grid.split(",")]  # most likely best first
     grid = [(int(st), c) for st, c in grid]

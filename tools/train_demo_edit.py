@@ -99,11 +99,7 @@ def encode_edit_texts(te, proc, vl: np.ndarray, texts: list[str], batch: int = 5
         ims = [[Image.fromarray(a)] for a in vl[s : s + batch]]
         prompts = [EDIT_TEMPLATE.format(f"Picture 1: {VISION_SLOT}{t}") for t in texts[s : s + batch]]
         seqs += [h.to(torch.bfloat16) for h in te._hidden_vl(prompts, ims, proc, EDIT_DROP)]
-    L = max(h.shape[0] for h in seqs)
-    emb = torch.zeros(len(seqs), L, seqs[0].shape[1], dtype=torch.bfloat16, device=seqs[0].device)
-    for i, h in enumerate(seqs):
-        emb[i, : h.shape[0]] = h
-    return emb, torch.tensor([h.shape[0] for h in seqs], device=emb.device)
+    return T.padded_rows(seqs)
 
 
 def packed_latents(vae, imgs) -> torch.Tensor:
@@ -159,12 +155,7 @@ def finetune(dit, ema, edit, t2i, dev, *, steps, batch, lr, deadline, ckpt, p_ed
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             pred = dit(xt, e, mask, sigma, shapes)[:, : x0.shape[1]]
         loss = F.mse_loss(pred.float(), noise - x0)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(dit.parameters(), 1.0)
-        opt.step()
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_list, params, 1 - min(0.999, (1 + step) / (10 + step)))
+        T.optimizer_step(opt, loss, params, ema_list, decay=min(0.999, (1 + step) / (10 + step)))
         run["edit" if is_edit else "t2i"].append(loss.detach())
         if step % log_every == 0 or step == steps - 1:
             row = {k: torch.stack(v).mean().item() for k, v in run.items() if v}
@@ -186,17 +177,9 @@ def cmd_train(a):
     from qwenfast.loading.diffusers_folder import load_transformer, load_vae
     from qwenfast.models.text_encoder import TextEncoder
     from qwenfast.pipeline.edit import load_image_processor
-    from qwenfast.runtime.attention import set_attention
 
-    t_start = time.time()
+    t_start, dev, ckpt = T.start_run(a)  # ~150-token sequences: plain math attention
     deadline = t_start + a.budget
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(a.seed)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    set_attention("math")  # ~150-token sequences with masks and a backward pass
-    ckpt = Path(a.ckpt)
-    ckpt.mkdir(parents=True, exist_ok=True)
     model = Path(a.model)
     metrics = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "args": vars(a)}
 
