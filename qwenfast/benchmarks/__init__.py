@@ -26,3 +26,21 @@ def save_record(record: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
+
+
+def rel_err(got, want) -> float:
+    """||got - want|| / ||want|| in fp32; NaN when `got` has a non-finite value (NaN never passes)."""
+    got, want = got.float(), want.float()
+    if not bool(got.isfinite().all()):
+        return float("nan")
+    return ((got - want).norm() / want.norm()).item()
+
+
+def emit(record: dict, name: str, out_dir: Path | None) -> None:
+    """Print the record as the final JSON line; append it to <out_dir>/<name> and $OUT/<name> (once each)."""
+    import os
+
+    print(json.dumps(record))
+    dirs = (out_dir, Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    for d in dict.fromkeys(Path(d).resolve() for d in dirs if d is not None):
+        save_record(record, d / name)

@@ -32,6 +32,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from . import rel_err, save_record
+
 GiB = 1024**3
 CASES = {"1024:50:cfg": (1024, 50, True), "1328:50:cfg": (1328, 50, True), "1024:4:nocfg": (1024, 4, False)}
 PROMPT = "a fox reading a newspaper in a cafe, watercolor, soft light"
@@ -225,10 +227,6 @@ def end_to_end(ours, ref, cases, smoke: bool, keep: dict | None = None, against:
     return res
 
 
-def _rel(got, want) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
 def _median_ms(fn, n=5) -> float:
     fn()
     _sync()
@@ -257,9 +255,9 @@ def vae_bench(ours, ref, smoke: bool) -> dict:
         rvae.float()
         exact = rvae.decode(z[:, :, None].float()).sample[:, :, 0].clamp(-1, 1)
         rvae.to(dt)
-        row["diffusers_bf16_vs_fp32_decode_rel_err"] = float(f"{_rel(want, exact):.2e}")
+        row["diffusers_bf16_vs_fp32_decode_rel_err"] = float(f"{rel_err(want, exact):.2e}")
         vae.fast, vae.tiling = True, False
-        row["ours_fast_vs_fp32_decode_rel_err"] = float(f"{_rel(vae.decode(z), exact):.2e}")
+        row["ours_fast_vs_fp32_decode_rel_err"] = float(f"{rel_err(vae.decode(z), exact):.2e}")
         del exact
         row["diffusers_decode_ms"] = _median_ms(lambda: rvae.decode(z[:, :, None]))
         row["diffusers_encode_ms"] = _median_ms(lambda: rvae.encode(x[:, :, None]))
@@ -500,11 +498,8 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
 
     def save(key, value):
         record[key] = value
-        with open(out_dir / "pipeline.jsonl", "a") as f:
-            f.write(
-                json.dumps({k: record[k] for k in ("bench", "device", "torch", "triton", "smoke")} | {key: value})
-                + "\n"
-            )
+        save_record({k: record[k] for k in ("bench", "device", "torch", "triton", "smoke")} | {key: value},
+                    out_dir / "pipeline.jsonl")  # fmt: skip
 
     kept: dict = {}
     if e2e:

@@ -19,13 +19,14 @@ bench/results/serve.jsonl (and $OUT/serve.jsonl when $OUT is set).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from . import emit, versions
 
 TEXT_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
            "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
@@ -158,12 +159,7 @@ def run(model=None, size=None, steps=8, cfg=1.0, concurrency=(1, 2, 4, 8), reque
         pipe = load_pipeline(model, device, dtype, cuda_graphs)
     size = size or (1024 if model == "random-full" else 64)
     build_s = time.perf_counter() - t0
-    try:
-        import triton
-
-        triton_v = triton.__version__
-    except ImportError:
-        triton_v = None
+    triton_v = versions()["triton"]
     gpu = torch.cuda.get_device_name() if pipe.device.type == "cuda" else None
     res = {"bench": "serve", "gpu": gpu, "torch": torch.__version__, "triton": triton_v, "device": str(pipe.device),
            "dtype": str(pipe.dtype).replace("torch.", ""), "model": model or "embedded-tiny", "size": size,
@@ -201,13 +197,7 @@ def run(model=None, size=None, steps=8, cfg=1.0, concurrency=(1, 2, 4, 8), reque
         finally:
             stop_server(server, th)
     _summarise(res)
-    line = json.dumps(res)
-    print(line)
-    dirs = (out_dir, Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
-    for d in dict.fromkeys(Path(d).resolve() for d in dirs if d is not None):  # once each, if both are $OUT
-        d.mkdir(parents=True, exist_ok=True)
-        with open(d / "serve.jsonl", "a") as f:
-            f.write(line + "\n")
+    emit(res, "serve.jsonl", out_dir)
     return res
 
 

@@ -10,13 +10,13 @@ bench/results/transformer.jsonl.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from . import emit, rel_err, versions
 
 PEAK_TFLOPS = 809.0  # bf16 dense GEMM, measured on H200 (see shared facts)
 
@@ -35,12 +35,6 @@ def _median_ms(fn, warmup: int, iters: int) -> float:
         times.append(a.elapsed_time(b))
     return statistics.median(times)
 
-
-def _rel(a, b) -> float:
-    a, b = a.float(), b.float()
-    if not torch.isfinite(b).all():
-        return float("nan")
-    return ((a - b).norm() / a.norm()).item()
 
 
 def _profile(fn) -> dict[str, float]:
@@ -104,15 +98,12 @@ def build(num_layers: int, compare: bool, dtype=torch.bfloat16, zero_cond_t: boo
 
 def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters=10, compile_=True,
         variants=None, out_dir: Path | None = None, fp8: bool = True) -> dict:  # fmt: skip
-    import triton
-
     from .. import kernels
     from ..runtime.cuda_graphs import CudaGraphRunner, compile_blocks
 
     ours, ref = build(num_layers, compare)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "kernels_backend": kernels.backend(), "layers": num_layers, "txt_len": txt_len, "sizes": {}}  # fmt: skip
+    res = {**versions(), "kernels_backend": kernels.backend(), "layers": num_layers, "txt_len": txt_len, "sizes": {}}  # fmt: skip
     print(f"GPU {res['gpu']}, torch {res['torch']}, triton {res['triton']}, kernels {res['kernels_backend']}")
     compiled_ref = compiled_ours = None
     fp8_sets, bf16_modules = {}, None
@@ -190,7 +181,7 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
         base = outs.get("diffusers eager")
         for name, r in rows.items():
             if base is not None:
-                r["rel_err_vs_diffusers"] = float(f"{_rel(base, outs[name]):.2e}")
+                r["rel_err_vs_diffusers"] = float(f"{rel_err(outs[name], base):.2e}")
                 r["speedup_vs_diffusers_eager"] = round(rows["diffusers eager"]["ms"] / r["ms"], 2)
                 if "diffusers regional compile" in rows:
                     r["speedup_vs_diffusers_compile"] = round(rows["diffusers regional compile"]["ms"] / r["ms"], 2)
@@ -201,13 +192,7 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
         res["sizes"][size] = {"tflop": round(flops / 1e12, 2), "floor_ms": round(floor_ms, 1), "variants": rows,
                               "profile_fused_eager_pct": prof, "batched_cfg_rel_err": cfg_check}  # fmt: skip
         _print_table(size, flops, floor_ms, rows, prof, cfg_check)
-    line = json.dumps(res)
-    print(line)
-    for d in (out_dir, Path(os.environ["OUT"]) if os.environ.get("OUT") else None):
-        if d is not None:
-            d.mkdir(parents=True, exist_ok=True)
-            with open(d / "transformer.jsonl", "a") as f:
-                f.write(line + "\n")
+    emit(res, "transformer.jsonl", out_dir)
     return res
 
 
@@ -242,7 +227,7 @@ def _batched_cfg_check(model, x, txt, t, shapes) -> float:
     emb2, mask2 = join_text(txt, None, short, None)
     both = model(torch.cat([x, x]), emb2, mask2, torch.cat([t, t]), shapes)
     a, b = model(x, txt, None, t, shapes), model(x, short, None, t, shapes)
-    return float(f"{max(_rel(a, both[:1]), _rel(b, both[1:])):.2e}")
+    return float(f"{max(rel_err(both[:1], a), rel_err(both[1:], b)):.2e}")
 
 
 def _print_table(size, flops, floor_ms, rows, prof, cfg_check):
