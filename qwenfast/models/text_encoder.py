@@ -98,7 +98,7 @@ class TextEncoder:
         if self._graphs is None:
             from ..runtime.cuda_graphs import TextEncoderGraphs
 
-            lm = getattr(getattr(self.model, "model", None), "language_model", None)
+            lm = language_model(self.model)
             pad = self.tokenizer.pad_token_id
             if lm is None or pad is None:
                 self._graphs = False
@@ -192,6 +192,14 @@ class TextEncoder:
             self._cache.move_to_end(key)
             return self._cache[key]
         raise KeyError(key)
+
+
+def language_model(model) -> torch.nn.Module | None:
+    """Qwen2.5-VL's text decoder inside `Qwen2_5_VLForConditionalGeneration` (transformers 4.5x and 5
+    layouts: `.model.language_model`; older: `.model`), or None for other models."""
+    inner = getattr(model, "model", None)
+    lm = getattr(inner, "language_model", None) or inner
+    return lm if isinstance(getattr(lm, "layers", None), torch.nn.ModuleList) else None
 
 
 def pad_embeddings(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -223,14 +223,11 @@ class BlockStreamer:
 
 
 def text_encoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """Qwen2.5-VL's language-model decoder layers (transformers 4.5x / 5 layouts), or None."""
-    for path in ("model.language_model.layers", "model.layers", "language_model.layers"):
-        m = model
-        for part in path.split("."):
-            m = getattr(m, part, None)
-        if isinstance(m, nn.ModuleList) and len(m) > 0:
-            return m
-    return None
+    """Qwen2.5-VL's language-model decoder layers, or None for other models."""
+    from ..models.text_encoder import language_model
+
+    lm = language_model(model)
+    return None if lm is None or len(lm.layers) == 0 else lm.layers
 
 
 def enable(
