@@ -16,7 +16,6 @@ runs in PIL and the `<|image_pad|>` tokens are expanded in `TextEncoder.encode_w
 
 from __future__ import annotations
 
-import json
 import math
 from collections import OrderedDict
 from collections.abc import Callable
@@ -25,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..loading.diffusers_folder import inspect_folder, load_scheduler_config, load_transformer, load_vae
 from ..loading.weights import CheckpointError
 from ..models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT, TextEncoder, image_digest
 from ..runtime.oom import with_oom_backoff
@@ -159,31 +157,16 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
         `offload`: "none" | "model" | "blocks", as for `QwenImagePipeline.from_pretrained`.
         """
-        from ..runtime.offload import check_mode
-        from .text_to_image import resolve_device, resolve_dtype
+        from .text_to_image import load_folder
 
-        path = Path(path) if path is not None else DEFAULT_EDIT_MODEL
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        kind, problems = inspect_folder(path)
-        if problems:
-            raise CheckpointError(
-                f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems)
-            )
-        if kind not in MODES:
-            raise CheckpointError(f"{path} is a {kind} model; QwenImageEditPipeline runs Qwen-Image-Edit checkpoints "
-                                  "(use QwenImagePipeline, or qwenfast.from_pretrained which picks the class)")  # fmt: skip
-        cpu = torch.device("cpu")
-        transformer = load_transformer(path / "transformer", cpu if check_mode(offload) == "blocks" else dev, dt)
-        vae = load_vae(path / "vae", dev, dt)
-        te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", cpu if offload != "none" else dev, dt)
-        sched = load_scheduler_config(path / "scheduler")
-        extra = json.loads((path / "qwenfast.json").read_text()) if (path / "qwenfast.json").is_file() else {}
-        pipe = cls(transformer, vae, te, sched, model_path=str(path), defaults=extra.get("defaults"), mode=kind,
-                   image_processor=load_image_processor(path / "processor"),
-                   image_areas=extra.get("image_areas"))  # fmt: skip
+        f = load_folder(path if path is not None else DEFAULT_EDIT_MODEL, device, dtype, offload, MODES,
+                        "QwenImageEditPipeline runs Qwen-Image-Edit checkpoints (use QwenImagePipeline, or "
+                        "qwenfast.from_pretrained which picks the class)")  # fmt: skip
+        pipe = cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"),
+                   mode=f.kind, image_processor=load_image_processor(f.path / "processor"),
+                   image_areas=f.extra.get("image_areas"))  # fmt: skip
         if offload != "none":
-            pipe.enable_offload(offload, device=dev)
+            pipe.enable_offload(offload, device=f.device)
         return pipe
 
     @classmethod

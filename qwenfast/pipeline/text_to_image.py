@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,32 @@ OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 class QwenImageOutput:
     images: Any  # list[PIL.Image] | np.ndarray (B, H, W, 3) in [0, 1] | torch.Tensor | packed latents
     info: dict = field(default_factory=dict)
+
+
+def load_folder(path, device, dtype, offload: str, kinds: tuple[str, ...], wrong_kind: str) -> SimpleNamespace:
+    """Check a diffusers folder and load its components where an offload mode wants them (offloaded
+    parts on the CPU, so the GPU never holds them all). Also reads the optional qwenfast.json (`extra`:
+    sampling defaults, image areas). `wrong_kind` says what to use when the folder's kind is not in
+    `kinds`."""
+    from ..runtime.offload import check_mode
+
+    path = Path(path)
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    kind, problems = inspect_folder(path)
+    if problems:
+        raise CheckpointError(f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems))
+    if kind not in kinds:
+        raise CheckpointError(f"{path} is a Qwen-Image {kind} model; {wrong_kind}")
+    cpu = torch.device("cpu")
+    extra = json.loads((path / "qwenfast.json").read_text()) if (path / "qwenfast.json").is_file() else {}
+    return SimpleNamespace(
+        path=path, device=dev, kind=kind, extra=extra,
+        transformer=load_transformer(path / "transformer", cpu if check_mode(offload) == "blocks" else dev, dt),
+        vae=load_vae(path / "vae", dev, dt),
+        te=TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", cpu if offload != "none" else dev, dt),
+        sched=load_scheduler_config(path / "scheduler"),
+    )  # fmt: skip
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -132,29 +159,12 @@ class QwenImagePipeline:
         "blocks" (also the transformer blocks streamed from host memory); see `enable_offload`.
         Offloaded parts are loaded to the CPU, so the GPU never holds them all at once.
         """
-        path = Path(path) if path is not None else DEFAULT_MODEL
-        dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
-        kind, problems = inspect_folder(path)
-        if problems:
-            raise CheckpointError(f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems))
-        if kind != "text-to-image":
-            raise CheckpointError(f"{path} is an {kind} model; QwenImagePipeline runs text-to-image checkpoints "
-                                  "(use QwenImageEditPipeline or `qwenfast edit`)")  # fmt: skip
-        from ..runtime.offload import check_mode
-
-        cpu = torch.device("cpu")
-        transformer = load_transformer(path / "transformer", cpu if check_mode(offload) == "blocks" else dev, dt)
-        vae = load_vae(path / "vae", dev, dt)
-        te_dev = cpu if offload != "none" else dev
-        te = TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", te_dev, dt)
-        sched = load_scheduler_config(path / "scheduler")
-        defaults = None
-        if (path / "qwenfast.json").is_file():  # optional sampling defaults shipped with a model
-            defaults = json.loads((path / "qwenfast.json").read_text()).get("defaults")
-        pipe = cls(transformer, vae, te, sched, model_path=str(path), defaults=defaults)
+        f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, offload, ("text-to-image",),
+                        "QwenImagePipeline runs text-to-image checkpoints (use QwenImageEditPipeline or "
+                        "`qwenfast edit`)")  # fmt: skip
+        pipe = cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"))
         if offload != "none":
-            pipe.enable_offload(offload, device=dev)
+            pipe.enable_offload(offload, device=f.device)
         return pipe
 
     @classmethod
