@@ -193,7 +193,6 @@ def _sampling(d: dict, a) -> tuple[int, float, str | None, int]:
 
 
 def _meta_extras(meta: dict, a, loras: list[dict]) -> None:
-    import json
 
     if loras:
         meta["loras"] = json.dumps(loras)
@@ -238,7 +237,6 @@ def cmd_generate(a) -> int:
 
 
 def cmd_edit(a) -> int:
-    import json
 
     import torch
 
@@ -340,14 +338,13 @@ def cmd_bench(a) -> int:
         if not a.paths:
             quality(a.model, n=a.n, device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg, verbose=a.verbose)
             return 0
-        from .benchmarks import save_record, versions
+        from .benchmarks import emit, versions
 
         n = min(a.n or 120, 120)
         rows = quality_paths(a.model, n=n, device=a.device)
         record = {"bench": "quality_paths", "model": a.model or "demo-t2i", **versions(), "n": n, "rows": rows,
                   "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
-        save_record(record, Path(a.results) / "quality.jsonl")
-        print(json.dumps(record))
+        emit(record, "quality.jsonl", Path(a.results))
         return 0
     if a.what == "serve":  # runs on CPU too (smoke test on the embedded model)
         from .benchmarks.serve import run_from_args

@@ -58,23 +58,25 @@ def run_edits(pipe, n: int = 36, *, steps=None, cfg=None, seed0: int = 0) -> tup
 def load(model=None, device=None, dtype=None):
     """The demo pipeline for a folder: text-to-image, or edit when the folder is an edit model
     (None = the embedded text-to-image demo; "edit" = the embedded edit demo)."""
-    from ..loading.diffusers_folder import inspect_folder
-    from ..pipeline.edit import DEFAULT_EDIT_MODEL, QwenImageEditPipeline
-    from ..pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
+    from .. import from_pretrained
+    from ..pipeline.edit import DEFAULT_EDIT_MODEL
+    from ..pipeline.text_to_image import DEFAULT_MODEL
 
     path = DEFAULT_EDIT_MODEL if model == "edit" else DEFAULT_MODEL if model is None else model
-    kind, _ = inspect_folder(path)
-    cls = QwenImageEditPipeline if kind in ("edit", "edit-plus") else QwenImagePipeline
-    pipe = cls.from_pretrained(path, device=device, dtype=dtype)
+    pipe = from_pretrained(path, device=device, dtype=dtype)  # picks the class from model_index.json
     pipe.progress_bar = False
     return pipe
 
 
-def run_suite(pipe, n: int | None = None, *, steps=None, cfg=None, batch: int = 16):
-    """The pipeline's held-out suite: edits (n default 36) or text-to-image prompts (n default 120)."""
+def is_edit(pipe) -> bool:
     from ..pipeline.edit import QwenImageEditPipeline
 
-    if isinstance(pipe, QwenImageEditPipeline):
+    return isinstance(pipe, QwenImageEditPipeline)
+
+
+def run_suite(pipe, n: int | None = None, *, steps=None, cfg=None, batch: int = 16):
+    """The pipeline's held-out suite: edits (n default 36) or text-to-image prompts (n default 120)."""
+    if is_edit(pipe):
         return run_edits(pipe, n or 36, steps=steps, cfg=cfg)
     return run_t2i(pipe, n or 120, steps=steps, cfg=cfg, batch=batch)
 
@@ -84,14 +86,14 @@ def quality(model=None, n: int | None = None, device=None, dtype=None, steps=Non
     """Load a demo model folder (None = the embedded default, "edit" = the embedded edit model) and
     print its held-out suite score (120 prompts, or 36 edit instructions)."""
     pipe = load(model, device, dtype)
-    cap = 36 if hasattr(pipe, "mode") else 120  # the held-out suites' sizes
+    cap = 36 if is_edit(pipe) else 120  # the held-out suites' sizes
     n = min(n or cap, cap)
     t0 = time.perf_counter()
     res, images = run_suite(pipe, n, steps=steps, cfg=cfg, batch=batch)
     n = len(images)
     dt = time.perf_counter() - t0
     d = pipe.defaults
-    what = "edit instructions" if hasattr(pipe, "mode") else "prompts"
+    what = "edit instructions" if is_edit(pipe) else "prompts"
     print(f"model    {pipe.model_path}")
     print(f"suite    {n} held-out {what} (seed i for item i), {steps or d['num_inference_steps']} steps, "
           f"cfg {cfg if cfg is not None else d['true_cfg_scale']}, {pipe.device} {pipe.dtype}, {dt:.1f}s")  # fmt: skip
