@@ -6,19 +6,16 @@
 """
 
 __version__ = "0.1.0"
-__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "from_pretrained", "__version__"]
+__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "EngineOptions", "from_pretrained", "__version__"]
 
 
-def from_pretrained(path, device=None, dtype=None):
+def from_pretrained(path, device=None, dtype=None, **kwargs):
     """Load any Qwen-Image diffusers folder with the right pipeline class (from `model_index.json`):
-    text-to-image -> `QwenImagePipeline`, Edit / Edit-2509 / Edit-2511 -> `QwenImageEditPipeline`."""
-    from pathlib import Path
+    text-to-image -> `QwenImagePipeline`, Edit / Edit-2509 / Edit-2511 -> `QwenImageEditPipeline`.
+    `kwargs`: engine options (`options=EngineOptions(...)`, or `offload=`, `fp8=`, `cuda_graphs=`)."""
+    from .pipeline.auto import from_pretrained as load
 
-    from .loading.diffusers_folder import PIPELINE_CLASSES, read_json
-
-    kind = PIPELINE_CLASSES.get(read_json(Path(path) / "model_index.json").get("_class_name"))
-    cls = __getattr__("QwenImageEditPipeline" if kind in ("edit", "edit-plus") else "QwenImagePipeline")
-    return cls.from_pretrained(path, device=device, dtype=dtype)
+    return load(path, device=device, dtype=dtype, **kwargs)
 
 
 def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch
@@ -30,4 +27,8 @@ def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch
         from .pipeline.edit import QwenImageEditPipeline
 
         return QwenImageEditPipeline
+    if name == "EngineOptions":
+        from .options import EngineOptions
+
+        return EngineOptions
     raise AttributeError(name)

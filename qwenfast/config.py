@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class ConfigError(ValueError):
-    """A checkpoint config asks for something qwenfast does not support (or is malformed)."""
+from .errors import ConfigError  # noqa: F401 - re-exported: qwenfast.config.ConfigError
 
 
 def _from_dict(cls, d: dict[str, Any], where: str, unsupported: dict[str, Any] | None = None):

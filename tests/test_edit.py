@@ -111,10 +111,10 @@ def test_batched_cfg_equals_separate_passes_and_prompt_cache(edit_plus):
     try:
         outs = []
         for batched in (True, False):
-            qf.batched_cfg = batched
+            qf.configure(batched_cfg=batched)
             outs.append(qf(img, generator=torch.Generator().manual_seed(3), output_type="np", **KW).images)
     finally:
-        qf.batched_cfg = True
+        qf.configure(batched_cfg=True)
         hook.remove()
     assert np.abs(outs[0] - outs[1]).max() < 1e-5
     assert len(calls) == 2  # prompt and negative once; the second run hits the cache
@@ -263,14 +263,14 @@ def test_edit_oom_backoff_splits_and_keeps_the_images(edit_plus, monkeypatch):
     kw.pop("prompt")
     prompts = ["make it red", "add a blue star"]
     want = qf(img, prompts, generator=torch.Generator().manual_seed(5), output_type="np", **kw).images
-    real = qf.denoise
+    real = qf._forward
 
     def tight(x, *a, **k):  # more than 2 images at once "does not fit"
         if x.shape[0] > 2:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(x, *a, **k)
 
-    monkeypatch.setattr(qf, "denoise", tight)
+    monkeypatch.setattr(qf, "_forward", tight)
     out = qf(img, prompts, generator=torch.Generator().manual_seed(5), output_type="np", **kw)
     assert out.info["oom_backoff"] and "batch of 4" in out.info["oom_backoff"][0]
     assert out.images.shape == want.shape and np.abs(out.images - want).max() < 1e-5

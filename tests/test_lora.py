@@ -22,7 +22,7 @@ pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 from qwenfast.loading.lora import LoraError, LoraManager  # noqa: E402
-from qwenfast.pipeline import scheduler as S  # noqa: E402
+from qwenfast.pipeline import sampling as S  # noqa: E402
 
 KW = dict(
     prompt="a red circle", height=32, width=48, num_inference_steps=2, true_cfg_scale=1.0, output_type="np"
@@ -423,9 +423,9 @@ def test_cuda_graphs_see_fused_weights(pipes, lora_a):
     pipe.load_lora(write(lora_a, "comfyui"), 0.5)
     assert all(t.is_pinned() for t in pipe.lora_manager._orig.values())
     graphed = pipe(**KW, generator=gen()).images
-    pipe.cuda_graphs = False
+    pipe.configure(cuda_graphs=False)
     eager = pipe(**KW, generator=gen()).images
-    pipe.cuda_graphs = True
+    pipe.configure(cuda_graphs=True)
     pipe.unload_lora()
     assert same(pipe.transformer, snap)
     again = pipe(**KW, generator=gen()).images

@@ -76,14 +76,14 @@ def test_batched_cfg_equals_separate_passes(qf_t2i):
     """One batch-2 forward (prompts of different token lengths, padded + masked) == two forwards."""
     kw = dict(prompt=["a big blue square on the left of a tiny green star", "red"], negative_prompt=["x", "blurry"],
               height=48, width=32, num_inference_steps=3, true_cfg_scale=3.0, output_type="np")  # fmt: skip
-    old = qf_t2i.batched_cfg
+    old = qf_t2i.options.batched_cfg
     try:
-        qf_t2i.batched_cfg = False
+        qf_t2i.configure(batched_cfg=False)
         sep = qf_t2i(**kw, generator=torch.Generator().manual_seed(2)).images
-        qf_t2i.batched_cfg = True
+        qf_t2i.configure(batched_cfg=True)
         bat = qf_t2i(**kw, generator=torch.Generator().manual_seed(2)).images
     finally:
-        qf_t2i.batched_cfg = old
+        qf_t2i.configure(batched_cfg=old)
     assert np.abs(sep - bat).max() < 1e-5
 
 
@@ -93,7 +93,7 @@ def test_batched_cfg_auto_batches_only_without_a_mask(qf_t2i):
     hook = qf_t2i.transformer.register_forward_hook(lambda m, args, out: sizes.append(args[0].shape[0]))
     kw = dict(height=32, width=32, num_inference_steps=1, true_cfg_scale=3.0, output_type="latent")
     try:
-        assert qf_t2i.batched_cfg == "auto"
+        assert qf_t2i.options.batched_cfg == "auto"
         qf_t2i("red", negative_prompt="red", **kw)  # equal lengths: no mask
         assert sizes == [2]
         sizes.clear()

@@ -41,7 +41,7 @@ def pipe(pipe_):
         obj.__dict__.pop("forward", None)
         obj.__dict__.pop("_decode_tile", None)
     pipe_.vae.tiling = "auto"
-    pipe_.oom_backoff = True
+    pipe_.configure(oom="backoff", batched_cfg="auto")
 
 
 def _gens(n, seed=0):
@@ -67,7 +67,7 @@ PROMPTS = ["a red circle", "two blue squares on a green field, long prompt", "x"
 
 
 def test_split_batch_equals_unsplit(pipe, monkeypatch):
-    monkeypatch.setattr(pipe, "batched_cfg", True)  # one batch-2 CFG forward even with a padding mask
+    pipe.configure(batched_cfg=True)  # one batch-2 CFG forward even with a padding mask
     want = pipe(PROMPTS, negative_prompt=" ", true_cfg_scale=3.0, generator=_gens(3), **SIZE).images
     seen = []
     _oom_above(pipe.transformer, 2, seen)  # batched CFG: batch 6 -> OOM, 2 prompts (4 rows) -> OOM, 1 fits
@@ -184,12 +184,12 @@ def test_offload_modes_equal_no_offload():
         got = p(PROMPTS[:2], generator=_gens(2), **kw).images
         np.testing.assert_array_equal(got, want)
         assert p.offload == mode
-        te_stream = p.text_encoder._layer_streamer  # the text encoder's layers stream too
+        te_stream = p.text_encoder.layer_streamer  # the text encoder's layers stream too
         assert te_stream.copies >= len(te_stream.blocks)
         w = next(te_stream.blocks[-1].parameters())
         assert any(w.data_ptr() == v.data_ptr() for v in te_stream.host_views[-1])  # back on the host
     streamer = p._block_streamer
-    assert streamer.copies > 0 and p.cuda_graphs is False
+    assert streamer.copies > 0 and p.options.cuda_graphs is False
     blk = p.transformer.transformer_blocks[0]
     w = next(blk.parameters())
     assert any(w.data_ptr() == v.data_ptr() for v in streamer.host_views[0])  # back on the host copy

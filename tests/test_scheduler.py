@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qwenfast.config import PRESETS, QWEN_IMAGE_SCHEDULER, SchedulerConfig
-from qwenfast.pipeline import scheduler as S
+from qwenfast.pipeline import sampling as S
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import FlowMatchEulerDiscreteScheduler  # noqa: E402

@@ -58,8 +58,7 @@ log = logging.getLogger("qwenfast")
 _SHOW = 5  # how many offending keys an error message lists
 
 
-class LoraError(ValueError):
-    """A LoRA file or state dict cannot be used with this model (nothing was modified)."""
+from ..errors import LoraError  # noqa: F401 - re-exported
 
 
 # Tensor-name endings -> role. Longest first, so `.lora_A.default.weight` wins over `.weight` forms.

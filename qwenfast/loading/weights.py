@@ -17,8 +17,7 @@ import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
 
-class CheckpointError(ValueError):
-    """A checkpoint file or folder is missing, unreadable or does not match the model."""
+from ..errors import CheckpointError  # noqa: F401 - re-exported
 
 
 def weight_files(folder: Path, stem: str) -> list[Path]:

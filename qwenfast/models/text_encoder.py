@@ -12,6 +12,8 @@ fixed negative prompt of a CFG run) free.
 
 from __future__ import annotations
 
+import contextlib
+
 from collections import OrderedDict
 from pathlib import Path
 
@@ -45,12 +47,24 @@ class TextEncoder:
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.cuda_graphs = True  # text-only encodes replay a CUDA graph on CUDA (runtime/cuda_graphs.py)
         self._graphs = None
+        # offload (runtime/offload.py), set by the pipeline: the weights outside the decoder layers
+        # come in for each encode through `offloader.on_device()`; the layers stream through hooks
+        self.offloader = None
+        self.layer_streamer = None
+
+    def decoder_layers(self) -> torch.nn.ModuleList | None:
+        """The language model's decoder layers (offload streams them; the memory planner sizes them)."""
+        return decoder_layers(self.model)
+
+    def resident(self):
+        """Context in which the weights are on the compute device (a no-op unless offloaded)."""
+        return self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
 
     @classmethod
     def from_pretrained(cls, text_encoder_dir: Path, tokenizer_dir: Path, device, dtype) -> TextEncoder:
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
-        from ..loading.weights import CheckpointError
+        from ..errors import CheckpointError
 
         try:
             tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -116,7 +130,8 @@ class TextEncoder:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, L, D) embeddings right-padded with zeros, and a (B, L) long mask or None if all ones."""
         todo = [p for p in dict.fromkeys(prompts) if (p, template, drop) not in self._cache]
-        fresh = dict(zip(todo, self._hidden([template.format(p) for p in todo], drop))) if todo else {}
+        with self.resident():
+            fresh = dict(zip(todo, self._hidden([template.format(p) for p in todo], drop))) if todo else {}
         for p, h in fresh.items():
             self._put((p, template, drop), h)
         seqs = [(fresh[p] if p in fresh else self._get((p, template, drop)))[:max_sequence_length] for p in prompts]
@@ -141,7 +156,10 @@ class TextEncoder:
         keys = [(p, template, drop, digest) for p in prompts]
         todo = [k for k in dict.fromkeys(keys) if k not in self._cache]
         if todo:  # every new prompt in one batched forward (padding masked)
-            hs = self._hidden_vl([template.format(k[0]) for k in todo], [images] * len(todo), image_processor, drop)
+            with self.resident():
+                hs = self._hidden_vl(
+                    [template.format(k[0]) for k in todo], [images] * len(todo), image_processor, drop
+                )
             fresh = dict(zip(todo, hs))
             for k, h in fresh.items():
                 self._put(k, h)
@@ -200,6 +218,12 @@ def language_model(model) -> torch.nn.Module | None:
     inner = getattr(model, "model", None)
     lm = getattr(inner, "language_model", None) or inner
     return lm if isinstance(getattr(lm, "layers", None), torch.nn.ModuleList) else None
+
+
+def decoder_layers(model) -> torch.nn.ModuleList | None:
+    """The language model's decoder layers (what offload streams), or None for other models."""
+    lm = language_model(model)
+    return None if lm is None or len(lm.layers) == 0 else lm.layers
 
 
 def pad_embeddings(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -29,6 +29,7 @@ from ..kernels.gated_residual import gated_residual, gated_residual_layernorm_mo
 from ..kernels.gelu import linear_gelu_tanh
 from ..kernels.qk_norm_rope import qk_norm_rope
 from ..runtime.attention import attention
+from ..runtime.blocks import BlockRunner, StepContext
 
 # ---------------------------------------------------------------------------------------------
 # Small layers
@@ -320,6 +321,8 @@ class QwenImageTransformer(nn.Module):
         self.norm_out = AdaLayerNormOut(dim)
         self.proj_out = nn.Linear(dim, cfg.patch_size**2 * cfg.out_dim)
         self.fused = True  # fused kernels (qwenfast.kernels; their torch references off CUDA)
+        # the block loop's owner (runtime/blocks.py): offload streaming and step caches are runners
+        self.block_runner: BlockRunner = BlockRunner()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -337,6 +340,7 @@ class QwenImageTransformer(nn.Module):
         timestep: torch.Tensor,  # (B,) sigma in [0, 1]
         img_shapes: list[tuple[int, int, int]],  # (frames, h/16, w/16) per image in the sequence
         additional_t_cond: torch.Tensor | None = None,
+        step: StepContext | None = None,  # which denoising step this is (for the block runner)
     ) -> torch.Tensor:  # (B, L_img, 4 * out_channels)
         cfg = self.cfg
         img_shapes = _normalize_shapes(img_shapes)
@@ -360,9 +364,12 @@ class QwenImageTransformer(nn.Module):
             attn_mask = torch.cat([m, ones], dim=1)[:, None, None, :]  # (B, 1, 1, S)
         rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device, cfg.use_layer3d_rope)
 
-        for block in self.transformer_blocks:
-            run = block.forward_fused if self.fused else block
-            img, txt = run(img, txt, temb, attn_mask, rope, split)
+        fused = self.fused
+
+        def call(i: int, block: TransformerBlock, img: torch.Tensor, txt: torch.Tensor):
+            return (block.forward_fused if fused else block)(img, txt, temb, attn_mask, rope, split)
+
+        img, txt = self.block_runner.run(self.transformer_blocks, call, img, txt, step)
 
         if cfg.zero_cond_t:
             temb = temb.chunk(2, dim=0)[0]

@@ -6,7 +6,7 @@ VAE at ~1024² area; `QwenImageEditPlusPipeline` (2509 and 2511, mode "edit-plus
 each announced as "Picture N:" in the prompt, seen by the VL encoder at ~384² area and by the VAE
 at ~1024². Edit-2511 differs only in its transformer config (`zero_cond_t`: reference tokens are
 modulated with t=0), which the model handles. The reference latents ride after the noise tokens
-through the same `denoise` loop as text-to-image.
+through the same denoise core as text-to-image (`sampling.denoise`, via `PipelineBase._generate`).
 
 Preprocessing reproduces diffusers exactly: sides from `calculate_dimensions` (area target, ratio
 kept, multiples of 32), PIL Lanczos resizes, [-1, 1] VAE input, VAE mode (not a sample), the
@@ -18,26 +18,19 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..loading.weights import CheckpointError
+from ..errors import CheckpointError
 from ..models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT, TextEncoder, image_digest
-from ..runtime.oom import with_oom_backoff
-from . import scheduler as S
-from .text_to_image import (
-    OUTPUT_TYPES,
-    QwenImageOutput,
-    QwenImagePipeline,
-    _as_prompt_list,
-    negative_prompts,
-    postprocess,
-)
+from ..options import EngineOptions
+from . import sampling as S
+from .common import ASSETS, QwenImageOutput, as_prompt_list, engine_options, load_folder, negative_prompts
+from .sampling import StepCallback, TextCond
+from .text_to_image import QwenImagePipeline
 
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_EDIT_MODEL = ASSETS / "demo-edit"
 MODES = ("edit", "edit-plus")
 MAX_IMAGES = {"edit": 1, "edit-plus": 3}
@@ -131,12 +124,14 @@ class QwenImageEditPipeline(QwenImagePipeline):
     `model_index.json`; for single-file checkpoints it defaults to "edit-plus".
     """
 
+    kind = "edit"
+
     def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config, *, model_path: str = "",
                  defaults: dict | None = None, mode: str = "edit-plus", image_processor=None,
-                 image_areas: dict | None = None):  # fmt: skip
-        super().__init__(
-            transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=defaults
-        )
+                 image_areas: dict | None = None, options: EngineOptions | None = None, device=None,
+                 extra: dict | None = None):  # fmt: skip
+        super().__init__(transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=defaults,
+                         options=options, device=device, extra=extra)  # fmt: skip
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -150,24 +145,20 @@ class QwenImageEditPipeline(QwenImagePipeline):
         self.defaults.pop("width", None)
 
     @classmethod
-    def from_pretrained(
-        cls, path: str | Path | None = None, device=None, dtype=None, offload: str = "none"
-    ) -> QwenImageEditPipeline:
+    def from_pretrained(cls, path: str | Path | None = None, device=None, dtype=None, offload: str | None = None,
+                        *, options: EngineOptions | None = None, fp8: bool | None = None,
+                        cuda_graphs: bool | None = None) -> QwenImageEditPipeline:  # fmt: skip
         """Load a diffusers-layout edit folder (None = the embedded demo edit model).
 
-        `offload`: "none" | "model" | "blocks", as for `QwenImagePipeline.from_pretrained`.
+        Engine options and the `offload` / `fp8` / `cuda_graphs` shortcuts as for `QwenImagePipeline.from_pretrained`.
         """
-        from .text_to_image import load_folder
-
-        f = load_folder(path if path is not None else DEFAULT_EDIT_MODEL, device, dtype, offload, MODES,
+        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs})
+        f = load_folder(path if path is not None else DEFAULT_EDIT_MODEL, device, dtype, opts.offload, MODES,
                         "QwenImageEditPipeline runs Qwen-Image-Edit checkpoints (use QwenImagePipeline, or "
                         "qwenfast.from_pretrained which picks the class)")  # fmt: skip
-        pipe = cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"),
+        return cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"),
                    mode=f.kind, image_processor=load_image_processor(f.path / "processor"),
-                   image_areas=f.extra.get("image_areas"))  # fmt: skip
-        if offload != "none":
-            pipe.enable_offload(offload, device=f.device)
-        return pipe
+                   image_areas=f.extra.get("image_areas"), options=opts, device=f.device, extra=f.extra)  # fmt: skip
 
     @classmethod
     def from_single_files(cls, *args, mode: str = "edit-plus", **kwargs) -> QwenImageEditPipeline:
@@ -221,7 +212,8 @@ class QwenImageEditPipeline(QwenImagePipeline):
         vcfg, vdt = self.vae.cfg, self.vae_dtype
         arr = np.asarray(im, dtype=np.float32) / 255.0  # (h, w, 3)
         x = torch.from_numpy(arr).permute(2, 0, 1)[None] * 2.0 - 1.0
-        z, _ = self.vae.encode(x.to(self.device, vdt))
+        with self._vae_resident():
+            z, _ = self.vae.encode(x.to(self.device, vdt))
         mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1).to(z)
         std = torch.tensor(vcfg.latents_std).view(1, -1, 1, 1).to(z)
         return ((z - mean) / std).to(self.dtype)
@@ -236,10 +228,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         emb, mask = self.text_encoder.encode_with_images(
             texts, vl_images, self.image_processor, EDIT_TEMPLATE, EDIT_DROP
         )
-        emb = emb.to(self.device, self.dtype).repeat_interleave(num_images_per_prompt, dim=0)
-        if mask is not None:
-            mask = mask.to(self.device).repeat_interleave(num_images_per_prompt, dim=0)
-        return emb, mask
+        return self._repeat(emb, mask, num_images_per_prompt)
 
     def output_size(self, call_args: dict) -> tuple[int, int]:
         """(height, width) of a call: given, or following the (last) input image, as `__call__` does."""
@@ -251,7 +240,6 @@ class QwenImageEditPipeline(QwenImagePipeline):
         return (height // mult * mult, width // mult * mult) if height >= mult and width >= mult else (height, width)
 
     # ---------------------------------------------------------------- generation
-    @with_oom_backoff
     @torch.no_grad()
     def __call__(
         self,
@@ -269,7 +257,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         max_sequence_length: int = 512,
         sigmas: list[float] | None = None,
         scheduler_overrides: dict | None = None,
-        callback: Callable[[int, int, torch.Tensor], None] | None = None,
+        callback: StepCallback | None = None,
     ) -> QwenImageOutput:
         """Edit `image` (one PIL image / path / array, or a list: 1 for v1, 1-3 for 2509/2511).
 
@@ -290,27 +278,18 @@ class QwenImageEditPipeline(QwenImagePipeline):
         height, width = self.output_size({"image": images, "height": height, "width": width})
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        prompts = _as_prompt_list(prompt, "prompt")
+        prompts = as_prompt_list(prompt, "prompt")
         h, w = self._check(
             height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas
         )
         negs = negative_prompts(prompts, negative_prompt)
         do_cfg = cfg_scale > 1 and negs is not None
 
-        B = len(prompts) * num_images_per_prompt
-        emb, mask = self.encode_edit_prompt(prompts, vl_images, num_images_per_prompt)
-        neg_text = self.encode_edit_prompt(negs, vl_images, num_images_per_prompt) if do_cfg else None
-        cond, ref_shapes = self.encode_images(vae_in, B)
-
-        dev = self.device
-        x = self.initial_latents(B, h, w, generator, latents)  # (B, h/2*w/2, 64)
-        img_shapes = [(1, h // 2, w // 2), *ref_shapes]
-        cfg = self.scheduler_config_for(scheduler_overrides)
-        sig = S.get_sigmas(cfg, steps, x.shape[1], sigmas).to(dev)
-        x = self.denoise(
-            x, sig, img_shapes, (emb, mask), neg_text, cfg_scale, cond_latents=cond, callback=callback
-        )
-        if output_type == "latent":
-            return QwenImageOutput(images=x)
-        assert output_type in OUTPUT_TYPES
-        return QwenImageOutput(images=postprocess(self.decode_latents(x, h, w), output_type))
+        n = num_images_per_prompt
+        B = len(prompts) * n
+        cond = TextCond(*self.encode_edit_prompt(prompts, vl_images, n))
+        uncond = TextCond(*self.encode_edit_prompt(negs, vl_images, n)) if do_cfg else None
+        return self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
+                              generator=generator, latents=latents, output_type=output_type, sigmas=sigmas,
+                              scheduler_overrides=scheduler_overrides, callback=callback,
+                              ref=self.encode_images(vae_in, B))  # fmt: skip

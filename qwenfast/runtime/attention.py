@@ -7,11 +7,17 @@ keep the exact fallbacks behind it; FA3 (`flash_attn_interface`) is used when it
 
 `QWENFAST_ATTENTION` = auto | cudnn | flash | efficient | math | fa3 (read once), or `set_attention()`.
 All backends are exact attention (no approximation); they differ in rounding only.
+
+The seam: every attention call of the model goes through `attention()`, and `wrap_attention(w)`
+puts a wrapper around it for the duration of a `with` block: `w(inner, q, k, v, mask)` may reshape
+the inputs (e.g. a sequence-parallel all-to-all of heads <-> sequence), call `inner`, and reshape
+back. Wrappers nest; the innermost `with` is outermost in the call.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -73,8 +79,33 @@ def _sdpa_backends(choice: str, has_mask: bool):
     return [SDPBackend.CUDNN_ATTENTION] + ([] if has_mask else [SDPBackend.FLASH_ATTENTION]) + fallbacks
 
 
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+_wrappers: list[Callable[..., torch.Tensor]] = []
+
+
+@contextmanager
+def wrap_attention(wrapper: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Route every `attention()` call through `wrapper(inner, q, k, v, mask)` inside the block."""
+    _wrappers.append(wrapper)
+    try:
+        yield
+    finally:
+        _wrappers.remove(wrapper)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """q, k, v (B, H, S, Dh) (any strides with Dh contiguous); mask (B, 1, 1, S) bool or None -> (B, H, S, Dh)."""
+    fn: AttentionFn = _attention
+    for w in _wrappers:  # the first registered ends up innermost
+        fn = _bind(w, fn)
+    return fn(q, k, v, mask)
+
+
+def _bind(wrapper, inner: AttentionFn) -> AttentionFn:
+    return lambda q, k, v, mask: wrapper(inner, q, k, v, mask)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     choice = attention_backend()
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -84,14 +84,18 @@ class CudaGraphRunner(_GraphCache):
         super().__init__(max_graphs, warmup)
         self.model = model
 
-    def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None):
-        if not (self.enabled and x.is_cuda):
-            return self.model(x, txt, mask, t, img_shapes, additional_t_cond)
+    def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None, step=None):
+        runner = getattr(self.model, "block_runner", None)
+        if not (self.enabled and x.is_cuda) or (runner is not None and not runner.graph_safe):
+            return self.model(x, txt, mask, t, img_shapes, additional_t_cond, step=step)
+        # one graph per block-runner variant: a runner whose steps compute different things (a step
+        # cache's full and cached steps) gets a graph for each
+        variant = runner.variant(step) if runner is not None else None
         key = (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
-               str(x.device), additional_t_cond is None)  # fmt: skip
+               str(x.device), additional_t_cond is None, variant)  # fmt: skip
 
         def fn(x, txt, mask, t, extra):
-            return self.model(x, txt, mask, t, img_shapes, extra)
+            return self.model(x, txt, mask, t, img_shapes, extra, step=step)
 
         return self._run(key, fn, (x, txt, mask, t, additional_t_cond))
 

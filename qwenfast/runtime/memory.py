@@ -106,9 +106,8 @@ class ModelSizes:
         te_model = getattr(pipe.text_encoder, "model", pipe.text_encoder)
         te_cfg = getattr(te_model, "config", None)
         te_hidden = getattr(getattr(te_cfg, "text_config", te_cfg), "hidden_size", 3584)
-        from .offload import text_encoder_layers
-
-        te_layers = list(text_encoder_layers(te_model) or [])
+        layers = getattr(pipe.text_encoder, "decoder_layers", None)  # models.text_encoder.TextEncoder
+        te_layers = list((layers() if layers is not None else None) or [])
         return cls(transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
                    text_encoder=nbytes(te_model), vae=nbytes(pipe.vae), dim=tr.cfg.inner_dim, te_hidden=te_hidden,
                    te_block=max((nbytes(b) for b in te_layers), default=0), te_blocks=len(te_layers),

@@ -18,7 +18,12 @@
 
 Parameters are re-pointed (`p.data = view`) at host or ring views; a block's tensors point at the
 host copy between uses. On CPU the same code runs with plain copies and no streams/events (tests).
-LoRA changes and `enable_fp8` must happen before offloading (the fused weights are what is copied).
+LoRA changes and FP8 must happen before offloading (the fused weights are what is copied).
+
+Nothing here replaces a method or touches a pipeline: the transformer's blocks are streamed by a
+block runner (`runtime.blocks.StreamingBlockRunner`) that calls `before(i)` / `after(i)`; the text
+encoder's decoder layers (a transformers model, whose loop we do not own) through forward hooks;
+the pipeline decides which parts to offload (`pipeline/base.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-__all__ = ["MODES", "ModelOffloader", "BlockStreamer", "check_mode", "text_encoder_layers"]
+__all__ = ["MODES", "ModelOffloader", "BlockStreamer", "check_mode", "offload_module"]
 
 MODES = ("none", "model", "blocks")
 ALIGN = 256  # bytes: every tensor view in a flat buffer starts aligned (vectorised kernels need 16)
@@ -106,26 +111,15 @@ class ModelOffloader:
                 for owner, name, is_param, host in self.entries:
                     _point(owner, name, is_param, host)
 
-    def wrap(self, obj, *method_names: str) -> None:
-        """Replace `obj.<name>` by a version that runs inside `on_device()` (instance attributes)."""
-        for n in method_names:
-            fn = getattr(obj, n, None)
-            if fn is None:
-                continue
-
-            def run(*a, _fn=fn, **k):
-                with self.on_device():
-                    return _fn(*a, **k)
-
-            setattr(obj, n, run)
-
 
 class BlockStreamer:
     """Streams `blocks` (an nn.ModuleList) through a ring of device buffers; see the module docstring."""
 
-    def __init__(
-        self, blocks: nn.ModuleList, device: torch.device | str, ring: int = 2, pin: bool | None = None
-    ):
+    def __init__(self, blocks: nn.ModuleList, device: torch.device | str, ring: int = 2, pin: bool | None = None,
+                 hooks: bool = True):  # fmt: skip
+        """`hooks`: bring each block in through forward hooks on the block modules (for models whose
+        loop we do not own, e.g. the text encoder's decoder layers); False when a block runner
+        (`runtime.blocks.StreamingBlockRunner`) calls `before(i)` / `after(i)` itself."""
         if ring < 2:
             raise ValueError("the block ring needs at least 2 slots (one computing, one loading)")
         self.device = torch.device(device)
@@ -163,21 +157,11 @@ class BlockStreamer:
         self.in_slot: list = [None] * self.ring  # which block each slot holds
         self.copies = 0  # host->device block copies issued (tests, stats)
         self.active: int | None = None  # the block computing now
-        for i, block in enumerate(self.blocks):
-            for attr in ("forward", "forward_fused"):
-                fn = getattr(block, attr, None)
-                if fn is not None:
-                    setattr(block, attr, self._wrapped(i, fn))
-
-    def _wrapped(self, i: int, fn):
-        def run(*a, **k):
-            self.before(i)
-            try:
-                return fn(*a, **k)
-            finally:
-                self.after(i)
-
-        return run
+        self._handles = []
+        if hooks:  # PyTorch's own seam; always_call: the block is released even when it raises
+            for i, block in enumerate(self.blocks):
+                self._handles.append(block.register_forward_pre_hook(lambda m, a, i=i: self.before(i)))
+                self._handles.append(block.register_forward_hook(lambda m, a, o, i=i: self.after(i), always_call=True))
 
     def prefetch(self, i: int) -> None:
         """Start copying block i into its ring slot (side stream on CUDA), unless it is there already."""
@@ -222,61 +206,9 @@ class BlockStreamer:
         return sum(s.numel() for s in self.slots)
 
 
-def text_encoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """Qwen2.5-VL's language-model decoder layers, or None for other models."""
-    from ..models.text_encoder import language_model
-
-    lm = language_model(model)
-    return None if lm is None or len(lm.layers) == 0 else lm.layers
-
-
-def enable(
-    pipe, mode: str, device: torch.device | str | None = None, vae: bool = False, ring: int = 2
-) -> None:
-    """Put `pipe` (QwenImagePipeline or the edit pipeline) into an offload mode; see the module docstring.
-
-    `device`: the compute device (default: where the transformer's non-block weights are, or CUDA when
-    the model was loaded on the CPU for offloading). Irreversible for this pipeline object.
-    """
-    check_mode(mode)
-    current = getattr(pipe, "offload", "none")
-    if mode == current:
-        return
-    if current != "none" and not (current == "model" and mode == "blocks"):
-        raise RuntimeError(f"offload is already {current!r}; load the model again to use {mode!r}")
-    tr = pipe.transformer
-    if device is None:
-        device = (
-            tr.device if tr.device.type != "cpu" or not torch.cuda.is_available() else torch.device("cuda")
-        )
-    device = torch.device(device)
-    te = pipe.text_encoder
-    if current == "none":
-        layers = text_encoder_layers(te.model)
-        if layers is not None:  # stream the decoder layers; the rest moves in per encode
-            te._layer_streamer = BlockStreamer(layers, device, ring=ring)
-        off = ModelOffloader(te.model, device, skip=layers)
-        off.wrap(te, "encode", "encode_with_images")
-        te._offloader = off
-        te.cuda_graphs = False  # its weights move in and out: a captured graph would go stale
-        if vae:
-            voff = ModelOffloader(pipe.vae, device)
-            voff.wrap(pipe.vae, "encode", "decode")
-            pipe.vae._offloader = voff
-    if mode == "blocks":
-        if getattr(pipe, "_fp8", False):
-            raise RuntimeError("offload='blocks' does not support enable_fp8() models")
-        blocks = tr.transformer_blocks
-        # everything but the blocks on the compute device
-        for name, child in tr.named_children():
-            if name != "transformer_blocks":
-                child.to(device)
-        pipe._block_streamer = BlockStreamer(blocks, device, ring=ring)
-        pipe.cuda_graphs = False  # parameters are re-pointed per block: a captured graph would go stale
-        if hasattr(pipe, "_graphs"):
-            pipe._graphs.clear()
-    elif tr.device != device:
-        tr.to(device)
-    if not vae and next(pipe.vae.parameters()).device != device:
-        pipe.vae.to(device)
-    pipe.offload = mode
+def offload_module(module: nn.Module, device: torch.device | str, layers: nn.ModuleList | None = None,
+                   ring: int = 2) -> tuple[ModelOffloader, BlockStreamer | None]:  # fmt: skip
+    """Move `module` to pinned host memory: `layers` (if given) stream through a ring while it runs
+    (hooks on each layer), the rest is copied in by the returned offloader's `on_device()`."""
+    streamer = BlockStreamer(layers, device, ring=ring, hooks=True) if layers is not None and len(layers) else None
+    return ModelOffloader(module, device, skip=layers if streamer is not None else None), streamer

@@ -1,39 +1,33 @@
 """Out-of-memory back-off: a batch that does not fit is split and retried, never lost.
 
 Why: the memory planner predicts, it does not guarantee (fragmentation, other processes, a prompt
-longer than planned). When `torch.OutOfMemoryError` is raised during a batch:
+longer than planned). `run_in_chunks(fn, n)` calls `fn(i, j)` over [0, n); when
+`torch.OutOfMemoryError` is raised:
 
 1. the memory the failed attempt held is released (the exception and its frames are dropped first,
    then `torch.cuda.empty_cache()`),
 2. the remaining items are retried in chunks of half the size, down to 1,
-3. at size 1 the fallbacks run in order (VAE tiling, offload "model", offload "blocks"), each
-   followed by a retry,
+3. at size 1 the caller's fallbacks run in order (e.g. VAE tiling), each followed by a retry,
 4. only then a `GenerationOutOfMemory` (a RuntimeError naming what was tried) is raised.
 
-Images are equal to the unsplit batch because the initial noise of the WHOLE batch is drawn once,
-from the caller's generator(s) exactly as the pipeline would, before any split (generator states are
-saved before the first attempt and restored before the split), and each chunk gets its slice.
-Every chunk that succeeded is kept.
+The pipelines run their denoise core through it with the noise of the whole batch already drawn
+(`pipeline/base.py`), so a split changes nothing but the batch size, and every chunk that succeeded
+is kept. All of it is per call: nothing is switched on for later calls.
 """
 
 from __future__ import annotations
 
-import functools
 import gc
-import inspect
 import logging
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
-__all__ = ["GenerationOutOfMemory", "is_oom", "run_in_chunks", "vae_decode", "with_oom_backoff"]
+from ..errors import GenerationOutOfMemory
+
+__all__ = ["GenerationOutOfMemory", "is_oom", "run_in_chunks", "vae_decode"]
 
 log = logging.getLogger("qwenfast")
-
-
-class GenerationOutOfMemory(RuntimeError):
-    """CUDA out of memory even at batch size 1 with every fallback; the message says what was tried."""
 
 
 def is_oom(e: BaseException) -> bool:
@@ -103,96 +97,3 @@ def vae_decode(vae, z: torch.Tensor, events: list | None = None) -> torch.Tensor
     finally:
         vae.tiling = saved
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _generators(g) -> list[torch.Generator]:
-    if g is None:
-        return []
-    return list(g) if isinstance(g, (list, tuple)) else [g]
-
-
-def _merge(parts: list, output_type: str):
-    if output_type == "pil":
-        return [im for p in parts for im in p]
-    if output_type == "np":
-        return np.concatenate(parts)
-    return torch.cat(parts)
-
-
-def with_oom_backoff(call):
-    """Decorator for a pipeline's `__call__`: on OOM, split the batch (see the module docstring).
-
-    Active when `self.oom_backoff` is true (the default of `QwenImagePipeline`). The first attempt is
-    the plain call, untouched; only an OOM takes the split path.
-    """
-    sig = inspect.signature(call)
-
-    @functools.wraps(call)
-    def wrapper(self, *args, **kwargs):
-        if not getattr(self, "oom_backoff", False) or getattr(self, "_in_backoff", False):
-            return call(self, *args, **kwargs)
-        bound = sig.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        a = dict(bound.arguments)
-        a.pop("self")
-        gens = _generators(a.get("generator"))
-        states = [g.get_state() for g in gens]
-        try:
-            return call(self, *args, **kwargs)
-        except Exception as e:  # noqa: BLE001
-            if not is_oom(e):
-                raise
-            first = f"{type(e).__name__}"
-        free_memory()
-        for g, s in zip(gens, states):
-            g.set_state(s)
-        return _split_call(self, call, a, first)
-
-    return wrapper
-
-
-def _split_call(pipe, call, a: dict, first_error: str):
-    from ..pipeline import scheduler as S
-    from ..pipeline.text_to_image import QwenImageOutput, _as_prompt_list, randn_tensor
-
-    n = a["num_images_per_prompt"]
-    prompts = [p for p in _as_prompt_list(a["prompt"], "prompt") for _ in range(n)]
-    negs = None
-    if a.get("negative_prompt") is not None:
-        neg = _as_prompt_list(a["negative_prompt"], "negative_prompt")
-        neg = neg * (len(prompts) // n) if len(neg) == 1 else neg
-        negs = [p for p in neg for _ in range(n)]
-    B = len(prompts)
-    x = a.get("latents")
-    if x is None:  # the whole batch's noise, drawn exactly as the unsplit call would draw it
-        height, width = pipe.output_size(a)
-        h, w = S.latent_hw(height, width, pipe.vae_scale_factor)
-        noise = randn_tensor((B, 1, 16, h, w), a.get("generator"), pipe.device, pipe.dtype)
-        x = S.pack_latents(noise[:, 0])
-    events = [f"batch of {B} ran out of memory ({first_error})"]
-    log.warning("%s; splitting", events[0])
-    saved_tiling = pipe.vae.tiling
-
-    def chunk(i, j):
-        kw = dict(a, prompt=prompts[i:j], negative_prompt=None if negs is None else negs[i:j],
-                  num_images_per_prompt=1, latents=x[i:j], generator=None)  # fmt: skip
-        pipe._in_backoff = True
-        try:
-            return call(pipe, **kw).images
-        finally:
-            pipe._in_backoff = False
-
-    fallbacks = [("VAE tiling", lambda: setattr(pipe.vae, "tiling", True))]
-    if hasattr(pipe, "enable_offload"):
-        mode = getattr(pipe, "offload", "none")
-        if mode == "none":
-            fallbacks.append(("offload='model'", lambda: pipe.enable_offload("model")))
-        if mode in ("none", "model") and pipe.device.type == "cuda":
-            fallbacks.append(("offload='blocks'", lambda: pipe.enable_offload("blocks")))
-    try:
-        parts = run_in_chunks(
-            chunk, B, start=max(1, (B + 1) // 2), fallbacks=fallbacks if B >= 1 else (), events=events
-        )
-    finally:
-        pipe.vae.tiling = saved_tiling
-    return QwenImageOutput(images=_merge(parts, a["output_type"]), info={"oom_backoff": events})

@@ -1,0 +1,121 @@
+"""`EngineOptions`: every speed switch of a pipeline in one frozen object.
+
+Why one object: the switches interact (FP8 needs weights resident, `blocks` offload re-points
+weights so no CUDA graph can be captured, a step cache needs a graph per step variant), and a
+pipeline whose switches are scattered over attributes that any layer may set cannot check them.
+So: options are given once (`from_pretrained(..., options=EngineOptions(...))` or keyword
+shortcuts), read through `pipe.options`, and changed only through `pipe.configure(**changes)`,
+which validates the new combination and rebuilds what depends on it.
+
+Environment variables only provide defaults (`EngineOptions.from_env()`): `QWENFAST_KERNELS`,
+`QWENFAST_ATTENTION`, `QWENFAST_CUDA_GRAPHS` (0/1), `QWENFAST_OFFLOAD`.
+
+This module imports nothing from qwenfast but `errors`: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigureError, OptionsError
+
+__all__ = ["EngineOptions", "KERNELS", "ATTENTION", "OFFLOAD", "OOM", "BATCHED_CFG"]
+
+KERNELS = ("auto", "triton", "torch")  # qwenfast.kernels.BACKENDS
+ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "fa3")  # qwenfast.runtime.attention.CHOICES
+OFFLOAD = ("none", "model", "blocks")
+OOM = ("backoff", "raise")
+BATCHED_CFG = (True, False, "auto")
+_ORDER = {m: i for i, m in enumerate(OFFLOAD)}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How a pipeline runs; never what it computes (same images up to rounding), except `fp8`.
+
+    kernels: fused-op backend for this pipeline's calls: "triton", "torch" (the references), "auto"
+      (Triton on CUDA when it imports); None = the process-wide switch (`qwenfast.kernels`).
+    fused: the transformer's fused block path (False: the plain reference blocks, op for op diffusers).
+    attention: joint-attention backend for this pipeline's calls ("auto": cuDNN first on CUDA; see
+      runtime/attention.py); None = the process-wide switch.
+    cuda_graphs: replay the transformer forward and the text encode as CUDA graphs (CUDA only).
+    batched_cfg: cond and uncond in one batch-2 forward; "auto" only when no padding mask is needed.
+    fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
+    offload: "none" | "model" (text encoder in host memory, streamed while encoding) | "blocks"
+      (also the transformer blocks streamed; no CUDA graphs). Goes only none -> model -> blocks.
+    oom: "backoff" (split the batch on CUDA OOM, then tile the VAE; per call) | "raise".
+    cache: the step-cache policy (None = off; filled in by the step-caching work).
+    parallel: the multi-GPU layout (None = one device; filled in by the multi-GPU work).
+    """
+
+    kernels: str | None = None
+    fused: bool = True
+    attention: str | None = None
+    cuda_graphs: bool = True
+    batched_cfg: bool | str = "auto"
+    fp8: bool = False
+    offload: str = "none"
+    oom: str = "backoff"
+    cache: Any = None
+    parallel: Any = None
+
+    def __post_init__(self):
+        _choice("kernels", self.kernels, (None, *KERNELS))
+        _choice("attention", self.attention, (None, *ATTENTION))
+        _choice("offload", self.offload, OFFLOAD)
+        _choice("oom", self.oom, OOM)
+        if self.batched_cfg not in BATCHED_CFG or not isinstance(self.batched_cfg, (bool, str)):
+            raise OptionsError(f"batched_cfg must be True, False or 'auto', got {self.batched_cfg!r}")
+        for name in ("fused", "cuda_graphs", "fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise OptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.cache not in (None, "off"):
+            raise OptionsError(f"cache={self.cache!r}: step caching is not available in this qwenfast yet (use None)")
+        if self.parallel is not None:
+            raise OptionsError(f"parallel={self.parallel!r}: multi-GPU is not available in this qwenfast yet")
+        if self.offload == "blocks" and self.fp8:
+            raise OptionsError("offload='blocks' with fp8=True is not supported yet: use offload='model' with FP8")
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> EngineOptions:
+        """Defaults from the environment, then `overrides` (None values are ignored)."""
+        env: dict[str, Any] = {}
+        for name, var in (("kernels", "QWENFAST_KERNELS"), ("attention", "QWENFAST_ATTENTION"),
+                          ("offload", "QWENFAST_OFFLOAD")):  # fmt: skip
+            if os.environ.get(var):
+                env[name] = os.environ[var].strip().lower()
+        if os.environ.get("QWENFAST_CUDA_GRAPHS"):
+            env["cuda_graphs"] = os.environ["QWENFAST_CUDA_GRAPHS"].strip().lower() not in ("0", "false", "no", "off")
+        env.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**env)
+
+    def replace(self, **changes: Any) -> EngineOptions:
+        """A copy with `changes` (validated); unknown names are refused by name."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise OptionsError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return dataclasses.replace(self, **changes)
+
+    def changed(self, other: EngineOptions) -> set[str]:
+        """Names of the fields that differ from `other`."""
+        return {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)}
+
+
+def check_transition(old: EngineOptions, new: EngineOptions) -> None:
+    """Refuse changes a loaded pipeline cannot make, saying what to do instead."""
+    if old.fp8 and not new.fp8:
+        raise ConfigureError("FP8 cannot be turned off on a loaded pipeline (the bf16 weights are gone): "
+                           "load the model again without fp8")  # fmt: skip
+    if _ORDER[new.offload] < _ORDER[old.offload]:
+        raise ConfigureError(f"offload is already {old.offload!r}; load the model again to use {new.offload!r}")
+    if old.offload == "blocks" and new.cuda_graphs:
+        raise ConfigureError("CUDA graphs cannot run with offload='blocks' (the block weights move every step)")
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise OptionsError(f"{name} must be one of {allowed}, got {value!r}")

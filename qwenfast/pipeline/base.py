@@ -1,0 +1,366 @@
+"""`PipelineBase`: what every Qwen-Image pipeline shares — options, the forward the denoise core
+calls, the OOM back-off around the core, LoRA and presets, decoding, previews.
+
+A pipeline call is: check the request -> prepare conditioning (prompts, reference images) -> draw
+the whole batch's noise -> `sampling.denoise(...)` (split into chunks on CUDA OOM) -> decode ->
+output. Text-to-image and edit differ only in the conditioning step (`text_to_image.py`,
+`edit.py`); everything after it is `_generate` here.
+
+Options (`qwenfast.options.EngineOptions`) are changed only by `configure`, which rebuilds what
+depends on them: graphs dropped, weights moved (offload), weights quantised (FP8). Lower layers never
+set attributes on a pipeline: offload is a block runner on the transformer and an offloader on the
+text encoder, installed from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import SchedulerConfig
+from ..errors import ConfigureError
+from ..kernels import use_backend
+from ..models.text_encoder import TextEncoder, decoder_layers
+from ..options import EngineOptions, check_transition
+from ..runtime.attention import use_attention
+from ..runtime.blocks import BlockRunner, StepContext, StreamingBlockRunner
+from ..runtime.cuda_graphs import CudaGraphRunner
+from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module
+from ..runtime.oom import run_in_chunks, vae_decode
+from . import sampling as S
+from .common import OUTPUT_TYPES, QwenImageOutput, postprocess, randn_tensor
+
+log = logging.getLogger("qwenfast")
+
+
+class PipelineBase:
+    """Shared machinery; see the module docstring. Subclasses define `__call__` and the conditioning."""
+
+    def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config: SchedulerConfig, *,
+                 model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
+                 device: torch.device | str | None = None, extra: dict | None = None):  # fmt: skip
+        self.transformer = transformer
+        self.vae = vae
+        self.text_encoder = text_encoder
+        self.scheduler_config = scheduler_config
+        self.model_path = model_path
+        self.extra = dict(extra or {})  # the model folder's qwenfast.json
+        self.defaults = {"height": 1024, "width": 1024, "num_inference_steps": 50, "true_cfg_scale": 4.0}
+        self.defaults.update(defaults or {})
+        # scheduler fields every call uses (set by apply_preset or by hand); a call's own
+        # `scheduler_overrides=` wins key by key
+        self.scheduler_overrides: dict = {}
+        self.progress_bar = True
+        self.vae_scale_factor = vae.cfg.scale_factor
+        self._graphs = CudaGraphRunner(transformer)
+        self._compute_device = torch.device(device) if device is not None else transformer.device
+        self._options = EngineOptions()  # what the loaded weights are now; configure() moves from here
+        self._block_streamer: BlockStreamer | None = None
+        self._vae_offloader: ModelOffloader | None = None
+        self.configure(**asdict(options if options is not None else EngineOptions.from_env()))
+
+    # ---------------------------------------------------------------- options
+    @property
+    def options(self) -> EngineOptions:
+        """The engine options in force (read-only: change them with `configure`)."""
+        return self._options
+
+    @property
+    def offload(self) -> str:
+        return self._options.offload
+
+    def configure(self, **changes: Any) -> EngineOptions:
+        """Change engine options (`EngineOptions` field names) and rebuild what depends on them.
+
+        FP8 and offload go one way only (FP8 quantises the weights; offload none -> model -> blocks);
+        impossible changes raise `ConfigureError` saying what to do instead. Returns the new options.
+        """
+        old = self._options
+        new = old.replace(**changes)
+        if new.offload == "blocks" and old.offload != "blocks":
+            new = new.replace(cuda_graphs=False)  # the block weights move every step
+        check_transition(old, new)
+        if new.fp8 and not old.fp8:
+            if old.offload == "blocks":
+                raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
+            from ..kernels.fp8_linear import quantize_model
+
+            self._fp8_layers = quantize_model(self.transformer)
+        if new.offload != old.offload:
+            self._set_offload(old.offload, new.offload, self._compute_device)
+        self.transformer.fused = new.fused
+        self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
+        if new.changed(old) & {"fp8", "offload", "fused", "attention", "kernels", "cuda_graphs"}:
+            self._graphs.clear()  # captured with the old weights / kernels
+        self._options = new
+        return new
+
+    def enable_offload(self, mode: str = "model", device=None, vae: bool = False, ring: int = 2) -> None:
+        """Fit smaller GPUs: "model" keeps the text encoder in pinned host memory (its layers streamed
+        while encoding; with `vae=True` the VAE too); "blocks" also streams the transformer blocks
+        through a ring of `ring` GPU buffers. Same images; "blocks" is PCIe-bound. Load LoRAs before;
+        one-way for this pipeline object (none -> model -> blocks). `configure(offload=...)` with options."""
+        if device is not None:
+            self._compute_device = torch.device(device)
+        self._ring, self._offload_vae = ring, vae
+        if mode not in ("none", "model", "blocks"):
+            raise ValueError(f"offload must be one of ('none', 'model', 'blocks'), got {mode!r}")
+        if mode == self._options.offload:
+            return
+        if self._options.offload != "none" and not (self._options.offload == "model" and mode == "blocks"):
+            raise RuntimeError(f"offload is already {self._options.offload!r}; load the model again to use {mode!r}")
+        self.configure(offload=mode)
+
+    def enable_fp8(self) -> int:
+        """Run the transformer blocks' big Linears as FP8 e4m3 GEMMs (rowwise scales, Hopper/Ada):
+        `configure(fp8=True)`. About 1.8x faster GEMMs; not bitwise diffusers any more. One-way: LoRAs
+        loaded before are baked in, and the LoRA set cannot change afterwards. Returns the number of
+        layers converted."""
+        self.configure(fp8=True)
+        return getattr(self, "_fp8_layers", 0)
+
+    def set_progress_bar_config(self, disable: bool = False) -> None:
+        """diffusers' switch for the per-call progress bar."""
+        self.progress_bar = not disable
+
+    def _set_offload(self, old: str, new: str, device: torch.device) -> None:
+        if device.type == "cpu" and torch.cuda.is_available() and self.transformer.device.type == "cpu":
+            device = torch.device("cuda")  # loaded on the CPU for offloading; compute on the GPU
+        ring, tr, te = getattr(self, "_ring", 2), self.transformer, self.text_encoder
+        if old == "none":  # the text encoder (and optionally the VAE) to host memory
+            te.offloader, te.layer_streamer = offload_module(te.model, device, decoder_layers(te.model), ring)
+            if getattr(self, "_offload_vae", False):
+                self._vae_offloader = ModelOffloader(self.vae, device)
+        if new == "blocks":
+            for name, child in tr.named_children():
+                if name != "transformer_blocks":
+                    child.to(device)
+            self._block_streamer = BlockStreamer(tr.transformer_blocks, device, ring=ring, hooks=False)
+            tr.block_runner = StreamingBlockRunner(self._block_streamer)
+        elif tr.device != device:
+            tr.to(device)
+        if self._vae_offloader is None and next(self.vae.parameters()).device != device:
+            self.vae.to(device)
+
+    @contextlib.contextmanager
+    def _engine(self) -> Iterator[None]:
+        """Kernel and attention backends of this pipeline's options for the duration of a call."""
+        o = self._options
+        with contextlib.ExitStack() as stack:
+            if o.kernels is not None:
+                stack.enter_context(use_backend(o.kernels))
+            if o.attention is not None:
+                stack.enter_context(use_attention(o.attention))
+            yield
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def vae_dtype(self) -> torch.dtype:
+        return next(self.vae.parameters()).dtype
+
+    @property
+    def block_runner(self) -> BlockRunner:
+        return self.transformer.block_runner
+
+    # ---------------------------------------------------------------- LoRA and presets (loading/lora.py)
+    @property
+    def lora_manager(self):
+        """The LoRAs fused into `self.transformer` (created on first use; see `LoraManager`)."""
+        m = self.__dict__.get("_lora_manager")
+        if m is None or m.model is not self.transformer:
+            if m is not None and m.active:
+                raise RuntimeError("pipe.transformer was replaced while LoRAs were fused into the old one")
+            from ..loading.lora import LoraManager
+
+            m = self._lora_manager = LoraManager(self.transformer)
+        return m
+
+    def load_lora(self, lora, strength: float = 1.0, name: str | None = None) -> str:
+        """Fuse a LoRA (.safetensors path or state dict, any common naming) into the transformer; returns its name.
+
+        Several LoRAs stack. Errors (unknown layers, wrong shapes, unreadable file) are raised before
+        any weight changes. The original values of touched weights are kept in host memory so that
+        `unload_lora` restores them bitwise (as much host memory as the touched weights).
+        """
+        self._check_lora_change()
+        return self.lora_manager.load(lora, strength, name)
+
+    def unload_lora(self, name: str | None = None) -> None:
+        """Remove one LoRA by name, or all of them: touched weights are restored bitwise."""
+        self._check_lora_change()
+        self.lora_manager.unload(name)
+
+    @property
+    def loras(self) -> dict[str, float]:
+        """Active LoRAs, name -> strength, in load order."""
+        return self.lora_manager.loras
+
+    def set_loras(self, loras) -> None:
+        """Make the active LoRAs exactly `[(path, strength[, name]), ...]`, changing only what differs."""
+        if not self._options.fp8 or list(loras) or self.loras:  # "none -> none" is fine with FP8
+            self._check_lora_change()
+            self.lora_manager.set(loras)
+
+    def _check_lora_change(self) -> None:
+        if self._options.fp8:
+            raise RuntimeError("LoRAs cannot change after enable_fp8(): load them first, then enable FP8 "
+                               "(reload the model to use another LoRA set)")  # fmt: skip
+
+    def apply_preset(self, name: str) -> None:
+        """Sampling defaults for a distilled LoRA (`qwenfast.config.PRESETS`): steps, true CFG and scheduler fields.
+
+        Sets `self.defaults` (explicit call arguments still win) and `self.scheduler_overrides`.
+        """
+        from ..config import PRESETS
+
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+        p = PRESETS[name]
+        self.defaults.update(num_inference_steps=p.steps, true_cfg_scale=p.true_cfg_scale)
+        self.scheduler_overrides = dict(p.scheduler_overrides)
+
+    def scheduler_config_for(self, overrides: dict | None = None) -> SchedulerConfig:
+        """The scheduler config of one call: checkpoint config <- `self.scheduler_overrides` <- `overrides`."""
+        merged = {**self.scheduler_overrides, **(overrides or {})}
+        return self.scheduler_config.replace(**merged) if merged else self.scheduler_config
+
+    # ---------------------------------------------------------------- conditioning pieces
+    def encode_prompt(self, prompts: list[str], num_images_per_prompt: int = 1, max_sequence_length: int = 512):
+        emb, mask = self.text_encoder.encode(prompts, max_sequence_length=max_sequence_length)
+        return self._repeat(emb, mask, num_images_per_prompt)
+
+    def _repeat(self, emb, mask, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        emb = emb.to(self.device, self.dtype).repeat_interleave(n, dim=0)
+        if mask is not None:
+            mask = mask.to(self.device).repeat_interleave(n, dim=0)
+        return emb, mask
+
+    def initial_latents(self, B: int, h: int, w: int, generator, latents=None) -> torch.Tensor:
+        """Packed starting noise (B, h/2*w/2, 64) drawn as diffusers draws it, or the caller's `latents`."""
+        if latents is None:
+            noise = randn_tensor((B, 1, 16, h, w), generator, self.device, self.dtype)
+            return S.pack_latents(noise[:, 0])
+        want = (B, (h // 2) * (w // 2), 64)
+        if tuple(latents.shape) != want:
+            raise ValueError(f"latents must have shape {want} (packed), got {tuple(latents.shape)}")
+        return latents.to(self.device, self.dtype)
+
+    # ---------------------------------------------------------------- the shared generation path
+    def _forward(self, x, emb, mask, t, img_shapes, step: StepContext | None = None) -> torch.Tensor:
+        """What the denoise core calls: the transformer, replayed as a CUDA graph where possible."""
+        if self._options.cuda_graphs and x.is_cuda:
+            return self._graphs(x, emb, mask, t, img_shapes, step=step)
+        return self.transformer(x, emb, mask, t, img_shapes, step=step)
+
+    def _generate(self, *, B: int, h: int, w: int, cond: S.TextCond, uncond: S.TextCond | None, cfg_scale: float,
+                  steps: int, generator, latents, output_type: str, sigmas, scheduler_overrides: dict | None,
+                  callback: Callable | None, ref: tuple[torch.Tensor, list] | None = None) -> QwenImageOutput:  # fmt: skip
+        """Noise for the whole batch, then the denoise core (split on OOM), then decode.
+
+        h, w: latent grid (pixels / 8, even). ref: (packed reference latents (B, M, 64), their
+        (frames, h/2, w/2) shapes) for edits.
+        """
+        x = self.initial_latents(B, h, w, generator, latents)  # (B, h/2*w/2, 64)
+        img_shapes = [(1, h // 2, w // 2), *(ref[1] if ref is not None else [])]
+        sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(self.device)
+        events: list[str] = []
+
+        def chunk(i: int, j: int) -> torch.Tensor:
+            cb = callback
+            if callback is not None and (i, j) != (0, B):  # a split batch: callbacks see the whole batch
+                def cb(k, n, xc, _i=i, _j=j):  # noqa: E306
+                    buf[_i:_j] = xc
+                    callback(k, n, buf)
+
+            return S.denoise(self._forward, x[i:j], sig, img_shapes, cond.rows(i, j),
+                             None if uncond is None else uncond.rows(i, j), cfg_scale,
+                             None if ref is None else ref[0][i:j], self._options.batched_cfg, cb,
+                             progress=self.progress_bar)  # fmt: skip
+
+        buf = x.clone() if callback is not None else None
+        with self._engine():
+            if self._options.oom == "backoff":  # per call: nothing stays switched on afterwards
+                parts = run_in_chunks(chunk, B, events=events)
+                x = parts[0] if len(parts) == 1 else torch.cat(parts)
+            else:
+                x = chunk(0, B)
+            info = {"oom_backoff": events} if events else {}
+            if output_type == "latent":
+                return QwenImageOutput(images=x, info=info)
+            return QwenImageOutput(images=postprocess(self.decode_latents(x, h, w), output_type), info=info)
+
+    # ---------------------------------------------------------------- decoding
+    def decode_latents(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+        """Packed latents (B, h/2*w/2, 64) -> images (B, 3, 8h, 8w) in [-1, 1].
+
+        One image at a time: an image does not depend on its batch-mates (batched convolutions pick
+        kernels by batch size), so a server batch gives each request the image it gets alone; a
+        decode already fills the GPU at real sizes. Splits / tiles on CUDA OOM.
+        """
+        vcfg, vdt = self.vae.cfg, self.vae_dtype
+        z = S.unpack_latents(x, h, w).to(vdt)  # (B, 16, h, w)
+        mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1).to(z.device, vdt)
+        inv_std = 1.0 / torch.tensor(vcfg.latents_std).view(1, -1, 1, 1).to(z.device, vdt)
+        z = z / inv_std + mean
+        with self._vae_resident():
+            return torch.cat([vae_decode(self.vae, z[r : r + 1]) for r in range(z.shape[0])])
+
+    def _vae_resident(self):
+        return self._vae_offloader.on_device() if self._vae_offloader is not None else contextlib.nullcontext()
+
+    def preview_images(self, latents: torch.Tensor, height: int, width: int, max_px: int = 192) -> list:
+        """PIL previews (long side <= max_px) of a step callback's latents for a `height` x `width` call.
+
+        Decodes a shrunken latent with the real VAE: true colours at ~1/16 of a full decode's cost.
+        """
+        import torch.nn.functional as F
+
+        h, w = S.latent_hw(height, width, self.vae_scale_factor)
+        z = S.unpack_latents(latents, h, w)  # (B, 16, h, w)
+        lim = max(2, max_px // self.vae_scale_factor)
+        scale = min(1.0, lim / max(h, w))
+        if scale < 1.0:
+            z = F.interpolate(z.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area")
+        hh, ww = z.shape[-2:]
+        hh, ww = hh - hh % 2, ww - ww % 2
+        z = z[..., :hh, :ww]
+        with torch.no_grad():
+            img = self.decode_latents(S.pack_latents(z.to(latents.dtype)), hh, ww)
+        return postprocess(img, "pil")
+
+    # ---------------------------------------------------------------- checks
+    def _check(self, height, width, steps, n, output_type, max_sequence_length, sigmas) -> tuple[int, int]:
+        for name, v in (("height", height), ("width", width)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 16:
+                raise ValueError(f"`{name}` must be an integer >= 16 (pixels), got {v!r}")
+        mult = self.vae_scale_factor * 2
+        if height % mult or width % mult:
+            warnings.warn(
+                f"height and width must be multiples of {mult}; {height}x{width} is floored to "
+                f"{height // mult * mult}x{width // mult * mult} (as diffusers does)",
+                stacklevel=3,
+            )
+        if sigmas is None and (not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1):
+            raise ValueError(f"`num_inference_steps` must be an integer >= 1, got {steps!r}")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"`num_images_per_prompt` must be an integer >= 1, got {n!r}")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}")
+        if not 1 <= max_sequence_length <= 1024:
+            raise ValueError(f"`max_sequence_length` must be in 1..1024, got {max_sequence_length}")
+        return S.latent_hw(height, width, self.vae_scale_factor)

@@ -1,0 +1,200 @@
+"""Flow-matching Euler sampling for Qwen-Image: the schedule, latent packing, true-CFG, and the
+denoise core every pipeline shares.
+
+`denoise()` is the whole sampling loop as one plain function (flux-style): it takes a forward
+callable, the latents, the sigmas and the conditioning, and knows nothing about models, offload,
+graphs or servers. Pipelines only prepare conditioning and call it; the OOM back-off splits its
+batch; a step cache or a parallel layout plugs in below it (block runner, attention seam), never
+into it.
+
+The schedule is computed with the same numpy float32 arithmetic as diffusers'
+`FlowMatchEulerDiscreteScheduler` + `QwenImagePipeline` (linspace in float64, cast to float32, the
+exponential shift, the terminal stretch), so sigmas agree bit for bit. The Euler update and the CFG
+combination keep diffusers' dtype promotion (a 0-d fp32 sigma times a bf16 prediction stays bf16),
+which matters for reproducing the same image in bf16.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..config import SchedulerConfig
+from ..runtime.blocks import StepContext
+
+
+def calculate_shift(image_seq_len: int, cfg: SchedulerConfig) -> float:
+    """mu: linear in the number of image tokens between (base_len, base_shift) and (max_len, max_shift)."""
+    m = (cfg.max_shift - cfg.base_shift) / (cfg.max_image_seq_len - cfg.base_image_seq_len)
+    b = cfg.base_shift - m * cfg.base_image_seq_len
+    return image_seq_len * m + b
+
+
+def get_sigmas(
+    cfg: SchedulerConfig, num_inference_steps: int, image_seq_len: int, sigmas: list[float] | None = None
+) -> torch.Tensor:
+    """The N+1 noise levels (last one 0) as float32; timestep for the model = sigma."""
+    if sigmas is None:
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+    s = np.array(sigmas).astype(np.float32)
+    if s.ndim != 1 or len(s) < 1:
+        raise ValueError("sigmas must be a non-empty 1-D list")
+    if cfg.use_dynamic_shifting:
+        mu = calculate_shift(image_seq_len, cfg)
+        if cfg.time_shift_type == "exponential":
+            s = math.exp(mu) / (math.exp(mu) + (1 / s - 1) ** 1.0)
+        else:
+            s = mu / (mu + (1 / s - 1) ** 1.0)
+    else:
+        s = cfg.shift * s / (1 + (cfg.shift - 1) * s)
+    if cfg.shift_terminal and s[-1] != 1:  # one step: diffusers divides by zero (NaN sigmas); skip
+        one_minus_z = 1 - s
+        scale = one_minus_z[-1] / (1 - cfg.shift_terminal)
+        s = 1 - (one_minus_z / scale)
+    out = torch.from_numpy(np.asarray(s)).to(torch.float32)
+    if cfg.invert_sigmas:
+        out = 1.0 - out
+        return torch.cat([out, torch.ones(1)])
+    return torch.cat([out, torch.zeros(1)])
+
+
+def timesteps_from_sigmas(sigmas: torch.Tensor) -> torch.Tensor:
+    """diffusers' scheduler.timesteps (sigma * 1000, float32), without the trailing 0."""
+    return sigmas[:-1] * 1000
+
+
+def model_timestep(t: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Tensor:
+    """What the pipeline hands the transformer: (t * 1000) cast to the model dtype, then / 1000."""
+    return t.expand(batch).to(dtype) / 1000
+
+
+def euler_step(sample: torch.Tensor, pred: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+    """x_{t-1} = x_t + (sigma_next - sigma) * v, accumulated in fp32 and cast back to pred's dtype."""
+    dt = sigma_next - sigma  # 0-d fp32: keeps pred's dtype in the product, as diffusers does
+    return (sample.to(torch.float32) + dt * pred).to(pred.dtype)
+
+
+def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance with the per-token norm of the conditional prediction restored."""
+    comb = uncond + scale * (cond - uncond)
+    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+    comb_norm = torch.norm(comb, dim=-1, keepdim=True)
+    return comb * (cond_norm / comb_norm)
+
+
+def latent_hw(height: int, width: int, vae_scale: int = 8) -> tuple[int, int]:
+    """Latent grid size; pixel sizes are floored to a multiple of 2*vae_scale (16) like diffusers."""
+    return 2 * (int(height) // (vae_scale * 2)), 2 * (int(width) // (vae_scale * 2))
+
+
+def pack_latents(z: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): 2x2 patches, channel-major inside a patch."""
+    B, C, h, w = z.shape
+    z = z.view(B, C, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5)
+    return z.reshape(B, (h // 2) * (w // 2), C * 4)
+
+
+def unpack_latents(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(B, h/2 * w/2, 4C) -> (B, C, h, w); inverse of `pack_latents`."""
+    B, _, D = x.shape
+    x = x.view(B, h // 2, w // 2, D // 4, 2, 2).permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(B, D // 4, h, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# The denoise core
+
+
+@dataclass(frozen=True)
+class TextCond:
+    """Prompt conditioning of a batch: embeddings (B, L, D) right-padded, mask (B, L) or None = all real."""
+
+    emb: torch.Tensor
+    mask: torch.Tensor | None = None
+
+    def rows(self, i: int, j: int) -> TextCond:
+        """Rows i..j, trimmed to their longest prompt (no mask when none of them is padded), so a
+        chunk of a split batch runs exactly what it would run as a batch of its own."""
+        emb, mask = self.emb[i:j], None if self.mask is None else self.mask[i:j]
+        if mask is not None:
+            n = int(mask.sum(dim=1).max())
+            emb, mask = emb[:, :n], mask[:, :n]
+            mask = None if bool(mask.all()) else mask
+        return TextCond(emb, mask)
+
+
+# forward(x (B, N+M, 64), emb (B, L, D), mask (B, L) | None, t (B,), img_shapes, step) -> (B, N+M, 64)
+Forward = Callable[..., torch.Tensor]
+# callback(step index, step count, latents (B, N, 64) after the step)
+StepCallback = Callable[[int, int, torch.Tensor], None]
+
+
+def join_text(emb, mask, nemb, nmask):
+    """Stack conditional and negative prompt embeddings into one batch for a single forward.
+
+    The shorter side is right-padded with zeros and masked out as attention keys, which makes each
+    sample's result equal to its own forward (padded keys get zero weight; the extra text tokens are
+    dropped at the end and never reach the image). No mask at all when both sides are unpadded and
+    equally long, since a mask costs ~1.6x in attention.
+    """
+    L = max(emb.shape[1], nemb.shape[1])
+
+    def pad(e, m):
+        n = e.shape[1]
+        m = torch.ones(e.shape[:2], dtype=torch.long, device=e.device) if m is None else m
+        if n < L:
+            e = torch.cat([e, e.new_zeros(e.shape[0], L - n, e.shape[2])], dim=1)
+            m = torch.cat([m, m.new_zeros(m.shape[0], L - n)], dim=1)
+        return e, m
+
+    (e1, m1), (e2, m2) = pad(emb, mask), pad(nemb, nmask)
+    m = torch.cat([m1, m2])
+    return torch.cat([e1, e2]), (None if bool(m.all()) else m)
+
+
+def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes: list[tuple[int, int, int]],
+            cond: TextCond, uncond: TextCond | None = None, cfg_scale: float = 1.0,
+            ref_latents: torch.Tensor | None = None, batched_cfg: bool | str = "auto",
+            callback: StepCallback | None = None, progress: bool = False) -> torch.Tensor:  # fmt: skip
+    """Euler steps over `sigmas` (fp32 math) from the noise `x` (B, N, 64) -> the final latents (B, N, 64).
+
+    cond / uncond: prompt conditioning (uncond None = no true CFG). ref_latents (B, M, 64): packed
+    reference-image latents appended after the noise tokens (edit); the prediction is cut back to
+    the first N tokens. batched_cfg: cond and uncond in one batch-2B forward; "auto" only when no
+    padding mask is needed (a masked attention costs more than the second pass saves). Each forward
+    gets a `StepContext` (step, count, sigma, branch) for the transformer's block runner.
+    """
+    ts = timesteps_from_sigmas(sigmas)
+    levels = sigmas.tolist()  # host floats for the step contexts: one copy now, no sync per step
+    B, N = x.shape[:2]
+    n = len(ts)
+    batched = uncond is not None and bool(batched_cfg)
+    if batched:
+        emb2, mask2 = join_text(cond.emb, cond.mask, uncond.emb, uncond.mask)
+        if batched_cfg == "auto" and mask2 is not None:
+            batched = False
+    for i in tqdm(range(n), desc="denoising", unit="step", disable=not progress, leave=False):
+        t = model_timestep(ts[i], B, x.dtype)
+        sigma = levels[i]
+        inp = x if ref_latents is None else torch.cat([x, ref_latents], dim=1)
+        if batched:
+            step = StepContext(i, n, sigma, "both")
+            pred, neg = forward(torch.cat([inp, inp]), emb2, mask2, torch.cat([t, t]), img_shapes, step).chunk(2)
+            pred = true_cfg(pred[:, :N], neg[:, :N], cfg_scale)
+        else:
+            pred = forward(inp, cond.emb, cond.mask, t, img_shapes, StepContext(i, n, sigma, "cond"))[:, :N]
+            if uncond is not None:
+                step = StepContext(i, n, sigma, "uncond")
+                neg = forward(inp, uncond.emb, uncond.mask, t, img_shapes, step)[:, :N]
+                pred = true_cfg(pred, neg, cfg_scale)
+        x = euler_step(x, pred, sigmas[i], sigmas[i + 1])
+        if callback is not None:
+            callback(i, n, x)
+    return x

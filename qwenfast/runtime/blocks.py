@@ -1,0 +1,92 @@
+"""The step context and the block-runner seam: where step caching, offload streaming and
+sequence-parallel plug into the transformer without touching its math.
+
+- `StepContext` says which denoising step a forward belongs to (index, count, sigma, CFG branch).
+  The denoise core makes one per forward and the transformer hands it to its block runner, so a
+  runner can behave differently per step (a step cache skips blocks on some steps) without the model
+  knowing why.
+- A block runner owns the transformer's block loop: `run(blocks, call, img, txt, step)` where
+  `call(i, block, img, txt) -> (img, txt)` runs block i with everything else bound. The default
+  runs every block in order. `variant(step)` names what a step will compute ("full", "cached", ...):
+  CUDA graphs capture one graph per variant, so a runner whose steps differ still replays graphs.
+
+Runners hold per-model state (a ring of streamed weights, cached residuals); they never change the
+pipeline object. Lower layers than `models/` only: this module imports nothing from qwenfast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+__all__ = ["BRANCHES", "StepContext", "BlockRunner", "StreamingBlockRunner", "BlockCall"]
+
+BRANCHES = ("cond", "uncond", "both")
+
+# call(i, block, img, txt) -> (img, txt): one block with the forward's other inputs bound
+BlockCall = Callable[[int, nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Where a transformer forward sits in the sampling loop.
+
+    step: 0-based index; steps: how many in this run; sigma: the noise level of the input;
+    branch: "cond", "uncond" (true CFG's negative pass) or "both" (cond and uncond batched in one
+    forward, cond rows first).
+    """
+
+    step: int = 0
+    steps: int = 1
+    sigma: float = 1.0
+    branch: str = "cond"
+
+    def __post_init__(self):
+        if self.branch not in BRANCHES:
+            raise ValueError(f"branch must be one of {BRANCHES}, got {self.branch!r}")
+        if not 0 <= self.step < max(1, self.steps):
+            raise ValueError(f"step {self.step} is outside 0..{self.steps - 1}")
+
+
+class BlockRunner:
+    """Runs every block, in order. Subclasses change how (streamed weights) or whether (caches)."""
+
+    def variant(self, step: StepContext | None) -> Hashable:
+        """What a forward at `step` computes; part of the CUDA-graph key. One variant here."""
+        return "full"
+
+    def run(self, blocks: Sequence[nn.Module], call: BlockCall, img: torch.Tensor, txt: torch.Tensor,
+            step: StepContext | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        for i, block in enumerate(blocks):
+            img, txt = call(i, block, img, txt)
+        return img, txt
+
+    @property
+    def graph_safe(self) -> bool:
+        """False when the runner re-points weights per call (a captured graph would read stale memory)."""
+        return True
+
+
+class StreamingBlockRunner(BlockRunner):
+    """Offload: each block's weights are brought in by a `BlockStreamer` (runtime/offload.py) just
+    before it runs and released after; the next block's copy overlaps this block's compute."""
+
+    def __init__(self, streamer):
+        self.streamer = streamer
+
+    def run(self, blocks, call, img, txt, step):
+        s = self.streamer
+        for i, block in enumerate(blocks):
+            s.before(i)
+            try:
+                img, txt = call(i, block, img, txt)
+            finally:
+                s.after(i)
+        return img, txt
+
+    @property
+    def graph_safe(self) -> bool:
+        return False
