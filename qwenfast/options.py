@@ -119,3 +119,55 @@ def check_transition(old: EngineOptions, new: EngineOptions) -> None:
 def _choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise OptionsError(f"{name} must be one of {allowed}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line: ONE argument group for `generate`, `edit` and `serve` (argparse only; no torch)
+
+
+def positive_int(s: str) -> int:
+    """argparse type: a whole number >= 1, with a message that says what was wrong."""
+    import argparse
+
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_engine_arguments(parser, *, cuda_graphs_default: bool | None = None) -> None:
+    """--device --dtype --offload --fp8 --cuda-graphs/--no-cuda-graphs --kernels --attention --preset.
+
+    `cuda_graphs_default`: None = the options' default (on; $QWENFAST_CUDA_GRAPHS); the server passes
+    False (every new prompt length or batch size would be a new capture).
+    """
+    from .config import PRESETS
+
+    g = parser.add_argument_group("engine (how it runs: the same switches for generate, edit and serve)")
+    g.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--offload", choices=list(OFFLOAD), default=None,
+                   help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
+                        "the transformer blocks from host memory (1024² in ~6 GB; ~6x slower)")  # fmt: skip
+    g.add_argument("--fp8", action="store_true",
+                   help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): faster, not bitwise diffusers")
+    g.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=cuda_graphs_default,
+                   help="replay the transformer as CUDA graphs" + (" (default: on)" if cuda_graphs_default is None
+                                                                    else " (default: off for the server)"))  # fmt: skip
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run eagerly")
+    g.add_argument("--kernels", choices=list(KERNELS), default=None,
+                   help="fused-op backend (default: $QWENFAST_KERNELS or auto)")
+    g.add_argument("--attention", choices=list(ATTENTION), default=None,
+                   help="attention backend (default: $QWENFAST_ATTENTION or auto)")
+    g.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
+
+
+def engine_options_from_args(a) -> EngineOptions:
+    """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. FP8 is left
+    off here: the caller enables it after loading LoRAs (FP8 bakes them in)."""
+    return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
+                                  attention=a.attention)  # fmt: skip

@@ -16,7 +16,7 @@ Three steps, reproducible from --seed:
     python tools/train_demo.py export --ckpt CKPT --out qwenfast/assets/demo-t2i
 
 Training conventions match inference exactly: x_t = (1 - s) x0 + s eps, the transformer gets
-timestep s and predicts eps - x0 (`pipeline/scheduler.py::euler_step` integrates dx/ds), sigmas are
+timestep s and predicts eps - x0 (`pipeline/sampling.py::euler_step` integrates dx/ds), sigmas are
 drawn logit-normal and then shifted with the scheduler's own dynamic shift for 64 image tokens; x0
 are the VAE latents normalised by the `latents_mean` / `latents_std` written into vae/config.json;
 the text is encoded with the pipeline's template (34 prefix tokens dropped); CFG's unconditional
@@ -286,7 +286,7 @@ def sample_sigmas(n, dev, g, mu):
 def train_dit(dit, ema, lat, emb, lens, cap_idx, null_idx, dev, *, steps, batch, lr, deadline, ckpt, start_step,
               warmup, p_drop=0.1, save_every=120.0, log_every=500):  # fmt: skip
     from qwenfast.config import SchedulerConfig
-    from qwenfast.pipeline.scheduler import calculate_shift
+    from qwenfast.pipeline.sampling import calculate_shift
 
     sched = SchedulerConfig.from_dict(SCHEDULER_CONFIG)
     n_tok = lat.shape[1]
@@ -395,7 +395,7 @@ def cmd_grid(a):
     from qwenfast.demo import score as S
 
     pipe = QwenImagePipeline.from_pretrained(a.model, device="cpu", dtype=torch.float32)
-    pipe.progress_bar = False
+    pipe.set_progress_bar_config(disable=True)
     prompts = [p for p, _ in D.eval_prompts()[: a.n]]
     images = bench.generate(pipe, prompts)
     marks = [S.passes(im, S.parse_prompt(p)) for im, p in zip(images, prompts)]
@@ -464,7 +464,7 @@ def cmd_train(a):
         f"vae: reconstructions pass the analyser {100 * ok:.1f}%, PSNR {psnr:.1f} dB; latent std {std.mean():.3f}"
     )
     lat = (lat - mean.view(1, -1, 1, 1)) / std.view(1, -1, 1, 1)
-    from qwenfast.pipeline.scheduler import pack_latents
+    from qwenfast.pipeline.sampling import pack_latents
 
     lat = pack_latents(lat).to(torch.bfloat16)  # (N, 64, 64)
 
@@ -501,8 +501,8 @@ def cmd_train(a):
     ema.fused = True
     ema.requires_grad_(False)
     pipe = QwenImagePipeline(ema, vae, te, SchedulerConfig.from_dict(SCHEDULER_CONFIG))
-    pipe.progress_bar = False
-    pipe.cuda_graphs = False
+    pipe.set_progress_bar_config(disable=True)
+    pipe.configure(cuda_graphs=False)
     from qwenfast.runtime.attention import set_attention
 
     set_attention("auto")
@@ -635,7 +635,7 @@ def check_same_image(folder: Path, prompt: str = "a small red circle on the left
     from qwenfast import QwenImagePipeline
 
     ours = QwenImagePipeline.from_pretrained(folder, device="cpu", dtype=torch.float32)
-    ours.progress_bar = False
+    ours.set_progress_bar_config(disable=True)
     d = ours.defaults
     kw = {"height": d["height"], "width": d["width"], "num_inference_steps": d["num_inference_steps"],
           "true_cfg_scale": d["true_cfg_scale"], "negative_prompt": " "}  # fmt: skip

@@ -104,7 +104,7 @@ def encode_edit_texts(te, proc, vl: np.ndarray, texts: list[str], batch: int = 5
 
 def packed_latents(vae, imgs) -> torch.Tensor:
     """uint8 pictures -> normalised packed latents (N, 64, 64) bf16, as the pipelines compute them."""
-    from qwenfast.pipeline.scheduler import pack_latents
+    from qwenfast.pipeline.sampling import pack_latents
 
     lat = T.encode_latents(vae, imgs)
     mean = torch.tensor(vae.cfg.latents_mean, device=lat.device).view(1, -1, 1, 1)
@@ -119,7 +119,7 @@ def finetune(dit, ema, edit, t2i, dev, *, steps, batch, lr, deadline, ckpt, p_ed
              save_every=120.0):  # fmt: skip
     """Flow matching on a mix of edit batches (target = after, reference = before) and text-to-image batches."""
     from qwenfast.config import SchedulerConfig
-    from qwenfast.pipeline.scheduler import calculate_shift
+    from qwenfast.pipeline.sampling import calculate_shift
 
     mu = calculate_shift(edit["x0"].shape[1], SchedulerConfig.from_dict(SCHEDULER_CONFIG))
     side = int(round(math.sqrt(edit["x0"].shape[1])))
@@ -246,7 +246,7 @@ def evaluate(ema, vae, te, proc, a, ckpt: Path, hard: float) -> dict:
     t2i_defaults = json.loads((Path(a.model) / "qwenfast.json").read_text())["defaults"]
     out = {}
     pipe = QwenImagePipeline(ema, vae, te, sched, defaults=t2i_defaults)
-    pipe.progress_bar = False
+    pipe.set_progress_bar_config(disable=True)
     t2i = []
     for cfg in (float(c) for c in a.eval_t2i_cfg.split(",")):
         res, _ = bench.run_t2i(pipe, a.eval_t2i_n, cfg=cfg, batch=24)
@@ -257,7 +257,7 @@ def evaluate(ema, vae, te, proc, a, ckpt: Path, hard: float) -> dict:
     out["t2i"] = max(t2i, key=lambda r: (r["score"], r["attribute"]))
     epipe = QwenImageEditPipeline(ema, vae, te, sched, mode="edit-plus", image_processor=proc,
                                   image_areas=IMAGE_AREAS, defaults={"num_inference_steps": 20, "true_cfg_scale": 2.0})  # fmt: skip
-    epipe.progress_bar = False
+    epipe.set_progress_bar_config(disable=True)
     sweep = []
     for g in a.eval_grid.split(","):
         if time.time() > hard:
@@ -350,7 +350,7 @@ def check_same_edit(folder: Path, instruction: str = "make the circle red"):
 
     before = D.render(D.Scene("blue", (D.Obj("green", "circle", "large", "left", 40.0, 64.0, 24.0),)))
     ours = QwenImageEditPipeline.from_pretrained(folder, device="cpu", dtype=torch.float32)
-    ours.progress_bar = False
+    ours.set_progress_bar_config(disable=True)
     d = ours.defaults
     kw = {"num_inference_steps": d["num_inference_steps"], "true_cfg_scale": d["true_cfg_scale"], "negative_prompt": " "}
     mine = ours(before, instruction, generator=torch.Generator("cpu").manual_seed(0), output_type="np", **kw).images[0]
@@ -380,7 +380,7 @@ def cmd_grid(a):
     from qwenfast.demo import bench
 
     pipe = QwenImageEditPipeline.from_pretrained(a.model, device="cpu", dtype=torch.float32)
-    pipe.progress_bar = False
+    pipe.set_progress_bar_config(disable=True)
     res, images = bench.run_edits(pipe, a.n)
     suite = D.eval_edits()[: a.n]
     pairs = [im for (b, _, _), after in zip(suite, images) for im in (D.render(b), after)]

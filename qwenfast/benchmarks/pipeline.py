@@ -83,12 +83,16 @@ class StageTimer:
         self.peak: dict[str, int] = {}
         self._undo = []
 
-    def wrap(self, obj, name: str, stage: str):
+    def wrap(self, obj, name: str, stage: str, before: str | None = None):
+        """Time `obj.<name>` (a model's method) as `stage`; `before`: record the memory peak since the
+        last reset as that stage first (the phase between two timed calls)."""
         fn = getattr(obj, name)
 
         def run(*a, **k):
             _sync()
             t0 = time.perf_counter()
+            if before is not None:
+                self.peak[before] = max(self.peak.get(before, 0), _peak())
             if self.stage_peaks:
                 _reset_peak()
             try:
@@ -189,7 +193,10 @@ def end_to_end(ours, ref, cases, smoke: bool, keep: dict | None = None, against:
             if pipe is None:
                 continue
             timer = StageTimer()
-            timer.wrap(pipe, "encode_prompt", "text_encode_s")
+            if engine == "diffusers":
+                timer.wrap(pipe, "encode_prompt", "text_encode_s")
+            else:  # ours: the text encoder's own call (the pipeline object is never patched)
+                timer.wrap(pipe.text_encoder, "encode", "text_encode_s")
             timer.wrap(pipe.vae, "decode", "vae_decode_s")
             try:
                 # warm-up with the timed prompt: same shapes, so CUDA graphs are captured here, as in
@@ -311,26 +318,25 @@ def memory_calibration(ours, smoke: bool, out_dir: Path) -> dict:
     dt = ours.dtype
     e = _elem(dt)
     rows = []
-    ours.cuda_graphs = False  # graph pools would carry memory from one grid point to the next
-    # CFG as two passes of `batch` sequences (what "auto" does for prompts of unequal length), so the
-    # fitted coefficient is per sequence; predict(batched_cfg=True) doubles it for one batched pass
-    saved_batched, ours.batched_cfg = ours.batched_cfg, False
+    # no graphs: graph pools would carry memory from one grid point to the next. CFG as two passes of
+    # `batch` sequences (what "auto" does for prompts of unequal length), so the fitted coefficient is
+    # per sequence; predict(batched_cfg=True) doubles it for one batched pass
+    saved = ours.options
+    ours.configure(cuda_graphs=False, batched_cfg=False)
     _drop_graphs(ours)
     for size, b in grid:
         _free()
         timer = StageTimer(stage_peaks=True)
-        timer.wrap(ours, "encode_prompt", "encode")
-        timer.wrap(ours, "denoise", "denoise")
-        timer.wrap(ours.vae, "decode", "decode")
+        timer.wrap(ours.text_encoder, "encode", "encode")
+        timer.wrap(ours.vae, "decode", "decode", before="denoise")  # the peak since the encode = denoising
         base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         try:
             _call(ours, "qwenfast", size, 1, True, f"calibration {size} {b}", batch=b)
         finally:
             timer.restore()
         rows.append({"size": size, "batch": b, "base": base, **{k: v - base for k, v in timer.peak.items()}})
-    ours.batched_cfg = saved_batched
+    ours.configure(cuda_graphs=saved.cuda_graphs, batched_cfg=saved.batched_cfg)
     if not torch.cuda.is_available():  # the harness ran; CPU has no allocator peaks to fit
-        ours.cuda_graphs = True
         return {"grid": rows, "skipped": "no CUDA memory counters on CPU"}
     # activation features per phase (what the planner multiplies its coefficients by)
     txt = 64
@@ -362,7 +368,6 @@ def memory_calibration(ours, smoke: bool, out_dir: Path) -> dict:
         act_meas = measured - r["base"]
         r["activation_rel_err"] = round((act_pred - act_meas) / max(act_meas, 1), 4)
         errs.append(abs(r["rel_err"]))
-    ours.cuda_graphs = True
     out_dir.mkdir(parents=True, exist_ok=True)
     calib.save(out_dir / "memory_calibration.json")
     res = {
@@ -379,8 +384,7 @@ def memory_calibration(ours, smoke: bool, out_dir: Path) -> dict:
 
 def _drop_graphs(pipe) -> None:
     """Captured CUDA graphs keep their activation pool allocated: drop them before measuring memory."""
-    pipe._graphs.clear()
-    pipe._graphs._pool = None
+    pipe.release_graphs()
     _free()
 
 
@@ -403,7 +407,7 @@ def offload_bench(ours, smoke: bool) -> dict:
                     generator=[torch.Generator("cpu").manual_seed(i) for i in range(len(batch_prompts))],
                     output_type=output_type)  # fmt: skip
 
-    ours.cuda_graphs = False  # a captured batch-4 graph would keep its pool: the OOM must be real
+    ours.configure(cuda_graphs=False)  # a captured batch-4 graph would keep its pool: the OOM must be real
     _drop_graphs(ours)
     want_lat = run(prompts, "latent").images.float()
     want = run(prompts).images
@@ -486,7 +490,7 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
     ours, ref = build(smoke, diffusers_transformer=e2e or smoke)
     if hasattr(ref, "set_progress_bar_config"):
         ref.set_progress_bar_config(disable=True)
-    ours.progress_bar = False
+    ours.set_progress_bar_config(disable=True)
     from . import versions
 
     record = {"bench": "pipeline", "device": _device_name(), "torch": torch.__version__,

@@ -154,9 +154,12 @@ def run(model=None, size=None, steps=8, cfg=1.0, concurrency=(1, 2, 4, 8), reque
         if not torch.cuda.is_available():
             raise RuntimeError("--model random-full builds full-size weights on a CUDA GPU; none is visible")
         pipe = build_random_full(layers)
-        pipe.progress_bar, pipe.cuda_graphs = False, cuda_graphs
+        pipe.set_progress_bar_config(disable=True)
+        pipe.configure(cuda_graphs=cuda_graphs)
     else:
-        pipe = load_pipeline(model, device, dtype, cuda_graphs)
+        from ..options import EngineOptions
+
+        pipe = load_pipeline(model, device, dtype, EngineOptions.from_env(cuda_graphs=cuda_graphs))
     size = size or (1024 if model == "random-full" else 64)
     build_s = time.perf_counter() - t0
     triton_v = versions()["triton"]

@@ -58,13 +58,13 @@ def run_edits(pipe, n: int = 36, *, steps=None, cfg=None, seed0: int = 0) -> tup
 def load(model=None, device=None, dtype=None):
     """The demo pipeline for a folder: text-to-image, or edit when the folder is an edit model
     (None = the embedded text-to-image demo; "edit" = the embedded edit demo)."""
-    from .. import from_pretrained
+    from ..pipeline.auto import from_pretrained
     from ..pipeline.edit import DEFAULT_EDIT_MODEL
     from ..pipeline.text_to_image import DEFAULT_MODEL
 
     path = DEFAULT_EDIT_MODEL if model == "edit" else DEFAULT_MODEL if model is None else model
     pipe = from_pretrained(path, device=device, dtype=dtype)  # picks the class from model_index.json
-    pipe.progress_bar = False
+    pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
@@ -138,12 +138,10 @@ def quality_paths(model=None, n: int = 120, device=None, batch: int = 24, paths=
             rows.append({"path": name, "skipped": f"FP8 GEMMs need an Ada/Hopper GPU, not {dev}"})
             continue
         pipe = load(model, dev, dtype)
-        pipe.cuda_graphs, pipe.batched_cfg, pipe.vae.fast = graphs, batched, fast_vae
-        pipe.text_encoder.cuda_graphs = graphs
-        if fp8:
-            pipe.enable_fp8()
+        pipe.configure(cuda_graphs=graphs, batched_cfg=batched, kernels=kernels, fp8=fp8)
+        pipe.vae.fast = fast_vae
         t0 = time.perf_counter()
-        with use_backend(kernels):
+        with use_backend(kernels):  # also the VAE's kernels, which run outside the pipeline's call too
             res, _ = run_suite(pipe, n, batch=batch)
         row = {"path": name, "score": round(res.score, 2), "attribute": round(res.attribute, 2),
                "s": round(time.perf_counter() - t0, 1)}  # fmt: skip

@@ -126,6 +126,11 @@ class PipelineBase:
         self.configure(fp8=True)
         return getattr(self, "_fp8_layers", 0)
 
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph and its memory pool (before measuring memory, say)."""
+        self._graphs.clear()
+        self._graphs._pool = None
+
     def set_progress_bar_config(self, disable: bool = False) -> None:
         """diffusers' switch for the per-call progress bar."""
         self.progress_bar = not disable

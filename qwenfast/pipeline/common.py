@@ -19,6 +19,11 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # The embedded default: a small trained Qwen-Image for 128x128 pictures of shapes (tools/train_demo.py).
 DEFAULT_MODEL = ASSETS / "demo-t2i"
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+EMBEDDED_NOTE = (
+    "note: no --model given, using the embedded demo model ({path}): a small Qwen-Image trained on 128x128 "
+    "pictures of coloured shapes (prompts like 'a small red star at the top left, white background'); "
+    "pass --model /path/to/Qwen-Image for real images."
+)
 
 
 @dataclass

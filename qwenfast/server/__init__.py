@@ -5,7 +5,7 @@ import time, so `qwenfast --help` stays fast):
 
 - `options.py`   command-line flags and the `Limits` every request is checked against
 - `schemas.py`   request parsing and validation, OpenAI-shaped errors
-- `scheduler.py` the bounded queue and the worker thread that batches compatible requests
+- `batcher.py`   the bounded queue and the worker thread that batches compatible requests
 - `imaging.py`   image encoding, previews, upload checks
 - `loras.py`     LoRA names -> files, only inside `--lora-dir`
 - `metrics.py`   Prometheus text format, hand-written (no extra dependency)

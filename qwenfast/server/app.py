@@ -35,7 +35,7 @@ from .imaging import MIME, b64, encode_image, load_upload
 from .loras import LoraResolver
 from .metrics import Metrics, gpu_memory
 from .options import ServerConfig
-from .scheduler import Job, Scheduler
+from .batcher import Job, Scheduler
 from .schemas import APIError, form_to_dict, parse_json_body, validate
 
 log = logging.getLogger("qwenfast.server")

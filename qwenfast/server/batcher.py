@@ -6,9 +6,8 @@ and streams meanwhile. torch releases the GIL inside its ops, so the loop stays 
 
 Batching: requests with the same batch key (size, steps, CFG scale and on/off, LoRA set; one model
 per server) share a pipeline call of up to `max_batch` images. Each image keeps its own
-`torch.Generator(seed)`, so it draws the same noise as alone. The VAE decode runs per image because
-convolutions pick their algorithm by batch size, which changes low bits; per-image decode makes the
-decode batch-invariant at ~no cost (the GPU is busy at batch 1 for real image sizes). What remains
+`torch.Generator(seed)`, so it draws the same noise as alone. The pipeline decodes per image
+(`PipelineBase.decode_latents`), so the decode is batch-invariant. What remains
 batch-dependent is inside the transformer (see `tests/test_server.py::test_batched_equals_alone`).
 
 A lone request waits at most `batch_wait_s` for batch-mates, counted from when it was queued, so
@@ -27,7 +26,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from .imaging import preview_images
+from .imaging import jpeg_b64
 from .metrics import Metrics
 from .options import ServerConfig
 from .schemas import APIError, Params
@@ -253,16 +252,13 @@ class Scheduler:
         self._loras = loras
 
     def _generate(self, items: list[Item]) -> list:
+        """Run one batch through the pipeline's public call; PIL images, one per item."""
         import torch
-
-        from ..pipeline import scheduler as S
-        from ..pipeline.text_to_image import postprocess
 
         job0 = items[0].job
         p = job0.params
         jobs = list(dict.fromkeys(it.job for it in items))
         self._apply_loras(job0.loras)
-        lat_hw = None if p.size_auto else S.latent_hw(p.height, p.width, self.pipe.vae_scale_factor)
         preview_at = {job: _preview_steps(job.params.steps, job.params.partial_images) for job in jobs}
         sent = {job: 0 for job in jobs}
 
@@ -272,38 +268,33 @@ class Scheduler:
             for job in jobs:
                 job.post({"type": "image_generation.progress", "step": i + 1, "steps": n})
             rows = [r for r, it in enumerate(items) if i in preview_at[it.job] and not it.job.cancelled]
-            if rows and lat_hw is not None and x.dim() == 3:
+            if rows and not p.size_auto:
                 try:
-                    previews = preview_images(self.pipe, x[rows], *lat_hw, self.cfg.preview_px)
+                    previews = self.pipe.preview_images(x[rows], p.height, p.width, self.cfg.preview_px)
                 except Exception as e:  # a preview must never break the image
                     log.warning("preview failed: %s", e)
                     return
-                for r, b in zip(rows, previews):
+                for r, im in zip(rows, previews):
                     it = items[r]
-                    it.job.post({"type": "image_generation.partial_image", "b64_json": b, "index": it.index,
+                    it.job.post({"type": "image_generation.partial_image", "b64_json": jpeg_b64(im), "index": it.index,
                                  "partial_image_index": sent[it.job], "step": i + 1, "steps": n})  # fmt: skip
                 for job in {items[r].job for r in rows}:
                     sent[job] += 1
 
         gens = [torch.Generator("cpu").manual_seed(it.job.seeds[it.index]) for it in items]
-        common = dict(num_inference_steps=p.steps, true_cfg_scale=p.cfg, callback=callback)
+        common = dict(num_inference_steps=p.steps, true_cfg_scale=p.cfg, callback=callback, output_type="pil")
         if job0.kind == "edit":
             out = []
             for it, g in zip(items, gens):
                 hw = {} if p.size_auto else {"height": p.height, "width": p.width}
                 out += self.pipe(image=it.job.images, prompt=p.prompt, negative_prompt=p.negative, generator=g,
-                                 output_type="pil", **hw, **common).images  # fmt: skip
+                                 **hw, **common).images  # fmt: skip
             return out
         prompts = [it.job.params.prompt for it in items]
         negs = [it.job.params.negative for it in items] if p.negative is not None else None
-        res = self.pipe(prompt=prompts, negative_prompt=negs, height=p.height, width=p.width, generator=gens,
-                        output_type="latent", **common)  # fmt: skip
-        lat = res.images
-        # per-image decode: batch-invariant (see the module docstring)
-        return [
-            postprocess(self.pipe.decode_latents(lat[r : r + 1], *lat_hw), "pil")[0]
-            for r in range(len(items))
-        ]
+        # the pipeline decodes image by image, so each image equals its request run alone
+        return self.pipe(prompt=prompts, negative_prompt=negs, height=p.height, width=p.width, generator=gens,
+                         **common).images  # fmt: skip
 
 
 def _preview_steps(steps: int, k: int) -> set[int]:

@@ -44,36 +44,11 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def preview_images(pipe, latents, h: int, w: int, max_px: int) -> list[str]:
-    """Base64 JPEGs of what the packed `latents` (B, h/2*w/2, 64) look like now.
-
-    Decodes a shrunken latent (long side <= max_px/8) with the real VAE: true colours at ~1/16 of a
-    full decode's cost, and nothing model-specific to maintain. Runs on the worker thread between
-    steps; the result does not feed back into generation.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    from ..pipeline import scheduler as S
-    from ..pipeline.text_to_image import postprocess
-
-    f = pipe.vae_scale_factor
-    z = S.unpack_latents(latents, h, w)  # (B, 16, h, w), h/w in latent pixels
-    lim = max(2, max_px // f)
-    scale = min(1.0, lim / max(h, w))
-    if scale < 1.0:
-        z = F.interpolate(z.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area")
-    hh, ww = z.shape[-2:]
-    hh, ww = hh - hh % 2, ww - ww % 2
-    z = z[..., :hh, :ww]
-    with torch.no_grad():
-        img = pipe.decode_latents(S.pack_latents(z.to(latents.dtype)), hh, ww)
-    out = []
-    for im in postprocess(img, "pil"):
-        buf = io.BytesIO()
-        im.save(buf, format="JPEG", quality=70)
-        out.append(b64(buf.getvalue()))
-    return out
+def jpeg_b64(img, quality: int = 70) -> str:
+    """A PIL image as a base64 JPEG (the streamed previews)."""
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=quality)
+    return b64(buf.getvalue())
 
 
 def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int):

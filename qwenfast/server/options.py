@@ -49,7 +49,8 @@ class ServerConfig:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import _positive  # the CLI's whole-number parser (same messages)
+    from ..options import add_engine_arguments
+    from ..options import positive_int as _positive
 
     d, lim = ServerConfig(), Limits()
     p.add_argument(
@@ -66,11 +67,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="how long a request may wait for batch-mates (default 20)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per request, queue included")
     p.add_argument("--lora-dir", default=None, help="folder of LoRA .safetensors files requests may name")
-    p.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="replay the transformer as CUDA graphs (off by default: every new prompt length "
-                        "or batch size is a new capture)")  # fmt: skip
+    add_engine_arguments(p, cuda_graphs_default=False)  # --device --dtype --offload --fp8 --preset ...
     p.add_argument("--max-size", type=_positive, default=lim.max_side, help="largest width or height")
     p.add_argument("--max-n", type=_positive, default=lim.max_n, help="most images per request")
     p.add_argument("--max-steps", type=_positive, default=lim.max_steps)

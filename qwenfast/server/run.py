@@ -18,25 +18,22 @@ from .options import config_from_args
 log = logging.getLogger("qwenfast.server")
 
 
-def load_pipeline(model: str | None, device=None, dtype=None, cuda_graphs: bool = False):
-    """A text-to-image or (if `qwenfast.pipeline.edit` exists and the folder is an edit model) edit pipeline."""
-    from pathlib import Path
+def load_pipeline(model: str | None, device=None, dtype=None, options=None, preset: str | None = None,
+                  fp8: bool = False):  # fmt: skip
+    """The pipeline class the folder needs (`qwenfast.from_pretrained`), with engine options, preset, FP8."""
+    from ..pipeline.auto import from_pretrained
+    from ..pipeline.common import DEFAULT_MODEL
 
-    from ..loading.diffusers_folder import inspect_folder
-    from ..pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
+    from ..options import EngineOptions
 
-    path = Path(model) if model else DEFAULT_MODEL
-    kind, _ = inspect_folder(path)
-    cls = QwenImagePipeline
-    if kind in ("edit", "edit-plus"):
-        from .app import edit_pipeline_class
-
-        cls = edit_pipeline_class()
-        if cls is None:
-            raise RuntimeError(f"{path} is an edit model, but this qwenfast build has no edit pipeline yet")
-    pipe = cls.from_pretrained(model, device=device, dtype=dtype)
-    pipe.progress_bar = False
-    pipe.cuda_graphs = cuda_graphs
+    if options is None:  # a server default: no graphs (every new prompt length or batch size is a capture)
+        options = EngineOptions.from_env(cuda_graphs=False)
+    pipe = from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, options=options)
+    pipe.set_progress_bar_config(disable=True)
+    if preset:
+        pipe.apply_preset(preset)
+    if fp8:
+        pipe.configure(fp8=True)
     return pipe
 
 
@@ -48,8 +45,8 @@ def serve(a) -> int:
         print(f"error: `qwenfast serve` needs the server extra ({e.name} is missing): "
               "pip install 'qwenfast[server]'", file=sys.stderr)  # fmt: skip
         return 2
-    from ..cli import EMBEDDED_NOTE
-    from ..pipeline.text_to_image import DEFAULT_MODEL
+    from ..options import engine_options_from_args
+    from ..pipeline.common import DEFAULT_MODEL, EMBEDDED_NOTE
     from .app import create_app
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,7 +57,7 @@ def serve(a) -> int:
         from .loras import LoraResolver
 
         LoraResolver(cfg.lora_dir)  # fail now, not on the first request
-    pipe = load_pipeline(a.model, a.device, a.dtype, a.cuda_graphs)
+    pipe = load_pipeline(a.model, a.device, a.dtype, engine_options_from_args(a), a.preset, a.fp8)
     app = create_app(pipe, cfg)
     if not _is_loopback(a.host) and cfg.api_key is None:
         print(f"warning: serving on {a.host} without --api-key: anyone who can reach this port can use the GPU",
