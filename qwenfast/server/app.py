@@ -159,6 +159,7 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
     multiple = 2 * pipe.vae_scale_factor
     page = (STATIC / "index.html").read_text(encoding="utf-8")
+    icon = _favicon()
     state = {"stopping": False}
 
     @contextlib.asynccontextmanager
@@ -201,6 +202,10 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache", "Content-Security-Policy":
                             "default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
                             "script-src 'self' 'unsafe-inline'"})  # fmt: skip
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon():
+        return Response(icon, media_type="image/png", headers={"Cache-Control": "public, max-age=86400"})
 
     @app.get("/health")
     async def health():
@@ -451,6 +456,19 @@ _NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "tex
 
 def _event(ev: dict) -> str:
     return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
+
+
+def _favicon() -> bytes:
+    """A 32x32 PNG in the demo model's world: a red circle on blue (browsers ask for /favicon.ico)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    im = Image.new("RGB", (32, 32), (40, 70, 200))
+    ImageDraw.Draw(im).ellipse((5, 5, 26, 26), fill=(220, 40, 40))
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def _model_card(model_id: str, created: float) -> dict:
