@@ -645,3 +645,23 @@ def test_web_page_on_an_edit_model_suggests_an_edit(browser):
             )
         finally:
             page.context.close()
+
+
+def test_previews_are_decoded_only_for_streaming_clients(pipe, monkeypatch):
+    """partial_images without stream: nobody receives previews, so none is decoded (was: one VAE
+    decode per preview, thrown away)."""
+    from qwenfast.server import scheduler
+
+    calls = []
+    real = scheduler.preview_images
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(scheduler, "preview_images", counting)
+    with running(pipe) as (base, _):
+        r = httpx.post(base + G, json={**OK, "steps": 4, "partial_images": 2}, timeout=60)
+        assert r.status_code == 200 and calls == []
+        r = httpx.post(base + G, json={**OK, "steps": 4, "partial_images": 2, "stream": True}, timeout=60)
+        assert r.text.count("event: image_generation.partial_image") == 2 and len(calls) == 2

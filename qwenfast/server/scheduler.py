@@ -279,7 +279,9 @@ class Scheduler:
         jobs = list(dict.fromkeys(it.job for it in items))
         self._apply_loras(job0.loras)
         lat_hw = None if p.size_auto else S.latent_hw(p.height, p.width, self.pipe.vae_scale_factor)
-        preview_at = {job: _preview_steps(job.params.steps, job.params.partial_images) for job in jobs}
+        # previews only for clients that stream: nobody else would receive them (a decode each)
+        preview_at = {job: _preview_steps(job.params.steps, job.params.partial_images if job.events else 0)
+                      for job in jobs}  # fmt: skip
         sent = {job: 0 for job in jobs}
 
         def callback(i: int, n: int, x) -> None:
