@@ -516,3 +516,33 @@ def test_lora_dir_removed_after_start_lists_nothing(pipe, tmp_path):
         r = httpx.post(base + G, json={**OK, "lora": [{"name": "style"}]})
         assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found"
         _no_host_paths(r.text, d)
+
+
+class _NoLoraPipe:
+    """The real pipeline without set_loras (a pipeline class that cannot apply LoRAs)."""
+
+    def __init__(self, pipe):
+        self._pipe = pipe
+
+    def __getattr__(self, name):
+        if name == "set_loras":
+            raise AttributeError(name)
+        return getattr(self._pipe, name)
+
+    def __call__(self, *a, **kw):
+        return self._pipe(*a, **kw)
+
+
+def test_requests_that_can_never_succeed_are_non_retried_4xx(pipe, edit_server, tmp_path):
+    """LoRAs on a pipeline without set_loras (was 501, which the OpenAI SDK retries) and `mask` on edits:
+    400 with a code a client can act on."""
+    d = tmp_path / "loras"
+    d.mkdir()
+    write_lora(pipe, d / "style.safetensors")
+    with running(_NoLoraPipe(pipe), lora_dir=str(d)) as (base, _):
+        r = httpx.post(base + G, json={**OK, "lora": [{"name": "style"}]})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "lora_unsupported", r.text
+        assert httpx.post(base + G, json=OK, timeout=60).status_code == 200
+    r = httpx.post(edit_server + E, data=EDIT_OK, files={"image": ("a.png", PNG, "image/png"),
+                                                         "mask": ("m.png", PNG, "image/png")})  # fmt: skip
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text

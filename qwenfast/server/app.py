@@ -305,9 +305,8 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
             files, fields = [], {}
             for k, v in form.multi_items():
                 if k == "mask":
-                    raise APIError(
-                        400, "`mask` is not supported: Qwen-Image-Edit edits from the prompt", param="mask"
-                    )
+                    raise APIError(400, "`mask` is not supported: Qwen-Image-Edit edits from the prompt", param="mask",
+                                   code="unsupported_parameter")  # fmt: skip
                 if hasattr(v, "read"):
                     if k not in ("image", "image[]"):
                         raise APIError(400, f"unexpected file field `{k[:40]}`; send images as `image` or `image[]`",
