@@ -440,7 +440,9 @@ def test_metrics(server):
 def edit_pipe(tmp_path_factory):
     cls = edit_pipeline_class()
     if cls is None:
-        pytest.skip("qwenfast.pipeline.edit does not exist yet; /v1/images/edits answers 501 (tested above)")
+        pytest.skip(
+            "qwenfast.pipeline.edit does not exist yet; /v1/images/edits answers 400 wrong_endpoint (tested in test_server_hostile.py)"
+        )
     pytest.importorskip("diffusers")
     from qwenfast.testing.tiny import build_tiny_pipeline
 
