@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--iters", type=_positive, default=10)
     bt.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     bt.add_argument("--no-fp8", action="store_true", help="skip the FP8 variant")
-    bt.add_argument("--results", default="bench/results", help="folder for the JSON record")
+    bt.add_argument("--results", default=None, metavar="DIR",
+                    help="append the JSON record to DIR/transformer.jsonl (default: only print it)")  # fmt: skip
     from .benchmarks.serve import add_arguments as add_bench_serve_arguments
 
     add_bench_serve_arguments(bsub.add_parser("serve", help="server throughput and p50/p95 latency vs concurrency"))
@@ -161,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--paths", action="store_true",
                     help="score every code path (fp32 reference, bf16, kernels, graphs, batched CFG, FP8) "
                          "and each one's gap to the reference")  # fmt: skip
-    bq.add_argument("--results", default="bench/results", help="folder for quality.jsonl (with --paths)")
+    bq.add_argument("--results", default=None, metavar="DIR",
+                    help="with --paths: append the record to DIR/quality.jsonl (default: only print it)")  # fmt: skip
 
     from .server.options import add_serve_arguments
 
@@ -344,7 +346,7 @@ def cmd_bench(a) -> int:
         rows = quality_paths(a.model, n=n, device=a.device)
         record = {"bench": "quality_paths", "model": a.model or "demo-t2i", **versions(), "n": n, "rows": rows,
                   "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
-        emit(record, "quality.jsonl", Path(a.results))
+        emit(record, "quality.jsonl", a.results)
         return 0
     if a.what == "serve":  # runs on CPU too (smoke test on the embedded model)
         from .benchmarks.serve import run_from_args
@@ -361,7 +363,7 @@ def cmd_bench(a) -> int:
     from .benchmarks.transformer import run
 
     run(sizes=tuple(a.size or [1024]), compare=a.compare == "diffusers", num_layers=a.layers, txt_len=a.txt,
-        iters=a.iters, compile_=not a.no_compile, out_dir=Path(a.results), fp8=not a.no_fp8)  # fmt: skip
+        iters=a.iters, compile_=not a.no_compile, out_dir=a.results, fp8=not a.no_fp8)  # fmt: skip
     return 0
 
 

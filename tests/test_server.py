@@ -440,7 +440,9 @@ def test_metrics(server):
 def edit_pipe(tmp_path_factory):
     cls = edit_pipeline_class()
     if cls is None:
-        pytest.skip("qwenfast.pipeline.edit does not exist yet; /v1/images/edits answers 501 (tested above)")
+        pytest.skip(
+            "qwenfast.pipeline.edit does not exist yet; /v1/images/edits answers 400 wrong_endpoint (tested in test_server_hostile.py)"
+        )
     pytest.importorskip("diffusers")
     from qwenfast.testing.tiny import build_tiny_pipeline
 
@@ -510,59 +512,158 @@ def _health(base):
         return None
 
 
-def test_web_page_in_headless_chromium(server, tmp_path):
-    """Type a prompt, see progress, see the image; the screenshot is kept as a test artefact
-    (tmp_path, and $QWENFAST_ARTIFACTS if set)."""
+# the page's placeholder prompt: one the embedded demo model draws
+DEMO_PROMPT = "a small red circle at the top left, blue background"
+BROWSERS = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium: playwright's own build if installed, else the system's (Debian: apt install
+    chromium). Skipped only when neither exists; one that exists but cannot start fails the test."""
     pw = pytest.importorskip(
         "playwright.sync_api", reason="playwright is not installed (pip install playwright)"
     )
-    exe = next(
-        (
-            p
-            for p in ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
-            if Path(p).exists()
-        ),
-        None,
-    )
-    base, _ = server
     with pw.sync_playwright() as p:
+        exe = None if Path(p.chromium.executable_path).exists() else next(
+            (x for x in BROWSERS if Path(x).exists()), False
+        )  # fmt: skip
+        if exe is False:
+            pytest.skip("no headless Chromium here: `playwright install chromium` or `apt install chromium`")
+        b = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
         try:
-            browser = p.chromium.launch(executable_path=exe, args=["--no-sandbox"])
-        except Exception as e:
-            pytest.skip(
-                f"no headless Chromium can start here (apt install chromium, or playwright install chromium): {e}"
-            )
-        try:
-            page = browser.new_page(viewport={"width": 1100, "height": 700})
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(base + "/")
-            page.wait_for_function(
-                "() => document.getElementById('model').textContent.includes('demo-t2i')"
-            )
-            page.evaluate("""() => { window.seen = []; new MutationObserver(() => window.seen.push(
-                document.getElementById('status').textContent)).observe(document.getElementById('status'),
-                {childList: true, characterData: true, subtree: true}); }""")
-            page.fill("#prompt", "a lighthouse at dusk")
-            page.fill("#width", "128")
-            page.fill("#height", "96")
-            page.fill("#steps", "12")
-            page.fill("#seed", "7")
-            page.click("#generate")
-            page.wait_for_selector(".result img", timeout=60_000)
-            seen = page.evaluate("window.seen")
-            assert any(s.startswith("step ") for s in seen) and seen[-1] == "done", seen
-            assert page.evaluate("document.getElementById('progress').value") == 12
-            assert page.evaluate("document.getElementById('preview').src").startswith("data:image/")
-            assert page.evaluate("document.querySelector('.result img').naturalWidth") == 128
-            meta = page.inner_text(".result .meta")
-            assert "a lighthouse at dusk" in meta and "seed 7" in meta and "128x96" in meta
-            assert not errors, errors
-            shot = tmp_path / "server-page.png"
-            page.screenshot(path=str(shot), full_page=True)
-            assert shot.stat().st_size > 5000
-            if os.environ.get("QWENFAST_ARTIFACTS"):
-                Path(os.environ["QWENFAST_ARTIFACTS"]).mkdir(parents=True, exist_ok=True)
-                (Path(os.environ["QWENFAST_ARTIFACTS"]) / shot.name).write_bytes(shot.read_bytes())
+            yield b
         finally:
-            browser.close()
+            b.close()
+
+
+def _open(browser, url: str, model: str):
+    """A fresh page (own storage) on `url`, once it has shown `model` from /health; and its JS errors."""
+    ctx = browser.new_context(viewport={"width": 1100, "height": 700})
+    page = ctx.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(url)
+    page.wait_for_function(f"() => document.getElementById('model').textContent.includes({model!r})")
+    return page, errors
+
+
+BROKEN_IMAGES = """() => [...document.images].filter((i) => i.getClientRects().length > 0
+    && !(i.complete && i.naturalWidth > 0)).length"""
+
+
+def test_web_page_in_headless_chromium(server, browser, tmp_path):
+    """Idle page: no broken image, a prompt the demo can draw, a favicon. Then type that prompt, see
+    progress and previews, get the image (which the demo analyser checks against the prompt). The
+    screenshot goes to tmp_path ($QWENFAST_ARTIFACTS too, if set); with QWENFAST_UPDATE_SCREENSHOT=1
+    it replaces docs/server-page.png, the README's screenshot."""
+    from qwenfast.demo import score
+
+    base, _ = server
+    page, errors = _open(browser, base + "/", "demo-t2i")
+    try:
+        assert page.evaluate(BROKEN_IMAGES) == 0  # was: a broken-image icon labelled "live preview"
+        assert not page.is_visible("#preview") and page.is_visible("#no-preview")
+        assert page.get_attribute("#prompt", "placeholder") == DEMO_PROMPT
+        icon = page.get_attribute("link[rel=icon]", "href")
+        r = httpx.get(base + icon)
+        assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+        assert Image.open(io.BytesIO(r.content)).size == (32, 32)
+        assert (
+            page.input_value("#width") == "128" and page.input_value("#steps") == "20"
+        )  # the demo's defaults
+        page.evaluate("""() => { window.seen = []; new MutationObserver(() => window.seen.push(
+            document.getElementById('status').textContent)).observe(document.getElementById('status'),
+            {childList: true, characterData: true, subtree: true}); }""")
+        page.fill("#prompt", DEMO_PROMPT)
+        page.fill("#seed", "7")
+        page.click("#generate")
+        page.wait_for_selector(".result img", timeout=60_000)
+        seen = page.evaluate("window.seen")
+        assert any(s.startswith("step ") for s in seen) and seen[-1] == "done", seen
+        assert page.evaluate("document.getElementById('progress').value") == 20
+        assert page.is_visible("#preview") and not page.is_visible("#no-preview")
+        assert page.evaluate("document.getElementById('preview').src").startswith("data:image/")
+        assert page.evaluate(BROKEN_IMAGES) == 0
+        src = page.get_attribute(".result img", "src")
+        img = Image.open(io.BytesIO(base64.b64decode(src.split(",", 1)[1]))).convert("RGB")
+        assert img.size == (128, 128)
+        checks = score.check(img, score.parse_prompt(DEMO_PROMPT))
+        assert all(checks.values()), checks  # the placeholder is a prompt the demo model draws
+        meta = page.inner_text(".result .meta")
+        assert DEMO_PROMPT in meta and "seed 7" in meta and "128x128" in meta
+        assert not errors, errors
+        shot = tmp_path / "server-page.png"
+        page.screenshot(path=str(shot), full_page=True)
+        assert shot.stat().st_size > 5000
+        if os.environ.get("QWENFAST_UPDATE_SCREENSHOT") == "1":
+            (ROOT / "docs" / shot.name).write_bytes(shot.read_bytes())
+        if os.environ.get("QWENFAST_ARTIFACTS"):
+            Path(os.environ["QWENFAST_ARTIFACTS"]).mkdir(parents=True, exist_ok=True)
+            (Path(os.environ["QWENFAST_ARTIFACTS"]) / shot.name).write_bytes(shot.read_bytes())
+    finally:
+        page.context.close()
+
+
+def test_web_page_with_api_key_asks_for_the_key_before_listing_loras(pipe, lora_dir, browser):
+    """Was: "LoRA list: HTTP 401" on the idle page. Now the page says to enter the key, and lists the
+    LoRAs once a key is typed; a wrong key is named as such."""
+    with running(pipe, api_key="s3cret", lora_dir=str(lora_dir)) as (base, _):
+        page, errors = _open(browser, base + "/", "demo-t2i")
+        try:
+            page.wait_for_function("() => document.getElementById('lora-note').textContent !== ''")
+            body = page.inner_text("body")
+            assert "401" not in body and "API key" in page.inner_text("#lora-note"), body
+            assert page.is_visible("#api-key") and page.locator("#lora option").count() == 1
+            page.fill("#api-key", "wrong")
+            page.wait_for_function(
+                "() => document.getElementById('lora-note').textContent.includes('not accepted')"
+            )
+            assert "401" not in page.inner_text("body")
+            page.fill("#api-key", "s3cret")
+            page.wait_for_function("() => document.getElementById('lora').options.length === 2")
+            assert page.evaluate("[...document.getElementById('lora').options].map((o) => o.value)") == [
+                "",
+                "style",
+            ]
+            assert page.inner_text("#lora-note") == ""
+            assert not errors, errors
+        finally:
+            page.context.close()
+
+
+def test_web_page_on_an_edit_model_suggests_an_edit(browser):
+    edit = load_pipeline(str(ROOT / "qwenfast" / "assets" / "demo-edit"), device="cpu", dtype="fp32")
+    with running(edit) as (base, _):
+        page, errors = _open(browser, base + "/", "demo-edit")
+        try:
+            page.wait_for_function(
+                "() => document.getElementById('prompt').placeholder === 'make the circle green'"
+            )
+            assert page.evaluate(BROKEN_IMAGES) == 0 and not errors, errors
+            assert (
+                page.input_value("#width") == ""
+                and page.get_attribute("#width", "placeholder") == "from image"
+            )
+        finally:
+            page.context.close()
+
+
+def test_previews_are_decoded_only_for_streaming_clients(pipe, monkeypatch):
+    """partial_images without stream: nobody receives previews, so none is decoded (was: one VAE
+    decode per preview, thrown away)."""
+    from qwenfast.server import scheduler
+
+    calls = []
+    real = scheduler.preview_images
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(scheduler, "preview_images", counting)
+    with running(pipe) as (base, _):
+        r = httpx.post(base + G, json={**OK, "steps": 4, "partial_images": 2}, timeout=60)
+        assert r.status_code == 200 and calls == []
+        r = httpx.post(base + G, json={**OK, "steps": 4, "partial_images": 2, "stream": True}, timeout=60)
+        assert r.text.count("event: image_generation.partial_image") == 2 and len(calls) == 2

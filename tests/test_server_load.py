@@ -122,3 +122,26 @@ def test_200_requests_16_clients(tmp_path):
           f"latency p50 {statistics.median(lat):.3f} s p95 {lat[int(0.95 * (len(lat) - 1))]:.3f} s, "
           f"mean batch {mean_batch:.2f}; 0 lost, 0 duplicated; {identical}/{N_REQUESTS} bit-identical to alone, "
           f"{off_by_one} values off by one level elsewhere (max diff {worst})")  # fmt: skip
+
+
+def test_bench_serve_writes_results_only_with_results_flag(tmp_path, monkeypatch, capsys):
+    """`qwenfast bench serve` (CPU smoke) run from any folder leaves no bench/results behind; only
+    `--results DIR` writes DIR/serve.jsonl. The other benchmarks' `--results` default to nothing too."""
+    import json
+
+    from qwenfast.cli import build_parser, main
+
+    for what in ("transformer", "serve", "pipeline", "quality"):
+        assert build_parser().parse_args(["bench", what]).results is None, what
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("OUT", raising=False)
+    args = ["bench", "serve", "--size", "32", "--steps", "1", "--concurrency", "1", "--requests", "1",
+            "--no-baseline", "--device", "cpu"]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["bench"] == "serve" and record["levels"][0]["errors"] == 0
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+    assert main([*args, "--results", "out"]) == 0
+    lines = (tmp_path / "out" / "serve.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["bench"] == "serve"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["out", "serve.jsonl"]

@@ -36,11 +36,17 @@ def rel_err(got, want) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-def emit(record: dict, name: str, out_dir: Path | None) -> None:
-    """Print the record as the final JSON line; append it to <out_dir>/<name> and $OUT/<name> (once each)."""
-    import os
-
+def emit(record: dict, name: str, out_dir: Path | str | None) -> None:
+    """Print the record as the final JSON line; append it to <out_dir>/<name> only when `out_dir` is
+    given (`--results DIR`): a benchmark run from any folder leaves no files behind unless asked to."""
     print(json.dumps(record))
-    dirs = (out_dir, Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
-    for d in dict.fromkeys(Path(d).resolve() for d in dirs if d is not None):
-        save_record(record, d / name)
+    if out_dir is not None:
+        save_record(record, Path(out_dir) / name)
+
+
+def results_dir(value: str | None) -> Path | None:
+    """`--results` -> the folder for the JSON records, or None (print only)."""
+    return Path(value) if value else None
+
+
+RESULTS_HELP = "append the JSON record to DIR/<bench>.jsonl (default: only print it)"

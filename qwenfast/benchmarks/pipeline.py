@@ -6,7 +6,7 @@ shared, VAE converted, text encoder the same object), so both engines compute th
 tokenizer is the embedded tiny one (tokenisation cost is negligible; ids fit the 7B vocabulary).
 `--smoke`: the embedded tiny model on the CPU (checks the harness, times mean nothing).
 
-Stages (flags; each appends one JSON line to <results>/pipeline.jsonl and prints it):
+Stages (flags; each prints one JSON line, and with `--results DIR` appends it to DIR/pipeline.jsonl):
 - default: cases "1024:50:cfg", "1328:50:cfg", "1024:4:nocfg": per engine a warm-up call (2 steps,
   same shapes: captures CUDA graphs), then one timed call with fresh prompts (qwenfast caches prompt
   embeddings) and per-stage times (text encode, denoise, VAE decode: CUDA-synchronised wrappers),
@@ -14,7 +14,7 @@ Stages (flags; each appends one JSON line to <results>/pipeline.jsonl and prints
 - `--vae`: decode/encode ms (median of 5, CUDA events) ours fast / ours reference / diffusers at
   1024² and 1328², rel. error vs diffusers; decode at 2512² (auto tiling) with peak memory.
 - `--memory`: planner calibration: per-phase peaks of our pipeline over sizes x batches, fitted
-  coefficients, prediction error (goal <= 10% of measured peak); writes memory_calibration.json.
+  coefficients, prediction error (goal <= 10% of measured peak); DIR/memory_calibration.json with --results.
 - `--offload`: forced OOM recovery (a memory fraction that fits one image, a batch of 4 asked for:
   must split and equal the unsplit images), then offload "model" and "blocks" (peaks, times), and
   "blocks" under `set_per_process_memory_fraction` = 24 GiB and 8 GiB. Runs last: it moves weights to the host.
@@ -32,7 +32,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from . import rel_err, save_record
+from . import RESULTS_HELP, rel_err, results_dir, save_record
 
 GiB = 1024**3
 CASES = {"1024:50:cfg": (1024, 50, True), "1328:50:cfg": (1328, 50, True), "1024:4:nocfg": (1024, 4, False)}
@@ -307,7 +307,7 @@ def vae_bench(ours, ref, smoke: bool) -> dict:
 
 
 @torch.no_grad()
-def memory_calibration(ours, smoke: bool, out_dir: Path) -> dict:
+def memory_calibration(ours, smoke: bool, out_dir: Path | None) -> dict:
     """Measure per-phase peaks of our pipeline over a grid; fit the planner's coefficients; report errors."""
     from dataclasses import replace
 
@@ -368,8 +368,9 @@ def memory_calibration(ours, smoke: bool, out_dir: Path) -> dict:
         act_meas = measured - r["base"]
         r["activation_rel_err"] = round((act_pred - act_meas) / max(act_meas, 1), 4)
         errs.append(abs(r["rel_err"]))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    calib.save(out_dir / "memory_calibration.json")
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        calib.save(out_dir / "memory_calibration.json")
     res = {
         "calibration": vars(calib),
         "grid": rows,
@@ -485,7 +486,7 @@ def offload_bench(ours, smoke: bool) -> dict:
 
 
 def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool = False, offload: bool = False,
-        e2e: bool = True, out_dir: Path = Path("bench/results"), fp8: bool = False) -> dict:  # fmt: skip
+        e2e: bool = True, out_dir: Path | None = None, fp8: bool = False) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     ours, ref = build(smoke, diffusers_transformer=e2e or smoke)
     if hasattr(ref, "set_progress_bar_config"):
@@ -497,13 +498,13 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
               "triton": versions()["triton"], "smoke": smoke,
               "build_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
     print(f"built in {record['build_s']} s on {record['device']}", flush=True)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = None if out_dir is None else Path(out_dir)
 
     def save(key, value):
         record[key] = value
-        save_record({k: record[k] for k in ("bench", "device", "torch", "triton", "smoke")} | {key: value},
-                    out_dir / "pipeline.jsonl")  # fmt: skip
+        if out_dir is not None:  # the whole record is printed at the end either way
+            line = {k: record[k] for k in ("bench", "device", "torch", "triton", "smoke")} | {key: value}
+            save_record(line, out_dir / "pipeline.jsonl")
 
     kept: dict = {}
     if e2e:
@@ -541,10 +542,10 @@ def add_arguments(p) -> None:
     p.add_argument("--offload", action="store_true", help="also forced-OOM recovery and offload modes (last)")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end cases")
     p.add_argument("--fp8", action="store_true", help="repeat the end-to-end cases with qwenfast's FP8 GEMMs")
-    p.add_argument("--results", default="bench/results", help="folder for pipeline.jsonl")
+    p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
 def run_from_args(a) -> int:
     run(cases=tuple(a.case or CASES), smoke=a.smoke, vae=a.vae, memory=a.memory, offload=a.offload,
-        e2e=not a.no_e2e, out_dir=Path(a.results), fp8=a.fp8)  # fmt: skip
+        e2e=not a.no_e2e, out_dir=results_dir(a.results), fp8=a.fp8)  # fmt: skip
     return 0

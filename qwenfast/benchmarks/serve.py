@@ -12,8 +12,8 @@ transformer as `bench transformer` does, the 7B Qwen2.5-VL text model from its c
 its config; the embedded tokenizer): no checkpoint needed, same FLOPs as the real model. Without
 `--model`, the embedded tiny model runs anywhere, CPU included, as a smoke test.
 
-Prints a table and a final JSON line (GPU name, torch and triton versions); the line is appended to
-bench/results/serve.jsonl (and $OUT/serve.jsonl when $OUT is set).
+Prints a table and a final JSON line (GPU name, torch and triton versions); with `--results DIR` the
+line is also appended to DIR/serve.jsonl (the repo's records: `--results bench/results`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from . import emit, versions
+from . import RESULTS_HELP, emit, results_dir, versions
 
 TEXT_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
            "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
@@ -56,7 +56,7 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None)
     p.add_argument("--cuda-graphs", action="store_true")
-    p.add_argument("--results", default="bench/results", help="folder for the JSON record")
+    p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
 def build_random_full(num_layers: int = 60):
@@ -224,5 +224,5 @@ def _summarise(res: dict) -> None:
 def run_from_args(a) -> int:
     run(model=a.model, size=a.size, steps=a.steps, cfg=a.cfg, concurrency=tuple(a.concurrency), requests=a.requests,
         max_batch=a.max_batch, baseline=not a.no_baseline, layers=a.layers, device=a.device, dtype=a.dtype,
-        cuda_graphs=a.cuda_graphs, out_dir=Path(a.results))  # fmt: skip
+        cuda_graphs=a.cuda_graphs, out_dir=results_dir(a.results))  # fmt: skip
     return 0

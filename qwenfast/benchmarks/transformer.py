@@ -4,8 +4,8 @@ With `--compare diffusers`, diffusers builds the random model and qwenfast takes
 (shared storage; only Q/K/V are concatenated), so both engines run identical weights in the same
 process on the same GPU. Each variant: warm-up, then the median of timed forwards (CUDA events).
 FLOPs are counted from the config (GEMMs + attention); the floor assumes 809 TFLOP/s for every
-FLOP, the bf16 GEMM rate measured on H200. Prints a table and a final JSON line, also appended to
-bench/results/transformer.jsonl.
+FLOP, the bf16 GEMM rate measured on H200. Prints a table and a final JSON line, with `--results DIR`
+also appended to DIR/transformer.jsonl.
 """
 
 from __future__ import annotations

@@ -159,6 +159,7 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
     multiple = 2 * pipe.vae_scale_factor
     page = (STATIC / "index.html").read_text(encoding="utf-8")
+    icon = _favicon()
     state = {"stopping": False}
 
     @contextlib.asynccontextmanager
@@ -201,6 +202,10 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
         return HTMLResponse(page, headers={"Cache-Control": "no-cache", "Content-Security-Policy":
                             "default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
                             "script-src 'self' 'unsafe-inline'"})  # fmt: skip
+
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon():
+        return Response(icon, media_type="image/png", headers={"Cache-Control": "public, max-age=86400"})
 
     @app.get("/health")
     async def health():
@@ -249,8 +254,8 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
         if name is not None and name != model_id:
             raise APIError(404, f"model {str(name)[:80]!r} is not served here; this server serves {model_id!r} "
                                 "(GET /v1/models)", code="model_not_found", param="model")  # fmt: skip
-        if p.loras and not hasattr(pipe, "set_loras"):
-            raise APIError(501, "this qwenfast build cannot apply LoRAs yet (the pipeline has no set_loras)",
+        if p.loras and not hasattr(pipe, "set_loras"):  # 400, not 501: clients must not retry it
+            raise APIError(400, "this server's pipeline cannot apply LoRAs (it has no set_loras)",
                            param="lora", code="lora_unsupported")  # fmt: skip
         return loras.resolve_all(p.loras)
 
@@ -258,6 +263,9 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
     async def generations(request: Request):
         t0 = time.monotonic()
         try:
+            if is_edit:  # first: no body of any shape can succeed here
+                raise APIError(400, f"the loaded model ({model_id}) is an edit model; use POST /v1/images/edits",
+                               code="wrong_endpoint")  # fmt: skip
             ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
             if ctype != "application/json":
                 raise APIError(415, f"send the request as JSON with `Content-Type: application/json` (got {ctype[:60]!r})",
@@ -265,9 +273,6 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
             body = parse_json_body(await request.body())
             p = validate(body, cfg.limits, pipe.defaults, multiple=multiple)
             resolved = _check_common(body, p, "generations")
-            if is_edit:
-                raise APIError(400, f"the loaded model ({model_id}) is an edit model; use POST /v1/images/edits",
-                               code="wrong_endpoint")  # fmt: skip
             job = Job(p, asyncio.get_running_loop(), loras=resolved, stream_events=p.stream)
             return await _respond(request, job, "generations", t0)
         except APIError as e:
@@ -278,6 +283,12 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
     async def edits(request: Request):
         t0 = time.monotonic()
         try:
+            if not is_edit:  # first: no form of any shape can succeed here (400, not 501: no client retries)
+                why = ("this qwenfast build has no edit pipeline (qwenfast.pipeline.edit is missing)"
+                       if edit_cls is None else
+                       f"the loaded model ({model_id}) is a text-to-image model; use POST /v1/images/generations, "
+                       "or start `qwenfast serve --model` with a Qwen-Image-Edit checkpoint to edit images")  # fmt: skip
+                raise APIError(400, f"image edits are not available: {why}", code="wrong_endpoint")
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "multipart/form-data":
                 raise APIError(415, "send edits as multipart/form-data with the image in `image` (or `image[]`)",
@@ -294,9 +305,8 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
             files, fields = [], {}
             for k, v in form.multi_items():
                 if k == "mask":
-                    raise APIError(
-                        400, "`mask` is not supported: Qwen-Image-Edit edits from the prompt", param="mask"
-                    )
+                    raise APIError(400, "`mask` is not supported: Qwen-Image-Edit edits from the prompt", param="mask",
+                                   code="unsupported_parameter")  # fmt: skip
                 if hasattr(v, "read"):
                     if k not in ("image", "image[]"):
                         raise APIError(400, f"unexpected file field `{k[:40]}`; send images as `image` or `image[]`",
@@ -321,12 +331,12 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
                                               lim.image_formats, lim.max_input_pixels)
                       for i, (f, d) in enumerate(zip(files, datas))]  # fmt: skip
             resolved = _check_common(body, p, "edits")
-            if not is_edit:
-                why = ("this qwenfast build has no edit pipeline yet (qwenfast.pipeline.edit is missing)"
-                       if edit_cls is None else
-                       f"the loaded model ({model_id}) is a text-to-image model; start `qwenfast serve --model` "
-                       "with a Qwen-Image-Edit checkpoint to use edits")  # fmt: skip
-                raise APIError(501, f"image edits are not available: {why}", code="edit_unavailable")
+            if p.size_auto:  # the size follows the last image: hold it to the same limits as a given size
+                h, w = pipe.output_size({"image": images, "height": None, "width": None})
+                if max(w, h) > lim.max_side or w * h > lim.max_pixels:
+                    raise APIError(400, f"the output size follows the input image's aspect ({w}x{h}), which is beyond "
+                                        f"this server's limits (sides up to {lim.max_side}, {lim.max_pixels} pixels); "
+                                        "give `size`", param="size", code="invalid_size")  # fmt: skip
             job = Job(p, asyncio.get_running_loop(), kind="edit", loras=resolved, images=images,
                       stream_events=p.stream)  # fmt: skip
             return await _respond(request, job, "edits", t0)
@@ -415,8 +425,8 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
                 status = getattr(exc, "status", 500)
                 err = (
                     exc.body()["error"]
-                    if isinstance(exc, APIError)
-                    else {"message": str(exc), "type": "server_error"}
+                    if isinstance(exc, APIError)  # anything else: its text may hold host paths
+                    else {"message": f"internal error: {type(exc).__name__}", "type": "server_error"}
                 )
                 yield _event({"type": "error", "error": err})
                 return
@@ -445,6 +455,19 @@ _NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "tex
 
 def _event(ev: dict) -> str:
     return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
+
+
+def _favicon() -> bytes:
+    """A 32x32 PNG in the demo model's world: a red circle on blue (browsers ask for /favicon.ico)."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    im = Image.new("RGB", (32, 32), (40, 70, 200))
+    ImageDraw.Draw(im).ellipse((5, 5, 26, 26), fill=(220, 40, 40))
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def _model_card(model_id: str, created: float) -> dict:

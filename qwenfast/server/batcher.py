@@ -25,6 +25,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 
 from .imaging import jpeg_b64
 from .metrics import Metrics
@@ -155,8 +156,9 @@ class Scheduler:
                 self._run(batch)
             except BaseException as e:  # never let the worker die: that would hang every request
                 log.exception("worker: unexpected error")
+                err = APIError(500, f"internal error: {type(e).__name__} (see the server log)")  # no paths
                 for job in {it.job for it in batch}:
-                    self._finish(job, APIError(500, f"internal error: {type(e).__name__}: {e}"))
+                    self._finish(job, err)
             finally:
                 with self.cond:
                     for job in {it.job for it in batch}:
@@ -203,6 +205,10 @@ class Scheduler:
         except Cancelled:
             log.info("batch of %d cancelled: every client went away", len(items))
             return
+        except APIError as e:  # e.g. a broken LoRA file: the same answer for every batch-mate
+            for job in jobs:
+                self._finish(job, e)
+            return
         except Exception as e:
             self._empty_cache()
             if len(jobs) > 1:  # find the culprit: one bad request must not fail its batch-mates
@@ -212,8 +218,9 @@ class Scheduler:
                     self._run([it for it in items if it.job is job])
                 return
             log.exception("generation failed")
-            self._finish(jobs[0], APIError(500, f"generation failed: {type(e).__name__}: {str(e)[:300]}",
-                                           code="generation_failed"))  # fmt: skip
+            # the exception's text stays in the log: it may name files on this host
+            self._finish(jobs[0], APIError(500, f"generation failed ({type(e).__name__}); the server log has the "
+                                                "details", code="generation_failed"))  # fmt: skip
             return
         dt = time.perf_counter() - t0
         self.avg_batch_s = 0.8 * self.avg_batch_s + 0.2 * dt
@@ -248,7 +255,16 @@ class Scheduler:
             if loras:  # the app refuses such requests earlier; a bug if reached
                 raise RuntimeError("this pipeline has no set_loras()")
             return
-        self.pipe.set_loras(list(loras))
+        try:
+            self.pipe.set_loras(list(loras))
+        except Exception as e:
+            self._loras = None  # re-apply next time whatever the pipeline kept
+            names = [Path(path).stem for path, _ in loras]
+            bad = [Path(path).stem for path, _ in loras if Path(path).name in str(e)] or names
+            log.error("LoRA set %s could not be applied: %s: %s", [p for p, _ in loras], type(e).__name__, e)
+            raise APIError(422, f"LoRA {', '.join(repr(n) for n in bad)} could not be loaded: the file in the "
+                                "server's LoRA folder is not a valid LoRA (the server log says why)",
+                           param="lora", code="invalid_lora") from None  # fmt: skip
         self._loras = loras
 
     def _generate(self, items: list[Item]) -> list:
@@ -259,7 +275,9 @@ class Scheduler:
         p = job0.params
         jobs = list(dict.fromkeys(it.job for it in items))
         self._apply_loras(job0.loras)
-        preview_at = {job: _preview_steps(job.params.steps, job.params.partial_images) for job in jobs}
+        # previews only for clients that stream: nobody else would receive them (a decode each)
+        preview_at = {job: _preview_steps(job.params.steps, job.params.partial_images if job.events else 0)
+                      for job in jobs}  # fmt: skip
         sent = {job: 0 for job in jobs}
 
         def callback(i: int, n: int, x) -> None:

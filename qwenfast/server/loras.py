@@ -9,6 +9,7 @@ operator placed *in* the folder is the operator's choice and is followed.)
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from .schemas import APIError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 SUFFIX = ".safetensors"
+log = logging.getLogger("qwenfast.server")
 
 
 class LoraResolver:
@@ -28,8 +30,12 @@ class LoraResolver:
         """Names a request may use (the folder is re-read, so files added later are found)."""
         if self.dir is None:
             return []
-        return sorted(p.name[: -len(SUFFIX)] for p in self.dir.iterdir()
-                      if p.name.endswith(SUFFIX) and _NAME.match(p.name[: -len(SUFFIX)]) and p.is_file())  # fmt: skip
+        try:
+            return sorted(p.name[: -len(SUFFIX)] for p in self.dir.iterdir()
+                          if p.name.endswith(SUFFIX) and _NAME.match(p.name[: -len(SUFFIX)]) and p.is_file())  # fmt: skip
+        except OSError as e:  # removed or unreadable since the start; the path goes to the log only
+            log.error("cannot list --lora-dir %s: %s", self.dir, e)
+            return []
 
     def resolve(self, name: str) -> Path:
         """The file for `name`, or APIError(400/404) saying why not."""

@@ -242,8 +242,11 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
     if r.size is None or r.size == "auto":
         if edit:
             size_auto, width, height = True, 0, 0
-        else:
+        elif defaults.get("width") and defaults.get("height"):
             width, height = defaults["width"], defaults["height"]
+        else:  # a model without a default size (edit models follow their input image)
+            raise APIError(400, "`size` is required: this model has no default size (give e.g. \"1024x1024\")",
+                           param="size", code="missing_required_parameter")  # fmt: skip
     else:
         m = _SIZE.match(r.size)
         if not m:
@@ -272,11 +275,11 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
             400, "`lora` names the same LoRA twice; give each once with its strength", param="lora"
         )
 
-    cfg = float(defaults["true_cfg_scale"] if r.true_cfg_scale is None else r.true_cfg_scale)
+    cfg = float(defaults.get("true_cfg_scale", 1.0) if r.true_cfg_scale is None else r.true_cfg_scale)
     negative = r.negative_prompt if r.negative_prompt is not None else (" " if cfg > 1 else None)
     return Params(
         prompt=r.prompt, negative=negative, width=width, height=height,
-        steps=int(defaults["num_inference_steps"] if r.steps is None else r.steps), cfg=cfg,
+        steps=int(defaults.get("num_inference_steps", 50) if r.steps is None else r.steps), cfg=cfg,
         n=1 if r.n is None else r.n, seed=secrets.randbelow(2**31) if r.seed is None else r.seed,
         response_format=r.response_format or "b64_json", output_format=r.output_format or "png",
         compression=r.output_compression, stream=bool(r.stream), progress=bool(r.progress),
