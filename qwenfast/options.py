@@ -47,6 +47,8 @@ class EngineOptions:
     offload: "none" | "model" (text encoder in host memory, streamed while encoding) | "blocks"
       (also the transformer blocks streamed; no CUDA graphs). Goes only none -> model -> blocks.
     oom: "backoff" (split the batch on CUDA OOM, then tile the VAE; per call) | "raise".
+    decode_per_image: VAE-decode a batch image by image, so no image depends on its batch-mates
+      (the server's default; off: one batched decode, as diffusers).
     cache: the step-cache policy (None = off; filled in by the step-caching work).
     parallel: the multi-GPU layout (None = one device; filled in by the multi-GPU work).
     """
@@ -59,6 +61,7 @@ class EngineOptions:
     fp8: bool = False
     offload: str = "none"
     oom: str = "backoff"
+    decode_per_image: bool = False
     cache: Any = None
     parallel: Any = None
 
@@ -69,7 +72,7 @@ class EngineOptions:
         _choice("oom", self.oom, OOM)
         if self.batched_cfg not in BATCHED_CFG or not isinstance(self.batched_cfg, (bool, str)):
             raise OptionsError(f"batched_cfg must be True, False or 'auto', got {self.batched_cfg!r}")
-        for name in ("fused", "cuda_graphs", "fp8"):
+        for name in ("fused", "cuda_graphs", "fp8", "decode_per_image"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cache not in (None, "off"):
@@ -166,8 +169,8 @@ def add_engine_arguments(parser, *, cuda_graphs_default: bool | None = None) -> 
                    help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
 
 
-def engine_options_from_args(a) -> EngineOptions:
+def engine_options_from_args(a, **extra: Any) -> EngineOptions:
     """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. FP8 is left
     off here: the caller enables it after loading LoRAs (FP8 bakes them in)."""
     return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
-                                  attention=a.attention)  # fmt: skip
+                                  attention=a.attention, **extra)  # fmt: skip

@@ -155,7 +155,7 @@ def run(model=None, size=None, steps=8, cfg=1.0, concurrency=(1, 2, 4, 8), reque
             raise RuntimeError("--model random-full builds full-size weights on a CUDA GPU; none is visible")
         pipe = build_random_full(layers)
         pipe.set_progress_bar_config(disable=True)
-        pipe.configure(cuda_graphs=cuda_graphs)
+        pipe.configure(cuda_graphs=cuda_graphs, decode_per_image=True)  # as load_pipeline does
     else:
         from ..options import EngineOptions
 

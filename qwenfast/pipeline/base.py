@@ -136,8 +136,6 @@ class PipelineBase:
         self.progress_bar = not disable
 
     def _set_offload(self, old: str, new: str, device: torch.device) -> None:
-        if device.type == "cpu" and torch.cuda.is_available() and self.transformer.device.type == "cpu":
-            device = torch.device("cuda")  # loaded on the CPU for offloading; compute on the GPU
         ring, tr, te = getattr(self, "_ring", 2), self.transformer, self.text_encoder
         if old == "none":  # the text encoder (and optionally the VAE) to host memory
             te.offloader, te.layer_streamer = offload_module(te.model, device, decoder_layers(te.model), ring)
@@ -311,11 +309,11 @@ class PipelineBase:
 
     # ---------------------------------------------------------------- decoding
     def decode_latents(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """Packed latents (B, h/2*w/2, 64) -> images (B, 3, 8h, 8w) in [-1, 1].
+        """Packed latents (B, h/2*w/2, 64) -> images (B, 3, 8h, 8w) in [-1, 1]. Splits / tiles on CUDA OOM.
 
-        One image at a time: an image does not depend on its batch-mates (batched convolutions pick
-        kernels by batch size), so a server batch gives each request the image it gets alone; a
-        decode already fills the GPU at real sizes. Splits / tiles on CUDA OOM.
+        The batch in one decode, as diffusers does; with the `decode_per_image` option one image at a
+        time, so that an image does not depend on its batch-mates (batched convolutions pick kernels
+        by batch size): what a server wants, so a batched request gets the image it gets alone.
         """
         vcfg, vdt = self.vae.cfg, self.vae_dtype
         z = S.unpack_latents(x, h, w).to(vdt)  # (B, 16, h, w)
@@ -323,6 +321,8 @@ class PipelineBase:
         inv_std = 1.0 / torch.tensor(vcfg.latents_std).view(1, -1, 1, 1).to(z.device, vdt)
         z = z / inv_std + mean
         with self._vae_resident():
+            if not self._options.decode_per_image:
+                return vae_decode(self.vae, z)
             return torch.cat([vae_decode(self.vae, z[r : r + 1]) for r in range(z.shape[0])])
 
     def _vae_resident(self):

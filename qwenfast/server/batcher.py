@@ -6,8 +6,9 @@ and streams meanwhile. torch releases the GIL inside its ops, so the loop stays 
 
 Batching: requests with the same batch key (size, steps, CFG scale and on/off, LoRA set; one model
 per server) share a pipeline call of up to `max_batch` images. Each image keeps its own
-`torch.Generator(seed)`, so it draws the same noise as alone. The pipeline decodes per image
-(`PipelineBase.decode_latents`), so the decode is batch-invariant. What remains
+`torch.Generator(seed)`, so it draws the same noise as alone. The server's pipelines decode per
+image (`EngineOptions.decode_per_image`, set by `load_pipeline`), so the decode is batch-invariant.
+What remains
 batch-dependent is inside the transformer (see `tests/test_server.py::test_batched_equals_alone`).
 
 A lone request waits at most `batch_wait_s` for batch-mates, counted from when it was queued, so
@@ -310,7 +311,7 @@ class Scheduler:
             return out
         prompts = [it.job.params.prompt for it in items]
         negs = [it.job.params.negative for it in items] if p.negative is not None else None
-        # the pipeline decodes image by image, so each image equals its request run alone
+        # decode_per_image (load_pipeline): each image equals its request run alone
         return self.pipe(prompt=prompts, negative_prompt=negs, height=p.height, width=p.width, generator=gens,
                          **common).images  # fmt: skip
 

@@ -28,6 +28,8 @@ def load_pipeline(model: str | None, device=None, dtype=None, options=None, pres
 
     if options is None:  # a server default: no graphs (every new prompt length or batch size is a capture)
         options = EngineOptions.from_env(cuda_graphs=False)
+    # batched requests get the image each gets alone (the decode is batch-invariant this way)
+    options = options.replace(decode_per_image=True)
     pipe = from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, options=options)
     pipe.set_progress_bar_config(disable=True)
     if preset:
