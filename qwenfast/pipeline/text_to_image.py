@@ -192,6 +192,18 @@ class QwenImagePipeline:
     def dtype(self) -> torch.dtype:
         return self.transformer.dtype
 
+    def size_note(self, width: int, height: int) -> str | None:
+        """A one-line note when width x height is far from the size the model was trained at (its
+        qwenfast.json `"trained_size": [W, H]`, as the 128² demo has), else None. For the CLI and the
+        server to show once; the call itself does not warn (see `qwenfast.validation.size_note`)."""
+        from ..validation import parse_trained_size, size_note
+
+        if "_trained_size" not in self.__dict__:
+            f = Path(self.model_path) / "qwenfast.json" if self.model_path else None
+            extra = json.loads(f.read_text()) if f is not None and f.is_file() else {}
+            self._trained_size = parse_trained_size(extra.get("trained_size"), str(f))
+        return size_note(self._trained_size, width, height)
+
     # ---------------------------------------------------------------- LoRA and presets (qwenfast/loading/lora.py)
     @property
     def lora_manager(self):
