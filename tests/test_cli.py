@@ -227,10 +227,10 @@ def test_doctor_finds_corrupt_weights(damage, tmp_path, capsys):
         f.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n :])
     assert main(["doctor", "--model", str(broken)]) == 1
     out = capsys.readouterr().out
-    assert "INCOMPLETE" in out and str(f) in out and "not a valid safetensors file" in out
+    assert "INCOMPLETE" in out and f"{f}: cannot read safetensors file" in out
 
 
-def test_doctor_checks_shard_indexes(tmp_path, capsys):
+def test_doctor_checks_every_shard_of_an_index(tmp_path, capsys):
     import json
 
     from qwenfast.loading.weights import check_safetensors
@@ -238,15 +238,21 @@ def test_doctor_checks_shard_indexes(tmp_path, capsys):
     broken = tmp_path / "m"
     shutil.copytree(DEFAULT_MODEL, broken)
     te = broken / "text_encoder"
-    (te / "model.safetensors").rename(te / "model-00001-of-00002.safetensors")
-    assert check_safetensors(te / "model-00001-of-00002.safetensors") is None
-    index = {"metadata": {}, "weight_map": {"lm.not_in_the_file": "model-00001-of-00002.safetensors",
-                                            "x": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    shard = te / "model-00001-of-00002.safetensors"
+    (te / "model.safetensors").rename(shard)
+    assert check_safetensors(shard) is None
+    keys = list(json.loads(shard.read_bytes()[8 : 8 + int.from_bytes(shard.read_bytes()[:8], "little")]))
+    index = {"metadata": {}, "weight_map": {k: shard.name for k in keys if k != "__metadata__"}}
+    index["weight_map"]["lm.x"] = "model-00002-of-00002.safetensors"
     (te / "model.safetensors.index.json").write_text(json.dumps(index))
     assert main(["doctor", "--model", str(broken)]) == 1
-    assert "model-00002-of-00002.safetensors" in capsys.readouterr().out  # the missing shard
-    index["weight_map"].pop("x")
+    assert "lists shards that are missing" in capsys.readouterr().out  # a shard the index names is missing
+    del index["weight_map"]["lm.x"]
     (te / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["doctor", "--model", str(broken)]) == 0  # every listed shard there and sound
+    capsys.readouterr()
+    shard.write_bytes(shard.read_bytes()[:-1])  # one byte short
     assert main(["doctor", "--model", str(broken)]) == 1
     out = capsys.readouterr().out
-    assert "lm.not_in_the_file (model-00001-of-00002.safetensors)" in out
+    assert f"{shard}: cannot read safetensors file" in out and "describes" in out
+    assert "cannot read safetensors file" in check_safetensors(shard)
