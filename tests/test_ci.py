@@ -98,3 +98,14 @@ def test_test_extra_pulls_triton_and_playwright():
 def test_ci_machine_has_what_the_suite_needs():
     pytest.importorskip("triton", reason="CI must install triton through the [test] extra")
     assert chromium_path() is not None, "no Chromium: .ci/run installs Debian's chromium"
+
+
+def test_readme_tells_real_users_where_the_models_are():
+    readme = (ROOT / "README.md").read_text()
+    for repo in ("Qwen/Qwen-Image", "Qwen/Qwen-Image-2512", "Qwen/Qwen-Image-Edit", "Qwen/Qwen-Image-Edit-2509",
+                 "Qwen/Qwen-Image-Edit-2511", "lightx2v/Qwen-Image-Lightning", "lightx2v/Qwen-Image-2512-Lightning",
+                 "lightx2v/Qwen-Image-Edit-2511-Lightning", "Comfy-Org/Qwen-Image_ComfyUI"):  # fmt: skip
+        assert re.search(rf"`hf download {re.escape(repo)}[ `]", readme) or f"hf download {repo} " in readme, repo
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cu130" in readme
+    assert 'pip install -e ".[gpu,server]"' in readme
+    assert "## Real models" in readme and "trained at 128×128" in readme
