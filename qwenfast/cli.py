@@ -28,8 +28,10 @@ def _size(s: str) -> tuple[int, int]:
         w, h = (int(v) for v in s.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must look like 1024x768 (WIDTHxHEIGHT), got {s!r}") from None
-    if w < 16 or h < 16 or w > 8192 or h > 8192:
-        raise argparse.ArgumentTypeError(f"size {s!r}: width and height must be in 16..8192")
+    try:  # any size in range; the command rounds it down to the model's multiple and says so
+        V.check_size(w, h, min_side=V.MIN_SIDE, max_side=8192, name="size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return w, h
 
 
@@ -221,8 +223,8 @@ def check_model_kind(model: str | None, want: str) -> None:
 
 
 def _pipe_size(pipe, a) -> tuple[int, int] | None:
-    """--size rounded down to the pipeline's multiple (saying so, in --size order), and the note when it is far
-    from the size the model was trained at. None when --size is not given."""
+    """--size rounded down to the pipeline's multiple, saying so in --size order (the pipeline would floor it
+    with a Python warning). None when --size is not given."""
     if not a.size:
         return None
     w, h = a.size
