@@ -127,5 +127,37 @@ class SkipGuard:
                 terminalreporter.line(line, red=True)
 
 
+class InterpreterCases:
+    """Kernel cases that run in Triton's CPU interpreter are skipped in the outer process (they need
+    TRITON_INTERPRET=1 from the start) and run in the child process of their file's
+    test_interpreter_subprocess. When that test is selected too, deselect them instead of reporting ~100
+    skips that are not skips; the summary says where they ran."""
+
+    def __init__(self):
+        self.moved: dict[str, int] = {}
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        runners = {i.nodeid for i in items if i.name == "test_interpreter_subprocess"}
+        keep, moved = [], []
+        for item in items:
+            runner = item.nodeid.split("::")[0] + "::test_interpreter_subprocess"
+            marks = item.iter_markers("skipif")
+            if runner in runners and any(m.args and m.args[0] is True and INTERP_ONLY.search(m.kwargs.get("reason", ""))
+                                         for m in marks):  # fmt: skip
+                moved.append(item)
+                self.moved[runner] = self.moved.get(runner, 0) + 1
+            else:
+                keep.append(item)
+        if moved:
+            config.hook.pytest_deselected(items=moved)
+            items[:] = keep
+
+    def pytest_terminal_summary(self, terminalreporter):
+        for runner, n in self.moved.items():
+            terminalreporter.line(f"{n} kernel cases run in Triton's interpreter inside {runner} (deselected here)")
+
+
 def pytest_configure(config):
     config.pluginmanager.register(SkipGuard(), "qwenfast_ci_skip_guard")
+    config.pluginmanager.register(InterpreterCases(), "qwenfast_interpreter_cases")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import SkipGuard, chromium_path, in_ci
+from .conftest import InterpreterCases, SkipGuard, chromium_path, in_ci
 
 pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +109,18 @@ def test_readme_tells_real_users_where_the_models_are():
     assert "pip install torch --index-url https://download.pytorch.org/whl/cu130" in readme
     assert 'pip install -e ".[gpu,server]"' in readme
     assert "## Real models" in readme and "trained at 128×128" in readme
+
+
+def test_interpreter_cases_are_deselected_when_their_subprocess_runs(pytester, monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    case = '\nimport pytest\n@pytest.mark.skipif(True, reason="needs TRITON_INTERPRET=1 (subprocess)")\n' \
+           '@pytest.mark.parametrize("i", [1, 2])\ndef test_k_interp(i):\n    pass\n'
+    pytester.makepyfile(test_k=case + "\ndef test_interpreter_subprocess():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", plugins=[InterpreterCases(), SkipGuard()])
+    result.assert_outcomes(passed=1, deselected=2)
+    assert "2 kernel cases run in Triton's interpreter inside test_k.py::test_interpreter_subprocess" in result.stdout.str()
+    # without their subprocess in the run they stay skipped, and the CI guard refuses that
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider", "-k", "interp and not subprocess",
+                                          plugins=[InterpreterCases(), SkipGuard()])  # fmt: skip
+    result.assert_outcomes(skipped=2, deselected=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
