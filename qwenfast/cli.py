@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+from . import validation as V
+
 EMBEDDED_NOTE = (
     "note: no --model given, using the embedded demo model ({path}): a small Qwen-Image trained on 128x128 "
     "pictures of coloured shapes (prompts like 'a small red star at the top left, white background'); "
@@ -26,8 +28,10 @@ def _size(s: str) -> tuple[int, int]:
         w, h = (int(v) for v in s.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must look like 1024x768 (WIDTHxHEIGHT), got {s!r}") from None
-    if w < 16 or h < 16 or w > 8192 or h > 8192:
-        raise argparse.ArgumentTypeError(f"size {s!r}: width and height must be in 16..8192")
+    try:  # any size in range; the command rounds it down to the model's multiple and says so
+        V.check_size(w, h, min_side=V.MIN_SIDE, max_side=8192, name="size")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     return w, h
 
 
@@ -90,11 +94,15 @@ def _add_sampling_args(p: argparse.ArgumentParser, size_help: str) -> None:
     from .config import PRESETS
 
     p.add_argument("--negative", default=None, help="negative prompt (default ' ' when --cfg > 1, as Qwen's examples)")
-    p.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: model's, 50 for Qwen-Image)")
-    p.add_argument("--cfg", type=float, default=None, help="true CFG scale; 1 disables CFG (default: model's, 4.0)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
+    p.add_argument("--steps", type=_positive, default=None,
+                   help=f"denoising steps, 1..{V.MAX_STEPS} (default: the model's own, e.g. 20 for the embedded "
+                        "demo, 50 for Qwen-Image)")  # fmt: skip
+    p.add_argument("--cfg", type=float, default=None,
+                   help=f"true CFG scale, 0..{V.MAX_CFG:g}; 1 or less disables CFG (default: the model's own, e.g. 2 "
+                        "for the embedded demo, 4 for Qwen-Image)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None, help="random seed, 0..2**63-1 (default: random, printed)")
     p.add_argument("--size", type=_size, default=None, help=size_help)
-    p.add_argument("--n", type=_positive, default=1, help="number of images")
+    p.add_argument("--n", type=_positive, default=1, help="number of images (default 1)")
     p.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -113,9 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="text-to-image")
     g.add_argument("prompt")
     g.add_argument("-o", "--output", default="out.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
-    g.add_argument("--model", default=None, help="diffusers-layout model folder (default: embedded tiny model)")
+    g.add_argument("--model", default=None,
+                   help="diffusers-layout text-to-image folder (default: the embedded 128x128 demo model)")  # fmt: skip
     add_single_file_args(g)
-    _add_sampling_args(g, size_help="WIDTHxHEIGHT, multiples of 16 (default: model's, 1024x1024)")
+    _add_sampling_args(g, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the model's own size, "
+                                    "e.g. 128x128 for the embedded demo, 1024x1024 for Qwen-Image)")  # fmt: skip
     g.add_argument("--offload", choices=["none", "model", "blocks"], default="none",
                    help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
                         "the transformer blocks from host memory (1024² in ~6 GB; ~6x slower)")  # fmt: skip
@@ -126,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("-o", "--output", default="edited.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
     e.add_argument("--model", default=None, help="diffusers-layout edit model folder (default: embedded demo edit model)")
     add_single_file_args(e)
-    _add_sampling_args(e, size_help="WIDTHxHEIGHT (default: ~1024² area, the last image's aspect)")
+    _add_sampling_args(e, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the last image's "
+                                    "aspect at the model's own area, e.g. ~128x128 for the embedded demo, ~1024x1024 "
+                                    "for Qwen-Image-Edit)")  # fmt: skip
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
     bsub = b.add_subparsers(dest="what", required=True)
@@ -185,6 +197,52 @@ def _setup(pipe, a) -> list[dict]:
     return loras
 
 
+def check_values(a) -> None:
+    """The server's value rules (qwenfast/validation.py) for --steps, --cfg and --seed; ValueError names the flag.
+    --size is checked by its parser and rounded down to the model's multiple (`_pipe_size`), not refused."""
+    V.check_steps(a.steps, name="--steps")
+    V.check_cfg(a.cfg, name="--cfg")
+    V.check_seed(a.seed, name="--seed")
+
+
+def check_model_kind(model: str | None, want: str) -> None:
+    """`--model` of the wrong kind: say which command runs it (the loader's advice is for Python users)."""
+    if model is None:
+        return
+    from .loading.diffusers_folder import inspect_folder
+
+    kind, problems = inspect_folder(Path(model))
+    if kind is None or problems:
+        return  # the loader reports what is missing
+    if want == "edit" and kind == "text-to-image":
+        raise ValueError(f"{model} is a text-to-image model (Qwen-Image layout); `qwenfast edit` needs an edit model "
+                         f"(Qwen-Image-Edit, -2509, -2511). To make an image from a prompt with it: "
+                         f"qwenfast generate \"PROMPT\" --model {model}")  # fmt: skip
+    if want == "text-to-image" and kind != "text-to-image":
+        raise ValueError(f"{model} is a Qwen-Image edit model ({kind}); `qwenfast generate` needs a text-to-image "
+                         f"model (Qwen-Image, -2512). To edit pictures with it: "
+                         f"qwenfast edit IMAGE.png --prompt \"INSTRUCTION\" --model {model}")  # fmt: skip
+
+
+def _pipe_size(pipe, a) -> tuple[int, int] | None:
+    """--size rounded down to the pipeline's multiple, saying so in --size order (the pipeline would floor it
+    with a Python warning). None when --size is not given."""
+    if not a.size:
+        return None
+    w, h = a.size
+    mult = pipe.vae_scale_factor * 2
+    rw, rh = V.round_size(w, h, mult)
+    if (rw, rh) != (w, h):
+        print(f"note: --size {w}x{h} rounded down to {rw}x{rh} (multiples of {mult})", file=sys.stderr)
+    return rw, rh
+
+
+def _size_note(pipe, w: int, h: int) -> None:
+    note = pipe.size_note(w, h)
+    if note:
+        print(note, file=sys.stderr)
+
+
 def _sampling(d: dict, a) -> tuple[int, float, str | None, int]:
     """(steps, cfg, negative prompt, seed) from the flags over the model's defaults."""
     steps = a.steps or d["num_inference_steps"]
@@ -210,6 +268,8 @@ def cmd_generate(a) -> int:
     from .pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
     single = single_file_kwargs(a)
+    if single is None:
+        check_model_kind(a.model, "text-to-image")
     if a.model is None and single is None:
         print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
     t0 = time.perf_counter()
@@ -222,13 +282,15 @@ def cmd_generate(a) -> int:
         pipe.enable_offload(a.offload)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
-    w, h = a.size if a.size else (d["width"], d["height"])
+    w, h = _pipe_size(pipe, a) or (d["width"], d["height"])
+    _size_note(pipe, w, h)
     steps, cfg, negative, seed = _sampling(d, a)
     gen = torch.Generator("cpu").manual_seed(seed)
     t1 = time.perf_counter()
     out = pipe(a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
                true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n)  # fmt: skip
     t_gen = time.perf_counter() - t1
+    w, h = out.images[0].size  # the size actually made
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
     _meta_extras(meta, a, loras)
@@ -246,6 +308,8 @@ def cmd_edit(a) -> int:
 
     images = load_images(a.image)  # unreadable input fails before the model loads
     single = single_file_kwargs(a)
+    if single is None:
+        check_model_kind(a.model, "edit")
     if a.model is None and single is None:
         if not DEFAULT_EDIT_MODEL.is_dir():
             raise ValueError("no embedded edit model in this install; pass --model /path/to/Qwen-Image-Edit-2509 "
@@ -259,7 +323,9 @@ def cmd_edit(a) -> int:
     loras = _setup(pipe, a)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
-    w, h = a.size if a.size else (None, None)
+    w, h = _pipe_size(pipe, a) or (None, None)
+    if w is not None:
+        _size_note(pipe, w, h)
     steps, cfg, negative, seed = _sampling(d, a)
     t1 = time.perf_counter()
     out = pipe(images, a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
@@ -373,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     from .loading.weights import CheckpointError
 
     try:
+        if args.cmd in ("generate", "edit"):
+            check_values(args)
         if args.cmd == "generate":
             return cmd_generate(args)
         if args.cmd == "edit":

@@ -79,3 +79,180 @@ def test_doctor(tmp_path, capsys):
 def test_console_script_entry_point():
     r = subprocess.run([sys.executable, "-m", "qwenfast.cli", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "generate" in r.stdout and "doctor" in r.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 12: sizes, value rules shared with the server, wrong model kind, corrupt weights
+
+
+def test_size_rounded_down_is_reported_in_size_order_and_stored(tmp_path, capsys):
+    import warnings
+
+    out = tmp_path / "odd.png"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["generate", "a red circle", "-o", str(out), "--seed", "1", "--steps", "1", "--size", "17x33",
+                     "--quiet"]) == 0  # fmt: skip
+    im = Image.open(out)
+    assert im.size == (16, 32) and im.text["size"] == "16x32"  # WIDTHxHEIGHT, as --size
+    cap = capsys.readouterr()
+    assert "note: --size 17x33 rounded down to 16x32 (multiples of 16)" in cap.err
+    assert "16x32;" in cap.out and "17x33" not in cap.out
+    assert not [w for w in caught if "multiples" in str(w.message)], [str(w.message) for w in caught]
+    assert "Warning" not in cap.err
+
+
+def test_size_far_from_the_trained_size_gets_one_note(tmp_path, capsys):
+    assert main(["generate", "a red circle", "-o", str(tmp_path / "s.png"), "--steps", "1", "--size", "64x64",
+                 "--quiet"]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("note: this model was trained at 128x128; 64x64 will likely give noise") == 1
+    assert main(["generate", "a red circle", "-o", str(tmp_path / "d.png"), "--steps", "1", "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert "trained at" not in cap.err and "128x128;" in cap.out  # the default is the model's own size
+
+
+@pytest.mark.parametrize(
+    "size, far",
+    [((128, 128), False), ((144, 112), False), ((160, 128), False), ((64, 64), True), ((192, 96), True),
+     ((256, 256), True), ((96, 96), True), ((128, 208), True)],
+)  # fmt: skip
+def test_size_note_rule(size, far):
+    from qwenfast.validation import size_note
+
+    note = size_note((128, 128), *size)
+    assert (note is not None) == far
+    if far:
+        assert f"trained at 128x128; {size[0]}x{size[1]} will likely give noise" in note
+    assert size_note(None, *size) is None  # models without trained_size: never a note
+
+
+def test_demo_models_know_their_trained_size():
+    import json
+
+    from qwenfast.pipeline.edit import DEFAULT_EDIT_MODEL
+    from qwenfast.validation import parse_trained_size
+
+    for folder in (DEFAULT_MODEL, DEFAULT_EDIT_MODEL):
+        extra = json.loads((folder / "qwenfast.json").read_text())
+        assert parse_trained_size(extra.get("trained_size")) == (128, 128), folder
+    assert json.loads((DEFAULT_MODEL / "qwenfast.json").read_text())["defaults"]["width"] == 128
+    with pytest.raises(ValueError, match="trained_size"):
+        parse_trained_size([128, "x"])
+
+
+def test_help_does_not_promise_1024_as_the_default():
+    from qwenfast.cli import build_parser
+
+    sub = build_parser()._subparsers._group_actions[0].choices
+    for cmd in ("generate", "edit"):
+        h = " ".join(sub[cmd].format_help().split())
+        assert "default: model's, 1024x1024" not in h and "4.0)" not in h
+        assert "128x128 for the embedded demo" in h and "1024x1024 for Qwen-Image" in h
+        assert "20 for the embedded demo" in h and "2 for the embedded demo" in h
+
+
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--cfg", "-5"], "error: --cfg must be in 0..20, got -5"),
+        (["--cfg", "nan"], "error: --cfg must be a finite number"),
+        (["--cfg", "21"], "error: --cfg must be in 0..20, got 21"),
+        (["--seed", "-1"], "error: --seed must be in 0..9223372036854775807, got -1"),
+        (["--seed", str(2**63)], "error: --seed must be in 0..9223372036854775807"),
+        (["--steps", "101"], "error: --steps must be in 1..100, got 101"),
+    ],
+)
+def test_values_the_server_refuses_are_refused(argv, msg, tmp_path, capsys):
+    for cmd in (["generate", "x"], ["edit", "in.png", "--prompt", "x"]):
+        assert main([*cmd, *argv, "-o", str(tmp_path / "o.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(msg), err
+    assert not (tmp_path / "o.png").exists()
+
+
+def test_cli_and_server_share_one_rule():
+    pytest.importorskip("pydantic")
+    from qwenfast.server.options import Limits
+    from qwenfast.server.schemas import APIError, validate
+
+    d = {"width": 128, "height": 128, "num_inference_steps": 20, "true_cfg_scale": 2.0}
+    for field, v, msg in (("true_cfg_scale", -5.0, "`true_cfg_scale` must be in 0..20, got -5"),
+                          ("seed", -1, "`seed` must be in 0..9223372036854775807, got -1"),
+                          ("steps", 101, "`steps` must be in 1..100, got 101"),
+                          ("n", 9, "`n` must be in 1..4 (images per request), got 9")):  # fmt: skip
+        with pytest.raises(APIError) as e:
+            validate({"prompt": "x", field: v}, Limits(), d)
+        assert e.value.status == 400 and e.value.param == field and e.value.message == msg
+    with pytest.raises(APIError, match="multiples of 16") as e:
+        validate({"prompt": "x", "size": "17x33"}, Limits(), d)
+    assert e.value.param == "size"
+    r = subprocess.run([sys.executable, "-c", "import sys, qwenfast.validation, qwenfast.server.options; "
+                        "print(sorted({'torch', 'fastapi', 'qwenfast.cli'} & set(sys.modules)))"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_wrong_model_kind_names_the_right_command(tmp_path, capsys):
+    from qwenfast.pipeline.edit import DEFAULT_EDIT_MODEL
+
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "in.png")
+    assert main(["edit", str(tmp_path / "in.png"), "--prompt", "make it blue", "--model", str(DEFAULT_MODEL),
+                 "-o", str(tmp_path / "o.png")]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "`qwenfast edit` needs an edit model" in err
+    assert f"qwenfast generate \"PROMPT\" --model {DEFAULT_MODEL}" in err and "QwenImagePipeline" not in err
+    assert main(["generate", "x", "--model", str(DEFAULT_EDIT_MODEL), "-o", str(tmp_path / "o.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "`qwenfast generate` needs a text-to-image model" in err
+    assert f"qwenfast edit IMAGE.png --prompt \"INSTRUCTION\" --model {DEFAULT_EDIT_MODEL}" in err
+    assert "QwenImageEditPipeline" not in err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "random", "padded", "bad-header"])
+def test_doctor_finds_corrupt_weights(damage, tmp_path, capsys):
+    broken = tmp_path / "m"
+    shutil.copytree(DEFAULT_MODEL, broken)
+    f = broken / "transformer" / "diffusion_pytorch_model.safetensors"
+    data = f.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    if damage == "truncated":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "random":
+        f.write_bytes(np.random.default_rng(0).bytes(len(data)))
+    elif damage == "padded":
+        f.write_bytes(data + b"\0" * 10)
+    else:  # a tensor's offsets no longer match its shape
+        header = data[8 : 8 + n].replace(b'"shape":[', b'"shape":[2,', 1)
+        f.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + n :])
+    assert main(["doctor", "--model", str(broken)]) == 1
+    out = capsys.readouterr().out
+    assert "INCOMPLETE" in out and f"{f}: cannot read safetensors file" in out
+
+
+def test_doctor_checks_every_shard_of_an_index(tmp_path, capsys):
+    import json
+
+    from qwenfast.loading.weights import check_safetensors
+
+    broken = tmp_path / "m"
+    shutil.copytree(DEFAULT_MODEL, broken)
+    te = broken / "text_encoder"
+    shard = te / "model-00001-of-00002.safetensors"
+    (te / "model.safetensors").rename(shard)
+    assert check_safetensors(shard) is None
+    keys = list(json.loads(shard.read_bytes()[8 : 8 + int.from_bytes(shard.read_bytes()[:8], "little")]))
+    index = {"metadata": {}, "weight_map": {k: shard.name for k in keys if k != "__metadata__"}}
+    index["weight_map"]["lm.x"] = "model-00002-of-00002.safetensors"
+    (te / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["doctor", "--model", str(broken)]) == 1
+    assert "lists shards that are missing" in capsys.readouterr().out  # a shard the index names is missing
+    del index["weight_map"]["lm.x"]
+    (te / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert main(["doctor", "--model", str(broken)]) == 0  # every listed shard there and sound
+    capsys.readouterr()
+    shard.write_bytes(shard.read_bytes()[:-1])  # one byte short
+    assert main(["doctor", "--model", str(broken)]) == 1
+    out = capsys.readouterr().out
+    assert f"{shard}: cannot read safetensors file" in out and "describes" in out
+    assert "cannot read safetensors file" in check_safetensors(shard)

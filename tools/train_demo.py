@@ -595,6 +595,7 @@ def cmd_export(a):
         "base-24 VAE, frozen random 2-layer Qwen2.5-VL text encoder) trained on a synthetic world of coloured "
         "shapes at 128x128. Prompts like 'a small red circle on the left, blue background'; see qwenfast/demo.",
         "built_by": "tools/train_demo.py (prepare / train / export), seed 0",
+        "trained_size": [128, 128],  # [width, height]: far from it the model draws noise (pipe.size_note)
         "defaults": {
             "height": 128,
             "width": 128,

@@ -329,6 +329,7 @@ def cmd_export(a):
         "the left', 'add a blue star', remove / reshape / background). Its weights are links to ../demo-t2i.",
         "built_by": "tools/train_demo_edit.py (train / export), seed 0",
         "image_areas": IMAGE_AREAS,
+        "trained_size": [128, 128],  # [width, height] of the edit pairs (pipe.size_note)
         "defaults": {"num_inference_steps": int(best["steps"]), "true_cfg_scale": float(best["cfg"])},
         "held_out_score": {k: best[k] for k in ("score", "attribute", "per_check")},
     }

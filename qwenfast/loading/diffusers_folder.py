@@ -20,7 +20,14 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError, SchedulerConfig, TransformerConfig, VAEConfig
-from .weights import CheckpointError, QKVFuser, iter_safetensors, load_streaming, weight_files
+from .weights import (
+    CheckpointError,
+    QKVFuser,
+    check_weight_files,
+    iter_safetensors,
+    load_streaming,
+    weight_files,
+)
 
 PIPELINE_CLASSES = {
     "QwenImagePipeline": "text-to-image",
@@ -72,11 +79,8 @@ def inspect_folder(path: Path) -> tuple[str | None, list[str]]:
             continue
         if cfg_name and not (d / cfg_name).is_file():
             problems.append(f"missing file {comp}/{cfg_name}")
-        if stem:
-            try:
-                weight_files(d, stem)
-            except CheckpointError as e:
-                problems.append(str(e))
+        if stem:  # shards present, headers and file lengths sound (no tensor data read)
+            problems.extend(check_weight_files(d, stem))
         if comp == "tokenizer" and not ((d / "tokenizer.json").is_file() or (d / "vocab.json").is_file()):
             problems.append("tokenizer/ has neither tokenizer.json nor vocab.json")
     return kind, problems

@@ -44,6 +44,100 @@ def weight_files(folder: Path, stem: str) -> list[Path]:
     )
 
 
+# bits per element of every dtype safetensors knows (sub-byte ones packed)
+SAFETENSORS_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+                    "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+                    "I64": 64, "U64": 64, "F64": 64, "C64": 64}  # fmt: skip
+MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file, checked without reading any tensor data.
+
+    Checks that the 8-byte little-endian length and the JSON are sound, that every tensor's dtype,
+    shape and `data_offsets` agree (end - begin = elements x dtype size, tensors tile the data with
+    no gap or overlap) and that the file is exactly 8 + header + data bytes long, so a truncated,
+    padded or overwritten file is caught. Raises CheckpointError naming the file.
+    """
+    path = Path(path)
+
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: cannot read safetensors file ({why}); is it truncated or corrupt?")
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"{size} bytes, shorter than the 8-byte header length")
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER or 8 + n > size:
+                raise bad(f"header length {n} does not fit a {size}-byte file")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e})") from e
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    spans = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
+                raise bad("__metadata__ must map strings to strings")
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise bad(f"tensor {key!r}: expected dtype, shape and data_offsets, got {info!r:.120}")
+        dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
+        if dtype not in SAFETENSORS_BITS:
+            raise bad(f"tensor {key!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):  # fmt: skip
+            raise bad(f"tensor {key!r}: shape {shape!r} is not a list of sizes")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
+                or offs[0] > offs[1]):  # fmt: skip
+            raise bad(f"tensor {key!r}: data_offsets {offs!r} are not [begin, end]")
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = (numel * SAFETENSORS_BITS[dtype] + 7) // 8
+        if offs[1] - offs[0] != nbytes:
+            raise bad(f"tensor {key!r}: {dtype} {shape} needs {nbytes} bytes, data_offsets {offs} hold "
+                      f"{offs[1] - offs[0]}")  # fmt: skip
+        spans.append((offs[0], offs[1], key))
+    end = 0
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            raise bad(f"tensor {key!r} starts at byte {begin} of the data, expected {end} (gap or overlap)")
+        end = stop
+    if size != 8 + n + end:
+        raise bad(f"{size} bytes on disk, but its header describes 8 + {n} + {end} = {8 + n + end}")
+    return header
+
+
+def check_safetensors(path: Path) -> str | None:
+    """None when `path` is a sound safetensors file (header and length, no tensor data read), else why not."""
+    try:
+        read_safetensors_header(path)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def check_weight_files(folder: Path, stem: str) -> list[str]:
+    """Problems of one component's safetensors files: shards its index lists but the folder lacks (via
+    `weight_files`), and broken headers or file lengths (no tensor data read). Which keys a file holds is
+    the loader's business: it lists missing and unexpected keys against the model."""
+    try:
+        files = weight_files(folder, stem)
+    except CheckpointError as e:
+        return [str(e)]
+    return [why for f in files if (why := check_safetensors(f)) is not None]
+
+
 def iter_safetensors(files: Iterable[Path], device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor, Path]]:
     """Yield (key, tensor, file) one tensor at a time, read directly onto `device`."""
     dev = str(torch.device(device))

@@ -180,6 +180,15 @@ class PipelineBase:
     def block_runner(self) -> BlockRunner:
         return self.transformer.block_runner
 
+    def size_note(self, width: int, height: int) -> str | None:
+        """A one-line note when width x height is far from the size the model was trained at (its
+        qwenfast.json `"trained_size": [W, H]`, as the 128² demo has), else None. For the CLI and the
+        server to show once; the call itself does not warn (see `qwenfast.validation.size_note`)."""
+        from ..validation import parse_trained_size, size_note
+
+        return size_note(parse_trained_size(self.extra.get("trained_size"), self.model_path or "qwenfast.json"),
+                         width, height)  # fmt: skip
+
     # ---------------------------------------------------------------- LoRA and presets (loading/lora.py)
     @property
     def lora_manager(self):

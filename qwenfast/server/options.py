@@ -10,6 +10,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from ..validation import MAX_CFG, MAX_STEPS
+
 
 @dataclass
 class Limits:
@@ -19,9 +21,9 @@ class Limits:
     min_side: int = 16
     max_pixels: int = 2048 * 2048  # width*height
     max_n: int = 4  # images per request
-    max_steps: int = 100
+    max_steps: int = MAX_STEPS  # the CLI checks --steps and --cfg against these defaults too
     max_prompt_chars: int = 4000
-    max_cfg: float = 20.0
+    max_cfg: float = MAX_CFG
     max_loras: int = 4
     max_lora_strength: float = 8.0
     max_json_bytes: int = 1 << 20  # JSON request bodies

@@ -11,7 +11,6 @@ accepted and ignored, so existing clients work unchanged.
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 from dataclasses import dataclass, field
@@ -19,9 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from .. import validation as V
+from ..validation import MAX_SEED
 from .options import Limits
 
-MAX_SEED = 2**63 - 1
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 501: "not_implemented_error",
           503: "server_error", 504: "timeout_error"}  # fmt: skip
@@ -199,14 +199,18 @@ def _check_text(name: str, s: str, limit: int) -> None:
 
 
 def _range(name: str, v, lo, hi, what: str = "") -> None:
-    if v is None:
-        return
-    if isinstance(v, float) and not math.isfinite(v):
-        raise APIError(400, f"`{name}` must be a finite number", param=name, code="invalid_value")
-    if not lo <= v <= hi:
-        raise APIError(
-            400, f"`{name}` must be in {lo}..{hi}{what}, got {v}", param=name, code="invalid_value"
-        )
+    try:
+        V.check_range(f"`{name}`", v, lo, hi, what)  # the rules the CLI applies too (qwenfast/validation.py)
+    except ValueError as e:
+        raise APIError(400, str(e), param=name, code="invalid_value") from None
+
+
+def _rule(check, name: str, v, *limits) -> None:
+    """One of qwenfast/validation.py's rules (shared with the CLI) as a 400 naming `name`."""
+    try:
+        check(v, *limits, name=f"`{name}`")
+    except ValueError as e:
+        raise APIError(400, str(e), param=name, code="invalid_value") from None
 
 
 def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, edit: bool = False) -> Params:
@@ -227,10 +231,10 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
     for name in ("user", "safety_identifier"):
         if (v := getattr(r, name)) is not None:
             _check_text(name, v, 256)
-    _range("n", r.n, 1, limits.max_n, " (images per request)")
-    _range("steps", r.steps, 1, limits.max_steps)
-    _range("true_cfg_scale", r.true_cfg_scale, 0.0, limits.max_cfg)
-    _range("seed", r.seed, 0, MAX_SEED)
+    _rule(V.check_n, "n", r.n, limits.max_n)
+    _rule(V.check_steps, "steps", r.steps, limits.max_steps)
+    _rule(V.check_cfg, "true_cfg_scale", r.true_cfg_scale, limits.max_cfg)
+    _rule(V.check_seed, "seed", r.seed)
     _range("output_compression", r.output_compression, 0, 100)
     _range("partial_images", r.partial_images, 0, 3)
     if r.output_compression is not None and r.output_format in (None, "png"):
@@ -253,16 +257,11 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
             raise APIError(400, f"`size` must look like \"1024x768\" (WIDTHxHEIGHT) or \"auto\", got {r.size[:40]!r}",
                            param="size", code="invalid_size")  # fmt: skip
         width, height = int(m.group(1)), int(m.group(2))
-        lo, hi = limits.min_side, limits.max_side
-        if not (lo <= width <= hi and lo <= height <= hi):
-            raise APIError(400, f"`size` {width}x{height}: width and height must be in {lo}..{hi}", param="size",
-                           code="invalid_size")  # fmt: skip
-        if width * height > limits.max_pixels:
-            raise APIError(400, f"`size` {width}x{height} is {width * height} pixels; the limit is {limits.max_pixels}",
-                           param="size", code="invalid_size")  # fmt: skip
-        if width % multiple or height % multiple:
-            raise APIError(400, f"`size` {width}x{height}: width and height must be multiples of {multiple}",
-                           param="size", code="invalid_size")  # fmt: skip
+        try:
+            V.check_size(width, height, min_side=limits.min_side, max_side=limits.max_side,
+                         max_pixels=limits.max_pixels, multiple=multiple, name="`size`")  # fmt: skip
+        except ValueError as e:
+            raise APIError(400, str(e), param="size", code="invalid_size") from None
 
     loras: list[tuple[str, float]] = []
     for i, ref in enumerate(r.lora or []):
