@@ -15,12 +15,8 @@ import time
 from pathlib import Path
 
 from . import validation as V
-
-EMBEDDED_NOTE = (
-    "note: no --model given, using the embedded demo model ({path}): a small Qwen-Image trained on 128x128 "
-    "pictures of coloured shapes (prompts like 'a small red star at the top left, white background'); "
-    "pass --model /path/to/Qwen-Image for real images."
-)
+from .options import add_engine_arguments, engine_options_from_args
+from .options import positive_int as _positive
 
 
 def _size(s: str) -> tuple[int, int]:
@@ -33,16 +29,6 @@ def _size(s: str) -> tuple[int, int]:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return w, h
-
-
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
 
 
 def _lora_spec(s: str) -> tuple[str, float]:
@@ -90,9 +76,7 @@ def single_file_kwargs(a) -> dict | None:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, size_help: str) -> None:
-    """Options `generate` and `edit` share."""
-    from .config import PRESETS
-
+    """Sampling options `generate` and `edit` share (the engine options are `add_engine_arguments`)."""
     p.add_argument("--negative", default=None, help="negative prompt (default ' ' when --cfg > 1, as Qwen's examples)")
     p.add_argument("--steps", type=_positive, default=None,
                    help=f"denoising steps, 1..{V.MAX_STEPS} (default: the model's own, e.g. 20 for the embedded "
@@ -103,15 +87,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, size_help: str) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed, 0..2**63-1 (default: random, printed)")
     p.add_argument("--size", type=_size, default=None, help=size_help)
     p.add_argument("--n", type=_positive, default=1, help="number of images (default 1)")
-    p.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--lora", type=_lora_spec, action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="fuse a LoRA (.safetensors; diffusers, kohya, ComfyUI names) at STRENGTH (default 1); repeatable")
-    p.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
-    p.add_argument("--fp8", action="store_true",
-                   help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): ~1.35x faster, not bitwise diffusers")
+    add_engine_arguments(p)  # --device --dtype --offload --fp8 --cuda-graphs --kernels --attention --preset
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,9 +105,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_single_file_args(g)
     _add_sampling_args(g, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the model's own size, "
                                     "e.g. 128x128 for the embedded demo, 1024x1024 for Qwen-Image)")  # fmt: skip
-    g.add_argument("--offload", choices=["none", "model", "blocks"], default="none",
-                   help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
-                        "the transformer blocks from host memory (1024² in ~6 GB; ~6x slower)")  # fmt: skip
 
     e = sub.add_parser("edit", help="edit images (Qwen-Image-Edit v1, 2509, 2511)")
     e.add_argument("image", nargs="+", help="input image(s): 1 for Edit v1, 1-3 for Edit-2509/2511")
@@ -188,12 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup(pipe, a) -> list[dict]:
     """Progress bar, preset, LoRAs, FP8 (in that order: FP8 bakes the LoRAs in)."""
-    pipe.progress_bar = not a.quiet
+    pipe.set_progress_bar_config(disable=a.quiet)
     if a.preset:
         pipe.apply_preset(a.preset)
     loras = [{"name": pipe.load_lora(p, s), "path": p, "strength": s} for p, s in a.lora]
     if a.fp8:
-        pipe.enable_fp8()
+        pipe.configure(fp8=True)
     return loras
 
 
@@ -265,6 +241,7 @@ def _meta_extras(meta: dict, a, loras: list[dict]) -> None:
 def cmd_generate(a) -> int:
     import torch
 
+    from .pipeline.common import EMBEDDED_NOTE
     from .pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
     single = single_file_kwargs(a)
@@ -273,13 +250,12 @@ def cmd_generate(a) -> int:
     if a.model is None and single is None:
         print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
     t0 = time.perf_counter()
+    opts = engine_options_from_args(a)  # FP8 comes after the LoRAs (_setup)
     if single is not None:
-        pipe = QwenImagePipeline.from_single_files(**single, device=a.device, dtype=a.dtype)
+        pipe = QwenImagePipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
     else:
-        pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, offload=a.offload)
+        pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, options=opts)
     loras = _setup(pipe, a)
-    if a.offload != "none" and single is not None:  # from_single_files loads to the device; offload afterwards
-        pipe.enable_offload(a.offload)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
     w, h = _pipe_size(pipe, a) or (d["width"], d["height"])
@@ -316,10 +292,11 @@ def cmd_edit(a) -> int:
                              "(or --transformer/--vae/--text-encoder/--tokenizer single files)")  # fmt: skip
         print(f"note: no --model given, using the embedded demo edit model ({DEFAULT_EDIT_MODEL})", file=sys.stderr)
     t0 = time.perf_counter()
+    opts = engine_options_from_args(a)  # FP8 comes after the LoRAs (_setup)
     if single is not None:  # Edit-2509/2511 preprocessing (Edit v1 files: from_single_files(..., mode="edit"))
-        pipe = QwenImageEditPipeline.from_single_files(**single, device=a.device, dtype=a.dtype)
+        pipe = QwenImageEditPipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
     else:
-        pipe = QwenImageEditPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype)
+        pipe = QwenImageEditPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, options=opts)
     loras = _setup(pipe, a)
     t_load = time.perf_counter() - t0
     d = pipe.defaults

@@ -546,3 +546,24 @@ def test_requests_that_can_never_succeed_are_non_retried_4xx(pipe, edit_server, 
     r = httpx.post(edit_server + E, data=EDIT_OK, files={"image": ("a.png", PNG, "image/png"),
                                                          "mask": ("m.png", PNG, "image/png")})  # fmt: skip
     assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+
+
+def test_a_size_far_from_the_trained_one_is_logged_once(pipe, caplog):
+    """The demo is trained at 128x128: a 256x256 request is answered, and the server log says once why
+    it will look like noise."""
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from qwenfast.server.app import create_app
+    from qwenfast.server.options import ServerConfig
+
+    with caplog.at_level(logging.WARNING, logger="qwenfast.server"):
+        with TestClient(create_app(pipe, ServerConfig())) as c:
+            for _ in range(2):
+                r = c.post("/v1/images/generations", json={"prompt": "a red circle", "size": "256x256", "steps": 1})
+                assert r.status_code == 200
+            r = c.post("/v1/images/generations", json={"prompt": "a red circle", "steps": 1})
+            assert r.status_code == 200
+    notes = [rec.getMessage() for rec in caplog.records if "trained at 128x128" in rec.getMessage()]
+    assert len(notes) == 1 and "256x256" in notes[0]

@@ -157,6 +157,16 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
     edit_cls = edit_pipeline_class()
     is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
+    noted: set[tuple[int, int]] = set()
+
+    def size_note(p) -> None:
+        """Log once per size when a request is far from the size the model was trained at (the demo's 128²)."""
+        if p.size_auto or (p.width, p.height) in noted or not hasattr(pipe, "size_note"):
+            return
+        noted.add((p.width, p.height))
+        note = pipe.size_note(p.width, p.height)
+        if note:
+            log.warning("%s", note)
     multiple = 2 * pipe.vae_scale_factor
     page = (STATIC / "index.html").read_text(encoding="utf-8")
     icon = _favicon()
@@ -272,6 +282,7 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
                                code="unsupported_media_type")  # fmt: skip
             body = parse_json_body(await request.body())
             p = validate(body, cfg.limits, pipe.defaults, multiple=multiple)
+            size_note(p)
             resolved = _check_common(body, p, "generations")
             job = Job(p, asyncio.get_running_loop(), loras=resolved, stream_events=p.stream)
             return await _respond(request, job, "generations", t0)
@@ -326,6 +337,7 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
                 )
             body = form_to_dict(fields)
             p = validate(body, lim, pipe.defaults, multiple=multiple, edit=True)
+            size_note(p)
             datas = [await f.read() for f in files]
             images = [await asyncio.to_thread(load_upload, d, f"image {i + 1} ({(f.filename or '')[:40]!r})",
                                               lim.image_formats, lim.max_input_pixels)
