@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from .errors import ConfigError  # noqa: F401 - re-exported: qwenfast.config.ConfigError
 
 

@@ -136,7 +136,7 @@ def _walk_package():
 
 def test_nothing_outside_pipeline_sets_attributes_on_a_pipeline():
     bad = []
-    for mod, f, tree in _walk_package():
+    for mod, _f, tree in _walk_package():
         if mod.startswith("qwenfast.pipeline"):
             continue
         for node in ast.walk(tree):
@@ -155,7 +155,7 @@ def test_nothing_outside_pipeline_sets_attributes_on_a_pipeline():
 
 def test_no_code_replaces_a_modules_forward():
     bad = []
-    for mod, f, tree in _walk_package():
+    for mod, _f, tree in _walk_package():
         for node in ast.walk(tree):
             if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
                 bad += [f"{mod}:{node.lineno} {ast.unparse(t)}" for t in _targets(node)

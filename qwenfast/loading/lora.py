@@ -51,15 +51,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..errors import LoraError  # noqa: F401 - re-exported
 from ..models.transformer import fuse_qkv_key, split_qkv_key
 
 log = logging.getLogger("qwenfast")
 
 _SHOW = 5  # how many offending keys an error message lists
-
-
-from ..errors import LoraError  # noqa: F401 - re-exported
-
 
 # Tensor-name endings -> role. Longest first, so `.lora_A.default.weight` wins over `.weight` forms.
 _ROLES = (

@@ -16,7 +16,6 @@ import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
 
-
 from ..errors import CheckpointError  # noqa: F401 - re-exported
 
 

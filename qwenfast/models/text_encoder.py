@@ -13,7 +13,6 @@ fixed negative prompt of a CFG run) free.
 from __future__ import annotations
 
 import contextlib
-
 from collections import OrderedDict
 from pathlib import Path
 

@@ -31,11 +31,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .batcher import Job, Scheduler
 from .imaging import MIME, b64, encode_image, load_upload
 from .loras import LoraResolver
 from .metrics import Metrics, gpu_memory
 from .options import ServerConfig
-from .batcher import Job, Scheduler
 from .schemas import APIError, form_to_dict, parse_json_body, validate
 
 log = logging.getLogger("qwenfast.server")

@@ -21,10 +21,9 @@ log = logging.getLogger("qwenfast.server")
 def load_pipeline(model: str | None, device=None, dtype=None, options=None, preset: str | None = None,
                   fp8: bool = False):  # fmt: skip
     """The pipeline class the folder needs (`qwenfast.from_pretrained`), with engine options, preset, FP8."""
+    from ..options import EngineOptions
     from ..pipeline.auto import from_pretrained
     from ..pipeline.common import DEFAULT_MODEL
-
-    from ..options import EngineOptions
 
     if options is None:  # a server default: no graphs (every new prompt length or batch size is a capture)
         options = EngineOptions.from_env(cuda_graphs=False)
