@@ -56,7 +56,7 @@ def add_single_file_args(parser: argparse.ArgumentParser) -> None:
                    "for non-standard model sizes (full-size configs are inferred from the files)")  # fmt: skip
 
 
-def single_file_kwargs(a) -> dict | None:
+def single_file_kwargs(a: argparse.Namespace) -> dict | None:
     """None without single files; else the arguments of `from_single_files` (clear errors when incomplete)."""
     given = {k: getattr(a, k) for k in SINGLE_FILES}
     if not any(given.values()):
@@ -173,7 +173,7 @@ def _setup(pipe, a) -> list[dict]:
     return loras
 
 
-def check_values(a) -> None:
+def check_values(a: argparse.Namespace) -> None:
     """The server's value rules (qwenfast/validation.py) for --steps, --cfg and --seed; ValueError names the flag.
     --size is checked by its parser and rounded down to the model's multiple (`_pipe_size`), not refused."""
     V.check_steps(a.steps, name="--steps")
@@ -238,7 +238,7 @@ def _meta_extras(meta: dict, a, loras: list[dict]) -> None:
         meta["fp8"] = "e4m3 rowwise (transformer blocks)"
 
 
-def cmd_generate(a) -> int:
+def cmd_generate(a: argparse.Namespace) -> int:
     import torch
 
     from .pipeline.common import EMBEDDED_NOTE
@@ -276,7 +276,7 @@ def cmd_generate(a) -> int:
     return 0
 
 
-def cmd_edit(a) -> int:
+def cmd_edit(a: argparse.Namespace) -> int:
 
     import torch
 
@@ -319,7 +319,7 @@ def cmd_edit(a) -> int:
     return 0
 
 
-def save_pngs(images, output: Path, meta: dict[str, str]) -> list[Path]:
+def save_pngs(images: list, output: Path, meta: dict[str, str]) -> list[Path]:
     from PIL import PngImagePlugin
 
     info = PngImagePlugin.PngInfo()
@@ -335,7 +335,7 @@ def save_pngs(images, output: Path, meta: dict[str, str]) -> list[Path]:
     return paths
 
 
-def cmd_doctor(a) -> int:
+def cmd_doctor(a: argparse.Namespace) -> int:
     import torch
 
     from .loading.diffusers_folder import inspect_folder
@@ -374,7 +374,7 @@ def cmd_doctor(a) -> int:
     return 0
 
 
-def cmd_bench(a) -> int:
+def cmd_bench(a: argparse.Namespace) -> int:
     import torch
 
     if a.what == "quality":  # the demo model's quality gate; CPU or GPU

@@ -15,6 +15,7 @@ This module imports nothing from qwenfast but `errors`: every layer may use it.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -130,8 +131,6 @@ def _choice(name: str, value: Any, allowed: tuple) -> None:
 
 def positive_int(s: str) -> int:
     """argparse type: a whole number >= 1, with a message that says what was wrong."""
-    import argparse
-
     try:
         v = int(s)
     except ValueError:
@@ -141,7 +140,7 @@ def positive_int(s: str) -> int:
     return v
 
 
-def add_engine_arguments(parser, *, cuda_graphs_default: bool | None = None) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default: bool | None = None) -> None:
     """--device --dtype --offload --fp8 --cuda-graphs/--no-cuda-graphs --kernels --attention --preset.
 
     `cuda_graphs_default`: None = the options' default (on; $QWENFAST_CUDA_GRAPHS); the server passes
@@ -169,7 +168,7 @@ def add_engine_arguments(parser, *, cuda_graphs_default: bool | None = None) -> 
                    help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
 
 
-def engine_options_from_args(a, **extra: Any) -> EngineOptions:
+def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptions:
     """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. FP8 is left
     off here: the caller enables it after loading LoRAs (FP8 bakes them in)."""
     return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,

@@ -21,14 +21,14 @@ MAX_CFG = 20.0
 MIN_SIDE = 16
 
 
-def fmt(v) -> str:
+def fmt(v: float | int | str | None) -> str:
     """2.0 -> '2', 0.25 -> '0.25', 7 -> '7' (messages read like the user typed them)."""
     if isinstance(v, float) and math.isfinite(v):
         return f"{v:g}"
     return str(v)
 
 
-def check_range(name: str, v, lo, hi, what: str = "") -> None:
+def check_range(name: str, v: float | None, lo: float, hi: float, what: str = "") -> None:
     """`lo <= v <= hi` and finite, else ValueError("NAME must be in LO..HI, got V"). None passes."""
     if v is None:
         return
@@ -38,20 +38,20 @@ def check_range(name: str, v, lo, hi, what: str = "") -> None:
         raise ValueError(f"{name} must be in {fmt(lo)}..{fmt(hi)}{what}, got {fmt(v)}")
 
 
-def check_steps(v, max_steps: int = MAX_STEPS, name: str = "steps") -> None:
+def check_steps(v: int | None, max_steps: int = MAX_STEPS, name: str = "steps") -> None:
     check_range(name, v, 1, max_steps)
 
 
-def check_cfg(v, max_cfg: float = MAX_CFG, name: str = "true_cfg_scale") -> None:
+def check_cfg(v: float | None, max_cfg: float = MAX_CFG, name: str = "true_cfg_scale") -> None:
     """0 <= cfg <= max_cfg (1 or less runs without classifier-free guidance)."""
     check_range(name, v, 0.0, max_cfg)
 
 
-def check_seed(v, name: str = "seed") -> None:
+def check_seed(v: int | None, name: str = "seed") -> None:
     check_range(name, v, 0, MAX_SEED)
 
 
-def check_n(v, max_n: int, name: str = "n") -> None:
+def check_n(v: int | None, max_n: int, name: str = "n") -> None:
     check_range(name, v, 1, max_n, " (images per request)")
 
 
@@ -76,7 +76,7 @@ FAR_SIDE = 0.25  # a side more than 25% off the trained side ...
 FAR_AREA = 1.5  # ... or an area more than 1.5x off the trained area counts as "far"
 
 
-def parse_trained_size(value, where: str = "qwenfast.json") -> tuple[int, int] | None:
+def parse_trained_size(value: object, where: str = "qwenfast.json") -> tuple[int, int] | None:
     """qwenfast.json `"trained_size": [WIDTH, HEIGHT]` -> (w, h); None when absent; ValueError when malformed."""
     if value is None:
         return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..loading.diffusers_folder import PIPELINE_CLASSES, read_json
 
 
@@ -20,7 +22,8 @@ def pipeline_class(path: str | Path) -> type:
     return QwenImagePipeline
 
 
-def from_pretrained(path: str | Path, device=None, dtype=None, **kwargs: Any):
+def from_pretrained(path: str | Path, device: str | torch.device | None = None,
+                    dtype: str | torch.dtype | None = None, **kwargs: Any) -> Any:  # fmt: skip
     """Load any Qwen-Image diffusers folder with the right pipeline class; `kwargs` as the class's
     `from_pretrained` (`options=`, `offload=`, `fp8=`, `cuda_graphs=`)."""
     return pipeline_class(path).from_pretrained(path, device=device, dtype=dtype, **kwargs)

@@ -19,6 +19,7 @@ import logging
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ from ..runtime.cuda_graphs import CudaGraphRunner
 from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module
 from ..runtime.oom import run_in_chunks, vae_decode
 from . import sampling as S
-from .common import OUTPUT_TYPES, QwenImageOutput, postprocess, randn_tensor
+from .common import OUTPUT_TYPES, Generators, QwenImageOutput, postprocess, randn_tensor
 
 log = logging.getLogger("qwenfast")
 
@@ -102,7 +103,7 @@ class PipelineBase:
         self._options = new
         return new
 
-    def enable_offload(self, mode: str = "model", device=None, vae: bool = False, ring: int = 2) -> None:
+    def enable_offload(self, mode: str = "model", device: torch.device | str | None = None, vae: bool = False, ring: int = 2) -> None:
         """Fit smaller GPUs: "model" keeps the text encoder in pinned host memory (its layers streamed
         while encoding; with `vae=True` the VAE too); "blocks" also streams the transformer blocks
         through a ring of `ring` GPU buffers. Same images; "blocks" is PCIe-bound. Load LoRAs before;
@@ -202,7 +203,7 @@ class PipelineBase:
             m = self._lora_manager = LoraManager(self.transformer)
         return m
 
-    def load_lora(self, lora, strength: float = 1.0, name: str | None = None) -> str:
+    def load_lora(self, lora: str | Path | dict, strength: float = 1.0, name: str | None = None) -> str:
         """Fuse a LoRA (.safetensors path or state dict, any common naming) into the transformer; returns its name.
 
         Several LoRAs stack. Errors (unknown layers, wrong shapes, unreadable file) are raised before
@@ -222,7 +223,7 @@ class PipelineBase:
         """Active LoRAs, name -> strength, in load order."""
         return self.lora_manager.loras
 
-    def set_loras(self, loras) -> None:
+    def set_loras(self, loras: list[tuple]) -> None:
         """Make the active LoRAs exactly `[(path, strength[, name]), ...]`, changing only what differs."""
         if not self._options.fp8 or list(loras) or self.loras:  # "none -> none" is fine with FP8
             self._check_lora_change()
@@ -262,7 +263,8 @@ class PipelineBase:
             mask = mask.to(self.device).repeat_interleave(n, dim=0)
         return emb, mask
 
-    def initial_latents(self, B: int, h: int, w: int, generator, latents=None) -> torch.Tensor:
+    def initial_latents(self, B: int, h: int, w: int, generator: Generators,
+                        latents: torch.Tensor | None = None) -> torch.Tensor:
         """Packed starting noise (B, h/2*w/2, 64) drawn as diffusers draws it, or the caller's `latents`."""
         if latents is None:
             noise = randn_tensor((B, 1, 16, h, w), generator, self.device, self.dtype)

@@ -19,6 +19,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # The embedded default: a small trained Qwen-Image for 128x128 pictures of shapes (tools/train_demo.py).
 DEFAULT_MODEL = ASSETS / "demo-t2i"
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+Device = str | torch.device | None  # None: CUDA when there is one
+DType = str | torch.dtype | None  # "bf16" | "fp16" | "fp32" | a torch dtype; None: bf16 on CUDA, fp32 on CPU
+Generators = torch.Generator | list[torch.Generator] | None
 EMBEDDED_NOTE = (
     "note: no --model given, using the embedded demo model ({path}): a small Qwen-Image trained on 128x128 "
     "pictures of coloured shapes (prompts like 'a small red star at the top left, white background'); "
@@ -32,7 +35,7 @@ class QwenImageOutput:
     info: dict = field(default_factory=dict)
 
 
-def load_folder(path: str | Path, device, dtype, offload: str, kinds: tuple[str, ...], wrong_kind: str) -> SimpleNamespace:
+def load_folder(path: str | Path, device: Device, dtype: DType, offload: str, kinds: tuple[str, ...], wrong_kind: str) -> SimpleNamespace:
     """Check a diffusers folder and load its components where an offload mode wants them (offloaded
     parts on the CPU, so the GPU never holds them all). Also reads the optional qwenfast.json (`extra`:
     sampling defaults, image areas). `wrong_kind` says what to use when the folder's kind is not in
@@ -88,7 +91,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def randn_tensor(shape: tuple[int, ...], generator, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def randn_tensor(shape: tuple[int, ...], generator: Generators, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """diffusers' `randn_tensor`: draw where the generator lives (CPU generators draw on CPU), then move.
 
     A list of generators draws one sample each. Same generator + same shape/dtype = same noise as diffusers.
@@ -110,7 +113,7 @@ def randn_tensor(shape: tuple[int, ...], generator, device: torch.device, dtype:
     return torch.randn(shape, generator=generator, device=rand_device, dtype=dtype).to(device)
 
 
-def as_prompt_list(prompt, name: str) -> list[str]:
+def as_prompt_list(prompt: str | list[str], name: str) -> list[str]:
     if isinstance(prompt, str):
         return [prompt]
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(p, str) for p in prompt):
@@ -120,7 +123,7 @@ def as_prompt_list(prompt, name: str) -> list[str]:
     raise TypeError(f"`{name}` must be a string or a list of strings, got {type(prompt).__name__}")
 
 
-def negative_prompts(prompts: list[str], negative_prompt) -> list[str] | None:
+def negative_prompts(prompts: list[str], negative_prompt: str | list[str] | None) -> list[str] | None:
     """The negative prompt(s) as a list matching `prompts` (one is repeated), or None."""
     if negative_prompt is None:
         return None

@@ -27,7 +27,16 @@ from ..errors import CheckpointError
 from ..models.text_encoder import EDIT_DROP, EDIT_TEMPLATE, VISION_SLOT, TextEncoder, image_digest
 from ..options import EngineOptions
 from . import sampling as S
-from .common import ASSETS, QwenImageOutput, as_prompt_list, engine_options, load_folder, negative_prompts
+from .common import (
+    ASSETS,
+    Device,
+    DType,
+    QwenImageOutput,
+    as_prompt_list,
+    engine_options,
+    load_folder,
+    negative_prompts,
+)
 from .sampling import StepCallback, TextCond
 from .text_to_image import QwenImagePipeline
 
@@ -86,7 +95,7 @@ def check_image_areas(areas: dict, where: str) -> dict:
     return dict(areas)
 
 
-def load_images(image) -> list:
+def load_images(image: object) -> list:
     """PIL image / path / HxWx3 uint8 array, or a list of them -> list of PIL images."""
     from PIL import Image, UnidentifiedImageError
 
@@ -145,7 +154,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         self.defaults.pop("width", None)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device=None, dtype=None, offload: str | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
                         cuda_graphs: bool | None = None) -> QwenImageEditPipeline:  # fmt: skip
         """Load a diffusers-layout edit folder (None = the embedded demo edit model).

@@ -136,7 +136,8 @@ Forward = Callable[..., torch.Tensor]
 StepCallback = Callable[[int, int, torch.Tensor], None]
 
 
-def join_text(emb, mask, nemb, nmask):
+def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
+              nmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Stack conditional and negative prompt embeddings into one batch for a single forward.
 
     The shorter side is right-padded with zeros and masked out as attention keys, which makes each

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -18,6 +19,8 @@ from .base import PipelineBase
 from .common import (  # noqa: F401 - re-exported: the public names of this module before the split
     DEFAULT_MODEL,
     OUTPUT_TYPES,
+    Device,
+    DType,
     QwenImageOutput,
     as_prompt_list,
     engine_options,
@@ -31,6 +34,7 @@ from .common import (  # noqa: F401 - re-exported: the public names of this modu
 from .sampling import StepCallback, TextCond, join_text  # noqa: F401
 
 log = logging.getLogger("qwenfast")
+Config = dict | str | Path | None  # fields, or a config.json path
 
 
 class QwenImagePipeline(PipelineBase):
@@ -40,7 +44,7 @@ class QwenImagePipeline(PipelineBase):
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device=None, dtype=None, offload: str | None = None,
+    def from_pretrained(cls, path: str | Path | None = None, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
                         cuda_graphs: bool | None = None) -> QwenImagePipeline:  # fmt: skip
         """Load a diffusers-layout folder (None = the embedded tiny default model).
@@ -58,9 +62,11 @@ class QwenImagePipeline(PipelineBase):
                    options=opts, device=f.device, extra=f.extra)  # fmt: skip
 
     @classmethod
-    def from_single_files(cls, transformer, vae, text_encoder, tokenizer=None, device=None, dtype=None,
-                          scheduler=None, *, transformer_config=None, vae_config=None, text_encoder_config=None,
-                          options: EngineOptions | None = None, **kwargs):  # fmt: skip
+    def from_single_files(cls, transformer: str | Path, vae: str | Path, text_encoder: str | Path,
+                          tokenizer: str | Path | None = None, device: Device = None, dtype: DType = None,
+                          scheduler: str | Path | dict | None = None, *, transformer_config: Config = None,
+                          vae_config: Config = None, text_encoder_config: Config = None,
+                          options: EngineOptions | None = None, **kwargs: Any) -> QwenImagePipeline:  # fmt: skip
         """Load ComfyUI-style single files (bf16 or FP8) + a tokenizer folder; see `qwenfast.loading.single_file`.
 
         Configs are inferred from the tensors; `*_config` (dict of fields, or a config.json path) override

@@ -77,7 +77,8 @@ class StreamingBlockRunner(BlockRunner):
     def __init__(self, streamer):
         self.streamer = streamer
 
-    def run(self, blocks, call, img, txt, step):
+    def run(self, blocks: Sequence[nn.Module], call: BlockCall, img: torch.Tensor, txt: torch.Tensor,
+            step: StepContext | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         s = self.streamer
         for i, block in enumerate(blocks):
             s.before(i)

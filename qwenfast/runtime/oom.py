@@ -84,7 +84,7 @@ def run_in_chunks(fn: Callable[[int, int], object], n: int, *, start: int | None
     return out
 
 
-def vae_decode(vae, z: torch.Tensor, events: list | None = None) -> torch.Tensor:
+def vae_decode(vae: torch.nn.Module, z: torch.Tensor, events: list | None = None) -> torch.Tensor:
     """`vae.decode(z)` that splits the batch on OOM, then falls back to tiling. (B, z, h, w) -> (B, 3, 8h, 8w)."""
     saved = vae.tiling
 

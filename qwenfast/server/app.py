@@ -25,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,7 +37,7 @@ from .imaging import MIME, b64, encode_image, load_upload
 from .loras import LoraResolver
 from .metrics import Metrics, gpu_memory
 from .options import ServerConfig
-from .schemas import APIError, form_to_dict, parse_json_body, validate
+from .schemas import APIError, Params, form_to_dict, parse_json_body, validate
 
 log = logging.getLogger("qwenfast.server")
 STATIC = Path(__file__).resolve().parent / "static"
@@ -148,7 +149,7 @@ def edit_pipeline_class():
     return QwenImageEditPipeline
 
 
-def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
+def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
     cfg = cfg or ServerConfig()
     metrics = Metrics()
     sched = Scheduler(pipe, cfg, metrics)
@@ -159,7 +160,7 @@ def create_app(pipe, cfg: ServerConfig | None = None) -> FastAPI:
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
     noted: set[tuple[int, int]] = set()
 
-    def size_note(p) -> None:
+    def size_note(p: Params) -> None:
         """Log once per size when a request is far from the size the model was trained at (the demo's 128²)."""
         if p.size_auto or (p.width, p.height) in noted or not hasattr(pipe, "size_note"):
             return
