@@ -652,16 +652,14 @@ def test_web_page_on_an_edit_model_suggests_an_edit(browser):
 def test_previews_are_decoded_only_for_streaming_clients(pipe, monkeypatch):
     """partial_images without stream: nobody receives previews, so none is decoded (was: one VAE
     decode per preview, thrown away)."""
-    from qwenfast.server import scheduler
-
     calls = []
-    real = scheduler.preview_images
+    real = pipe.preview_images
 
     def counting(*a, **kw):
         calls.append(1)
         return real(*a, **kw)
 
-    monkeypatch.setattr(scheduler, "preview_images", counting)
+    monkeypatch.setattr(pipe, "preview_images", counting)
     with running(pipe) as (base, _):
         r = httpx.post(base + G, json={**OK, "steps": 4, "partial_images": 2}, timeout=60)
         assert r.status_code == 200 and calls == []
