@@ -5,11 +5,27 @@
     image = pipe("a red fox in the snow", num_inference_steps=50).images[0]
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    import torch
+
+    from .pipeline.text_to_image import QwenImagePipeline
+
 __version__ = "0.1.0"
 __all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "EngineOptions", "from_pretrained", "__version__"]
 
 
-def from_pretrained(path, device=None, dtype=None, **kwargs):
+def from_pretrained(
+    path: str | Path,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    **kwargs: Any,
+) -> QwenImagePipeline:  # a QwenImageEditPipeline (a subclass) for edit models
     """Load any Qwen-Image diffusers folder with the right pipeline class (from `model_index.json`):
     text-to-image -> `QwenImagePipeline`, Edit / Edit-2509 / Edit-2511 -> `QwenImageEditPipeline`.
     `kwargs`: engine options (`options=EngineOptions(...)`, or `offload=`, `fp8=`, `cuda_graphs=`)."""

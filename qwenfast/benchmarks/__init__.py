@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def versions() -> dict:
@@ -28,7 +32,7 @@ def save_record(record: dict, path: Path) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def rel_err(got, want) -> float:
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want|| in fp32; NaN when `got` has a non-finite value (NaN never passes)."""
     got, want = got.float(), want.float()
     if not bool(got.isfinite().all()):

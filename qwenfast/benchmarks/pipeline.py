@@ -22,17 +22,24 @@ Stages (flags; each prints one JSON line, and with `--results DIR` appends it to
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from . import RESULTS_HELP, rel_err, results_dir, save_record
+
+if TYPE_CHECKING:
+    from ..pipeline.common import QwenImageOutput
+    from ..pipeline.text_to_image import QwenImagePipeline
 
 GiB = 1024**3
 CASES = {"1024:50:cfg": (1024, 50, True), "1328:50:cfg": (1328, 50, True), "1024:4:nocfg": (1024, 4, False)}
@@ -83,12 +90,12 @@ class StageTimer:
         self.peak: dict[str, int] = {}
         self._undo = []
 
-    def wrap(self, obj, name: str, stage: str, before: str | None = None):
+    def wrap(self, obj: object, name: str, stage: str, before: str | None = None) -> None:
         """Time `obj.<name>` (a model's method) as `stage`; `before`: record the memory peak since the
         last reset as that stage first (the phase between two timed calls)."""
         fn = getattr(obj, name)
 
-        def run(*a, **k):
+        def run(*a: Any, **k: Any) -> Any:
             _sync()
             t0 = time.perf_counter()
             if before is not None:
@@ -106,10 +113,10 @@ class StageTimer:
         self._undo.append((obj, name, obj.__dict__.get(name), had))
         setattr(obj, name, run)
 
-    def reset(self):
+    def reset(self) -> None:
         self.t, self.peak = {}, {}
 
-    def restore(self):
+    def restore(self) -> None:
         for obj, name, old, had in reversed(self._undo):
             if had:
                 setattr(obj, name, old)
@@ -119,7 +126,9 @@ class StageTimer:
 
 
 # ------------------------------------------------------------------------------------------------ build
-def build(smoke: bool, dtype=torch.bfloat16, diffusers_transformer: bool = True):
+def build(
+    smoke: bool, dtype: torch.dtype = torch.bfloat16, diffusers_transformer: bool = True
+) -> tuple[QwenImagePipeline, Any]:  # Any: a diffusers pipeline or SimpleNamespace(vae=...)
     """(qwenfast pipeline, diffusers pipeline), same weights.
 
     `diffusers_transformer=False` (stages that never run diffusers' transformer: VAE, memory, offload)
@@ -180,7 +189,14 @@ def _call(pipe, engine: str, size: int, steps: int, cfg: bool, prompt: str, seed
     return pipe([prompt] * batch if batch > 1 else prompt, **kw).images
 
 
-def end_to_end(ours, ref, cases, smoke: bool, keep: dict | None = None, against: dict | None = None) -> dict:
+def end_to_end(
+    ours: QwenImagePipeline,
+    ref: Any,  # a diffusers QwenImagePipeline, or None
+    cases: Iterable[str],
+    smoke: bool,
+    keep: dict | None = None,
+    against: dict | None = None,
+) -> dict:
     """Timed cases. `keep` receives diffusers' images per case; `against` (such a dict, when `ref` is
     None) gives the images to compare with and the times to divide by."""
     res = {}
@@ -247,7 +263,7 @@ def _median_ms(fn, n=5) -> float:
 
 
 @torch.no_grad()
-def vae_bench(ours, ref, smoke: bool) -> dict:
+def vae_bench(ours: QwenImagePipeline, ref: Any, smoke: bool) -> dict:  # ref: anything with diffusers' `.vae`
     vae, rvae = ours.vae, ref.vae
     dev, dt = next(vae.parameters()).device, next(vae.parameters()).dtype
     res = {}
@@ -307,7 +323,7 @@ def vae_bench(ours, ref, smoke: bool) -> dict:
 
 
 @torch.no_grad()
-def memory_calibration(ours, smoke: bool, out_dir: Path | None) -> dict:
+def memory_calibration(ours: QwenImagePipeline, smoke: bool, out_dir: Path | None) -> dict:
     """Measure per-phase peaks of our pipeline over a grid; fit the planner's coefficients; report errors."""
     from dataclasses import replace
 
@@ -394,7 +410,7 @@ def _device_name() -> str:
 
 
 @torch.no_grad()
-def offload_bench(ours, smoke: bool) -> dict:
+def offload_bench(ours: QwenImagePipeline, smoke: bool) -> dict:
     """Forced OOM recovery, then offload modes (irreversible: run last)."""
     from ..runtime.memory import MemoryPlanner
 
@@ -403,7 +419,7 @@ def offload_bench(ours, smoke: bool) -> dict:
     size, steps = (64, 2) if smoke else (1024, 4)
     prompts = [f"{PROMPT} #{i}" for i in range(4)]
 
-    def run(batch_prompts, output_type="np"):
+    def run(batch_prompts: list[str], output_type: str = "np") -> QwenImageOutput:
         return ours(batch_prompts, height=size, width=size, num_inference_steps=steps, true_cfg_scale=1.0,
                     generator=[torch.Generator("cpu").manual_seed(i) for i in range(len(batch_prompts))],
                     output_type=output_type)  # fmt: skip
@@ -485,8 +501,9 @@ def offload_bench(ours, smoke: bool) -> dict:
     return res
 
 
-def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool = False, offload: bool = False,
-        e2e: bool = True, out_dir: Path | None = None, fp8: bool = False) -> dict:  # fmt: skip
+def run(cases: Iterable[str] = tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool = False,
+        offload: bool = False, e2e: bool = True, out_dir: Path | None = None,
+        fp8: bool = False) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     ours, ref = build(smoke, diffusers_transformer=e2e or smoke)
     if hasattr(ref, "set_progress_bar_config"):
@@ -500,7 +517,7 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
     print(f"built in {record['build_s']} s on {record['device']}", flush=True)
     out_dir = None if out_dir is None else Path(out_dir)
 
-    def save(key, value):
+    def save(key: str, value: Any) -> None:
         record[key] = value
         if out_dir is not None:  # the whole record is printed at the end either way
             line = {k: record[k] for k in ("bench", "device", "torch", "triton", "smoke")} | {key: value}
@@ -532,7 +549,7 @@ def run(cases=tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool
     return record
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--case", action="append", choices=list(CASES), help="end-to-end cases (default: all three)"
     )
@@ -545,7 +562,7 @@ def add_arguments(p) -> None:
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
-def run_from_args(a) -> int:
+def run_from_args(a: argparse.Namespace) -> int:
     run(cases=tuple(a.case or CASES), smoke=a.smoke, vae=a.vae, memory=a.memory, offload=a.offload,
         e2e=not a.no_e2e, out_dir=results_dir(a.results), fp8=a.fp8)  # fmt: skip
     return 0

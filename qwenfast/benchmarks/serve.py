@@ -18,22 +18,30 @@ line is also appended to DIR/serve.jsonl (the repo's records: `--results bench/r
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import RESULTS_HELP, emit, results_dir, versions
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..pipeline.text_to_image import QwenImagePipeline
 
 TEXT_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
            "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
            "max_window_layers": 28, "layer_types": ["full_attention"] * 28}  # fmt: skip
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model folder, or `random-full` for full-size random weights on the GPU (default: embedded "
                         "tiny model, for a CPU smoke test)")  # fmt: skip
@@ -59,7 +67,7 @@ def add_arguments(p) -> None:
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
-def build_random_full(num_layers: int = 60):
+def build_random_full(num_layers: int = 60) -> QwenImagePipeline:
     """QwenImagePipeline with full-size random bf16 weights on the GPU (see the module docstring)."""
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
@@ -103,7 +111,7 @@ def run_level(base: str, c: int, n_requests: int, size: int, steps: int, cfg: fl
     lock = threading.Lock()
     counter = iter(range(n_requests))
 
-    def client():
+    def client() -> None:
         while True:
             with lock:
                 k = next(counter, None)
@@ -141,8 +149,11 @@ def run_level(base: str, c: int, n_requests: int, size: int, steps: int, cfg: fl
             "mean_s": round(statistics.fmean(lat), 4) if lat else None}  # fmt: skip
 
 
-def run(model=None, size=None, steps=8, cfg=1.0, concurrency=(1, 2, 4, 8), requests=None, max_batch=8,
-        baseline=True, layers=60, device=None, dtype=None, cuda_graphs=False, out_dir: Path | None = None) -> dict:  # fmt: skip
+def run(model: str | None = None, size: int | None = None, steps: int = 8, cfg: float = 1.0,
+        concurrency: Sequence[int] = (1, 2, 4, 8), requests: int | None = None, max_batch: int = 8,
+        baseline: bool = True, layers: int = 60, device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None, cuda_graphs: bool = False,
+        out_dir: Path | None = None) -> dict:  # fmt: skip
     import torch
 
     from ..server.app import create_app
@@ -221,7 +232,7 @@ def _summarise(res: dict) -> None:
         res["speedup_at_top_concurrency"] = top["speedup_vs_sequential"]
 
 
-def run_from_args(a) -> int:
+def run_from_args(a: argparse.Namespace) -> int:
     run(model=a.model, size=a.size, steps=a.steps, cfg=a.cfg, concurrency=tuple(a.concurrency), requests=a.requests,
         max_batch=a.max_batch, baseline=not a.no_baseline, layers=a.layers, device=a.device, dtype=a.dtype,
         cuda_graphs=a.cuda_graphs, out_dir=results_dir(a.results))  # fmt: skip

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import emit, rel_err, versions
+
+if TYPE_CHECKING:
+    from ..models.transformer import QwenImageTransformer
 
 PEAK_TFLOPS = 809.0  # bf16 dense GEMM, measured on H200 (see shared facts)
 
@@ -62,7 +67,9 @@ def _profile(fn) -> dict[str, float]:
     return {k: round(100 * v / total, 1) for k, v in cats.items()} | {"total_ms": round(total / 1e3, 2)}
 
 
-def build(num_layers: int, compare: bool, dtype=torch.bfloat16, zero_cond_t: bool = False):
+def build(
+    num_layers: int, compare: bool, dtype: torch.dtype = torch.bfloat16, zero_cond_t: bool = False
+) -> tuple[QwenImageTransformer, torch.nn.Module | None]:
     """(qwenfast model, diffusers model or None), same weights."""
     from pathlib import Path as _P
 
@@ -96,8 +103,9 @@ def build(num_layers: int, compare: bool, dtype=torch.bfloat16, zero_cond_t: boo
     return ours, ref
 
 
-def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters=10, compile_=True,
-        variants=None, out_dir: Path | None = None, fp8: bool = True) -> dict:  # fmt: skip
+def run(sizes: Iterable[int] = (1024,), compare: bool = True, num_layers: int = 60, txt_len: int = 128,
+        warmup: int = 3, iters: int = 10, compile_: bool = True, variants: Sequence[str] | None = None,
+        out_dir: Path | None = None, fp8: bool = True) -> dict:  # fmt: skip
     from .. import kernels
     from ..runtime.cuda_graphs import CudaGraphRunner, compile_blocks
 
@@ -118,12 +126,12 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
         floor_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
         rows, outs = {}, {}
 
-        def ref_fwd(model):
+        def ref_fwd(model: torch.nn.Module) -> Callable[[], torch.Tensor]:
             return lambda: model(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
                                  timestep=t, img_shapes=[shapes], return_dict=False)[0]  # fmt: skip
 
-        def ours_fwd(fused: bool, model=ours):
-            def f():
+        def ours_fwd(fused: bool, model: QwenImageTransformer = ours) -> Callable[[], torch.Tensor]:
+            def f() -> torch.Tensor:
                 model.fused = fused
                 return model(x, txt, None, t, shapes)
             return f
@@ -164,7 +172,7 @@ def run(sizes=(1024,), compare=True, num_layers=60, txt_len=128, warmup=3, iters
                 bf16_modules = _swap(ours, mods)
                 stance = "force_eager"
 
-                def fn(g=fp8_graphs):
+                def fn(g: CudaGraphRunner = fp8_graphs) -> torch.Tensor:
                     ours.fused = True
                     return g(x, txt, None, t, shapes)
             else:

@@ -7,6 +7,9 @@ it. Image i of the suite uses seed i, so runs are comparable across devices and 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -14,9 +17,22 @@ import torch
 from . import data as D
 from . import score as S
 
+if TYPE_CHECKING:
+    from ..pipeline.edit import QwenImageEditPipeline
+    from ..pipeline.text_to_image import QwenImagePipeline
 
-def generate(pipe, prompts: list[str], *, steps=None, cfg=None, batch: int = 16, seed0: int = 0, size: int = D.SIZE,
-             negative: str = " ") -> list[np.ndarray]:  # fmt: skip
+
+def generate(
+    pipe: QwenImagePipeline,
+    prompts: list[str],
+    *,
+    steps: int | None = None,
+    cfg: float | None = None,
+    batch: int = 16,
+    seed0: int = 0,
+    size: int = D.SIZE,
+    negative: str = " ",
+) -> list[np.ndarray]:
     """Images (uint8 HxWx3) for `prompts`, image i from `torch.Generator("cpu").manual_seed(seed0 + i)`."""
     d = pipe.defaults
     steps = d["num_inference_steps"] if steps is None else steps
@@ -32,7 +48,12 @@ def generate(pipe, prompts: list[str], *, steps=None, cfg=None, batch: int = 16,
 
 
 def run_t2i(
-    pipe, n: int = 120, *, steps=None, cfg=None, batch: int = 16
+    pipe: QwenImagePipeline,
+    n: int = 120,
+    *,
+    steps: int | None = None,
+    cfg: float | None = None,
+    batch: int = 16,
 ) -> tuple[S.SuiteResult, list[np.ndarray]]:
     suite = D.eval_prompts()[:n]
     prompts = [p for p, _ in suite]
@@ -40,7 +61,14 @@ def run_t2i(
     return S.score_prompts(images, prompts), images
 
 
-def run_edits(pipe, n: int = 36, *, steps=None, cfg=None, seed0: int = 0) -> tuple[S.SuiteResult, list[np.ndarray]]:
+def run_edits(
+    pipe: QwenImageEditPipeline,
+    n: int = 36,
+    *,
+    steps: int | None = None,
+    cfg: float | None = None,
+    seed0: int = 0,
+) -> tuple[S.SuiteResult, list[np.ndarray]]:
     """The held-out edit suite with an edit pipeline: edit i of `before` i with seed seed0 + i."""
     suite = D.eval_edits(max(n, 36))[:n]  # the first 36 are the held-out suite; more only for path gates
     d = pipe.defaults
@@ -55,7 +83,11 @@ def run_edits(pipe, n: int = 36, *, steps=None, cfg=None, seed0: int = 0) -> tup
     return S.score_edits(images, befores, [ins for _, ins, _ in suite]), images
 
 
-def load(model=None, device=None, dtype=None):
+def load(
+    model: str | Path | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+) -> QwenImagePipeline:
     """The demo pipeline for a folder: text-to-image, or edit when the folder is an edit model
     (None = the embedded text-to-image demo; "edit" = the embedded edit demo)."""
     from ..pipeline.auto import from_pretrained
@@ -68,21 +100,25 @@ def load(model=None, device=None, dtype=None):
     return pipe
 
 
-def is_edit(pipe) -> bool:
+def is_edit(pipe: QwenImagePipeline) -> bool:
     from ..pipeline.edit import QwenImageEditPipeline
 
     return isinstance(pipe, QwenImageEditPipeline)
 
 
-def run_suite(pipe, n: int | None = None, *, steps=None, cfg=None, batch: int = 16):
+def run_suite(
+    pipe: QwenImagePipeline, n: int | None = None, *, steps: int | None = None, cfg: float | None = None,
+    batch: int = 16,
+) -> tuple[S.SuiteResult, list[np.ndarray]]:
     """The pipeline's held-out suite: edits (n default 36) or text-to-image prompts (n default 120)."""
     if is_edit(pipe):
         return run_edits(pipe, n or 36, steps=steps, cfg=cfg)
     return run_t2i(pipe, n or 120, steps=steps, cfg=cfg, batch=batch)
 
 
-def quality(model=None, n: int | None = None, device=None, dtype=None, steps=None, cfg=None, batch: int = 16,
-            verbose: bool = False) -> S.SuiteResult:  # fmt: skip
+def quality(model: str | Path | None = None, n: int | None = None, device: torch.device | str | None = None,
+            dtype: torch.dtype | str | None = None, steps: int | None = None, cfg: float | None = None,
+            batch: int = 16, verbose: bool = False) -> S.SuiteResult:  # fmt: skip
     """Load a demo model folder (None = the embedded default, "edit" = the embedded edit model) and
     print its held-out suite score (120 prompts, or 36 edit instructions)."""
     pipe = load(model, device, dtype)
@@ -121,7 +157,14 @@ PATHS = (
 )
 
 
-def quality_paths(model=None, n: int = 120, device=None, batch: int = 24, paths=PATHS) -> list[dict]:
+def quality_paths(
+    model: str | Path | None = None,
+    n: int = 120,
+    device: torch.device | str | None = None,
+    batch: int = 24,
+    # (name, dtype, kernel backend, CUDA graphs, batched CFG, fast VAE, FP8), as in PATHS
+    paths: Sequence[tuple[str, torch.dtype, str, bool, bool, bool, bool]] = PATHS,
+) -> list[dict]:
     """Score the held-out suite once per code path (same seeds); rows with the gap to the reference.
 
     Edit models score `n` edits (beyond the 36 held-out ones the suite continues with the same

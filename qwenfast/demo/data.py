@@ -18,6 +18,7 @@ box-filtered down (soft edges).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -232,7 +233,7 @@ def random_mention(rng: np.random.Generator, scene: Scene) -> Spec:
 def caption(spec: Spec, rng: np.random.Generator | None = None) -> str:
     """The text of a Spec. With `rng`, synonyms are picked at random; without, the first of each."""
 
-    def pick(options):
+    def pick(options: Sequence[str]) -> str:
         return options[0] if rng is None else options[rng.integers(len(options))]
 
     parts = []

@@ -20,12 +20,27 @@ object is present. :func:`parse_prompt` reads the caption grammar of :mod:`qwenf
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .data import COLOURS, POSITIONS, SHAPES, SIZE_THRESHOLD, ObjSpec, Spec, full_spec, nearest_position
+from .data import (
+    COLOURS,
+    POSITIONS,
+    SHAPES,
+    SIZE_THRESHOLD,
+    ObjSpec,
+    Scene,
+    Spec,
+    full_spec,
+    nearest_position,
+)
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 MIN_AREA = 30  # px, after a 3x3 opening
 THIN = 0.2  # a component keeping less than this fraction of its area through a 5x5 opening is an edge
@@ -56,7 +71,7 @@ class Analysis:
 # --------------------------------------------------------------------------------------------- pixels
 
 
-def to_uint8(image) -> np.ndarray:
+def to_uint8(image: Image.Image | np.ndarray) -> np.ndarray:
     """PIL image, (H, W, 3) uint8 array or float array in [0, 1] -> (H, W, 3) uint8."""
     a = np.asarray(image)
     if a.dtype != np.uint8:
@@ -145,7 +160,7 @@ def classify_shape(mask: np.ndarray) -> tuple[str, float]:
     return (best if best_iou >= 0.5 else "unknown"), best_iou
 
 
-def analyse(image) -> Analysis:
+def analyse(image: Image.Image | np.ndarray) -> Analysis:
     img = to_uint8(image)
     lab = label_colours(img)
     b = 4
@@ -179,7 +194,7 @@ def analyse(image) -> Analysis:
 # --------------------------------------------------------------------------------------------- checks
 
 
-def check(image, spec: Spec, analysis: Analysis | None = None) -> dict[str, bool]:
+def check(image: Image.Image | np.ndarray, spec: Spec, analysis: Analysis | None = None) -> dict[str, bool]:
     """Named pass/fail checks of an image against a spec."""
     a = analysis or analyse(image)
     checks: dict[str, bool] = {}
@@ -201,7 +216,7 @@ def check(image, spec: Spec, analysis: Analysis | None = None) -> dict[str, bool
     return checks
 
 
-def passes(image, spec: Spec) -> bool:
+def passes(image: Image.Image | np.ndarray, spec: Spec) -> bool:
     return all(check(image, spec).values())
 
 
@@ -256,7 +271,7 @@ def parse_edit(instruction: str, before: Spec) -> Spec:
     w = _words(instruction)
     objs = list(before.objects)
 
-    def target(shape):
+    def target(shape: str) -> int:
         hits = [i for i, o in enumerate(objs) if o.shape == shape]
         if len(hits) != 1:
             raise ValueError(f"{instruction!r}: the picture has {len(hits)} {shape}s")
@@ -282,7 +297,7 @@ def parse_edit(instruction: str, before: Spec) -> Spec:
     return Spec(tuple(objs), before.bg)
 
 
-def edit_spec(before_scene, instruction: str) -> Spec:
+def edit_spec(before_scene: Scene, instruction: str) -> Spec:
     return parse_edit(instruction, full_spec(before_scene))
 
 
@@ -311,11 +326,13 @@ def summarise(all_checks: list[dict[str, bool]], labels: list[str]) -> SuiteResu
     )
 
 
-def score_prompts(images, prompts: list[str]) -> SuiteResult:
+def score_prompts(images: Sequence[Image.Image | np.ndarray], prompts: list[str]) -> SuiteResult:
     return summarise([check(img, parse_prompt(p)) for img, p in zip(images, prompts)], prompts)
 
 
-def score_edits(images, befores, instructions: list[str]) -> SuiteResult:
+def score_edits(
+    images: Sequence[Image.Image | np.ndarray], befores: Sequence[Scene], instructions: list[str]
+) -> SuiteResult:
     checks = [check(img, edit_spec(b, ins)) for img, b, ins in zip(images, befores, instructions)]
     return summarise(checks, instructions)
 

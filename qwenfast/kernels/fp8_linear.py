@@ -116,7 +116,9 @@ def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tenso
     return q, s
 
 
-def fp8_linear_ref(x, w8, sw, bias, out_dtype) -> torch.Tensor:
+def fp8_linear_ref(
+    x: torch.Tensor, w8: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
     """What the FP8 GEMM computes, in fp32 on any device: dequantised operands, exact products."""
     x8, sx = quantize_rows_ref(x.reshape(-1, x.shape[-1]))
     y = (x8.float() * sx) @ (w8.float() * sw).t()

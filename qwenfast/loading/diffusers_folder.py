@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,10 @@ from .weights import (
     load_streaming,
     weight_files,
 )
+
+if TYPE_CHECKING:
+    from ..models.transformer import QwenImageTransformer
+    from ..models.vae import QwenImageVAE
 
 PIPELINE_CLASSES = {
     "QwenImagePipeline": "text-to-image",
@@ -86,7 +91,7 @@ def inspect_folder(path: Path) -> tuple[str | None, list[str]]:
     return kind, problems
 
 
-def load_transformer(folder: Path, device, dtype: torch.dtype):
+def load_transformer(folder: Path, device: torch.device | str, dtype: torch.dtype) -> QwenImageTransformer:
     from ..models.transformer import QwenImageTransformer, fuse_qkv_key
 
     folder = Path(folder)
@@ -97,7 +102,7 @@ def load_transformer(folder: Path, device, dtype: torch.dtype):
     return load_streaming(model, items, dtype=dtype, where=str(folder), convert=QKVFuser(fuse_qkv_key))
 
 
-def load_vae(folder: Path, device, dtype: torch.dtype):
+def load_vae(folder: Path, device: torch.device | str, dtype: torch.dtype) -> QwenImageVAE:
     from ..models.vae import QwenImageVAE, convert_vae_tensor
 
     folder = Path(folder)

@@ -28,12 +28,13 @@ is dropped before the next one is read.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,7 +70,7 @@ _MAX_HEADER = 256 * 2**20
 STAGING_BYTES = 64 * 2**20
 
 
-def key_patterns(keys, n: int = 6) -> str:
+def key_patterns(keys: Iterable[str], n: int = 6) -> str:
     """The most common key shapes, indices replaced by N: "'transformer_blocks.N.attn.to_q.weight' (x60), ..."."""
     counts = Counter(re.sub(r"(?<=\.)\d+(?=\.|$)", "N", k) for k in keys)
     top = [f"'{p}'" + (f" (x{c})" if c > 1 else "") for p, c in counts.most_common(n)]
@@ -136,7 +137,11 @@ def read_header(path: str | Path, what: str = "checkpoint") -> Header:
 
 
 def read_tensor(
-    f, header: Header, key: str, device="cpu", staging: torch.Tensor | None = None
+    f: io.BufferedReader,  # open(path, "rb")
+    header: Header,
+    key: str,
+    device: torch.device | str = "cpu",
+    staging: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One stored tensor, read with plain file reads (not mmap), on `device`.
 

@@ -45,8 +45,10 @@ import math
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -93,7 +95,7 @@ class LoraSource:
     stat: tuple[int, int] | None = None
 
     @classmethod
-    def of(cls, lora) -> LoraSource:
+    def of(cls, lora: str | os.PathLike | dict) -> LoraSource:
         if isinstance(lora, dict):
             return cls(None)
         p = Path(lora).expanduser().resolve()
@@ -379,7 +381,7 @@ class LoraManager:
         """Memory held by original-weight copies (host memory with the default originals_device)."""
         return sum(t.numel() * t.element_size() for t in self._orig.values())
 
-    def load(self, lora, strength: float = 1.0, name: str | None = None) -> str:
+    def load(self, lora: str | os.PathLike | dict, strength: float = 1.0, name: str | None = None) -> str:
         """Fuse a LoRA (path or state dict) at `strength`; returns its name (default: the file stem)."""
         strength = _check_strength(strength)
         if name is not None and name in self.active:
@@ -397,7 +399,7 @@ class LoraManager:
             raise LoraError(f"no LoRA named {name!r} is loaded (loaded: {list(self.active) or 'none'})")
         self._remove([name])
 
-    def set(self, items) -> None:
+    def set(self, items: Iterable[Any]) -> None:
         """Make the active set exactly `items` ([(path_or_dict, strength[, name]), ...]) with the fewest changes.
 
         Entries already fused with the same file (and name, if given; a state dict matches by name

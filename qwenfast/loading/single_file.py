@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -37,6 +38,13 @@ import torch.nn as nn
 from ..config import QWEN_IMAGE_SCHEDULER, ConfigError, SchedulerConfig, TransformerConfig, VAEConfig
 from .fp8 import Header, QuantPlan, iter_plain_tensors, key_patterns, plan_quantization, read_header
 from .weights import CheckpointError, QKVFuser, load_streaming
+
+if TYPE_CHECKING:
+    from transformers import Qwen2_5_VLConfig
+
+    from ..models.text_encoder import TextEncoder
+    from ..models.transformer import QwenImageTransformer
+    from ..models.vae import QwenImageVAE
 
 log = logging.getLogger("qwenfast")
 
@@ -78,7 +86,9 @@ class Source:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: self.header.shapes[k] for k, name in self.names.items()}
 
-    def items(self, device, dtype):
+    def items(
+        self, device: torch.device | str, dtype: torch.dtype
+    ) -> Iterator[tuple[str, torch.Tensor, Path]]:
         return iter_plain_tensors(self.header, self.quant, device, dtype, keep=self.names.__contains__)
 
     def describe(self) -> str:
@@ -143,7 +153,9 @@ def _make_config(cls, inferred: dict, override, what: str, path: Path):
 # ---------------------------------------------------------------------------------------------- transformer
 
 
-def inspect_transformer(path, config=None) -> tuple[Source, TransformerConfig]:
+def inspect_transformer(
+    path: Path | str, config: TransformerConfig | dict | Path | str | None = None
+) -> tuple[Source, TransformerConfig]:
     header, quant, keys = _open(path, "transformer")
     prefix, keys = _split_prefix(keys, TRANSFORMER_PREFIXES)
     names = {k: k[len(prefix) :] for k in keys}
@@ -193,7 +205,13 @@ def infer_transformer_config(shapes: dict[str, tuple[int, ...]], path: Path | st
     return cfg
 
 
-def load_transformer_file(path, device, dtype: torch.dtype, config=None, source=None):
+def load_transformer_file(
+    path: Path | str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    config: TransformerConfig | dict | Path | str | None = None,
+    source: tuple[Source, TransformerConfig] | None = None,  # from `inspect_transformer`
+) -> QwenImageTransformer:
     """A transformer single file -> `QwenImageTransformer` on `device` in `dtype`."""
     from ..models.transformer import QwenImageTransformer, fuse_qkv_key
 
@@ -203,7 +221,7 @@ def load_transformer_file(path, device, dtype: torch.dtype, config=None, source=
         model = QwenImageTransformer(cfg)
     fuser = QKVFuser(fuse_qkv_key)
 
-    def convert(key: str, t: torch.Tensor):
+    def convert(key: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         name = src.names.get(key)
         return None if name is None else fuser(name, t)
 
@@ -224,7 +242,7 @@ def _swap(tail: str, pairs) -> str | None:
     return None
 
 
-def wan_to_diffusers_vae_keys(keys) -> tuple[dict[str, str], list[str]]:
+def wan_to_diffusers_vae_keys(keys: Collection[str]) -> tuple[dict[str, str], list[str]]:
     """Wan / ComfyUI VAE keys -> diffusers `AutoencoderKLQwenImage` keys; (mapping, keys not understood).
 
     Wan keeps the decoder's up path as one flat list `decoder.upsamples.N` (resnets of up block 0, its
@@ -276,7 +294,7 @@ def _wan_key(k: str, place: dict[int, str]) -> str | None:
     return None
 
 
-def diffusers_to_wan_vae_keys(keys) -> dict[str, str]:
+def diffusers_to_wan_vae_keys(keys: Collection[str]) -> dict[str, str]:
     """The inverse of `wan_to_diffusers_vae_keys` (diffusers key -> Wan key); used to write Wan files in tests."""
     inv = tuple((new, old) for old, new in _RES)
     blocks: dict[int, list[int]] = {}  # up block -> [number of resnets, has upsampler]
@@ -311,7 +329,9 @@ def diffusers_to_wan_vae_keys(keys) -> dict[str, str]:
     return out
 
 
-def inspect_vae(path, config=None) -> tuple[Source, VAEConfig]:
+def inspect_vae(
+    path: Path | str, config: VAEConfig | dict | Path | str | None = None
+) -> tuple[Source, VAEConfig]:
     header, quant, keys = _open(path, "VAE")
     prefix, keys = _split_prefix(keys, VAE_PREFIXES)
     bare = {k: k[len(prefix) :] for k in keys}
@@ -374,7 +394,13 @@ def infer_vae_config(shapes: dict[str, tuple[int, ...]], path: Path | str = "") 
     return cfg
 
 
-def load_vae_file(path, device, dtype: torch.dtype, config=None, source=None):
+def load_vae_file(
+    path: Path | str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    config: VAEConfig | dict | Path | str | None = None,
+    source: tuple[Source, VAEConfig] | None = None,  # from `inspect_vae`
+) -> QwenImageVAE:
     from ..models.vae import QwenImageVAE, convert_vae_tensor
 
     src, cfg = source or inspect_vae(path, config)
@@ -382,7 +408,7 @@ def load_vae_file(path, device, dtype: torch.dtype, config=None, source=None):
     with torch.device("meta"):
         model = QwenImageVAE(cfg)
 
-    def convert(key: str, t: torch.Tensor):
+    def convert(key: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         name = src.names.get(key)
         return None if name is None else convert_vae_tensor(name, t)
 
@@ -403,7 +429,9 @@ def _te_name(k: str) -> str | None:
     return None
 
 
-def inspect_text_encoder(path, config=None) -> tuple[Source, Any]:
+def inspect_text_encoder(
+    path: Path | str, config: Qwen2_5_VLConfig | dict | Path | str | None = None
+) -> tuple[Source, Qwen2_5_VLConfig]:
     header, quant, keys = _open(path, "text encoder")
     names = {k: _te_name(k) for k in keys}
     unknown = [k for k, n in names.items() if n is None]
@@ -421,7 +449,11 @@ def inspect_text_encoder(path, config=None) -> tuple[Source, Any]:
     return src, text_encoder_config(src.shapes(), config, header.path)
 
 
-def text_encoder_config(shapes: dict[str, tuple[int, ...]], config=None, path: Path | str = ""):
+def text_encoder_config(
+    shapes: dict[str, tuple[int, ...]],
+    config: Qwen2_5_VLConfig | dict | Path | str | None = None,
+    path: Path | str = "",
+) -> Qwen2_5_VLConfig:
     """A `Qwen2_5_VLConfig`: the given one, or Qwen2.5-VL-7B when the shapes are the 7B's.
 
     Head counts, RoPE sections and the vision tower's window layout are not readable from the
@@ -460,7 +492,7 @@ def _parameters_on_meta():
     """
     register = nn.Module.register_parameter
 
-    def on_meta(module, name, param):
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
         if param is not None and param.device.type != "meta":
             p = module._parameters[name]
@@ -473,7 +505,7 @@ def _parameters_on_meta():
         nn.Module.register_parameter = register
 
 
-def resolve_tokenizer(tokenizer) -> Path:
+def resolve_tokenizer(tokenizer: Path | str | None) -> Path:
     """The tokenizer folder (or a model folder with `tokenizer/`); a clear error when there is none."""
     how = ("ComfyUI single files carry no tokenizer: pass tokenizer=<folder> (CLI --tokenizer), e.g. the "
            "tokenizer/ folder of Qwen/Qwen-Image, with tokenizer.json or vocab.json + merges.txt")  # fmt: skip
@@ -498,7 +530,14 @@ def resolve_tokenizer(tokenizer) -> Path:
     return p
 
 
-def load_text_encoder_file(path, tokenizer, device, dtype: torch.dtype, config=None, source=None):
+def load_text_encoder_file(
+    path: Path | str,
+    tokenizer: Path | str | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    config: Qwen2_5_VLConfig | dict | Path | str | None = None,
+    source: tuple[Source, Qwen2_5_VLConfig] | None = None,  # from `inspect_text_encoder`
+) -> TextEncoder:
     """A Qwen2.5-VL single file + tokenizer folder -> `TextEncoder`."""
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
@@ -557,7 +596,7 @@ class Components:
     model_path: str
 
 
-def scheduler_config(scheduler) -> SchedulerConfig:
+def scheduler_config(scheduler: SchedulerConfig | dict | Path | str | None) -> SchedulerConfig:
     """None -> Qwen-Image's; a SchedulerConfig; a dict; or a scheduler_config.json (or its folder)."""
     if scheduler is None:
         return QWEN_IMAGE_SCHEDULER
@@ -575,9 +614,18 @@ def scheduler_config(scheduler) -> SchedulerConfig:
 
 
 def load_single_files(
-    transformer, vae, text_encoder, tokenizer=None, *, device, dtype: torch.dtype, scheduler=None,
-    transformer_config=None, vae_config=None, text_encoder_config=None,
-) -> Components:  # fmt: skip
+    transformer: Path | str,  # each: a single file or a diffusers component folder
+    vae: Path | str,
+    text_encoder: Path | str,
+    tokenizer: Path | str | None = None,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    scheduler: SchedulerConfig | dict | Path | str | None = None,
+    transformer_config: TransformerConfig | dict | Path | str | None = None,
+    vae_config: VAEConfig | dict | Path | str | None = None,
+    text_encoder_config: Qwen2_5_VLConfig | dict | Path | str | None = None,
+) -> Components:
     """Check every file (headers, layouts, configs, tokenizer), then load the three models.
 
     A component given as a folder is loaded as a diffusers component folder instead

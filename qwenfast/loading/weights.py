@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn as nn
@@ -159,14 +160,17 @@ def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
 
 
+_M = TypeVar("_M", bound=nn.Module)
+
+
 def load_streaming(
-    model: nn.Module,
+    model: _M,
     items: Iterable[tuple[str, torch.Tensor, Path]],
     *,
     dtype: torch.dtype,
     where: str,
     convert: Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None] | None = None,
-) -> nn.Module:
+) -> _M:
     """Assign every tensor of `items` to `model` (built on meta), cast floating tensors to `dtype`.
 
     `convert` maps a checkpoint key/tensor to our layout (None = deliberately dropped). Raises

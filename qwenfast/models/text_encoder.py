@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -55,12 +56,14 @@ class TextEncoder:
         """The language model's decoder layers (offload streams them; the memory planner sizes them)."""
         return decoder_layers(self.model)
 
-    def resident(self):
+    def resident(self) -> contextlib.AbstractContextManager[torch.nn.Module | None]:
         """Context in which the weights are on the compute device (a no-op unless offloaded)."""
         return self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
 
     @classmethod
-    def from_pretrained(cls, text_encoder_dir: Path, tokenizer_dir: Path, device, dtype) -> TextEncoder:
+    def from_pretrained(
+        cls, text_encoder_dir: Path, tokenizer_dir: Path, device: torch.device | str, dtype: torch.dtype
+    ) -> TextEncoder:
         from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
         from ..errors import CheckpointError
@@ -141,7 +144,7 @@ class TextEncoder:
         self,
         prompts: list[str],
         images: list,
-        image_processor,
+        image_processor: Any,  # a transformers Qwen2-VL image processor (slow, fast or PIL class)
         template: str = EDIT_TEMPLATE,
         drop: int = EDIT_DROP,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -211,7 +214,7 @@ class TextEncoder:
         raise KeyError(key)
 
 
-def language_model(model) -> torch.nn.Module | None:
+def language_model(model: torch.nn.Module) -> torch.nn.Module | None:
     """Qwen2.5-VL's text decoder inside `Qwen2_5_VLForConditionalGeneration` (transformers 4.5x and 5
     layouts: `.model.language_model`; older: `.model`), or None for other models."""
     inner = getattr(model, "model", None)
@@ -219,7 +222,7 @@ def language_model(model) -> torch.nn.Module | None:
     return lm if isinstance(getattr(lm, "layers", None), torch.nn.ModuleList) else None
 
 
-def decoder_layers(model) -> torch.nn.ModuleList | None:
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The language model's decoder layers (what offload streams), or None for other models."""
     lm = language_model(model)
     return None if lm is None or len(lm.layers) == 0 else lm.layers

@@ -17,6 +17,7 @@ and are checked against this file.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
@@ -71,7 +72,7 @@ class TimestepEmbedder(nn.Module):
         self.linear_1 = nn.Linear(in_dim, dim)
         self.linear_2 = nn.Linear(dim, dim)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(F.silu(self.linear_1(x)))
 
 
@@ -83,7 +84,9 @@ class TimeTextEmbed(nn.Module):
             self.addition_t_embedding = nn.Embedding(2, dim)
         self.use_additional_t_cond = use_additional_t_cond
 
-    def forward(self, t: torch.Tensor, dtype: torch.dtype, additional_t_cond=None) -> torch.Tensor:
+    def forward(
+        self, t: torch.Tensor, dtype: torch.dtype, additional_t_cond: torch.Tensor | None = None
+    ) -> torch.Tensor:
         emb = self.timestep_embedder(timestep_sinusoid(t).to(dtype))  # (B, D)
         if self.use_additional_t_cond:
             if additional_t_cond is None:
@@ -97,7 +100,7 @@ class GeluProj(nn.Module):
         super().__init__()
         self.proj = nn.Linear(dim_in, dim_out)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.gelu(self.proj(x), approximate="tanh")
 
 
@@ -108,10 +111,10 @@ class FeedForward(nn.Module):
         super().__init__()
         self.net = nn.Sequential(GeluProj(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def forward_fused(self, x):
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
         p = self.net[0].proj
         if not isinstance(p, nn.Linear):  # FP8Linear: no cuBLASLt GELU epilogue for scaled GEMMs
             return self.net[2](F.gelu(p(x), approximate="tanh"))
@@ -126,7 +129,7 @@ class AdaLayerNormOut(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
 
-    def forward(self, x, temb):
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)
         return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
 
@@ -166,7 +169,13 @@ def _rope_tables_cpu(axes: tuple[int, int, int], img_shapes: tuple[tuple[int, in
     return img.cos(), img.sin(), txt.cos(), txt.sin()
 
 
-def rope_tables(axes, img_shapes, txt_len: int, device, layer3d: bool = False) -> tuple[torch.Tensor, ...]:
+def rope_tables(
+    axes: Sequence[int],
+    img_shapes: Sequence[Sequence[int]],
+    txt_len: int,
+    device: torch.device | str,
+    layer3d: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """(img_cos, img_sin, txt_cos, txt_sin), each (S, head_dim/2) fp32 on `device`.
 
     `img_shapes` lists (frames, h, w) in patch units for every image whose tokens are in the
@@ -211,7 +220,13 @@ class JointAttention(nn.Module):
         self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim)])
         self.to_add_out = nn.Linear(heads * head_dim, dim)
 
-    def forward(self, img, txt, attn_mask, rope):
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],  # (img_cos, img_sin, txt_cos, txt_sin) from `rope_tables`
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         B, Li, Lt = img.shape[0], img.shape[1], txt.shape[1]
         iq, ik, iv = self.to_qkv(img).view(B, Li, 3, self.heads, self.head_dim).unbind(2)  # (B, Li, H, Dh)
         tq, tk, tv = self.add_qkv_proj(txt).view(B, Lt, 3, self.heads, self.head_dim).unbind(2)
@@ -228,7 +243,13 @@ class JointAttention(nn.Module):
         o = o.transpose(1, 2).flatten(2).to(q.dtype)  # (B, S, H*Dh)
         return self.to_out[0](o[:, Lt:].contiguous()), self.to_add_out(o[:, :Lt].contiguous())
 
-    def forward_fused(self, img, txt, attn_mask, rope):
+    def forward_fused(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],  # (img_cos, img_sin, txt_cos, txt_sin) from `rope_tables`
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Same function; QK-norm + RoPE + the scatter into the joint [text; image] buffers is one
         kernel per stream (no torch.cat), and the buffers are (B, S, H, Dh) so the attention output
         reshapes to (B, S, H*Dh) for the out projections without a copy."""
@@ -265,7 +286,15 @@ class TransformerBlock(nn.Module):
         self.img_mlp = FeedForward(dim)
         self.txt_mlp = FeedForward(dim)
 
-    def forward(self, img, txt, temb, attn_mask, rope, split):
+    def forward(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        temb: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],
+        split: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)  # (B|2B, 3D) each
         txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
         txt_mod1, txt_mod2 = self.txt_mod(txt_temb).chunk(2, dim=-1)
@@ -284,7 +313,15 @@ class TransformerBlock(nn.Module):
             txt, img = txt.clip(-65504, 65504), img.clip(-65504, 65504)
         return img, txt
 
-    def forward_fused(self, img, txt, temb, attn_mask, rope, split):
+    def forward_fused(
+        self,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        temb: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        rope: tuple[torch.Tensor, ...],
+        split: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same block with fused kernels: LayerNorm+modulation in one pass, the attention
         residual fused with the next LayerNorm+modulation, cuBLASLt GELU epilogue. `split`: first
         token modulated with t=0 (zero_cond_t), else None."""
@@ -366,7 +403,9 @@ class QwenImageTransformer(nn.Module):
 
         fused = self.fused
 
-        def call(i: int, block: TransformerBlock, img: torch.Tensor, txt: torch.Tensor):
+        def call(
+            i: int, block: TransformerBlock, img: torch.Tensor, txt: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             return (block.forward_fused if fused else block)(img, txt, temb, attn_mask, rope, split)
 
         img, txt = self.block_runner.run(self.transformer_blocks, call, img, txt, step)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -73,7 +74,7 @@ class _GraphCache:
             out = fn(*static_in)
         return graph, static_in, out
 
-    def clear(self):
+    def clear(self) -> None:
         self.graphs.clear()
 
 
@@ -94,7 +95,8 @@ class CudaGraphRunner(_GraphCache):
         key = (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
                str(x.device), additional_t_cond is None, variant)  # fmt: skip
 
-        def fn(x, txt, mask, t, extra):
+        def fn(x: torch.Tensor, txt: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor,
+               extra: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
             return self.model(x, txt, mask, t, img_shapes, extra, step=step)
 
         return self._run(key, fn, (x, txt, mask, t, additional_t_cond))
@@ -149,7 +151,7 @@ class TextEncoderGraphs(_GraphCache):
         return self._run((tuple(x.shape), str(x.device)), self.eager, (x,))[:, :T]
 
 
-def compile_blocks(model: torch.nn.Module, **kwargs) -> torch.nn.Module:
+def compile_blocks(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:  # kwargs: torch.compile's
     """Regional compilation: compile each transformer block in place (one compile, reused by all 60
     identical blocks), which is how diffusers' `compile_repeated_blocks` works and far faster to
     compile than the whole model."""

@@ -24,8 +24,13 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..config import VAEConfig
+    from ..pipeline.base import PipelineBase
 
 __all__ = [
     "Calibration",
@@ -97,8 +102,8 @@ class ModelSizes:
                    te_blocks=28)  # fmt: skip
 
     @classmethod
-    def from_pipeline(cls, pipe) -> ModelSizes:
-        def nbytes(m) -> int:
+    def from_pipeline(cls, pipe: PipelineBase) -> ModelSizes:
+        def nbytes(m: torch.nn.Module) -> int:
             return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
 
         tr = pipe.transformer
@@ -129,8 +134,9 @@ def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def vae_activation_bytes(vae_cfg, batch: int, height: int, width: int, dtype: torch.dtype, *, encode: bool,
-                         fast: bool = True, calib: Calibration | None = None) -> int:  # fmt: skip
+def vae_activation_bytes(vae_cfg: VAEConfig, batch: int, height: int, width: int, dtype: torch.dtype, *,
+                         encode: bool, fast: bool = True,
+                         calib: Calibration | None = None) -> int:  # fmt: skip
     """Predicted VAE activation peak for one untiled pass over (batch, height, width) pixels."""
     c = calib or Calibration.load()
     px = batch * height * width
@@ -172,10 +178,10 @@ class MemoryPlanner:
         self.ring = ring  # GPU block buffers for offload="blocks"
 
     @classmethod
-    def from_pipeline(cls, pipe, calib: Calibration | None = None) -> MemoryPlanner:
+    def from_pipeline(cls, pipe: PipelineBase, calib: Calibration | None = None) -> MemoryPlanner:
         return cls(ModelSizes.from_pipeline(pipe), calib)
 
-    def with_calibration(self, **kw) -> MemoryPlanner:
+    def with_calibration(self, **kw: Any) -> MemoryPlanner:  # Calibration fields
         return MemoryPlanner(self.sizes, replace(self.calib, **kw), self.ring)
 
     def resident(self, offload: str, offload_vae: bool = False) -> int:
@@ -230,7 +236,9 @@ class MemoryPlanner:
         phases = {"encode": encode, "denoise": denoise, "decode": decode}
         return Prediction(peak=max(phases.values()) + c.overhead, phases=phases, resident=res)
 
-    def max_batch(self, height: int, width: int, budget: int | None = None, limit: int = 64, **kw) -> int:
+    def max_batch(
+        self, height: int, width: int, budget: int | None = None, limit: int = 64, **kw: Any
+    ) -> int:
         """The largest batch <= limit whose predicted peak fits `budget` (default: `default_budget()`); 0 if none."""
         budget = default_budget() if budget is None else budget
         lo = 0

@@ -10,13 +10,19 @@ from __future__ import annotations
 import base64
 import io
 import warnings
+from typing import TYPE_CHECKING
 
 from .schemas import APIError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 MIME = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 
-def encode_image(img, fmt: str, compression: int | None = None, meta: dict[str, str] | None = None) -> bytes:
+def encode_image(
+    img: Image.Image, fmt: str, compression: int | None = None, meta: dict[str, str] | None = None
+) -> bytes:
     """PIL image -> PNG (with the settings as iTXt, like `qwenfast generate`), JPEG or WebP bytes.
 
     `compression` is OpenAI's output_compression (0-100, higher = smaller file), so quality = 100 - it.
@@ -44,14 +50,14 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def jpeg_b64(img, quality: int = 70) -> str:
+def jpeg_b64(img: Image.Image, quality: int = 70) -> str:
     """A PIL image as a base64 JPEG (the streamed previews)."""
     buf = io.BytesIO()
     img.save(buf, format="JPEG", quality=quality)
     return b64(buf.getvalue())
 
 
-def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int):
+def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int) -> Image.Image:
     """Untrusted bytes -> RGB PIL image, or APIError(400) naming the upload and the reason."""
     from PIL import Image, UnidentifiedImageError
 

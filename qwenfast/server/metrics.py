@@ -10,6 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -77,7 +81,7 @@ class Metrics:
     def render(self, queue_depth: int, queue_images: int, in_flight: int, gpu: dict[str, float]) -> str:
         L: list[str] = []
 
-        def head(name, kind, help_):
+        def head(name: str, kind: str, help_: str) -> None:
             L.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
 
         with self.lock:
@@ -116,7 +120,7 @@ class Metrics:
         return "\n".join(L) + "\n"
 
 
-def gpu_memory(device) -> dict[str, float]:
+def gpu_memory(device: torch.device | str | None) -> dict[str, float]:
     """allocated / reserved / peak / total bytes on a CUDA device; empty on CPU."""
     import torch
 

@@ -12,14 +12,31 @@ import logging
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from .options import config_from_args
+
+if TYPE_CHECKING:
+    import argparse
+
+    import torch
+    import uvicorn
+    from fastapi import FastAPI
+
+    from ..options import EngineOptions
+    from ..pipeline.text_to_image import QwenImagePipeline
 
 log = logging.getLogger("qwenfast.server")
 
 
-def load_pipeline(model: str | None, device=None, dtype=None, options=None, preset: str | None = None,
-                  fp8: bool = False):  # fmt: skip
+def load_pipeline(
+    model: str | None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    options: EngineOptions | None = None,
+    preset: str | None = None,
+    fp8: bool = False,
+) -> QwenImagePipeline:
     """The pipeline class the folder needs (`qwenfast.from_pretrained`), with engine options, preset, FP8."""
     from ..options import EngineOptions
     from ..pipeline.auto import from_pretrained
@@ -38,7 +55,7 @@ def load_pipeline(model: str | None, device=None, dtype=None, options=None, pres
     return pipe
 
 
-def serve(a) -> int:
+def serve(a: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -80,7 +97,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def start_server(app, host: str = "127.0.0.1"):
+def start_server(app: FastAPI, host: str = "127.0.0.1") -> tuple[uvicorn.Server, threading.Thread, str]:
     """uvicorn in a background thread on a free port -> (server, thread, base URL)."""
     import uvicorn
 
@@ -96,6 +113,6 @@ def start_server(app, host: str = "127.0.0.1"):
     return server, th, f"http://{host}:{port}"
 
 
-def stop_server(server, th, timeout: float = 60) -> None:
+def stop_server(server: uvicorn.Server, th: threading.Thread, timeout: float = 60) -> None:
     server.should_exit = True
     th.join(timeout)

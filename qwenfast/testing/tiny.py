@@ -16,9 +16,23 @@ imported inside the functions.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        DiffusionPipeline,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageTransformer2DModel,
+    )
+    from transformers import (
+        PreTrainedTokenizerBase,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2TokenizerFast,
+        Qwen2VLProcessor,
+    )
 
 # Qwen2 pre-tokenisation regex (same as transformers' Qwen2Tokenizer).
 _PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -121,7 +135,7 @@ def _corpus() -> list[str]:
 _BPE_VOCAB_LIMIT = 2048  # training stops earlier (~1741) once every corpus pre-token is one token
 
 
-def build_tokenizer():
+def build_tokenizer() -> Qwen2TokenizerFast:
     """A small Qwen2-style byte-level BPE tokenizer (``transformers.Qwen2TokenizerFast``), made offline.
 
     Deterministic: the same vocabulary and merges every run. Special tokens follow the trained
@@ -177,7 +191,9 @@ def build_tokenizer():
     return tokenizer
 
 
-def text_encoder_config(tokenizer, hidden_size: int = 64, num_layers: int = 2) -> dict[str, Any]:
+def text_encoder_config(
+    tokenizer: PreTrainedTokenizerBase, hidden_size: int = 64, num_layers: int = 2
+) -> dict[str, Any]:
     """Keyword arguments for a tiny ``Qwen2_5_VLConfig`` (flat text keys + ``vision_config``)."""
     num_heads = 4
     if hidden_size % (2 * num_heads) != 0:
@@ -263,7 +279,9 @@ def _randomize(
                     p.copy_(torch.randn(p.shape, generator=generator) * bias_std)
 
 
-def build_text_encoder(tokenizer, seed: int = 0, hidden_size: int = 64, num_layers: int = 2):
+def build_text_encoder(
+    tokenizer: PreTrainedTokenizerBase, seed: int = 0, hidden_size: int = 64, num_layers: int = 2
+) -> Qwen2_5_VLForConditionalGeneration:
     """A tiny random ``Qwen2_5_VLForConditionalGeneration`` (fp32, eval mode) matching ``tokenizer``."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
@@ -307,7 +325,7 @@ VAE_CONFIG: dict[str, Any] = {
 
 def build_transformer(
     joint_attention_dim: int, *, seed: int = 0, num_layers: int = 2, zero_cond_t: bool = False
-):
+) -> QwenImageTransformer2DModel:
     """A tiny random ``QwenImageTransformer2DModel`` (inner dim 64, head dim 32, rope axes (8, 12, 12))."""
     from diffusers import QwenImageTransformer2DModel
 
@@ -337,7 +355,7 @@ def build_transformer(
     return model.eval()
 
 
-def build_vae(*, seed: int = 0):
+def build_vae(*, seed: int = 0) -> AutoencoderKLQwenImage:
     """A tiny random ``AutoencoderKLQwenImage`` (base_dim 16, z_dim 16, 8x spatial compression) with
     seeded non-trivial ``latents_mean`` / ``latents_std`` and perturbed RMS-norm gammas."""
     from diffusers import AutoencoderKLQwenImage
@@ -356,7 +374,7 @@ def build_vae(*, seed: int = 0):
     return model.eval()
 
 
-def build_scheduler():
+def build_scheduler() -> FlowMatchEulerDiscreteScheduler:
     """``FlowMatchEulerDiscreteScheduler`` with Qwen-Image's scheduler config."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
@@ -380,7 +398,9 @@ def _install_processor_saver(processor) -> None:
     ``video_preprocessor_config.json`` like the real checkpoints carry."""
     import json
 
-    def save_pretrained(save_directory, safe_serialization: bool = True, **kwargs):
+    def save_pretrained(
+        save_directory: str | os.PathLike, safe_serialization: bool = True, **kwargs: Any
+    ) -> None:
         os.makedirs(save_directory, exist_ok=True)
         processor.tokenizer.save_pretrained(save_directory)
         processor.image_processor.save_pretrained(save_directory)
@@ -407,7 +427,7 @@ def _install_processor_saver(processor) -> None:
     processor.save_pretrained = save_pretrained
 
 
-def build_processor(tokenizer):
+def build_processor(tokenizer: PreTrainedTokenizerBase) -> Qwen2VLProcessor:
     """A ``Qwen2VLProcessor`` (PIL image processor, no video processor) for the edit pipelines.
 
     transformers 5 insists on a torchvision video processor; its class check is relaxed while
@@ -425,7 +445,7 @@ def build_processor(tokenizer):
     image_processor = ImageProcessor(**_IMAGE_PROCESSOR_CONFIG)
     original = Qwen2VLProcessor.__dict__.get("check_argument_for_proper_class")
 
-    def lenient(self, argument_name, argument):
+    def lenient(self: Qwen2VLProcessor, argument_name: str, argument: Any) -> Any:  # as transformers' check
         if argument is None and argument_name == "video_processor":
             return None
         return super(Qwen2VLProcessor, self).check_argument_for_proper_class(argument_name, argument)
@@ -444,7 +464,7 @@ def build_processor(tokenizer):
     return processor
 
 
-def load_processor(folder):
+def load_processor(folder: str | os.PathLike) -> Qwen2VLProcessor:
     """Reload a processor folder written by :func:`build_tiny_pipeline` (``<path>/processor``)
     without torchvision; pass it as ``processor=`` to the edit pipelines' ``from_pretrained``."""
     from transformers import Qwen2Tokenizer
@@ -468,7 +488,7 @@ def build_tiny_pipeline(
     transformer_layers: int = 2,
     max_shard_size: int | str | None = None,
     dtype: torch.dtype = torch.float32,
-):
+) -> DiffusionPipeline:
     """A tiny random diffusers Qwen-Image pipeline, optionally saved to ``path``.
 
     ``edit``: None -> ``QwenImagePipeline``; "edit" -> ``QwenImageEditPipeline``; "edit-plus" ->
