@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--paths", action="store_true",
                     help="score every code path (fp32 reference, bf16, kernels, graphs, batched CFG, FP8) "
                          "and each one's gap to the reference")  # fmt: skip
+    bq.add_argument("--cache", action="append", default=None, metavar="POLICY",
+                    help="score the suite uncached and with each step-cache preset (repeatable: balanced, fast), "
+                         "at --steps (default 50) with CFG: score, computed fraction, PSNR/SSIM vs uncached")  # fmt: skip
     bq.add_argument("--results", default=None, metavar="DIR",
                     help="with --paths: append the record to DIR/quality.jsonl (default: only print it)")  # fmt: skip
 
@@ -236,6 +239,8 @@ def _meta_extras(meta: dict, a, loras: list[dict]) -> None:
         meta["preset"] = a.preset
     if a.fp8:
         meta["fp8"] = "e4m3 rowwise (transformer blocks)"
+    if a.cache not in (None, "off"):
+        meta["cache"] = a.cache
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -380,6 +385,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.what == "quality":  # the demo model's quality gate; CPU or GPU
         from .demo.bench import quality, quality_paths
 
+        if a.cache:
+            from .benchmarks import emit, versions
+            from .demo.bench import quality_cache
+
+            rows = quality_cache(a.model, tuple(a.cache), n=a.n, device=a.device, dtype=a.dtype,
+                                 steps=a.steps or 50, cfg=a.cfg)  # fmt: skip
+            emit({"bench": "quality_cache", "model": a.model or "demo-t2i", **versions(), "steps": a.steps or 50,
+                  "rows": rows}, "quality.jsonl", a.results)  # fmt: skip
+            return 0
         if not a.paths:
             quality(a.model, n=a.n, device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg, verbose=a.verbose)
             return 0

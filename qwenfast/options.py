@@ -50,7 +50,8 @@ class EngineOptions:
     oom: "backoff" (split the batch on CUDA OOM, then tile the VAE; per call) | "raise".
     decode_per_image: VAE-decode a batch image by image, so no image depends on its batch-mates
       (the server's default; off: one batched decode, as diffusers).
-    cache: the step-cache policy (None = off; filled in by the step-caching work).
+    cache: the step cache (runtime/cache.py): None / "off", "balanced", "fast" (presets named by the
+      quality they measured on the demo model), or a `CachePolicy`. Lossy; off by default.
     parallel: the multi-GPU layout (None = one device; filled in by the multi-GPU work).
     """
 
@@ -76,8 +77,14 @@ class EngineOptions:
         for name in ("fused", "cuda_graphs", "fp8", "decode_per_image"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.cache not in (None, "off"):
-            raise OptionsError(f"cache={self.cache!r}: step caching is not available in this qwenfast yet (use None)")
+        from .runtime.cache import resolve_policy
+
+        try:
+            resolve_policy(self.cache)
+        except ValueError as e:
+            raise OptionsError(str(e)) from None
+        if self.offload == "blocks" and resolve_policy(self.cache) is not None:
+            raise OptionsError("the step cache does not run with offload='blocks' yet (both own the block loop)")
         if self.parallel is not None:
             raise OptionsError(f"parallel={self.parallel!r}: multi-GPU is not available in this qwenfast yet")
         if self.offload == "blocks" and self.fp8:
@@ -147,6 +154,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
     False (every new prompt length or batch size would be a new capture).
     """
     from .config import PRESETS
+    from .runtime.cache import PRESETS as CACHE_PRESETS
 
     g = parser.add_argument_group("engine (how it runs: the same switches for generate, edit and serve)")
     g.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
@@ -164,6 +172,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
                    help="fused-op backend (default: $QWENFAST_KERNELS or auto)")
     g.add_argument("--attention", choices=list(ATTENTION), default=None,
                    help="attention backend (default: $QWENFAST_ATTENTION or auto)")
+    g.add_argument("--cache", choices=["off", *CACHE_PRESETS], default=None,
+                   help="step cache: skip the middle blocks on some steps (lossy; README 'Step caching' has the "
+                        "measured quality; default off)")  # fmt: skip
     g.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
 
@@ -172,4 +183,4 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
     """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. FP8 is left
     off here: the caller enables it after loading LoRAs (FP8 bakes them in)."""
     return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
-                                  attention=a.attention, **extra)  # fmt: skip
+                                  attention=a.attention, cache=getattr(a, "cache", None), **extra)  # fmt: skip

@@ -196,6 +196,7 @@ def end_to_end(
     smoke: bool,
     keep: dict | None = None,
     against: dict | None = None,
+    keep_ours: dict | None = None,
 ) -> dict:
     """Timed cases. `keep` receives diffusers' images per case; `against` (such a dict, when `ref` is
     None) gives the images to compare with and the times to divide by."""
@@ -234,6 +235,8 @@ def end_to_end(
             st["denoise_s"] = round(total - sum(timer.t.values()), 3)
             row[engine] = {"total_s": round(total, 3), **st, "peak_gib": round(_peak() / GiB, 2)}
             print(f"  {name:14s} {engine:10s} {json.dumps(row[engine])}", flush=True)
+        if keep_ours is not None:
+            keep_ours[name] = (images["qwenfast"], row["qwenfast"]["total_s"])
         if "diffusers" in images and keep is not None:
             keep[name] = (images["diffusers"], row["diffusers"]["total_s"])
         if "diffusers" not in images and against is not None and name in against:
@@ -247,6 +250,62 @@ def end_to_end(
                 f"{np.abs(images['diffusers'] - images['qwenfast']).mean():.3e}"
             )
         res[name] = row
+    return res
+
+
+def cache_rows(ours, cases, smoke: bool, cache: str, uncached: dict, diffusers: dict) -> dict:
+    """The end-to-end cases again with a step-cache policy: time, computed fraction, image difference
+    vs our uncached image of the same run, and the cost of one cached forward vs a full one."""
+    from ..runtime.cache import CachePolicy
+
+    res = {}
+    ours.configure(cache=cache)
+    for name in cases:
+        size, steps, cfg = CASES[name]
+        if smoke:
+            size, steps = 64, min(steps, 6)
+        _call(ours, "qwenfast", size, steps, cfg, f"{PROMPT} ({name})")  # warm-up: every variant's graph
+        ours.text_encoder.clear_cache()
+        _free()
+        stats = ours.block_runner.stats
+        stats.update(full=0, cached=0)
+        _sync()
+        t0 = time.perf_counter()
+        img = _call(ours, "qwenfast", size, steps, cfg, f"{PROMPT} ({name})")
+        _sync()
+        row = {"total_s": round(time.perf_counter() - t0, 3),
+               "computed_fraction": round(stats["full"] / max(1, stats["full"] + stats["cached"]), 3)}  # fmt: skip
+        if name in uncached:
+            row["uncached_s"] = uncached[name][1]
+            row["speedup_vs_uncached"] = round(uncached[name][1] / row["total_s"], 2)
+            row["mean_abs_diff_vs_uncached"] = float(f"{np.abs(img - uncached[name][0]).mean():.3e}")
+        if name in diffusers:
+            row["speedup_vs_diffusers"] = round(diffusers[name][1] / row["total_s"], 2)
+        res[name] = row
+        print(f"  {name:14s} cache={cache:<8s} {json.dumps(row)}", flush=True)
+    # one cached forward vs one full forward (denoise only): N steps with every step but the first
+    # cached, against N full steps
+    size, n = (64, 6) if smoke else (1024, 20)
+    policy = CachePolicy(kind="static", first=ours.block_runner.policy.first, last=ours.block_runner.policy.last,
+                         warmup=1, tail=0, every=10**6)  # fmt: skip
+    times = {}
+    for label, c in (("full", None), ("cached", policy)):
+        ours.configure(cache=c)
+        _call(ours, "qwenfast", size, n, False, PROMPT, seed=1)
+        _sync()
+        t0 = time.perf_counter()
+        _call(ours, "qwenfast", size, n, False, PROMPT, seed=1)
+        _sync()
+        times[label] = time.perf_counter() - t0
+    per_full = times["full"] / n
+    per_cached = (times["cached"] - per_full) / (n - 1)
+    blocks = len(ours.transformer.transformer_blocks)
+    res["cached_step"] = {"size": size, "full_forward_ms": round(1e3 * per_full, 2),
+                          "cached_forward_ms": round(1e3 * per_cached, 2),
+                          "ratio": round(per_cached / per_full, 4),
+                          "bound": round((policy.first + policy.last) / blocks * 1.1, 4)}  # fmt: skip
+    print(f"  cached step: {json.dumps(res['cached_step'])}", flush=True)
+    ours.configure(cache=None)
     return res
 
 
@@ -503,7 +562,7 @@ def offload_bench(ours: QwenImagePipeline, smoke: bool) -> dict:
 
 def run(cases: Iterable[str] = tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool = False,
         offload: bool = False, e2e: bool = True, out_dir: Path | None = None,
-        fp8: bool = False) -> dict:  # fmt: skip
+        fp8: bool = False, cache: str | None = None) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     ours, ref = build(smoke, diffusers_transformer=e2e or smoke)
     if hasattr(ref, "set_progress_bar_config"):
@@ -524,8 +583,11 @@ def run(cases: Iterable[str] = tuple(CASES), smoke: bool = False, vae: bool = Fa
             save_record(line, out_dir / "pipeline.jsonl")
 
     kept: dict = {}
+    ours_kept: dict = {}
     if e2e:
-        save("end_to_end", end_to_end(ours, ref, cases, smoke, keep=kept))
+        save("end_to_end", end_to_end(ours, ref, cases, smoke, keep=kept, keep_ours=ours_kept))
+        if cache:
+            save(f"end_to_end_cache_{cache}", cache_rows(ours, cases, smoke, cache, ours_kept, kept))
     if fp8 and e2e:  # qwenfast again with FP8 block GEMMs (irreversible for `ours`, so after the bf16 rows)
         # diffusers goes first (its VAE stays for the VAE rows): it shares our bf16 block weights, so
         # with it alive FP8 would add its weights to theirs instead of replacing ours
@@ -533,7 +595,10 @@ def run(cases: Iterable[str] = tuple(CASES), smoke: bool = False, vae: bool = Fa
         _free()
         ours.enable_fp8()
         _free()
-        save("end_to_end_fp8", end_to_end(ours, None, cases, smoke, against=kept))
+        fp8_kept: dict = {}
+        save("end_to_end_fp8", end_to_end(ours, None, cases, smoke, against=kept, keep_ours=fp8_kept))
+        if cache:
+            save(f"end_to_end_fp8_cache_{cache}", cache_rows(ours, cases, smoke, cache, fp8_kept, kept))
     if vae:
         save("vae", vae_bench(ours, ref, smoke))
     # Drop diffusers: it shares our GPU weights but also holds its own unfused Q/K/V copies (6.3 GiB at
@@ -559,10 +624,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", action="store_true", help="also forced-OOM recovery and offload modes (last)")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end cases")
     p.add_argument("--fp8", action="store_true", help="repeat the end-to-end cases with qwenfast's FP8 GEMMs")
+    p.add_argument("--cache", default=None, choices=["balanced", "fast"],
+                   help="also the end-to-end cases with this step-cache preset (bf16, and FP8 with --fp8)")
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
 def run_from_args(a: argparse.Namespace) -> int:
     run(cases=tuple(a.case or CASES), smoke=a.smoke, vae=a.vae, memory=a.memory, offload=a.offload,
-        e2e=not a.no_e2e, out_dir=results_dir(a.results), fp8=a.fp8)  # fmt: skip
+        e2e=not a.no_e2e, out_dir=results_dir(a.results), fp8=a.fp8, cache=a.cache)  # fmt: skip
     return 0

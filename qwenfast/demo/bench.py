@@ -194,3 +194,56 @@ def quality_paths(
         print(f"  {name:40s} {row['score']:5.1f}%  (gap {row['gap']:+.1f})  {row['s']:.1f}s", flush=True)
         del pipe
     return rows
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of two uint8 images (inf when equal)."""
+    mse = float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)) / 255.0**2
+    return float("inf") if mse == 0 else 10 * np.log10(1.0 / mse)
+
+
+def ssim(a: np.ndarray, b: np.ndarray, win: int = 7) -> float:
+    """Mean structural similarity of two uint8 HxWx3 images: Wang et al.'s formula with a `win` x `win`
+    uniform window per channel (scikit-image's defaults: K1 0.01, K2 0.03, sample covariance)."""
+    import torch.nn.functional as F
+
+    x = torch.from_numpy(a.astype(np.float64) / 255.0).permute(2, 0, 1)[:, None]  # (3, 1, H, W)
+    y = torch.from_numpy(b.astype(np.float64) / 255.0).permute(2, 0, 1)[:, None]
+    n = win * win
+    mean = lambda t: F.avg_pool2d(t, win, stride=1)  # noqa: E731 - the local mean, valid windows only
+    mx, my = mean(x), mean(y)
+    cov = n / (n - 1)
+    vx, vy, vxy = cov * (mean(x * x) - mx**2), cov * (mean(y * y) - my**2), cov * (mean(x * y) - mx * my)
+    c1, c2 = 0.01**2, 0.03**2
+    s = ((2 * mx * my + c1) * (2 * vxy + c2)) / ((mx**2 + my**2 + c1) * (vx + vy + c2))
+    return float(s.mean())
+
+
+def quality_cache(model=None, caches=("balanced", "fast"), n: int | None = None, device=None, dtype=None,
+                  steps: int = 50, cfg=None, batch: int = 24) -> list[dict]:  # fmt: skip
+    """The held-out suite at `steps` steps (CFG on, the model's scale) uncached and with each step-cache
+    policy, same seeds: score, the fraction of steps computed in full, PSNR / SSIM of each image vs the
+    uncached one."""
+    pipe = load(model, device, dtype)
+    rows, ref = [], None
+    for cache in (None, *caches):
+        pipe.configure(cache=cache)
+        t0 = time.perf_counter()
+        res, images = run_suite(pipe, n, steps=steps, cfg=cfg, batch=batch)
+        name = getattr(cache, "name", cache) or "off"
+        row = {"cache": name, "score": round(res.score, 2), "s": round(time.perf_counter() - t0, 1)}
+        if cache is not None:
+            st = pipe.block_runner.stats
+            row["computed_fraction"] = round(st["full"] / max(1, st["full"] + st["cached"]), 3)
+            row["gap"] = round(row["score"] - ref[0], 2)
+            ps = [psnr(a, b) for a, b in zip(images, ref[1])]
+            row["psnr_db"] = round(float(np.mean([min(v, 99.0) for v in ps])), 2)
+            row["ssim"] = round(float(np.mean([ssim(a, b) for a, b in zip(images, ref[1])])), 4)
+        else:
+            ref = (row["score"], images)
+        rows.append(row)
+        extra = "" if cache is None else (f"  computed {row['computed_fraction']:.0%}  PSNR {row['psnr_db']} dB  "
+                                          f"SSIM {row['ssim']}  (gap {row['gap']:+.1f})")  # fmt: skip
+        print(f"  cache {row['cache']:<9s} {row['score']:5.1f}%{extra}  {row['s']}s", flush=True)
+    pipe.configure(cache=None)
+    return rows

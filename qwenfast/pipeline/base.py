@@ -32,6 +32,7 @@ from ..models.text_encoder import TextEncoder, decoder_layers
 from ..options import EngineOptions, check_transition
 from ..runtime.attention import use_attention
 from ..runtime.blocks import BlockRunner, StepContext, StreamingBlockRunner
+from ..runtime.cache import StepCacheRunner, resolve_policy
 from ..runtime.cuda_graphs import CudaGraphRunner
 from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module
 from ..runtime.oom import run_in_chunks, vae_decode
@@ -96,9 +97,12 @@ class PipelineBase:
             self._fp8_layers = quantize_model(self.transformer)
         if new.offload != old.offload:
             self._set_offload(old.offload, new.offload, self._compute_device)
+        if new.cache != old.cache:
+            policy = resolve_policy(new.cache)
+            self.transformer.block_runner = StepCacheRunner(policy) if policy is not None else BlockRunner()
         self.transformer.fused = new.fused
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
-        if new.changed(old) & {"fp8", "offload", "fused", "attention", "kernels", "cuda_graphs"}:
+        if new.changed(old) & {"fp8", "offload", "fused", "attention", "kernels", "cuda_graphs", "cache"}:
             self._graphs.clear()  # captured with the old weights / kernels
         self._options = new
         return new

@@ -156,12 +156,12 @@ class QwenImageEditPipeline(QwenImagePipeline):
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None) -> QwenImageEditPipeline:  # fmt: skip
+                        cuda_graphs: bool | None = None, cache: object = None) -> QwenImageEditPipeline:  # fmt: skip
         """Load a diffusers-layout edit folder (None = the embedded demo edit model).
 
         Engine options and the `offload` / `fp8` / `cuda_graphs` shortcuts as for `QwenImagePipeline.from_pretrained`.
         """
-        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs})
+        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         f = load_folder(path if path is not None else DEFAULT_EDIT_MODEL, device, dtype, opts.offload, MODES,
                         "QwenImageEditPipeline runs Qwen-Image-Edit checkpoints (use QwenImagePipeline, or "
                         "qwenfast.from_pretrained which picks the class)")  # fmt: skip

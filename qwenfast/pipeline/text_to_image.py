@@ -46,7 +46,7 @@ class QwenImagePipeline(PipelineBase):
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None) -> QwenImagePipeline:  # fmt: skip
+                        cuda_graphs: bool | None = None, cache: object = None) -> QwenImagePipeline:  # fmt: skip
         """Load a diffusers-layout folder (None = the embedded tiny default model).
 
         `options`: the engine options (default: `EngineOptions.from_env()`); `offload`, `fp8` and
@@ -54,7 +54,7 @@ class QwenImagePipeline(PipelineBase):
         host memory, on the GPU only while encoding) | "blocks" (also the transformer blocks streamed
         from host memory). Offloaded parts are loaded to the CPU, so the GPU never holds them all.
         """
-        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs})
+        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, opts.offload, ("text-to-image",),
                         "QwenImagePipeline runs text-to-image checkpoints (use QwenImageEditPipeline or "
                         "`qwenfast edit`)")  # fmt: skip

@@ -58,6 +58,10 @@ class BlockRunner:
         """What a forward at `step` computes; part of the CUDA-graph key. One variant here."""
         return "full"
 
+    def prepare(self, step: StepContext | None, device: torch.device) -> None:
+        """Host-side work before a forward, outside any CUDA graph (a replayed graph runs no Python):
+        e.g. a step cache writes the coming step's factors into device scalars. Idempotent per step."""
+
     def run(self, blocks: Sequence[nn.Module], call: BlockCall, img: torch.Tensor, txt: torch.Tensor,
             step: StepContext | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         for i, block in enumerate(blocks):

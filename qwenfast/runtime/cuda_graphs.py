@@ -92,6 +92,8 @@ class CudaGraphRunner(_GraphCache):
         # one graph per block-runner variant: a runner whose steps compute different things (a step
         # cache's full and cached steps) gets a graph for each
         variant = runner.variant(step) if runner is not None else None
+        if runner is not None:
+            runner.prepare(step, x.device)  # host-side step state: a replay runs no Python
         key = (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
                str(x.device), additional_t_cond is None, variant)  # fmt: skip
 

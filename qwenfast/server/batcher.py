@@ -4,7 +4,7 @@ Why one worker thread: one GPU runs one pipeline call at a time anyway, and the 
 GPU work) must not run on the event loop, which keeps answering /health, /metrics, new requests
 and streams meanwhile. torch releases the GIL inside its ops, so the loop stays responsive.
 
-Batching: requests with the same batch key (size, steps, CFG scale and on/off, LoRA set; one model
+Batching: requests with the same batch key (size, steps, CFG scale and on/off, LoRA set, step cache; one model
 per server) share a pipeline call of up to `max_batch` images. Each image keeps its own
 `torch.Generator(seed)`, so it draws the same noise as alone. The server's pipelines decode per
 image (`EngineOptions.decode_per_image`, set by `load_pipeline`), so the decode is batch-invariant.
@@ -58,7 +58,7 @@ class Job:
         self.started: float | None = None
         p = params
         if kind == "t2i":
-            self.key = ("t2i", p.width, p.height, p.steps, p.cfg, p.negative is not None, loras)
+            self.key = ("t2i", p.width, p.height, p.steps, p.cfg, p.negative is not None, loras, p.cache)
         else:  # edit inputs differ per request; run alone (see app.py)
             self.key = ("edit", self.id)
 
@@ -95,6 +95,7 @@ class Scheduler:
         self.stopping = False
         self.avg_batch_s = 1.0
         self._loras = None  # the LoRA set currently applied to the pipeline
+        self._default_cache = getattr(getattr(pipe, "options", None), "cache", None)  # the server's --cache
         self._thread = threading.Thread(target=self._loop, name="qwenfast-worker", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -268,6 +269,12 @@ class Scheduler:
                            param="lora", code="invalid_lora") from None  # fmt: skip
         self._loras = loras
 
+    def _apply_cache(self, cache: str | None) -> None:
+        """The batch's step-cache preset (requests batch only with the same one); None = the server's."""
+        want = self._default_cache if cache is None else (None if cache == "off" else cache)
+        if hasattr(self.pipe, "configure") and self.pipe.options.cache != want:
+            self.pipe.configure(cache=want)
+
     def _generate(self, items: list[Item]) -> list:
         """Run one batch through the pipeline's public call; PIL images, one per item."""
         import torch
@@ -276,6 +283,7 @@ class Scheduler:
         p = job0.params
         jobs = list(dict.fromkeys(it.job for it in items))
         self._apply_loras(job0.loras)
+        self._apply_cache(p.cache)
         # previews only for clients that stream: nobody else would receive them (a decode each)
         preview_at = {job: _preview_steps(job.params.steps, job.params.partial_images if job.events else 0)
                       for job in jobs}  # fmt: skip

@@ -75,6 +75,7 @@ class ImageRequest(BaseModel):
     steps: int | None = None
     true_cfg_scale: float | None = None
     lora: list[LoraRef] | None = None
+    cache: Literal["off", "balanced", "fast"] | None = None  # step cache for this request (lossy)
 
 
 FORM_TYPES: dict[str, type] = {"n": int, "output_compression": int, "partial_images": int, "seed": int, "steps": int,
@@ -101,6 +102,7 @@ class Params:
     partial_images: int = 0
     loras: list[tuple[str, float]] = field(default_factory=list)
     size_auto: bool = False  # edits: size taken from the input image
+    cache: str | None = None  # step-cache preset; None = the server's default (--cache)
 
     def seeds(self) -> list[int]:
         return [(self.seed + i) % (MAX_SEED + 1) for i in range(self.n)]
@@ -283,5 +285,5 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
         response_format=r.response_format or "b64_json", output_format=r.output_format or "png",
         compression=r.output_compression, stream=bool(r.stream), progress=bool(r.progress),
         partial_images=r.partial_images or 0,  # OpenAI's default: no previews unless asked for
-        loras=sorted(loras), size_auto=size_auto,
+        loras=sorted(loras), size_auto=size_auto, cache=r.cache,
     )  # fmt: skip

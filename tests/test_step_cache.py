@@ -1,0 +1,194 @@
+"""Step caching on CPU (runtime/cache.py): the static all-full policy is the uncached model bitwise; a
+cached step is its definition (residual reuse / linear Taylor extrapolation); caches never leak
+between batch rows, CFG branches or requests; presets through options, CLI and server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qwenfast import QwenImagePipeline
+from qwenfast.errors import OptionsError
+from qwenfast.options import EngineOptions
+from qwenfast.runtime.blocks import BlockRunner, StepContext
+from qwenfast.runtime.cache import PRESETS, CachePolicy, StepCacheRunner
+
+TINY = Path(__file__).resolve().parent / "assets" / "tiny-random"
+KW = dict(height=48, width=32, num_inference_steps=8, output_type="np")
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = QwenImagePipeline.from_pretrained(TINY, device="cpu", dtype=torch.float32)
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+@pytest.fixture
+def fresh(pipe):
+    yield pipe
+    pipe.configure(cache=None, batched_cfg="auto")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_static_all_full_equals_uncached_bitwise(fresh):
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **KW)
+    want = fresh(["a red circle", "a blue square on the left"], generator=[_gen(1), _gen(2)], **kw).images
+    fresh.configure(cache=CachePolicy(kind="static", every=1, taylor=1))
+    got = fresh(["a red circle", "a blue square on the left"], generator=[_gen(1), _gen(2)], **kw).images
+    np.testing.assert_array_equal(got, want)
+    assert fresh.block_runner.stats["cached"] == 0 and fresh.block_runner.stats["full"] > 0
+
+
+class Probe(BlockRunner):
+    """Records the residual the blocks first..len-last add (the definition of what a cache stores)."""
+
+    def __init__(self, first, last):
+        self.first, self.last, self.res = first, last, []
+
+    def run(self, blocks, call, img, txt, step):
+        n = len(blocks)
+        for i in range(self.first):
+            img, txt = call(i, blocks[i], img, txt)
+        i0, t0 = img, txt
+        for i in range(self.first, n - self.last):
+            img, txt = call(i, blocks[i], img, txt)
+        self.res.append((img - i0, txt - t0))
+        for i in range(n - self.last, n):
+            img, txt = call(i, blocks[i], img, txt)
+        return img, txt
+
+
+class Replace(BlockRunner):
+    """first blocks, + a given middle residual, last blocks: a cached step by its definition."""
+
+    def __init__(self, first, last, res):
+        self.first, self.last, self.r = first, last, res
+
+    def run(self, blocks, call, img, txt, step):
+        n = len(blocks)
+        for i in range(self.first):
+            img, txt = call(i, blocks[i], img, txt)
+        img, txt = img + self.r[0], txt + self.r[1]
+        for i in range(n - self.last, n):
+            img, txt = call(i, blocks[i], img, txt)
+        return img, txt
+
+
+@pytest.fixture(scope="module")
+def demo_transformer():
+    """The demo's 5-block transformer (the tiny random one has only 2 blocks)."""
+    from qwenfast.loading.diffusers_folder import load_transformer
+    from qwenfast.pipeline.common import DEFAULT_MODEL
+
+    return load_transformer(DEFAULT_MODEL / "transformer", torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("taylor", [0, 1])
+@pytest.mark.parametrize("first,last", [(1, 1), (2, 0)])
+def test_a_cached_step_is_its_definition(demo_transformer, taylor, first, last):
+    tr = demo_transformer
+    torch.manual_seed(3)
+    shapes = [(1, 3, 2)]
+    xs = [torch.randn(2, 6, 64) for _ in range(3)]
+    emb, ts = torch.randn(2, 5, tr.cfg.joint_attention_dim), [torch.full((2,), s) for s in (1.0, 0.8, 0.6)]
+    policy = CachePolicy(kind="static", first=first, last=last, warmup=1, tail=0, every=100, taylor=taylor)  # full: 0, 1
+    steps = [StepContext(i, 4, float(ts[i][0]), "cond") for i in range(3)]
+
+    def fwd(runner, i):
+        tr.block_runner = runner
+        try:
+            return tr(xs[i], emb, None, ts[i], shapes, step=steps[i])
+        finally:
+            tr.block_runner = BlockRunner()
+
+    cache = StepCacheRunner(policy)
+    outs = [fwd(cache, i) for i in range(3)]
+    probe = Probe(first, last)
+    full = [fwd(probe, i) for i in range(3)]
+    torch.testing.assert_close(outs[0], full[0], rtol=0, atol=0)  # full steps are the model
+    torch.testing.assert_close(outs[1], full[1], rtol=0, atol=0)
+    r0, r1 = probe.res[0], probe.res[1]
+    r = r1 if not taylor else tuple(a + (a - b) * 1.0 for a, b in zip(r1, r0))  # (2 - 1) / (1 - 0)
+    want = fwd(Replace(first, last, r), 2)
+    torch.testing.assert_close(outs[2], want, rtol=1e-6, atol=1e-6)
+    assert (outs[2] - full[2]).abs().max() > 1e-4  # a cached step is not a full one
+    assert cache.stats == {"full": 2, "cached": 1}
+
+
+@pytest.mark.parametrize("policy", [PRESETS["fast"], CachePolicy(kind="adaptive", threshold=1.1, taylor=1)])
+def test_rows_branches_and_requests_never_share_a_cache(fresh, policy):
+    """A batch of two prompts equals each alone with the same policy; an earlier request changes nothing."""
+    fresh.configure(cache=policy, batched_cfg=False)
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **KW)
+    alone = [fresh([p], generator=[_gen(s)], **kw).images[0] for p, s in (("a red circle", 4), ("two blue stars", 5))]
+    both = fresh(["a red circle", "two blue stars"], generator=[_gen(4), _gen(5)], **kw).images
+    np.testing.assert_allclose(both[0], alone[0], atol=2e-5)
+    np.testing.assert_allclose(both[1], alone[1], atol=2e-5)
+    assert fresh.block_runner.stats["cached"] > 0  # the policy did skip something
+    again = fresh(["a red circle"], generator=[_gen(4)], **kw).images[0]
+    np.testing.assert_allclose(again, alone[0], atol=1e-6)
+    fresh.configure(batched_cfg=True)  # cond + uncond in one forward: the "both" branch's own cache
+    batched = fresh(["a red circle"], generator=[_gen(4)], **kw).images[0]
+    np.testing.assert_allclose(batched, alone[0], atol=2e-5)
+
+
+def test_caching_changes_the_image_a_little_and_computes_less(fresh):
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **{**KW, "num_inference_steps": 20})
+    want = fresh("a red circle", generator=_gen(6), **kw).images
+    fresh.configure(cache="fast")
+    got = fresh("a red circle", generator=_gen(6), **kw).images
+    s = fresh.block_runner.stats
+    assert 0 < s["full"] / (s["full"] + s["cached"]) <= 0.5
+    assert 0 < np.abs(got - want).max() < 0.5 and np.isfinite(got).all()
+
+
+def test_cache_options_and_their_errors(fresh):
+    assert EngineOptions(cache="fast").cache == "fast"
+    for bad in ("faster", 3, dict(kind="static")):
+        with pytest.raises(OptionsError):
+            EngineOptions(cache=bad)
+    with pytest.raises(OptionsError, match="offload='blocks'"):
+        EngineOptions(cache="fast", offload="blocks")
+    with pytest.raises(ValueError):
+        CachePolicy(kind="sometimes")
+    fresh.configure(cache="balanced")
+    assert isinstance(fresh.block_runner, StepCacheRunner) and fresh.block_runner.policy is PRESETS["balanced"]
+    fresh.configure(cache="off")
+    assert type(fresh.block_runner) is BlockRunner
+
+
+def test_cli_cache_flag(tmp_path):
+    from qwenfast.cli import main
+
+    out = tmp_path / "c.png"
+    assert main(["generate", "a red circle", "--steps", "6", "--cache", "fast", "--seed", "1", "--quiet",
+                 "--device", "cpu", "-o", str(out)]) == 0  # fmt: skip
+    from PIL import Image
+
+    assert Image.open(out).text["cache"] == "fast"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("cache", ["fast", "balanced"])
+def test_graph_and_eager_cached_paths_agree(cache):
+    """Static caches under CUDA graphs (one graph per variant: first, full, cached) = the eager path."""
+    p = QwenImagePipeline.from_pretrained(TINY, device="cuda", dtype=torch.bfloat16, cache=cache)
+    p.set_progress_bar_config(disable=True)
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **{**KW, "num_inference_steps": 12})
+    graphed = [p("a red circle", generator=_gen(7), **kw).images for _ in range(2)]  # capture, then replay
+    assert {k[-1] for k in p._graphs.graphs} >= {"first", "full", "cached"}
+    p.configure(cuda_graphs=False)
+    eager = p("a red circle", generator=_gen(7), **kw).images
+    np.testing.assert_array_equal(graphed[0], graphed[1])
+    np.testing.assert_allclose(graphed[1], eager, atol=2e-3)
+    p.configure(cache=None, cuda_graphs=True)
+    uncached = p("a red circle", generator=_gen(7), **kw).images
+    assert np.abs(uncached - eager).max() > 0  # the cache was on in both runs above
