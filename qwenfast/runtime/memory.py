@@ -30,7 +30,6 @@ import torch
 
 if TYPE_CHECKING:
     from ..config import VAEConfig
-    from ..pipeline.base import PipelineBase
 
 __all__ = [
     "Calibration",
@@ -102,7 +101,7 @@ class ModelSizes:
                    te_blocks=28)  # fmt: skip
 
     @classmethod
-    def from_pipeline(cls, pipe: PipelineBase) -> ModelSizes:
+    def from_pipeline(cls, pipe: Any) -> ModelSizes:  # a qwenfast pipeline, duck-typed (runtime is below it)
         def nbytes(m: torch.nn.Module) -> int:
             return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
 
@@ -178,7 +177,7 @@ class MemoryPlanner:
         self.ring = ring  # GPU block buffers for offload="blocks"
 
     @classmethod
-    def from_pipeline(cls, pipe: PipelineBase, calib: Calibration | None = None) -> MemoryPlanner:
+    def from_pipeline(cls, pipe: Any, calib: Calibration | None = None) -> MemoryPlanner:
         return cls(ModelSizes.from_pipeline(pipe), calib)
 
     def with_calibration(self, **kw: Any) -> MemoryPlanner:  # Calibration fields
