@@ -192,3 +192,27 @@ def test_graph_and_eager_cached_paths_agree(cache):
     p.configure(cache=None, cuda_graphs=True)
     uncached = p("a red circle", generator=_gen(7), **kw).images
     assert np.abs(uncached - eager).max() > 0  # the cache was on in both runs above
+
+
+def test_snapshot_restore_undoes_a_step(demo_transformer):
+    """CUDA-graph capture runs a step eagerly (warm-up) before recording it: the runner's state must
+    be put back so that the replay is the step's only run."""
+    tr = demo_transformer
+    torch.manual_seed(5)
+    x, emb = torch.randn(1, 6, 64), torch.randn(1, 5, tr.cfg.joint_attention_dim)
+    runner = StepCacheRunner(CachePolicy(kind="static", warmup=1, tail=0, every=100, taylor=1))
+    tr.block_runner = runner
+    try:
+        for i in range(2):
+            tr(x + i, emb, None, torch.full((1,), 1.0 - 0.1 * i), [(1, 3, 2)], step=StepContext(i, 6, 1.0, "cond"))
+        before = runner.snapshot()
+        tr(x + 5, emb, None, torch.full((1,), 0.5), [(1, 3, 2)], step=StepContext(1, 6, 1.0, "cond"))  # a full step again
+        changed = runner.snapshot()
+        runner.restore(before)
+        after = runner.snapshot()
+    finally:
+        tr.block_runner = BlockRunner()
+    (key,) = before
+    assert any((a - b).abs().max() > 1e-4 for a, b in zip(before[key], changed[key]))
+    for a, b in zip(before[key], after[key]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -58,6 +58,14 @@ class BlockRunner:
         """What a forward at `step` computes; part of the CUDA-graph key. One variant here."""
         return "full"
 
+    def snapshot(self) -> object:
+        """The runner's tensor state (a step cache's buffers), so that CUDA-graph warm-up runs, which
+        execute a step before its capture, can be undone (`restore`). None: stateless."""
+        return None
+
+    def restore(self, snap: object) -> None:
+        """Put back what `snapshot` returned (in place: graphs keep reading the same buffers)."""
+
     def prepare(self, step: StepContext | None, device: torch.device) -> None:
         """Host-side work before a forward, outside any CUDA graph (a replayed graph runs no Python):
         e.g. a step cache writes the coming step's factors into device scalars. Idempotent per step."""

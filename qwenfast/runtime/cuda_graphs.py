@@ -63,10 +63,12 @@ class _GraphCache:
         static_in = tuple(None if a is None else a.clone() for a in inputs)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
+        state = self._save_state()
         with torch.cuda.stream(s):
             for _ in range(self.warmup):  # warm-up outside the graph: lazy inits, autotuning, caches
                 fn(*static_in)
         torch.cuda.current_stream().wait_stream(s)
+        self._restore_state(state)  # the warm-ups ran this step already; its one real run is the replay
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -77,13 +79,30 @@ class _GraphCache:
     def clear(self) -> None:
         self.graphs.clear()
 
+    def _save_state(self) -> object:
+        """State that `fn` changes as it runs (none here; a step cache's buffers for the transformer)."""
+        return None
+
+    def _restore_state(self, state: object) -> None:
+        pass
+
 
 class CudaGraphRunner(_GraphCache):
     """Call like the transformer; replays a captured graph when the inputs are on CUDA."""
 
-    def __init__(self, model: torch.nn.Module, max_graphs: int = 4, warmup: int = 2):
+    def __init__(self, model: torch.nn.Module, max_graphs: int = 8, warmup: int = 2):
+        """`max_graphs`: a step cache uses up to 3 variants per CFG branch (first, full, cached)."""
         super().__init__(max_graphs, warmup)
         self.model = model
+
+    def _save_state(self) -> object:
+        runner = getattr(self.model, "block_runner", None)
+        return None if runner is None else (runner, runner.snapshot())
+
+    def _restore_state(self, state: object) -> None:
+        if state is not None:
+            runner, snap = state
+            runner.restore(snap)
 
     def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None, step=None):
         runner = getattr(self.model, "block_runner", None)
