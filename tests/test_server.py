@@ -665,3 +665,24 @@ def test_previews_are_decoded_only_for_streaming_clients(pipe, monkeypatch):
         assert r.status_code == 200 and calls == []
         r = httpx.post(base + G, json={**OK, "steps": 4, "partial_images": 2, "stream": True}, timeout=60)
         assert r.text.count("event: image_generation.partial_image") == 2 and len(calls) == 2
+
+
+def test_step_cache_per_request(pipe):
+    """`cache` per request: a cached image equals the pipeline's with that preset; requests with and
+    without a cache never share a batch; the server's own default stays as it was."""
+    body = {**OK, "steps": 12, "size": "64x64"}
+    with running(pipe, max_batch=4) as (base, _):
+        res = {k: httpx.post(base + G, json=b, timeout=120) for k, b in (
+            ("off", {**body, "seed": 3}), ("fast", {**body, "seed": 3, "cache": "fast"}),
+            ("bad", {**body, "cache": "fastest"}), ("off2", {**body, "seed": 3}))}  # fmt: skip
+    assert res["bad"].status_code == 400 and res["bad"].json()["error"]["param"] == "cache"
+    got = {k: png_pixels(res[k].json()["data"][0]["b64_json"]) for k in ("off", "fast", "off2")}
+    assert not np.array_equal(got["off"], got["fast"])
+    np.testing.assert_array_equal(got["off2"], got["off"])  # each batch sets its own policy back
+    assert pipe.options.cache is None
+    assert_same_image(got["off"], alone(pipe, OK["prompt"], 3, 64, 64, steps=12), "off")
+    pipe.configure(cache="fast")
+    try:
+        assert_same_image(got["fast"], alone(pipe, OK["prompt"], 3, 64, 64, steps=12), "fast")
+    finally:
+        pipe.configure(cache=None)

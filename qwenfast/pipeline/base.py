@@ -134,7 +134,6 @@ class PipelineBase:
     def release_graphs(self) -> None:
         """Drop every captured CUDA graph and its memory pool (before measuring memory, say)."""
         self._graphs.clear()
-        self._graphs._pool = None
 
     def set_progress_bar_config(self, disable: bool = False) -> None:
         """diffusers' switch for the per-call progress bar."""

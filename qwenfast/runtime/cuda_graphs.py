@@ -77,7 +77,10 @@ class _GraphCache:
         return graph, static_in, out
 
     def clear(self) -> None:
+        """Drop every graph and the memory pool they shared (a pool whose graphs are all gone cannot
+        take new captures: PyTorch's allocator asserts on it)."""
         self.graphs.clear()
+        self._pool = None
 
     def _save_state(self) -> object:
         """State that `fn` changes as it runs (none here; a step cache's buffers for the transformer)."""
