@@ -42,7 +42,7 @@ def main() -> None:
     for graphs in (True, False):
         ours.configure(cuda_graphs=graphs)
         for name in ("first", "full", "cached"):
-            ms = timed(lambda: ours._forward(x, emb, mask, t, shapes, steps[name]))
+            ms = timed(lambda s=steps[name]: ours._forward(x, emb, mask, t, shapes, s))
             res[f"{'graph' if graphs else 'eager'}_{name}_ms"] = round(ms, 3)
     ours.configure(cuda_graphs=False)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
