@@ -52,7 +52,8 @@ class EngineOptions:
       (the server's default; off: one batched decode, as diffusers).
     cache: the step cache (runtime/cache.py): None / "off", "balanced", "fast" (presets named by the
       quality they measured on the demo model), or a `CachePolicy`. Lossy; off by default.
-    parallel: the multi-GPU layout (None = one device; filled in by the multi-GPU work).
+    parallel: the multi-GPU layout (runtime/parallel.py): None = one device, or a `ParallelConfig` /
+      "cfg=2,ulysses=2"; needs torch.distributed with that many processes (`--parallel` starts them).
     """
 
     kernels: str | None = None
@@ -86,7 +87,17 @@ class EngineOptions:
         if self.offload == "blocks" and resolve_policy(self.cache) is not None:
             raise OptionsError("the step cache does not run with offload='blocks' yet (both own the block loop)")
         if self.parallel is not None:
-            raise OptionsError(f"parallel={self.parallel!r}: multi-GPU is not available in this qwenfast yet")
+            from .runtime.parallel import ParallelConfig
+
+            if isinstance(self.parallel, str):
+                try:
+                    object.__setattr__(self, "parallel", ParallelConfig.parse(self.parallel))
+                except ValueError as e:
+                    raise OptionsError(str(e)) from None
+            if not isinstance(self.parallel, ParallelConfig):
+                raise OptionsError(f"parallel must be a ParallelConfig or 'cfg=2,ulysses=2', got {self.parallel!r}")
+            if self.parallel.world > 1 and self.offload != "none":
+                raise OptionsError("parallel layouts need every weight resident (offload='none')")
         if self.offload == "blocks" and self.fp8:
             raise OptionsError("offload='blocks' with fp8=True is not supported yet: use offload='model' with FP8")
 

@@ -378,19 +378,22 @@ class QwenImageTransformer(nn.Module):
         img_shapes: list[tuple[int, int, int]],  # (frames, h/16, w/16) per image in the sequence
         additional_t_cond: torch.Tensor | None = None,
         step: StepContext | None = None,  # which denoising step this is (for the block runner)
+        shard: tuple[int, int] | None = None,  # sequence parallel: this rank's image tokens [start, end)
     ) -> torch.Tensor:  # (B, L_img, 4 * out_channels)
         cfg = self.cfg
         img_shapes = _normalize_shapes(img_shapes)
         n_img = sum(f * h * w for f, h, w in img_shapes)
-        if hidden_states.shape[1] != n_img:
-            raise ValueError(f"hidden_states has {hidden_states.shape[1]} tokens but img_shapes {img_shapes} give {n_img}")
+        start, end = shard if shard is not None else (0, n_img)
+        if hidden_states.shape[1] != end - start or not 0 <= start <= end <= n_img:
+            raise ValueError(f"hidden_states has {hidden_states.shape[1]} tokens but img_shapes {img_shapes} give "
+                             f"{n_img}" + (f" (shard {shard})" if shard is not None else ""))  # fmt: skip
         img = self.img_in(hidden_states)
         t = timestep.to(img.dtype)
         split = None  # zero_cond_t: tokens after the first image are modulated with t=0
         if cfg.zero_cond_t:
             t = torch.cat([t, t * 0], dim=0)
             f, h, w = img_shapes[0]
-            split = f * h * w
+            split = min(max(f * h * w - start, 0), end - start)  # in this rank's tokens
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         temb = self.time_text_embed(t, img.dtype, additional_t_cond)
 
@@ -400,6 +403,8 @@ class QwenImageTransformer(nn.Module):
             ones = torch.ones(m.shape[0], img.shape[1], dtype=torch.bool, device=m.device)
             attn_mask = torch.cat([m, ones], dim=1)[:, None, None, :]  # (B, 1, 1, S)
         rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device, cfg.use_layer3d_rope)
+        if shard is not None:  # this rank's image positions (the text is whole on every rank)
+            rope = (rope[0][start:end], rope[1][start:end], rope[2], rope[3])
 
         fused = self.fused
 

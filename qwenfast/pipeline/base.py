@@ -18,7 +18,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,10 @@ class PipelineBase:
         self._compute_device = torch.device(device) if device is not None else transformer.device
         self._options = EngineOptions()  # what the loaded weights are now; configure() moves from here
         self._block_streamer: BlockStreamer | None = None
+        self._parallel = None  # runtime.parallel.ParallelGroups when options.parallel is set
         self._vae_offloader: ModelOffloader | None = None
-        self.configure(**asdict(options if options is not None else EngineOptions.from_env()))
+        opts = options if options is not None else EngineOptions.from_env()
+        self.configure(**{f.name: getattr(opts, f.name) for f in fields(opts)})  # not asdict: keeps nested configs
 
     # ---------------------------------------------------------------- options
     @property
@@ -97,6 +99,13 @@ class PipelineBase:
             self._fp8_layers = quantize_model(self.transformer)
         if new.offload != old.offload:
             self._set_offload(old.offload, new.offload, self._compute_device)
+        if new.parallel != old.parallel:
+            from ..runtime.parallel import ParallelGroups
+
+            self._parallel = ParallelGroups(new.parallel) if new.parallel is not None else None
+        if new.parallel is not None and new.parallel.world > 1:
+            # the cfg split rides on the batched CFG forward; graphs with collectives: not yet
+            new = new.replace(cuda_graphs=False, batched_cfg=True if new.parallel.cfg == 2 else new.batched_cfg)
         if new.cache != old.cache:
             policy = resolve_policy(new.cache)
             self.transformer.block_runner = StepCacheRunner(policy) if policy is not None else BlockRunner()
@@ -278,11 +287,20 @@ class PipelineBase:
         return latents.to(self.device, self.dtype)
 
     # ---------------------------------------------------------------- the shared generation path
-    def _forward(self, x, emb, mask, t, img_shapes, step: StepContext | None = None) -> torch.Tensor:
+    def _forward(self, x, emb, mask, t, img_shapes, step: StepContext | None = None,
+                 shard: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
         """What the denoise core calls: the transformer, replayed as a CUDA graph where possible."""
-        if self._options.cuda_graphs and x.is_cuda:
+        if self._options.cuda_graphs and x.is_cuda and shard is None:
             return self._graphs(x, emb, mask, t, img_shapes, step=step)
-        return self.transformer(x, emb, mask, t, img_shapes, step=step)
+        return self.transformer(x, emb, mask, t, img_shapes, step=step, shard=shard)
+
+    def _core_forward(self):
+        """The forward the denoise core gets: `_forward`, or its multi-GPU wrapper."""
+        if self._parallel is None:
+            return self._forward
+        from ..runtime.parallel import ParallelForward
+
+        return ParallelForward(self._forward, self._parallel)
 
     def _generate(self, *, B: int, h: int, w: int, cond: S.TextCond, uncond: S.TextCond | None, cfg_scale: float,
                   steps: int, generator, latents, output_type: str, sigmas, scheduler_overrides: dict | None,
@@ -292,6 +310,10 @@ class PipelineBase:
         h, w: latent grid (pixels / 8, even). ref: (packed reference latents (B, M, 64), their
         (frames, h/2, w/2) shapes) for edits.
         """
+        par = self._options.parallel
+        if par is not None and par.cfg == 2 and uncond is None:
+            raise ValueError(f"parallel {par} splits true CFG over two ranks, but this call has no CFG (give a "
+                             "negative prompt and true_cfg_scale > 1, or use --parallel ulysses=N alone)")  # fmt: skip
         x = self.initial_latents(B, h, w, generator, latents)  # (B, h/2*w/2, 64)
         img_shapes = [(1, h // 2, w // 2), *(ref[1] if ref is not None else [])]
         sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(self.device)
@@ -304,12 +326,13 @@ class PipelineBase:
                     buf[_i:_j] = xc
                     callback(k, n, buf)
 
-            return S.denoise(self._forward, x[i:j], sig, img_shapes, cond.rows(i, j),
+            return S.denoise(forward, x[i:j], sig, img_shapes, cond.rows(i, j),
                              None if uncond is None else uncond.rows(i, j), cfg_scale,
                              None if ref is None else ref[0][i:j], self._options.batched_cfg, cb,
                              progress=self.progress_bar)  # fmt: skip
 
         buf = x.clone() if callback is not None else None
+        forward = self._core_forward()
         with self._engine():
             if self._options.oom == "backoff":  # per call: nothing stays switched on afterwards
                 parts = run_in_chunks(chunk, B, events=events)

@@ -324,7 +324,7 @@ VAE_CONFIG: dict[str, Any] = {
 
 
 def build_transformer(
-    joint_attention_dim: int, *, seed: int = 0, num_layers: int = 2, zero_cond_t: bool = False
+    joint_attention_dim: int, *, seed: int = 0, num_layers: int = 2, zero_cond_t: bool = False, heads: int = 2
 ) -> QwenImageTransformer2DModel:
     """A tiny random ``QwenImageTransformer2DModel`` (inner dim 64, head dim 32, rope axes (8, 12, 12))."""
     from diffusers import QwenImageTransformer2DModel
@@ -337,7 +337,7 @@ def build_transformer(
             out_channels=16,
             num_layers=num_layers,
             attention_head_dim=32,
-            num_attention_heads=2,
+            num_attention_heads=heads,
             joint_attention_dim=joint_attention_dim,
             axes_dims_rope=(8, 12, 12),
             zero_cond_t=zero_cond_t,
@@ -486,6 +486,7 @@ def build_tiny_pipeline(
     zero_cond_t: bool = False,
     edit: str | None = None,
     transformer_layers: int = 2,
+    heads: int = 2,
     max_shard_size: int | str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> DiffusionPipeline:
@@ -514,6 +515,7 @@ def build_tiny_pipeline(
             seed=seed,
             num_layers=transformer_layers,
             zero_cond_t=zero_cond_t,
+            heads=heads,
         ),
     }
     if edit is not None:

@@ -1,0 +1,201 @@
+"""Several GPUs for one image: CFG-parallel and Ulysses sequence parallel (torch.distributed).
+
+Layout: world = cfg x ulysses ranks, rank = cfg_rank * ulysses + sp_rank.
+- CFG-parallel (cfg=2): the denoise core runs true CFG as one batched forward of [cond; uncond];
+  cfg rank 0 computes the cond half, rank 1 the uncond half, and one all-gather per step gives both
+  ranks both predictions, so they step the same latents.
+- Ulysses (ulysses=G): the image tokens (noise and reference latents) are split over the G ranks of
+  a sequence group in contiguous chunks (uneven sizes allowed: 6889 tokens over 2 ranks is 3445 +
+  3444); the text tokens are replicated (a few hundred tokens: cheaper to recompute than to move).
+  Around the unchanged attention kernel (the `wrap_attention` seam) an all-to-all turns (all heads,
+  my tokens) into (H/G heads, all tokens) and back; the text part needs no exchange on the way in and
+  one all-gather of heads on the way out. Chunks are padded to the largest for the all-to-all (equal
+  sizes: NCCL and gloo both take them) and the padding is dropped before the attention, so no mask
+  is added and the result is exactly the one-device attention.
+
+Every rank holds the whole model, draws the same noise from the same seed, encodes the prompt and
+decodes the image itself (rank 0 keeps it). CPU processes over gloo run the same code (tests).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .attention import wrap_attention
+from .blocks import StepContext
+
+__all__ = ["ParallelConfig", "ParallelGroups", "ParallelForward", "split_sizes", "UlyssesAttention"]
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """cfg: 1 or 2 (cond / uncond on different ranks); ulysses: ranks sharing one sequence."""
+
+    cfg: int = 1
+    ulysses: int = 1
+
+    def __post_init__(self):
+        if self.cfg not in (1, 2):
+            raise ValueError(f"cfg parallel must be 1 or 2, got {self.cfg}")
+        if not isinstance(self.ulysses, int) or self.ulysses < 1:
+            raise ValueError(f"ulysses must be a whole number >= 1, got {self.ulysses!r}")
+
+    @property
+    def world(self) -> int:
+        return self.cfg * self.ulysses
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelConfig:
+        """"cfg=2,ulysses=2" | "ulysses=4" | "cfg=2" -> ParallelConfig."""
+        if not re.fullmatch(r"\s*(cfg|ulysses)\s*=\s*\d+\s*(,\s*(cfg|ulysses)\s*=\s*\d+\s*)?", text or ""):
+            raise ValueError(f"--parallel takes e.g. 'cfg=2,ulysses=2', 'ulysses=4' or 'cfg=2', got {text!r}")
+        kv = dict((k.strip(), int(v)) for k, v in (p.split("=") for p in text.split(",")))
+        return cls(**kv)
+
+    def __str__(self) -> str:
+        return f"cfg={self.cfg},ulysses={self.ulysses}"
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Contiguous chunk sizes of n tokens over `parts` ranks: the first n % parts get one more."""
+    return [n // parts + (1 if i < n % parts else 0) for i in range(parts)]
+
+
+class ParallelGroups:
+    """This process's place in the layout, and its two process groups (from torch.distributed)."""
+
+    def __init__(self, config: ParallelConfig):
+        if not dist.is_initialized():
+            raise RuntimeError(f"parallel {config} needs torch.distributed: start it with `qwenfast generate "
+                               f"--parallel {config}` (one process per GPU) or under torchrun")  # fmt: skip
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != config.world:
+            raise RuntimeError(f"parallel {config} needs {config.world} processes, this run has {world}")
+        self.config, self.rank, self.world = config, rank, world
+        G = config.ulysses
+        self.cfg_rank, self.sp_rank = divmod(rank, G)
+        self.sp_size = G
+        # every process creates every group, in the same order (torch.distributed's rule)
+        self.sp_group = self.cfg_group = None
+        for c in range(config.cfg):
+            ranks = [c * G + i for i in range(G)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self.sp_group = g
+        for i in range(G):
+            ranks = [c * G + i for c in range(config.cfg)]
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                self.cfg_group = g
+
+
+def _all_gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+class UlyssesAttention:
+    """The attention wrapper of one forward: q, k, v (B, H, Lt + n_mine, D) -> the same, attention
+    computed over every rank's tokens (see the module docstring)."""
+
+    def __init__(self, groups: ParallelGroups, sizes: list[int], txt_len: int):
+        self.g, self.sizes, self.txt_len = groups, sizes, txt_len
+
+    def __call__(self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        G, r, Lt = self.g.sp_size, self.g.sp_rank, self.txt_len
+        B, H, _, D = q.shape
+        if H % G:
+            raise ValueError(f"ulysses={G} needs a head count divisible by {G}; this model has {H} heads")
+        h = H // G
+        heads = slice(r * h, (r + 1) * h)
+        full = [torch.cat([x[:, heads, :Lt], self._gather_seq(x[:, :, Lt:], h)], dim=2) for x in (q, k, v)]
+        if mask is not None:  # (B, 1, 1, Lt + n_mine): the text part is replicated, image keys are real
+            ones = mask.new_ones(B, 1, 1, sum(self.sizes))
+            mask = torch.cat([mask[..., :Lt], ones], dim=-1)
+        o = inner(*full, mask)  # (B, h, Lt + N, D)
+        o_txt = torch.cat(_all_gather(o[:, :, :Lt], self.g.sp_group, G), dim=1)  # (B, H, Lt, D)
+        return torch.cat([o_txt, self._scatter_seq(o[:, :, Lt:], h)], dim=2)
+
+    def _gather_seq(self, x: torch.Tensor, h: int) -> torch.Tensor:
+        """(B, H, n_mine, D) -> (B, h, N, D): my head group of every rank's tokens."""
+        G, sizes = self.g.sp_size, self.sizes
+        B, H, n, D = x.shape
+        m = max(sizes)
+        if n < m:
+            x = torch.cat([x, x.new_zeros(B, H, m - n, D)], dim=2)
+        send = x.reshape(B, G, h, m, D).transpose(0, 1).contiguous()  # (G, B, h, m, D): chunk j -> rank j
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.g.sp_group)
+        return torch.cat([recv[j, :, :, : sizes[j]] for j in range(G)], dim=2)
+
+    def _scatter_seq(self, o: torch.Tensor, h: int) -> torch.Tensor:
+        """(B, h, N, D) -> (B, H, n_mine, D): every head group of my tokens."""
+        G, sizes, r = self.g.sp_size, self.sizes, self.g.sp_rank
+        B, _, N, D = o.shape
+        m = max(sizes)
+        parts, s = [], 0
+        for n in sizes:
+            c = o[:, :, s : s + n]
+            parts.append(c if n == m else torch.cat([c, c.new_zeros(B, h, m - n, D)], dim=2))
+            s += n
+        send = torch.stack(parts).contiguous()  # (G, B, h, m, D): chunk j (rank j's tokens) -> rank j
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.g.sp_group)
+        mine = recv[:, :, :, : sizes[r]]  # (G, B, h, n_mine, D): head group j from rank j
+        return mine.transpose(0, 1).reshape(B, G * h, sizes[r], D)
+
+
+def _rows(emb: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Trim right padding shared by all rows; drop an all-ones mask (what a batch of its own has)."""
+    if mask is None:
+        return emb, None
+    n = int(mask.sum(dim=1).max())
+    emb, mask = emb[:, :n], mask[:, :n]
+    return emb, (None if bool(mask.all()) else mask)
+
+
+class ParallelForward:
+    """Wraps the denoise core's forward `fn(x, emb, mask, t, img_shapes, step, shard=)` for a layout."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], groups: ParallelGroups):
+        self.fn, self.g = fn, groups
+
+    def __call__(self, x: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor,
+                 img_shapes: list, step: StepContext | None = None) -> torch.Tensor:  # fmt: skip
+        g = self.g
+        if g.config.cfg == 2:
+            if step is None or step.branch != "both":
+                raise RuntimeError("cfg=2 runs the cond and uncond passes of one batched CFG forward; this call "
+                                   "has no CFG (use ulysses alone, or true_cfg_scale > 1 with a negative prompt)")  # fmt: skip
+            half = x.shape[0] // 2
+            rows = slice(0, half) if g.cfg_rank == 0 else slice(half, None)
+            e, m = _rows(emb[rows], None if mask is None else mask[rows])
+            branch = "cond" if g.cfg_rank == 0 else "uncond"
+            step = StepContext(step.step, step.steps, step.sigma, branch)
+            out = self._sequence(x[rows], e, m, t[rows], img_shapes, step)
+            return torch.cat(_all_gather(out, g.cfg_group, 2), dim=0)
+        return self._sequence(x, emb, mask, t, img_shapes, step)
+
+    def _sequence(self, x, emb, mask, t, img_shapes, step) -> torch.Tensor:
+        g = self.g
+        G = g.sp_size
+        if G == 1:
+            return self.fn(x, emb, mask, t, img_shapes, step)
+        N = x.shape[1]
+        sizes = split_sizes(N, G)
+        start = sum(sizes[: g.sp_rank])
+        n = sizes[g.sp_rank]
+        with wrap_attention(UlyssesAttention(g, sizes, emb.shape[1])):
+            out = self.fn(x[:, start : start + n], emb, mask, t, img_shapes, step, shard=(start, start + n))
+        m = max(sizes)
+        if n < m:
+            out = torch.cat([out, out.new_zeros(out.shape[0], m - n, out.shape[2])], dim=1)
+        parts = _all_gather(out, g.sp_group, G)
+        return torch.cat([p[:, :s] for p, s in zip(parts, sizes)], dim=1)

@@ -1,0 +1,54 @@
+"""Run a pipeline call on N CPU processes over gloo (what the multi-GPU tests compare with one
+process). Importable by spawned processes, so it lives in the package, not in tests/."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dict, out: str, fail_rank: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        from qwenfast.options import EngineOptions
+        from qwenfast.pipeline.auto import from_pretrained
+
+        if rank == fail_rank:
+            raise RuntimeError(f"rank {rank} failed on purpose (test)")
+        pipe = from_pretrained(model, device="cpu", dtype=torch.float32, options=EngineOptions(parallel=layout))
+        pipe.set_progress_bar_config(disable=True)
+        kw = dict(call)
+        kw["generator"] = [torch.Generator().manual_seed(s) for s in kw.pop("seeds")]
+        images = pipe(**kw, output_type="np").images
+        if rank == 0:
+            np.save(out, images)
+            # what ran: the multi-GPU wrapper around the forward, over this many ranks
+            Path(out).with_suffix(".json").write_text(json.dumps(
+                {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size()}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_parallel(model: str | Path, layout: str, call: dict[str, Any], out: str | Path, world: int,
+                 fail_rank: int = -1) -> np.ndarray:  # fmt: skip
+    """`call` (pipeline kwargs; `seeds` instead of generators) on `world` gloo processes -> rank 0's images."""
+    mp.spawn(_worker, args=(world, free_port(), str(model), layout, call, str(out), fail_rank), nprocs=world,
+             join=True)  # fmt: skip
+    return np.load(out)
