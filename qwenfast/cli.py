@@ -131,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     from .benchmarks.serve import add_arguments as add_bench_serve_arguments
 
     add_bench_serve_arguments(bsub.add_parser("serve", help="server throughput and p50/p95 latency vs concurrency"))
+    from .benchmarks.parallel import add_arguments as add_bench_parallel_arguments
     from .benchmarks.pipeline import add_arguments as add_bench_pipeline_arguments
+
+    add_bench_parallel_arguments(bsub.add_parser(
+        "parallel", help="one image over several GPUs (ulysses, cfg) vs one GPU, and diffusers' own Ulysses"))  # fmt: skip
 
     add_bench_pipeline_arguments(bsub.add_parser(
         "pipeline", help="end to end vs diffusers (random full-size weights), VAE, memory planner, offload"))  # fmt: skip
@@ -244,6 +248,10 @@ def _meta_extras(meta: dict, a, loras: list[dict]) -> None:
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
+    from . import launch
+
+    if a.parallel and not launch.is_worker():
+        return launch.run(cmd_generate, a)  # every rank runs this function again, rank 0 writes
     import torch
 
     from .pipeline.common import EMBEDDED_NOTE
@@ -275,6 +283,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
     _meta_extras(meta, a, loras)
+    if launch.rank() != 0:
+        return 0
+    if a.parallel:
+        meta["parallel"] = a.parallel
     paths = save_pngs(out.images, Path(a.output), meta)
     print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
           f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
@@ -282,6 +294,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_edit(a: argparse.Namespace) -> int:
+    from . import launch
+
+    if a.parallel and not launch.is_worker():
+        return launch.run(cmd_edit, a)
 
     import torch
 
@@ -318,6 +334,8 @@ def cmd_edit(a: argparse.Namespace) -> int:
             "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "mode": pipe.mode,
             "inputs": json.dumps([str(p) for p in a.image]), "generator": "qwenfast"}  # fmt: skip
     _meta_extras(meta, a, loras)
+    if launch.rank() != 0:
+        return 0
     paths = save_pngs(out.images, Path(a.output), meta)
     print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {ow}x{oh}, {pipe.mode}; "
           f"load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})")  # fmt: skip
@@ -405,6 +423,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
                   "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
         emit(record, "quality.jsonl", a.results)
         return 0
+    if a.what == "parallel" and torch.cuda.is_available():
+        from .benchmarks.parallel import run_from_args as run_parallel
+
+        return run_parallel(a)
     if a.what == "serve":  # runs on CPU too (smoke test on the embedded model)
         from .benchmarks.serve import run_from_args
 
@@ -445,7 +467,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return serve(args)
     except (CheckpointError, ConfigError, ValueError, RuntimeError, OSError) as e:
-        if isinstance(e, RuntimeError) and "CUDA" not in str(e) and "cuda" not in str(e):
+        from .errors import ParallelError
+
+        if isinstance(e, RuntimeError) and not isinstance(e, ParallelError) and "CUDA" not in str(e) \
+                and "cuda" not in str(e):  # fmt: skip
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

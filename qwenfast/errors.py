@@ -27,5 +27,9 @@ class ConfigureError(RuntimeError):
     """`pipe.configure(...)` asked for a change a loaded pipeline cannot make (e.g. FP8 back to bf16)."""
 
 
+class ParallelError(RuntimeError):
+    """A multi-process run (`--parallel`) failed on one of its ranks; the message names the rank."""
+
+
 class GenerationOutOfMemory(RuntimeError):
     """CUDA out of memory even at batch size 1 with every fallback; the message says what was tried."""

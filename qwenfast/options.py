@@ -186,6 +186,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
     g.add_argument("--cache", choices=["off", *CACHE_PRESETS], default=None,
                    help="step cache: skip the middle blocks on some steps (lossy; README 'Step caching' has the "
                         "measured quality; default off)")  # fmt: skip
+    g.add_argument("--parallel", default=None, metavar="LAYOUT",
+                   help="several GPUs for one image: 'cfg=2', 'ulysses=2', 'cfg=2,ulysses=2' (one process per GPU, "
+                        "started for you; --device cpu: CPU processes over gloo)")  # fmt: skip
     g.add_argument("--preset", choices=list(PRESETS), default=None,
                    help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
 
@@ -194,4 +197,5 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
     """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. FP8 is left
     off here: the caller enables it after loading LoRAs (FP8 bakes them in)."""
     return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
-                                  attention=a.attention, cache=getattr(a, "cache", None), **extra)  # fmt: skip
+                                  attention=a.attention, cache=getattr(a, "cache", None),
+                                  parallel=getattr(a, "parallel", None), **extra)  # fmt: skip

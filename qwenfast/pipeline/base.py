@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..config import SchedulerConfig
-from ..errors import ConfigureError
+from ..errors import ConfigureError, OptionsError
 from ..kernels import use_backend
 from ..models.text_encoder import TextEncoder, decoder_layers
 from ..options import EngineOptions, check_transition
@@ -101,6 +101,12 @@ class PipelineBase:
             self._set_offload(old.offload, new.offload, self._compute_device)
         if new.parallel != old.parallel:
             from ..runtime.parallel import ParallelGroups
+
+            heads = self.transformer.cfg.num_attention_heads
+            if new.parallel is not None and heads % new.parallel.ulysses:
+                ok = [g for g in range(2, heads + 1) if heads % g == 0]
+                raise OptionsError(f"ulysses={new.parallel.ulysses} must divide the model's {heads} attention heads "
+                                   f"(possible: {ok})")  # fmt: skip
 
             self._parallel = ParallelGroups(new.parallel) if new.parallel is not None else None
         if new.parallel is not None and new.parallel.world > 1:
