@@ -105,3 +105,22 @@ def test_a_failing_rank_ends_the_run(six_heads, tmp_path):
     with pytest.raises(Exception, match="failed on purpose"):
         run_parallel(six_heads, "ulysses=2", call, tmp_path / "o.npy", 2, fail_rank=1)
     assert time.monotonic() - t0 < 90  # the other rank was ended, not left waiting in a collective
+
+
+def test_cli_parallel_writes_the_one_process_image(tmp_path, capsys):
+    """`qwenfast generate --device cpu --parallel ...` starts the ranks itself; rank 0 writes the PNG."""
+    from PIL import Image
+
+    from qwenfast.cli import main
+
+    args = ["generate", "a small red circle at the top left, blue background", "--device", "cpu", "--seed", "3",
+            "--steps", "4", "--quiet"]  # fmt: skip
+    assert main([*args, "-o", str(tmp_path / "one.png")]) == 0
+    assert main([*args, "--parallel", "ulysses=3", "-o", str(tmp_path / "par.png")]) == 0  # the demo has 3 heads
+    one = np.asarray(Image.open(tmp_path / "one.png")).astype(int)
+    par = Image.open(tmp_path / "par.png")
+    assert par.text["parallel"] == "ulysses=3"
+    assert np.abs(np.asarray(par).astype(int) - one).max() <= 1  # fp32: at most one 8-bit level
+    assert main([*args, "--parallel", "ulysses=2", "-o", str(tmp_path / "bad.png")]) == 2
+    assert "must divide the model's 3 attention heads" in capsys.readouterr().err
+    assert not (tmp_path / "bad.png").exists()
