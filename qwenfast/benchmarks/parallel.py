@@ -61,7 +61,8 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
             row["qwenfast_1gpu_ms"] = _ms(lambda: graphs(x, txt, None, t, shapes, step=step))
         else:
             dist.barrier()
-        par = ParallelForward(lambda *a, shard=None: ours(*a[:5], step=a[5], shard=shard), groups)
+        # the shard's forward as a CUDA graph, its collectives captured with it
+        par = ParallelForward(lambda *a, shard=None: graphs(*a[:5], step=a[5], shard=shard), groups)
         out = par(x, txt, None, t, shapes, step)
         row[f"qwenfast_ulysses{world}_ms"] = _ms(lambda: par(x, txt, None, t, shapes, step))
         row["rel_err_vs_1gpu"] = _rel(out, one)

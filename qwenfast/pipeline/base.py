@@ -110,8 +110,8 @@ class PipelineBase:
 
             self._parallel = ParallelGroups(new.parallel) if new.parallel is not None else None
         if new.parallel is not None and new.parallel.world > 1:
-            # the cfg split rides on the batched CFG forward; graphs with collectives: not yet
-            new = new.replace(cuda_graphs=False, batched_cfg=True if new.parallel.cfg == 2 else new.batched_cfg)
+            # the cfg split rides on the batched CFG forward
+            new = new.replace(batched_cfg=True if new.parallel.cfg == 2 else new.batched_cfg)
         if new.cache != old.cache:
             policy = resolve_policy(new.cache)
             self.transformer.block_runner = StepCacheRunner(policy) if policy is not None else BlockRunner()
@@ -296,8 +296,8 @@ class PipelineBase:
     def _forward(self, x, emb, mask, t, img_shapes, step: StepContext | None = None,
                  shard: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
         """What the denoise core calls: the transformer, replayed as a CUDA graph where possible."""
-        if self._options.cuda_graphs and x.is_cuda and shard is None:
-            return self._graphs(x, emb, mask, t, img_shapes, step=step)
+        if self._options.cuda_graphs and x.is_cuda:
+            return self._graphs(x, emb, mask, t, img_shapes, step=step, shard=shard)
         return self.transformer(x, emb, mask, t, img_shapes, step=step, shard=shard)
 
     def _core_forward(self):

@@ -107,21 +107,22 @@ class CudaGraphRunner(_GraphCache):
             runner, snap = state
             runner.restore(snap)
 
-    def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None, step=None):
+    def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None, step=None, shard=None):
         runner = getattr(self.model, "block_runner", None)
         if not (self.enabled and x.is_cuda) or (runner is not None and not runner.graph_safe):
-            return self.model(x, txt, mask, t, img_shapes, additional_t_cond, step=step)
+            return self.model(x, txt, mask, t, img_shapes, additional_t_cond, step=step, shard=shard)
         # one graph per block-runner variant: a runner whose steps compute different things (a step
         # cache's full and cached steps) gets a graph for each
         variant = runner.variant(step) if runner is not None else None
         if runner is not None:
             runner.prepare(step, x.device)  # host-side step state: a replay runs no Python
         key = (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
-               str(x.device), additional_t_cond is None, variant)  # fmt: skip
+               str(x.device), additional_t_cond is None, shard, variant)  # fmt: skip
 
         def fn(x: torch.Tensor, txt: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor,
                extra: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-            return self.model(x, txt, mask, t, img_shapes, extra, step=step)
+            # a sequence-parallel shard's collectives (attention seam) are captured with the rest
+            return self.model(x, txt, mask, t, img_shapes, extra, step=step, shard=shard)
 
         return self._run(key, fn, (x, txt, mask, t, additional_t_cond))
 

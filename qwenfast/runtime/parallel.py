@@ -115,7 +115,8 @@ class UlyssesAttention:
             raise ValueError(f"ulysses={G} needs a head count divisible by {G}; this model has {H} heads")
         h = H // G
         heads = slice(r * h, (r + 1) * h)
-        full = [torch.cat([x[:, heads, :Lt], self._gather_seq(x[:, :, Lt:], h)], dim=2) for x in (q, k, v)]
+        gathered = self._gather_seq([x[:, :, Lt:] for x in (q, k, v)], h)  # one exchange for q, k and v
+        full = [torch.cat([x[:, heads, :Lt], g], dim=2) for x, g in zip((q, k, v), gathered)]
         if mask is not None:  # (B, 1, 1, Lt + n_mine): the text part is replicated, image keys are real
             ones = mask.new_ones(B, 1, 1, sum(self.sizes))
             mask = torch.cat([mask[..., :Lt], ones], dim=-1)
@@ -123,17 +124,18 @@ class UlyssesAttention:
         o_txt = torch.cat(_all_gather(o[:, :, :Lt], self.g.sp_group, G), dim=1)  # (B, H, Lt, D)
         return torch.cat([o_txt, self._scatter_seq(o[:, :, Lt:], h)], dim=2)
 
-    def _gather_seq(self, x: torch.Tensor, h: int) -> torch.Tensor:
-        """(B, H, n_mine, D) -> (B, h, N, D): my head group of every rank's tokens."""
+    def _gather_seq(self, xs: list[torch.Tensor], h: int) -> list[torch.Tensor]:
+        """[(B, H, n_mine, D)] * k -> [(B, h, N, D)] * k: my head group of every rank's tokens, for k
+        tensors in one all-to-all."""
         G, sizes = self.g.sp_size, self.sizes
-        B, H, n, D = x.shape
-        m = max(sizes)
-        if n < m:
-            x = torch.cat([x, x.new_zeros(B, H, m - n, D)], dim=2)
-        send = x.reshape(B, G, h, m, D).transpose(0, 1).contiguous()  # (G, B, h, m, D): chunk j -> rank j
+        B, H, n, D = xs[0].shape
+        m, k = max(sizes), len(xs)
+        send = xs[0].new_zeros(G, k, B, h, m, D)  # chunk j (head group j of my tokens) -> rank j
+        for i, x in enumerate(xs):
+            send[:, i, :, :, :n] = x.reshape(B, G, h, n, D).transpose(0, 1)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.g.sp_group)
-        return torch.cat([recv[j, :, :, : sizes[j]] for j in range(G)], dim=2)
+        return [torch.cat([recv[j, i, :, :, : sizes[j]] for j in range(G)], dim=2) for i in range(k)]
 
     def _scatter_seq(self, o: torch.Tensor, h: int) -> torch.Tensor:
         """(B, h, N, D) -> (B, H, n_mine, D): every head group of my tokens."""
