@@ -56,6 +56,10 @@ def load_pipeline(
 
 
 def serve(a: argparse.Namespace) -> int:
+    if getattr(a, "parallel", None):
+        print("error: `qwenfast serve --parallel` is not available yet (one engine spanning several GPUs is "
+              "planned); serve on one GPU, or use `qwenfast generate --parallel ...`", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         import fastapi  # noqa: F401
         import uvicorn
