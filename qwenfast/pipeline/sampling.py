@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import SchedulerConfig
+from ..runtime.attention import trim_padding
 from ..runtime.blocks import StepContext
 
 
@@ -122,12 +123,7 @@ class TextCond:
     def rows(self, i: int, j: int) -> TextCond:
         """Rows i..j, trimmed to their longest prompt (no mask when none of them is padded), so a
         chunk of a split batch runs exactly what it would run as a batch of its own."""
-        emb, mask = self.emb[i:j], None if self.mask is None else self.mask[i:j]
-        if mask is not None:
-            n = int(mask.sum(dim=1).max())
-            emb, mask = emb[:, :n], mask[:, :n]
-            mask = None if bool(mask.all()) else mask
-        return TextCond(emb, mask)
+        return TextCond(*trim_padding(self.emb[i:j], None if self.mask is None else self.mask[i:j]))
 
 
 # forward(x (B, N+M, 64), emb (B, L, D), mask (B, L) | None, t (B,), img_shapes, step) -> (B, N+M, 64)

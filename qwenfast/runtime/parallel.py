@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .attention import wrap_attention
+from .attention import trim_padding, wrap_attention
 from .blocks import StepContext
 
 __all__ = ["ParallelConfig", "ParallelGroups", "ParallelForward", "split_sizes", "UlyssesAttention"]
@@ -154,15 +154,6 @@ class UlyssesAttention:
         return mine.transpose(0, 1).reshape(B, G * h, sizes[r], D)
 
 
-def _rows(emb: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Trim right padding shared by all rows; drop an all-ones mask (what a batch of its own has)."""
-    if mask is None:
-        return emb, None
-    n = int(mask.sum(dim=1).max())
-    emb, mask = emb[:, :n], mask[:, :n]
-    return emb, (None if bool(mask.all()) else mask)
-
-
 class ParallelForward:
     """Wraps the denoise core's forward `fn(x, emb, mask, t, img_shapes, step, shard=)` for a layout."""
 
@@ -178,7 +169,7 @@ class ParallelForward:
                                    "has no CFG (use ulysses alone, or true_cfg_scale > 1 with a negative prompt)")  # fmt: skip
             half = x.shape[0] // 2
             rows = slice(0, half) if g.cfg_rank == 0 else slice(half, None)
-            e, m = _rows(emb[rows], None if mask is None else mask[rows])
+            e, m = trim_padding(emb[rows], None if mask is None else mask[rows])
             branch = "cond" if g.cfg_rank == 0 else "uncond"
             step = StepContext(step.step, step.steps, step.sigma, branch)
             out = self._sequence(x[rows], e, m, t[rows], img_shapes, step)
