@@ -170,14 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup(pipe, a) -> list[dict]:
-    """Progress bar, preset, LoRAs, FP8 (in that order: FP8 bakes the LoRAs in)."""
+    """Progress bar, preset, LoRAs (FP8 is an option of the load: engine_options_from_args)."""
     pipe.set_progress_bar_config(disable=a.quiet)
     if a.preset:
         pipe.apply_preset(a.preset)
-    loras = [{"name": pipe.load_lora(p, s), "path": p, "strength": s} for p, s in a.lora]
-    if a.fp8:
-        pipe.configure(fp8=True)
-    return loras
+    return [{"name": pipe.load_lora(p, s), "path": p, "strength": s} for p, s in a.lora]
 
 
 def check_values(a: argparse.Namespace) -> None:
@@ -263,7 +260,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.model is None and single is None:
         print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
     t0 = time.perf_counter()
-    opts = engine_options_from_args(a)  # FP8 comes after the LoRAs (_setup)
+    opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
     if single is not None:
         pipe = QwenImagePipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
     else:
@@ -313,7 +310,7 @@ def cmd_edit(a: argparse.Namespace) -> int:
                              "(or --transformer/--vae/--text-encoder/--tokenizer single files)")  # fmt: skip
         print(f"note: no --model given, using the embedded demo edit model ({DEFAULT_EDIT_MODEL})", file=sys.stderr)
     t0 = time.perf_counter()
-    opts = engine_options_from_args(a)  # FP8 comes after the LoRAs (_setup)
+    opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
     if single is not None:  # Edit-2509/2511 preprocessing (Edit v1 files: from_single_files(..., mode="edit"))
         pipe = QwenImageEditPipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
     else:

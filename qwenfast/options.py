@@ -194,8 +194,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
 
 
 def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptions:
-    """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. FP8 is left
-    off here: the caller enables it after loading LoRAs (FP8 bakes them in)."""
+    """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. `--fp8` is an
+    option of the load: the transformer streams in as FP8 (LoRAs then run beside the FP8 GEMMs)."""
+    if getattr(a, "fp8", False):
+        extra.setdefault("fp8", True)
     return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
                                   attention=a.attention, cache=getattr(a, "cache", None),
                                   parallel=getattr(a, "parallel", None), **extra)  # fmt: skip

@@ -138,6 +138,11 @@ class FP8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_dtype = out_dtype
         self.in_features, self.out_features = weight_fp8.shape[1], weight_fp8.shape[0]
+        # Unmerged LoRA: (down (R, K), up (N, R)) in out_dtype, y += (x @ downᵀ) @ upᵀ, or None. Owned by
+        # loading.lora.LoraManager (strengths and scales are folded into `up`; R is padded to a bucket
+        # and the tensors are rewritten in place on a switch, so captured CUDA graphs stay valid).
+        # Plain attributes, not buffers: not part of the checkpoint's state dict.
+        self.lora: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> FP8Linear:
@@ -145,11 +150,31 @@ class FP8Linear(nn.Module):
         bias = None if lin.bias is None else lin.bias.detach()
         return cls(w8, sw, bias, lin.weight.dtype)
 
+    @classmethod
+    def empty_like(cls, lin: nn.Linear, dtype: torch.dtype | None = None) -> FP8Linear:
+        """An FP8 layer of `lin`'s shape with uninitialised storage on `lin`'s device (meta while a model
+        is being built, so that a loader can stream FP8 weights straight into it); `dtype`: its
+        activations' dtype (default `lin`'s)."""
+        N, K = lin.weight.shape
+        dev = lin.weight.device
+        bias = None if lin.bias is None else torch.empty_like(lin.bias)
+        return cls(torch.empty(N, K, dtype=FP8, device=dev), torch.empty(N, 1, dtype=torch.float32, device=dev),
+                   bias, dtype or lin.weight.dtype)  # fmt: skip
+
+    def _add_lora(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+        """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, the sum in the GEMM's epilogue."""
+        down, up = self.lora
+        h = x2.to(down.dtype) @ down.t()  # (M, R)
+        return torch.addmm(y2.to(up.dtype), h, up.t()).to(y2.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         K = self.in_features
         ok = x.is_cuda and fp8_supported(x.device) and K % 16 == 0 and self.out_features % 16 == 0
         if not ok:
-            return fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
+            y = fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
+            if self.lora is not None:
+                y = self._add_lora(x.reshape(-1, K), y.reshape(-1, self.out_features)).view(y.shape)
+            return y
         x2 = x.reshape(-1, K)
         if x2.stride(-1) != 1 or x2.stride(0) != K:
             x2 = x2.contiguous()
@@ -164,8 +189,10 @@ class FP8Linear(nn.Module):
         if key not in _REFUSED:
             try:
                 y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=sx, scale_b=self.weight_scale.t(), bias=bias,
-                                     out_dtype=self.out_dtype, use_fast_accum=True)  # fmt: skip
-                return y[:M].view(*x.shape[:-1], self.out_features)
+                                     out_dtype=self.out_dtype, use_fast_accum=True)[:M]  # fmt: skip
+                if self.lora is not None:
+                    y = self._add_lora(x2, y)
+                return y.view(*x.shape[:-1], self.out_features)
             except RuntimeError as e:  # the heuristic query fails on the host, before any launch
                 if "NOT_SUPPORTED" not in str(e):
                     raise
@@ -178,10 +205,13 @@ class FP8Linear(nn.Module):
         ).t()
         if bias is not None:
             y = y + bias
+        if self.lora is not None:
+            y = self._add_lora(x2, y)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 rowwise"
+        r = "" if self.lora is None else f", lora_rank={self.lora[0].shape[0]}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 rowwise{r}"
 
 
 IMAGE_LINEARS = ("attn.to_qkv", "attn.to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")  # 97% of the FLOPs at 1024²
@@ -189,11 +219,13 @@ BLOCK_LINEARS = ("attn.to_qkv", "attn.add_qkv_proj", "attn.to_out.0", "attn.to_a
                  "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")  # fmt: skip
 
 
-def quantize_model(model: nn.Module, names: tuple[str, ...] = BLOCK_LINEARS) -> int:
+def quantize_model(model: nn.Module, names: tuple[str, ...] = BLOCK_LINEARS, empty: bool = False,
+                   dtype: torch.dtype | None = None) -> int:  # fmt: skip
     """Replace the transformer blocks' big Linears with `FP8Linear` in place; returns how many.
 
     The modulation Linears (tiny GEMVs, and the model's most precision-sensitive path), the
     embedders and the output projection stay bf16. The bf16 weights of replaced layers are freed.
+    `empty`: uninitialised FP8 layers computing in `dtype` (a model on meta that a loader fills).
     """
     n = 0
     for block in model.transformer_blocks:
@@ -203,7 +235,7 @@ def quantize_model(model: nn.Module, names: tuple[str, ...] = BLOCK_LINEARS) -> 
             lin = getattr(parent, leaf) if not leaf.isdigit() else parent[int(leaf)]
             if not isinstance(lin, nn.Linear):
                 continue
-            q = FP8Linear.from_linear(lin)
+            q = FP8Linear.empty_like(lin, dtype) if empty else FP8Linear.from_linear(lin)
             if leaf.isdigit():
                 parent[int(leaf)] = q
             else:

@@ -91,15 +91,24 @@ def inspect_folder(path: Path) -> tuple[str | None, list[str]]:
     return kind, problems
 
 
-def load_transformer(folder: Path, device: torch.device | str, dtype: torch.dtype) -> QwenImageTransformer:
+def load_transformer(folder: Path, device: torch.device | str, dtype: torch.dtype, fp8: bool = False) -> QwenImageTransformer:
+    """`fp8`: the block Linears are quantised to FP8 tensor by tensor as they stream in (no bf16 model
+    on the device first); bitwise what `enable_fp8()` makes of the resident bf16 model."""
+    from ..kernels.fp8_linear import quantize_model
     from ..models.transformer import QwenImageTransformer, fuse_qkv_key
+    from .fp8_weights import FP8Weights
 
     folder = Path(folder)
     cfg = _config(TransformerConfig, folder / "config.json")
     with torch.device("meta"):
         model = QwenImageTransformer(cfg)
+        if fp8:
+            quantize_model(model, empty=True, dtype=dtype)
+    convert = QKVFuser(fuse_qkv_key)
+    if fp8:
+        convert = FP8Weights(model, dtype, convert, fuse_qkv_key)
     items = iter_safetensors(weight_files(folder, "diffusion_pytorch_model"), device)
-    return load_streaming(model, items, dtype=dtype, where=str(folder), convert=QKVFuser(fuse_qkv_key))
+    return load_streaming(model, items, dtype=dtype, where=str(folder), convert=convert)
 
 
 def load_vae(folder: Path, device: torch.device | str, dtype: torch.dtype) -> QwenImageVAE:

@@ -317,12 +317,16 @@ def iter_plain_tensors(
     device: torch.device | str,
     dtype: torch.dtype,
     keep: Callable[[str], bool] | None = None,
+    raw: Callable[[str], bool] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, Path]]:
     """Yield (file key, tensor in `dtype` on `device`, path), one tensor at a time, in key order.
 
     Scales, markers and input scales are consumed here; `keep(key)` False skips a tensor without
-    reading it (the other components of an all-in-one checkpoint).
+    reading it (the other components of an all-in-one checkpoint). `raw(key)` True: an FP8-stored
+    tensor comes as it is stored, a `loading.fp8_weights.QuantizedWeight` with its scale (FP8 loading).
     """
+    from .fp8_weights import QuantizedWeight
+
     staging = None
     if torch.device(device).type == "cuda":  # pinned, at most 64 MiB (the host allocator rounds up to 2^k)
         size = min(STAGING_BYTES, max(e - b for b, e in header.offsets.values()))
@@ -335,7 +339,9 @@ def iter_plain_tensors(
             if key in plan.aux or (keep is not None and not keep(key)):
                 continue
             t = read_tensor(f, header, key, device, staging)
-            if key in scales:
+            if raw is not None and t.dtype in FP8.values() and raw(key):
+                t = QuantizedWeight(t, scales.get(key))
+            elif key in scales:
                 t = dequantize(t, scales[key], dtype)
             elif t.is_floating_point():
                 t = t.to(dtype)

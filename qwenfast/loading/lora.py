@@ -54,7 +54,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import LoraError  # noqa: F401 - re-exported
+from ..kernels.fp8_linear import FP8Linear
 from ..models.transformer import fuse_qkv_key, split_qkv_key
+from .lora_fp8 import set_side_lora
 
 log = logging.getLogger("qwenfast")
 
@@ -166,9 +168,9 @@ class ModuleIndex:
     """The transformer's Linear layers under every name a LoRA may use for them."""
 
     def __init__(self, model: nn.Module):
-        self.linear: dict[str, nn.Linear] = {}
+        self.linear: dict[str, nn.Linear | FP8Linear] = {}
         for n, m in model.named_modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, (nn.Linear, FP8Linear)):  # FP8 layers take LoRAs unmerged (loading/lora_fp8.py)
                 self.linear[n.replace("_orig_mod.", "")] = m  # torch.compile wrappers add _orig_mod.
         self.flat: dict[str, str] = {}  # kohya flattened name -> dotted diffusers name
         for n in self.linear:
@@ -370,6 +372,23 @@ class LoraManager:
         # keep the copies after the last LoRA is unloaded, so that the next load skips the slow
         # device-to-host copy (a server that alternates between "no LoRA" and LoRAs); see release_originals
         self.keep_originals = False
+        self._side_dirty: set[str] = set()  # FP8 layers whose unmerged LoRA must be rebuilt
+        self.side_layout = 0  # bumped when an FP8 layer's LoRA tensors are reallocated or dropped
+
+    def rebind(self) -> None:
+        """The model's layers were replaced (FP8 quantisation): re-index them and apply the active LoRAs
+        again (onto FP8 layers, unmerged). Call `unfuse_all()` before replacing the layers."""
+        entries = list(self.active.values())
+        self.active.clear()
+        self.index = ModuleIndex(self.model)
+        self._apply_all(entries)
+
+    def unfuse_all(self) -> None:
+        """Restore every weight the active LoRAs changed, keeping them listed as active (for `rebind`)."""
+        entries = list(self.active.values())
+        self._remove(list(self.active))
+        for e in entries:
+            self.active[e.name] = e
 
     # ------------------------------------------------------------ public
     @property
@@ -429,7 +448,7 @@ class LoraManager:
         for src, s, n in new:  # read and check every new LoRA before changing anything
             entries.append(self._prepare(src, s, n, reserved))
             reserved.add(entries[-1].name)
-        self._remove(list(free) + [m.name for m, _ in restrength], free=False)  # originals reused below
+        self._remove(list(free) + [m.name for m, _ in restrength], free=False, sync=False)  # originals reused below
         for m, s in restrength:
             m.strength = s
         self._apply_all([m for m, _ in restrength] + entries)
@@ -454,7 +473,10 @@ class LoraManager:
         sd, meta = read_lora(lora)
         deltas = plan_lora(sd, self.index, meta, where)
         for d in deltas:
-            w = self.index.linear[d.module].weight
+            layer = self.index.linear[d.module]
+            if isinstance(layer, FP8Linear):
+                continue
+            w = layer.weight
             if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise LoraError(
                     f"{where}: {d.module} is stored as {w.dtype}; LoRAs can be fused into fp32/bf16/fp16 weights only"
@@ -495,15 +517,32 @@ class LoraManager:
         for d in entry.deltas:
             if only is not None and (d.module, d.slot) not in only:
                 continue
+            f = entry.strength * d.scale
+            if isinstance(self.index.linear[d.module], FP8Linear):
+                self._side_dirty.add(d.module)  # rebuilt from every active LoRA in _sync_side
+                if d.bias is not None:
+                    self._add_bias(d, f)
+                continue
             w = self._param(d.module, d.slot, "weight")
             self._save((d.module, d.slot, "weight"), w)
-            f = entry.strength * d.scale
             delta = (d.up.to(w.device, torch.float32) @ d.down.to(w.device, torch.float32)).mul_(f)
             w.copy_((w.float() + delta).to(w.dtype))  # fp32 sum, one rounding to the weight dtype
             if d.bias is not None:
-                b = self._param(d.module, d.slot, "bias")
-                self._save((d.module, d.slot, "bias"), b)
-                b.copy_((b.float() + d.bias.to(b.device, torch.float32) * f).to(b.dtype))
+                self._add_bias(d, f)
+
+    def _add_bias(self, d: LoraDelta, f: float) -> None:
+        b = self._param(d.module, d.slot, "bias")
+        self._save((d.module, d.slot, "bias"), b)
+        b.copy_((b.float() + d.bias.to(b.device, torch.float32) * f).to(b.dtype))
+
+    def _sync_side(self) -> None:
+        """Rebuild the unmerged LoRA tensors of the FP8 layers touched since the last call."""
+        for mod in sorted(self._side_dirty):
+            parts = [(d.slot, d.up, d.down, e.strength * d.scale) for e in self.active.values() if e.strength
+                     for d in e.deltas if d.module == mod]  # fmt: skip
+            if set_side_lora(self.index.linear[mod], parts):
+                self.side_layout += 1
+        self._side_dirty.clear()
 
     def _apply_all(self, entries: list[ActiveLora]) -> None:
         """Apply and register entries; if anything fails midway (e.g. out of memory) undo them all."""
@@ -513,6 +552,7 @@ class LoraManager:
                 done.append(e)
                 self._apply(e)
                 self.active[e.name] = e
+            self._sync_side()
         except BaseException:
             for e in done:
                 self.active[e.name] = e
@@ -521,8 +561,10 @@ class LoraManager:
         self._free_unused()  # also waits for the asynchronous copies of the originals
 
     @torch.no_grad()
-    def _remove(self, names: list[str], free: bool = True) -> None:
-        """Restore every segment the named LoRAs touched, then re-apply the LoRAs that stay there."""
+    def _remove(self, names: list[str], free: bool = True, sync: bool = True) -> None:
+        """Restore every segment the named LoRAs touched, then re-apply the LoRAs that stay there.
+        `sync` False: leave FP8 layers' LoRA tensors for the `_apply_all` that follows (a switch
+        rewrites them in place instead of dropping and reallocating them)."""
         gone = [self.active.pop(n) for n in names if n in self.active]
         if not gone:
             return
@@ -534,6 +576,9 @@ class LoraManager:
             touched = e.segments() & segs
             if touched:
                 self._apply(e, only=touched)
+        self._side_dirty |= {m for m, _ in segs if isinstance(self.index.linear[m], FP8Linear)}
+        if sync:
+            self._sync_side()
         if free:
             self._free_unused()
 
@@ -559,7 +604,7 @@ class LoraManager:
             _unpin(t)
 
     def _sync(self) -> None:
-        if any(m.weight.is_cuda for m in self.index.linear.values()):
+        if any(t.is_cuda for m in self.index.linear.values() for t in (*m.parameters(False), *m.buffers(False))):
             torch.cuda.synchronize()
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,9 +87,11 @@ class Source:
         return {name: self.header.shapes[k] for k, name in self.names.items()}
 
     def items(
-        self, device: torch.device | str, dtype: torch.dtype
+        self, device: torch.device | str, dtype: torch.dtype, raw: Callable[[str], bool] | None = None
     ) -> Iterator[tuple[str, torch.Tensor, Path]]:
-        return iter_plain_tensors(self.header, self.quant, device, dtype, keep=self.names.__contains__)
+        """`raw(our name)` True: that tensor as stored if it is FP8 (see `iter_plain_tensors`)."""
+        fp8 = None if raw is None else (lambda k: raw(self.names[k]))
+        return iter_plain_tensors(self.header, self.quant, device, dtype, keep=self.names.__contains__, raw=fp8)
 
     def describe(self) -> str:
         return f"{self.path.name}: {self.layout}, {self.quant.kind}"
@@ -211,22 +213,34 @@ def load_transformer_file(
     dtype: torch.dtype,
     config: TransformerConfig | dict | Path | str | None = None,
     source: tuple[Source, TransformerConfig] | None = None,  # from `inspect_transformer`
+    fp8: bool = False,
 ) -> QwenImageTransformer:
-    """A transformer single file -> `QwenImageTransformer` on `device` in `dtype`."""
+    """A transformer single file -> `QwenImageTransformer` on `device` in `dtype`.
+
+    `fp8`: the block Linears become `FP8Linear`s as the tensors stream in (`loading.fp8_weights`):
+    FP8-stored weights keep their stored values and scales, others are quantised per row.
+    """
+    from ..kernels.fp8_linear import quantize_model
     from ..models.transformer import QwenImageTransformer, fuse_qkv_key
+    from .fp8_weights import FP8Weights
 
     src, cfg = source or inspect_transformer(path, config)
-    log.info("loading %s", src.describe())
+    log.info("loading %s%s", src.describe(), " as FP8 weights" if fp8 else "")
     with torch.device("meta"):
         model = QwenImageTransformer(cfg)
-    fuser = QKVFuser(fuse_qkv_key)
+        if fp8:
+            quantize_model(model, empty=True, dtype=dtype)
+    step = fuser = QKVFuser(fuse_qkv_key)
+    if fp8:
+        step = FP8Weights(model, dtype, fuser, fuse_qkv_key)
 
     def convert(key: str, t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
         name = src.names.get(key)
-        return None if name is None else fuser(name, t)
+        return None if name is None else step(name, t)
 
     convert.check_done = fuser.check_done
-    return load_streaming(model, src.items(device, dtype), dtype=dtype, where=str(src.path), convert=convert)
+    items = src.items(device, dtype, raw=step.wants if fp8 else None)
+    return load_streaming(model, items, dtype=dtype, where=str(src.path), convert=convert)
 
 
 # ---------------------------------------------------------------------------------------------- VAE
@@ -625,6 +639,7 @@ def load_single_files(
     transformer_config: TransformerConfig | dict | Path | str | None = None,
     vae_config: VAEConfig | dict | Path | str | None = None,
     text_encoder_config: Qwen2_5_VLConfig | dict | Path | str | None = None,
+    fp8: bool = False,
 ) -> Components:
     """Check every file (headers, layouts, configs, tokenizer), then load the three models.
 
@@ -650,9 +665,9 @@ def load_single_files(
 
     dirs = {k: Path(v) for k, v in given.items() if plans[k] is None}
     if "transformer" in dirs:
-        tr = folder.load_transformer(dirs["transformer"], device, dtype)
+        tr = folder.load_transformer(dirs["transformer"], device, dtype, fp8=fp8)
     else:
-        tr = load_transformer_file(transformer, device, dtype, source=plans["transformer"])
+        tr = load_transformer_file(transformer, device, dtype, source=plans["transformer"], fp8=fp8)
     if "vae" in dirs:
         v = folder.load_vae(dirs["vae"], device, dtype)
     else:

@@ -161,6 +161,7 @@ def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 _M = TypeVar("_M", bound=nn.Module)
+KEEP_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def load_streaming(
@@ -173,26 +174,32 @@ def load_streaming(
 ) -> _M:
     """Assign every tensor of `items` to `model` (built on meta), cast floating tensors to `dtype`.
 
-    `convert` maps a checkpoint key/tensor to our layout (None = deliberately dropped). Raises
+    `convert` maps a checkpoint key/tensor to our layout: (name, tensor), a list of them, or None
+    (deliberately dropped). FP8 tensors and `.weight_scale`s keep the model's dtype for them. Raises
     CheckpointError listing unexpected keys (with their file), shape mismatches and missing keys.
     """
-    expected = {k: v.shape for k, v in model.state_dict(keep_vars=True).items()}
+    state = model.state_dict(keep_vars=True)
+    expected = {k: v.shape for k, v in state.items()}
+    # tensors the model keeps in a dtype of their own (FP8 weights and their fp32 scales) are cast to that
+    keep = {k: v.dtype for k, v in state.items() if v.dtype in KEEP_DTYPES or k.endswith(".weight_scale")}
     seen, unexpected, bad_shape = set(), [], []
     for key, t, f in items:
         out = convert(key, t) if convert else (key, t)
         if out is None:
             continue
-        name, t = out
-        if name not in expected:
-            unexpected.append(f"{key} ({f.name})")
-            continue
-        if tuple(t.shape) != tuple(expected[name]):
-            bad_shape.append(f"{key}: file {tuple(t.shape)} vs model {tuple(expected[name])} ({f.name})")
-            continue
-        if t.is_floating_point():
-            t = t.to(dtype)
-        _set_tensor(model, name, t)
-        seen.add(name)
+        for name, t in [out] if isinstance(out, tuple) else out:  # a convert step may emit several tensors
+            if name not in expected:
+                unexpected.append(f"{key} ({f.name})")
+                continue
+            if tuple(t.shape) != tuple(expected[name]):
+                bad_shape.append(f"{key}: file {tuple(t.shape)} vs model {tuple(expected[name])} ({f.name})")
+                continue
+            if name in keep:
+                t = t.to(keep[name])
+            elif t.is_floating_point():
+                t = t.to(dtype)
+            _set_tensor(model, name, t)
+            seen.add(name)
     if hasattr(convert, "check_done"):
         convert.check_done(where)
     missing = sorted(set(expected) - seen)

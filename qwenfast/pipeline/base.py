@@ -94,9 +94,7 @@ class PipelineBase:
         if new.fp8 and not old.fp8:
             if old.offload == "blocks":
                 raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
-            from ..kernels.fp8_linear import quantize_model
-
-            self._fp8_layers = quantize_model(self.transformer)
+            self._fp8_layers = self._quantize()
         if new.offload != old.offload:
             self._set_offload(old.offload, new.offload, self._compute_device)
         if new.parallel != old.parallel:
@@ -140,11 +138,29 @@ class PipelineBase:
 
     def enable_fp8(self) -> int:
         """Run the transformer blocks' big Linears as FP8 e4m3 GEMMs (rowwise scales, Hopper/Ada):
-        `configure(fp8=True)`. About 1.8x faster GEMMs; not bitwise diffusers any more. One-way: LoRAs
-        loaded before are baked in, and the LoRA set cannot change afterwards. Returns the number of
-        layers converted."""
+        `configure(fp8=True)`. About 1.8x faster GEMMs; not bitwise diffusers any more. One-way. LoRAs
+        (loaded before or after) run unmerged beside the FP8 GEMMs and can be switched and unloaded
+        at any time. Returns the number of FP8 layers."""
         self.configure(fp8=True)
         return getattr(self, "_fp8_layers", 0)
+
+    def _quantize(self) -> int:
+        """The block Linears to FP8 (unless the loader made them FP8 already); active LoRAs move from
+        fused bf16 to unmerged beside the FP8 GEMMs. Returns the number of FP8 layers."""
+        from ..kernels.fp8_linear import FP8Linear, quantize_model
+
+        m = self.__dict__.get("_lora_manager")
+        if m is not None and m.active:
+            m.unfuse_all()  # bitwise bf16 base first: quantise the base, not base + LoRA
+        quantize_model(self.transformer)
+        if m is not None:
+            m.rebind()
+        return sum(isinstance(x, FP8Linear) for x in self.transformer.modules())
+
+    def _lora_changed(self, layout: int) -> None:
+        """After a LoRA change: drop captured graphs if FP8 layers' LoRA tensors were reallocated."""
+        if self.lora_manager.side_layout != layout:
+            self._graphs.clear()
 
     def release_graphs(self) -> None:
         """Drop every captured CUDA graph and its memory pool (before measuring memory, say)."""
@@ -226,15 +242,22 @@ class PipelineBase:
 
         Several LoRAs stack. Errors (unknown layers, wrong shapes, unreadable file) are raised before
         any weight changes. The original values of touched weights are kept in host memory so that
-        `unload_lora` restores them bitwise (as much host memory as the touched weights).
+        `unload_lora` restores them bitwise (as much host memory as the touched weights). With FP8
+        the LoRA runs unmerged beside the FP8 GEMMs (`loading/lora_fp8.py`): nothing is copied.
         """
-        self._check_lora_change()
-        return self.lora_manager.load(lora, strength, name)
+        layout = self.lora_manager.side_layout
+        try:
+            return self.lora_manager.load(lora, strength, name)
+        finally:
+            self._lora_changed(layout)
 
     def unload_lora(self, name: str | None = None) -> None:
         """Remove one LoRA by name, or all of them: touched weights are restored bitwise."""
-        self._check_lora_change()
-        self.lora_manager.unload(name)
+        layout = self.lora_manager.side_layout
+        try:
+            self.lora_manager.unload(name)
+        finally:
+            self._lora_changed(layout)
 
     @property
     def loras(self) -> dict[str, float]:
@@ -243,14 +266,11 @@ class PipelineBase:
 
     def set_loras(self, loras: list[tuple]) -> None:
         """Make the active LoRAs exactly `[(path, strength[, name]), ...]`, changing only what differs."""
-        if not self._options.fp8 or list(loras) or self.loras:  # "none -> none" is fine with FP8
-            self._check_lora_change()
+        layout = self.lora_manager.side_layout
+        try:
             self.lora_manager.set(loras)
-
-    def _check_lora_change(self) -> None:
-        if self._options.fp8:
-            raise RuntimeError("LoRAs cannot change after enable_fp8(): load them first, then enable FP8 "
-                               "(reload the model to use another LoRA set)")  # fmt: skip
+        finally:
+            self._lora_changed(layout)
 
     def apply_preset(self, name: str) -> None:
         """Sampling defaults for a distilled LoRA (`qwenfast.config.PRESETS`): steps, true CFG and scheduler fields.

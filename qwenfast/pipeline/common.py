@@ -35,11 +35,12 @@ class QwenImageOutput:
     info: dict = field(default_factory=dict)
 
 
-def load_folder(path: str | Path, device: Device, dtype: DType, offload: str, kinds: tuple[str, ...], wrong_kind: str) -> SimpleNamespace:
+def load_folder(path: str | Path, device: Device, dtype: DType, offload: str, kinds: tuple[str, ...], wrong_kind: str,
+                fp8: bool = False) -> SimpleNamespace:  # fmt: skip
     """Check a diffusers folder and load its components where an offload mode wants them (offloaded
     parts on the CPU, so the GPU never holds them all). Also reads the optional qwenfast.json (`extra`:
     sampling defaults, image areas). `wrong_kind` says what to use when the folder's kind is not in
-    `kinds`."""
+    `kinds`. `fp8`: the transformer's block Linears are quantised to FP8 while streaming in."""
     if offload not in OFFLOAD:
         raise ValueError(f"offload must be one of {OFFLOAD}, got {offload!r}")
     path = Path(path)
@@ -54,7 +55,7 @@ def load_folder(path: str | Path, device: Device, dtype: DType, offload: str, ki
     extra = json.loads((path / "qwenfast.json").read_text()) if (path / "qwenfast.json").is_file() else {}
     return SimpleNamespace(
         path=path, device=dev, kind=kind, extra=extra,
-        transformer=load_transformer(path / "transformer", cpu if offload == "blocks" else dev, dt),
+        transformer=load_transformer(path / "transformer", cpu if offload == "blocks" else dev, dt, fp8=fp8),
         vae=load_vae(path / "vae", dev, dt),
         te=TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", cpu if offload != "none" else dev, dt),
         sched=load_scheduler_config(path / "scheduler"),

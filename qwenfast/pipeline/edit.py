@@ -164,7 +164,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         f = load_folder(path if path is not None else DEFAULT_EDIT_MODEL, device, dtype, opts.offload, MODES,
                         "QwenImageEditPipeline runs Qwen-Image-Edit checkpoints (use QwenImagePipeline, or "
-                        "qwenfast.from_pretrained which picks the class)")  # fmt: skip
+                        "qwenfast.from_pretrained which picks the class)", fp8=opts.fp8)  # fmt: skip
         return cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"),
                    mode=f.kind, image_processor=load_image_processor(f.path / "processor"),
                    image_areas=f.extra.get("image_areas"), options=opts, device=f.device, extra=f.extra)  # fmt: skip

@@ -57,7 +57,7 @@ class QwenImagePipeline(PipelineBase):
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, opts.offload, ("text-to-image",),
                         "QwenImagePipeline runs text-to-image checkpoints (use QwenImageEditPipeline or "
-                        "`qwenfast edit`)")  # fmt: skip
+                        "`qwenfast edit`)", fp8=opts.fp8)  # fmt: skip
         return cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"),
                    options=opts, device=f.device, extra=f.extra)  # fmt: skip
 
@@ -71,16 +71,18 @@ class QwenImagePipeline(PipelineBase):
 
         Configs are inferred from the tensors; `*_config` (dict of fields, or a config.json path) override
         them for non-standard sizes. `scheduler` defaults to Qwen-Image's scheduler config. Engine
-        options as for `from_pretrained` (applied after loading).
+        options as for `from_pretrained`; with `fp8=True` an FP8 file's block weights load as they are
+        stored (with their scales) and bf16 ones are quantised while streaming: no bf16 copy on the GPU.
         """
         from ..loading.single_file import load_single_files
 
         dev = resolve_device(device)
+        opts = engine_options(options, kwargs)
         c = load_single_files(transformer, vae, text_encoder, tokenizer, device=dev, dtype=resolve_dtype(dtype, dev),
                               scheduler=scheduler, transformer_config=transformer_config, vae_config=vae_config,
-                              text_encoder_config=text_encoder_config)  # fmt: skip
+                              text_encoder_config=text_encoder_config, fp8=opts.fp8)  # fmt: skip
         return cls(c.transformer, c.vae, c.text_encoder, c.scheduler_config, model_path=c.model_path,
-                   options=engine_options(options, kwargs), device=dev)  # fmt: skip
+                   options=opts, device=dev)  # fmt: skip
 
     # ---------------------------------------------------------------- generation
     def output_size(self, call_args: dict) -> tuple[int, int]:

@@ -45,13 +45,11 @@ def load_pipeline(
     if options is None:  # a server default: no graphs (every new prompt length or batch size is a capture)
         options = EngineOptions.from_env(cuda_graphs=False)
     # batched requests get the image each gets alone (the decode is batch-invariant this way)
-    options = options.replace(decode_per_image=True)
+    options = options.replace(decode_per_image=True, fp8=options.fp8 or fp8)  # FP8: quantised while loading
     pipe = from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, options=options)
     pipe.set_progress_bar_config(disable=True)
     if preset:
         pipe.apply_preset(preset)
-    if fp8:
-        pipe.configure(fp8=True)
     return pipe
 
 
