@@ -47,6 +47,9 @@ class EngineOptions:
     fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
     offload: "none" | "model" (text encoder in host memory, streamed while encoding) | "blocks"
       (also the transformer blocks streamed; no CUDA graphs). Goes only none -> model -> blocks.
+    offload_budget: GiB of GPU memory "blocks" may plan for: as many blocks as fit stay resident
+      (the memory planner decides for the model's default size) and only the rest stream. None:
+      the free GPU memory (respecting `torch.cuda.set_per_process_memory_fraction`); on CPU, all stream.
     oom: "backoff" (split the batch on CUDA OOM, then tile the VAE; per call) | "raise".
     decode_per_image: VAE-decode a batch image by image, so no image depends on its batch-mates
       (the server's default; off: one batched decode, as diffusers).
@@ -63,6 +66,7 @@ class EngineOptions:
     batched_cfg: bool | str = "auto"
     fp8: bool = False
     offload: str = "none"
+    offload_budget: float | None = None
     oom: str = "backoff"
     decode_per_image: bool = False
     cache: Any = None
@@ -98,8 +102,9 @@ class EngineOptions:
                 raise OptionsError(f"parallel must be a ParallelConfig or 'cfg=2,ulysses=2', got {self.parallel!r}")
             if self.parallel.world > 1 and self.offload != "none":
                 raise OptionsError("parallel layouts need every weight resident (offload='none')")
-        if self.offload == "blocks" and self.fp8:
-            raise OptionsError("offload='blocks' with fp8=True is not supported yet: use offload='model' with FP8")
+        if self.offload_budget is not None and (isinstance(self.offload_budget, bool) or not isinstance(
+                self.offload_budget, (int, float)) or not self.offload_budget > 0):  # fmt: skip
+            raise OptionsError(f"offload_budget is GiB of GPU memory (> 0), got {self.offload_budget!r}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineOptions:
@@ -134,6 +139,9 @@ def check_transition(old: EngineOptions, new: EngineOptions) -> None:
                            "load the model again without fp8")  # fmt: skip
     if _ORDER[new.offload] < _ORDER[old.offload]:
         raise ConfigureError(f"offload is already {old.offload!r}; load the model again to use {new.offload!r}")
+    if old.offload == "blocks" and new.offload_budget != old.offload_budget:
+        raise ConfigureError("the blocks kept resident were chosen at load: load the model again with another "
+                             "offload_budget")  # fmt: skip
     if old.offload == "blocks" and new.cuda_graphs:
         raise ConfigureError("CUDA graphs cannot run with offload='blocks' (the block weights move every step)")
 
@@ -172,7 +180,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
     g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
     g.add_argument("--offload", choices=list(OFFLOAD), default=None,
                    help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
-                        "the transformer blocks from host memory (1024² in ~6 GB; ~6x slower)")  # fmt: skip
+                        "the transformer blocks that do not fit --offload-budget from host memory")  # fmt: skip
+    g.add_argument("--offload-budget", type=float, default=None, metavar="GIB",
+                   help="with --offload blocks: GPU memory to plan for; blocks that fit stay resident, the rest "
+                        "stream (default: the free GPU memory)")  # fmt: skip
     g.add_argument("--fp8", action="store_true",
                    help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): faster, not bitwise diffusers")
     g.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=cuda_graphs_default,
@@ -198,6 +209,8 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
     option of the load: the transformer streams in as FP8 (LoRAs then run beside the FP8 GEMMs)."""
     if getattr(a, "fp8", False):
         extra.setdefault("fp8", True)
+    if getattr(a, "offload_budget", None) is not None:
+        extra.setdefault("offload_budget", a.offload_budget)
     return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
                                   attention=a.attention, cache=getattr(a, "cache", None),
                                   parallel=getattr(a, "parallel", None), **extra)  # fmt: skip

@@ -40,7 +40,7 @@ def test_options_are_frozen_validated_and_read_from_the_environment(monkeypatch)
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.fp8 = True
     for bad in (dict(offload="disk"), dict(oom="retry"), dict(batched_cfg="yes"), dict(kernels="cuda"),
-                dict(cuda_graphs=1), dict(offload="blocks", fp8=True)):  # fmt: skip
+                dict(cuda_graphs=1), dict(offload_budget=0), dict(offload_budget="8")):  # fmt: skip
         with pytest.raises(OptionsError):
             EngineOptions(**bad)
     with pytest.raises(OptionsError, match="unknown engine option"):

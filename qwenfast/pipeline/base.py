@@ -34,7 +34,7 @@ from ..runtime.attention import use_attention
 from ..runtime.blocks import BlockRunner, StepContext, StreamingBlockRunner
 from ..runtime.cache import StepCacheRunner, resolve_policy
 from ..runtime.cuda_graphs import CudaGraphRunner
-from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module
+from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module, spread
 from ..runtime.oom import run_in_chunks, vae_decode
 from . import sampling as S
 from .common import OUTPUT_TYPES, Generators, QwenImageOutput, postprocess, randn_tensor
@@ -96,7 +96,7 @@ class PipelineBase:
                 raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
             self._fp8_layers = self._quantize()
         if new.offload != old.offload:
-            self._set_offload(old.offload, new.offload, self._compute_device)
+            self._set_offload(old.offload, new.offload, self._compute_device, new.offload_budget)
         if new.parallel != old.parallel:
             from ..runtime.parallel import ParallelGroups
 
@@ -170,7 +170,7 @@ class PipelineBase:
         """diffusers' switch for the per-call progress bar."""
         self.progress_bar = not disable
 
-    def _set_offload(self, old: str, new: str, device: torch.device) -> None:
+    def _set_offload(self, old: str, new: str, device: torch.device, budget: float | None = None) -> None:
         ring, tr, te = getattr(self, "_ring", 2), self.transformer, self.text_encoder
         if old == "none":  # the text encoder (and optionally the VAE) to host memory
             te.offloader, te.layer_streamer = offload_module(te.model, device, decoder_layers(te.model), ring)
@@ -180,12 +180,29 @@ class PipelineBase:
             for name, child in tr.named_children():
                 if name != "transformer_blocks":
                     child.to(device)
-            self._block_streamer = BlockStreamer(tr.transformer_blocks, device, ring=ring, hooks=False)
+            resident = spread(len(tr.transformer_blocks), self._resident_blocks(device, budget))
+            self._block_streamer = BlockStreamer(tr.transformer_blocks, device, ring=ring, hooks=False,
+                                                 resident=resident)  # fmt: skip
             tr.block_runner = StreamingBlockRunner(self._block_streamer)
         elif tr.device != device:
             tr.to(device)
         if self._vae_offloader is None and next(self.vae.parameters()).device != device:
             self.vae.to(device)
+
+    def _resident_blocks(self, device: torch.device, budget: float | None) -> int:
+        """offload="blocks": how many blocks stay on the device, so that a call of the model's default
+        size (batch 1, its default CFG) peaks under the budget (`options.offload_budget` GiB, else the
+        free GPU memory; on CPU without a budget: none)."""
+        if budget is None and device.type != "cuda":
+            return 0
+        from ..runtime.memory import GiB, MemoryPlanner, default_budget
+
+        # the planner predicts whole peaks (every resident weight): the budget includes what is allocated
+        limit = int(budget * GiB) if budget is not None else default_budget(device)
+        planner = MemoryPlanner.from_pipeline(self)
+        d = self.defaults
+        return planner.resident_blocks(limit, d["height"], d["width"], 1, cfg=d.get("true_cfg_scale", 1) > 1,
+                                       dtype=self.dtype)  # fmt: skip
 
     @contextlib.contextmanager
     def _engine(self) -> Iterator[None]:

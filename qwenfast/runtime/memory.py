@@ -183,8 +183,8 @@ class MemoryPlanner:
     def with_calibration(self, **kw: Any) -> MemoryPlanner:  # Calibration fields
         return MemoryPlanner(self.sizes, replace(self.calib, **kw), self.ring)
 
-    def resident(self, offload: str, offload_vae: bool = False) -> int:
-        """Weights on the GPU while denoising."""
+    def resident(self, offload: str, offload_vae: bool = False, resident_blocks: int = 0) -> int:
+        """Weights on the GPU while denoising (`resident_blocks`: blocks kept on it under "blocks")."""
         s = self.sizes
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
@@ -195,7 +195,8 @@ class MemoryPlanner:
         if offload == "model":
             return s.transformer + vae + te_ring
         rest = s.transformer - s.num_blocks * s.transformer_block  # embeddings, norm_out, proj_out (approx.)
-        return max(rest, 0) + self.ring * s.transformer_block + vae + te_ring
+        ring = min(self.ring, s.num_blocks - resident_blocks)
+        return max(rest, 0) + (ring + resident_blocks) * s.transformer_block + vae + te_ring
 
     def text_encoder_moved_in(self) -> int:
         """Text-encoder bytes copied to the GPU for an encode when offloaded (its layers stream)."""
@@ -205,12 +206,12 @@ class MemoryPlanner:
     def predict(self, height: int, width: int, batch: int = 1, *, cfg: bool = True, batched_cfg: bool = True,
                 offload: str = "none", dtype: torch.dtype = torch.bfloat16, txt_len: int = 256,
                 decode_batch: int | None = None, tile: int | None = None, fast_vae: bool = True,
-                offload_vae: bool = False) -> Prediction:  # fmt: skip
+                offload_vae: bool = False, resident_blocks: int = 0) -> Prediction:  # fmt: skip
         """Peak bytes of one call generating `batch` images of height x width (pixels)."""
         if batch < 1 or height < 1 or width < 1:
             raise ValueError(f"batch, height and width must be >= 1, got {batch}, {height}, {width}")
         s, c, e = self.sizes, self.calib, _elem(dtype)
-        res = self.resident(offload, offload_vae)
+        res = self.resident(offload, offload_vae, resident_blocks)
         # text encoder: moved in for the encode when offloaded; prompts + negatives
         te_in = self.text_encoder_moved_in() if offload in ("model", "blocks") else 0
         prompts = batch * (2 if cfg else 1)
@@ -234,6 +235,22 @@ class MemoryPlanner:
         )
         phases = {"encode": encode, "denoise": denoise, "decode": decode}
         return Prediction(peak=max(phases.values()) + c.overhead, phases=phases, resident=res)
+
+    def resident_blocks(self, budget: int, height: int, width: int, batch: int = 1, **kw: Any) -> int:
+        """How many transformer blocks can stay on the GPU under offload="blocks" while a call of this
+        size still fits `budget` bytes (0: stream them all; num_blocks: none needs streaming)."""
+        kw["offload"] = "blocks"
+        n = self.sizes.num_blocks
+        if self.predict(height, width, batch, resident_blocks=n, **kw).peak <= budget:
+            return n
+        lo, hi = 0, n  # peaks grow with the resident count: the largest k that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.predict(height, width, batch, resident_blocks=mid, **kw).peak <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def max_batch(
         self, height: int, width: int, budget: int | None = None, limit: int = 64, **kw: Any

@@ -28,13 +28,13 @@ the pipeline decides which parts to offload (`pipeline/base.py`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 
-__all__ = ["MODES", "ModelOffloader", "BlockStreamer", "check_mode", "offload_module"]
+__all__ = ["MODES", "ModelOffloader", "BlockStreamer", "check_mode", "offload_module", "spread"]
 
 MODES = ("none", "model", "blocks")
 ALIGN = 256  # bytes: every tensor view in a flat buffer starts aligned (vectorised kernels need 16)
@@ -116,21 +116,34 @@ class BlockStreamer:
     """Streams `blocks` (an nn.ModuleList) through a ring of device buffers; see the module docstring."""
 
     def __init__(self, blocks: nn.ModuleList, device: torch.device | str, ring: int = 2, pin: bool | None = None,
-                 hooks: bool = True):  # fmt: skip
+                 hooks: bool = True, resident: Collection[int] = ()):  # fmt: skip
         """`hooks`: bring each block in through forward hooks on the block modules (for models whose
         loop we do not own, e.g. the text encoder's decoder layers); False when a block runner
-        (`runtime.blocks.StreamingBlockRunner`) calls `before(i)` / `after(i)` itself."""
+        (`runtime.blocks.StreamingBlockRunner`) calls `before(i)` / `after(i)` itself.
+        `resident`: indices of blocks that stay on the device (a memory budget's worth, chosen by
+        `resident_blocks`); only the others stream, and each one's copy overlaps the compute of
+        the resident blocks before it."""
         if ring < 2:
             raise ValueError("the block ring needs at least 2 slots (one computing, one loading)")
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         pin = self.cuda if pin is None else pin
         self.blocks = list(blocks)
-        self.ring = min(ring, len(self.blocks))
+        self.resident = frozenset(i for i in resident if 0 <= i < len(self.blocks))
+        for i in sorted(self.resident):
+            self.blocks[i].to(self.device)
+        self.order = [i for i in range(len(self.blocks)) if i not in self.resident]  # the streamed blocks
+        self.pos = {b: k for k, b in enumerate(self.order)}  # block -> its place in the stream
+        self.ring = min(ring, len(self.order))
         self.layout = []  # per block: [(owner, name, is_param, offset, nbytes, dtype, shape)]
         self.host = []  # per block: flat uint8 (pinned) buffer
         self.host_views = []  # per block: the tensors' views into `host`
-        for block in self.blocks:
+        for b, block in enumerate(self.blocks):
+            if b in self.resident:
+                self.layout.append([])
+                self.host.append(torch.empty(0, dtype=torch.uint8))
+                self.host_views.append([])
+                continue
             items, off = [], 0
             for owner, name, is_param in _tensors(block):
                 t = _get(owner, name, is_param)
@@ -147,7 +160,7 @@ class BlockStreamer:
             self.layout.append(items)
             self.host.append(flat)
             self.host_views.append(views)
-        slot_bytes = max(h.numel() for h in self.host)
+        slot_bytes = max((h.numel() for h in self.host), default=0)
         self.slots = [
             torch.empty(slot_bytes, dtype=torch.uint8, device=self.device) for _ in range(self.ring)
         ]
@@ -163,10 +176,19 @@ class BlockStreamer:
                 self._handles.append(block.register_forward_pre_hook(lambda m, a, i=i: self.before(i)))
                 self._handles.append(block.register_forward_hook(lambda m, a, o, i=i: self.after(i), always_call=True))
 
+    def _next_streamed(self, i: int) -> int | None:
+        """The first streamed block after block i (cyclic: the last one prefetches for the next step)."""
+        if not self.order:
+            return None
+        return next((b for b in self.order if b > i), self.order[0])
+
     def prefetch(self, i: int) -> None:
         """Start copying block i into its ring slot (side stream on CUDA), unless it is there already."""
-        slot = i % self.ring
-        if self.in_slot[slot] == i or (self.active is not None and self.active % self.ring == slot):
+        if i in self.resident:
+            return
+        slot = self.pos[i] % self.ring
+        busy = self.active is not None and self.active not in self.resident and self.pos[self.active] % self.ring == slot
+        if self.in_slot[slot] == i or busy:
             return  # there already, or the slot is computing (odd block counts): before(i) loads it later
         dst = self.slots[slot][: self.host[i].numel()]
         if self.cuda:
@@ -183,27 +205,46 @@ class BlockStreamer:
         self.copies += 1
 
     def before(self, i: int) -> None:
-        slot = i % self.ring
-        self.prefetch(i)  # no-op when prefetched by block i-1
+        if i in self.resident:  # on the device already; meanwhile the next streamed block comes in
+            nxt = self._next_streamed(i)
+            if nxt is not None:
+                self.prefetch(nxt)
+            return
+        slot = self.pos[i] % self.ring
+        self.prefetch(i)  # no-op when prefetched earlier
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.ready[i])
         base = self.slots[slot]
         for owner, name, is_param, o, n, dt, shape in self.layout[i]:
             _point(owner, name, is_param, base[o : o + n].view(dt).view(shape))
         self.active = i
-        self.prefetch((i + 1) % len(self.blocks))  # overlaps block i's compute
+        self.prefetch(self._next_streamed(i))  # overlaps block i's compute (and the resident ones after it)
 
     def after(self, i: int) -> None:
+        if i in self.resident:
+            return
         self.active = None
         if self.cuda:
             ev = torch.cuda.Event()
             ev.record(torch.cuda.current_stream(self.device))
-            self.freed[i % self.ring] = ev
+            self.freed[self.pos[i] % self.ring] = ev
         for (owner, name, is_param, *_), v in zip(self.layout[i], self.host_views[i]):
             _point(owner, name, is_param, v)
 
     def device_bytes(self) -> int:
-        return sum(s.numel() for s in self.slots)
+        """The ring's buffers plus the resident blocks."""
+        res = sum(t.numel() * t.element_size() for i in self.resident for t in (*self.blocks[i].parameters(),
+                                                                                 *self.blocks[i].buffers()))  # fmt: skip
+        return sum(s.numel() for s in self.slots) + res
+
+
+def spread(n: int, k: int) -> list[int]:
+    """k of n block indices, evenly spaced (the streamed ones: each copy overlaps the resident blocks
+    between two streamed ones, instead of all copies queueing at one end of the stack)."""
+    if k <= 0:
+        return []
+    k = min(k, n)
+    return sorted({min(n - 1, int((j + 0.5) * n / k)) for j in range(k)})
 
 
 def offload_module(module: nn.Module, device: torch.device | str, layers: nn.ModuleList | None = None,
