@@ -131,8 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .benchmarks.serve import add_arguments as add_bench_serve_arguments
 
     add_bench_serve_arguments(bsub.add_parser("serve", help="server throughput and p50/p95 latency vs concurrency"))
+    from .benchmarks.fp8 import add_arguments as add_bench_fp8_arguments
     from .benchmarks.parallel import add_arguments as add_bench_parallel_arguments
     from .benchmarks.pipeline import add_arguments as add_bench_pipeline_arguments
+
+    add_bench_fp8_arguments(bsub.add_parser(
+        "fp8", help="FP8 from files (load peak), LoRA on an FP8 base (switch, quality), FP8 under a memory budget"))  # fmt: skip
 
     add_bench_parallel_arguments(bsub.add_parser(
         "parallel", help="one image over several GPUs (ulysses, cfg) vs one GPU, and diffusers' own Ulysses"))  # fmt: skip
@@ -420,6 +424,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
                   "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
         emit(record, "quality.jsonl", a.results)
         return 0
+    if a.what == "fp8":
+        from .benchmarks.fp8 import run_from_args as run_fp8
+
+        return run_fp8(a)
     if a.what == "parallel" and torch.cuda.is_available():
         from .benchmarks.parallel import run_from_args as run_parallel
 

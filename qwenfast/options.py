@@ -139,9 +139,6 @@ def check_transition(old: EngineOptions, new: EngineOptions) -> None:
                            "load the model again without fp8")  # fmt: skip
     if _ORDER[new.offload] < _ORDER[old.offload]:
         raise ConfigureError(f"offload is already {old.offload!r}; load the model again to use {new.offload!r}")
-    if old.offload == "blocks" and new.offload_budget != old.offload_budget:
-        raise ConfigureError("the blocks kept resident were chosen at load: load the model again with another "
-                             "offload_budget")  # fmt: skip
     if old.offload == "blocks" and new.cuda_graphs:
         raise ConfigureError("CUDA graphs cannot run with offload='blocks' (the block weights move every step)")
 

@@ -97,6 +97,8 @@ class PipelineBase:
             self._fp8_layers = self._quantize()
         if new.offload != old.offload:
             self._set_offload(old.offload, new.offload, self._compute_device, new.offload_budget)
+        elif new.offload == "blocks" and new.offload_budget != old.offload_budget:
+            self._stream_blocks(self._compute_device, new.offload_budget)  # plan the resident blocks again
         if new.parallel != old.parallel:
             from ..runtime.parallel import ParallelGroups
 
@@ -180,14 +182,20 @@ class PipelineBase:
             for name, child in tr.named_children():
                 if name != "transformer_blocks":
                     child.to(device)
-            resident = spread(len(tr.transformer_blocks), self._resident_blocks(device, budget))
-            self._block_streamer = BlockStreamer(tr.transformer_blocks, device, ring=ring, hooks=False,
-                                                 resident=resident)  # fmt: skip
-            tr.block_runner = StreamingBlockRunner(self._block_streamer)
+            self._stream_blocks(device, budget)
         elif tr.device != device:
             tr.to(device)
         if self._vae_offloader is None and next(self.vae.parameters()).device != device:
             self.vae.to(device)
+
+    def _stream_blocks(self, device: torch.device, budget: float | None) -> None:
+        """A new block streamer for this budget (blocks come from wherever the last one left them)."""
+        tr = self.transformer
+        self._block_streamer = None  # the old one's host buffers go before the new ones are pinned
+        resident = spread(len(tr.transformer_blocks), self._resident_blocks(device, budget))
+        self._block_streamer = BlockStreamer(tr.transformer_blocks, device, ring=getattr(self, "_ring", 2),
+                                             hooks=False, resident=resident)  # fmt: skip
+        tr.block_runner = StreamingBlockRunner(self._block_streamer)
 
     def _resident_blocks(self, device: torch.device, budget: float | None) -> int:
         """offload="blocks": how many blocks stay on the device, so that a call of the model's default
