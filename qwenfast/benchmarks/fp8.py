@@ -86,7 +86,7 @@ def write_fp8_file(model: torch.nn.Module, path: Path) -> int:
             out[name] = (t.float() / s).to(torch.float8_e4m3fn).cpu()
             base = name[: -len(".weight")]
             out[base + ".weight_scale"] = s.reshape(()).cpu()
-            out[base + ".comfy_quant"] = marker
+            out[base + ".comfy_quant"] = marker.clone()
     save_file(out, str(path))
     return path.stat().st_size
 
