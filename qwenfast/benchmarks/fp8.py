@@ -94,6 +94,7 @@ def write_fp8_file(model: torch.nn.Module, path: Path) -> int:
 def load_stage(tmp: Path) -> dict:
     from ..kernels.fp8_linear import quantize_model
     from ..loading.single_file import load_transformer_file
+    from ..runtime.cuda_graphs import CudaGraphRunner
     from .transformer import build
 
     tr, _ = build(60, compare=False)
@@ -112,9 +113,11 @@ def load_stage(tmp: Path) -> dict:
     peak = torch.cuda.max_memory_allocated() - base
     model_bytes = sum(t.numel() * t.element_size() for t in (*m8.parameters(), *m8.buffers()))
     inp = _forward_inputs()
+    graphs = CudaGraphRunner(m8)
     with torch.no_grad():
         y8 = m8(*inp).float()
-        fwd_ms = _ms(lambda: m8(*inp))
+        fwd_ms = _ms(lambda: graphs(*inp))
+    graphs.clear()
     m8 = None
     _free()
     old = load_transformer_file(f, "cuda", torch.bfloat16)  # dequantised to bf16, then quantised per row
@@ -127,7 +130,7 @@ def load_stage(tmp: Path) -> dict:
     row = {"file_gib": round(size / GiB, 2), "write_s": round(write_s, 1), "load_s": round(load_s, 1),
            "load_peak_gib": round(peak / GiB, 2), "fp8_model_gib": round(model_bytes / GiB, 2),
            "peak_minus_model_gib": round((peak - model_bytes) / GiB, 2),
-           "forward_rel_err_vs_dequant_path": round(rel_err(y8, y_old), 5), "forward_ms_eager": round(fwd_ms, 1)}  # fmt: skip
+           "forward_rel_err_vs_dequant_path": round(rel_err(y8, y_old), 5), "forward_ms_graph": round(fwd_ms, 1)}  # fmt: skip
     print(f"  load: {json.dumps(row)}", flush=True)
     return row
 
@@ -182,17 +185,21 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
     pipe.configure(fp8=True)  # the LoRA moves beside the FP8 GEMMs
     fp8_a = _image(pipe, p)
     inp = _forward_inputs()
+    pipe.configure(cuda_graphs=True)
     with torch.no_grad():
-        ms_lora = _ms(lambda: pipe.transformer(*inp))
+        ms_lora = _ms(lambda: pipe._forward(*inp))
+        e2e_lora = _timed(pipe, p + " timed")[0]
+    pipe.configure(cuda_graphs=False)
     layers = [m for m in pipe.transformer.modules() if isinstance(m, FP8Linear)]
     digest = [int(m.weight_fp8.view(torch.uint8).float().sum()) for m in layers[:8]]
     pipe.unload_lora()
     fp8 = _image(pipe, p)
+    pipe.configure(cuda_graphs=True)
     with torch.no_grad():
-        ms_plain = _ms(lambda: pipe.transformer(*inp))
+        ms_plain = _ms(lambda: pipe._forward(*inp))
+        e2e_plain = _timed(pipe, p + " timed")[0]
     unload_bitwise = digest == [int(m.weight_fp8.view(torch.uint8).float().sum()) for m in layers[:8]]
     # switches (graphs on: captured with A, replayed after switching to B)
-    pipe.configure(cuda_graphs=True)
     pipe.load_lora(a, 1.0, name="a")
     _image(pipe, p)
     captured = [id(v) for v in pipe._graphs.graphs.values()]
@@ -215,7 +222,9 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
            "fp8_lora_vs_bf16_lora": round(e_lora, 5), "fp8_vs_bf16": round(e_fp8, 5),
            "ratio": round(e_lora / max(e_fp8, 1e-12), 3), "switch_s": switches, "unload_bitwise": unload_bitwise,
            "graph_after_switch_vs_eager_max_abs": float(np.abs(graph_b - eager_b).max()), "graphs_kept_across_switches": kept,
-           "forward_ms_fp8": round(ms_plain, 1), "forward_ms_fp8_lora": round(ms_lora, 1)}  # fmt: skip
+           "forward_ms_fp8": round(ms_plain, 1), "forward_ms_fp8_lora": round(ms_lora, 1),
+           "e2e_4step_s_fp8": round(e2e_plain, 3), "e2e_4step_s_fp8_lora": round(e2e_lora, 3),
+           "graphs_enabled": pipe._graphs.enabled}  # fmt: skip
     print(f"  lora: {json.dumps(row)}", flush=True)
     return row
 
@@ -226,28 +235,35 @@ def budget_stage(pipe) -> dict:
     p = "a red bicycle leaning on a brick wall"
     pipe.configure(cuda_graphs=True)
     resident_s, want = _timed(pipe, p)
-    res = {"resident_s": round(resident_s, 3)}
+    t0 = time.perf_counter()
+    _image(pipe, p)  # the prompt's embedding is cached now: denoise + decode only
+    _sync()
+    res = {"resident_s": round(resident_s, 3), "resident_cached_prompt_s": round(time.perf_counter() - t0, 3),
+           "graphs_enabled": pipe._graphs.enabled}  # fmt: skip
     pipe.configure(cuda_graphs=False)
     pipe.release_graphs()
     total = torch.cuda.get_device_properties(0).total_memory
     for cap in (24, 16):
         _free()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total))
         try:
-            t0 = time.perf_counter()
-            if pipe.options.offload != "blocks":
-                pipe.configure(offload="blocks")
-            else:
-                pipe.configure(offload_budget=cap * 0.999)  # plan again (the fraction is the real limit)
+            t0 = time.perf_counter()  # planned for `cap` GiB, then capped there (the limit a 24 GiB card sets)
+            pipe.configure(offload="blocks", offload_budget=cap)
             setup = time.perf_counter() - t0
             _free()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total))
             torch.cuda.reset_peak_memory_stats()
             s, img = _timed(pipe, p + f" {cap}")
+            t0 = time.perf_counter()
+            _image(pipe, p + f" {cap}")
+            _sync()
+            cached = time.perf_counter() - t0
             st = pipe._block_streamer
             pred = MemoryPlanner.from_pipeline(pipe).predict(1024, 1024, 1, cfg=False, offload="blocks",
                                                              resident_blocks=len(st.resident)).peak  # fmt: skip
             peak = torch.cuda.max_memory_allocated()
             res[f"{cap}gib"] = {"s": round(s, 3), "x_resident": round(s / resident_s, 2), "setup_s": round(setup, 1),
+                                "cached_prompt_s": round(cached, 3),
+                                "cached_x_resident": round(cached / res["resident_cached_prompt_s"], 2),
                                 "resident_blocks": len(st.resident), "streamed_blocks": len(st.order),
                                 "peak_gib": round(peak / GiB, 2), "predicted_gib": round(pred / GiB, 2),
                                 "prediction_err": round(pred / peak - 1, 3),

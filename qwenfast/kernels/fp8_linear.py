@@ -165,6 +165,8 @@ class FP8Linear(nn.Module):
         """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, the sum in the GEMM's epilogue."""
         down, up = self.lora
         h = x2.to(down.dtype) @ down.t()  # (M, R)
+        if y2.dtype == up.dtype:
+            return y2.addmm_(h, up.t())  # in place: y2 is this layer's fresh output
         return torch.addmm(y2.to(up.dtype), h, up.t()).to(y2.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ LoKr, DoRA magnitudes. `dora_scale` tensors are dropped with a warning, as diffu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -472,10 +473,15 @@ class LoraManager:
         where = f"LoRA {source.path}" if source.path else "LoRA state dict"
         sd, meta = read_lora(lora)
         deltas = plan_lora(sd, self.index, meta, where)
-        for d in deltas:
+        moved: dict[int, torch.Tensor] = {}  # id(down) -> its device copy (Q/K/V thirds share one down)
+        planned = list(deltas)  # keeps every source factor alive while `moved` is keyed by id()
+        for i, d in enumerate(deltas):
             layer = self.index.linear[d.module]
-            if isinstance(layer, FP8Linear):
+            if isinstance(layer, FP8Linear):  # factors used at every switch: on the device once, in its dtype
+                dev, dt = layer.weight_fp8.device, layer.out_dtype
+                deltas[i] = dataclasses.replace(d, up=d.up.to(dev, dt), down=_shared(d.down, dev, dt, moved))
                 continue
+        del planned
             w = layer.weight
             if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise LoraError(
@@ -638,6 +644,13 @@ def _unpin(t: torch.Tensor) -> None:
     if ptr in _REGISTERED:
         _REGISTERED.discard(ptr)
         torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def _shared(t: torch.Tensor, dev: torch.device, dt: torch.dtype, moved: dict[int, torch.Tensor]) -> torch.Tensor:
+    """`t` on `dev` in `dt`, one copy per source tensor (deltas sharing a factor keep sharing it)."""
+    if id(t) not in moved:
+        moved[id(t)] = t.to(dev, dt)
+    return moved[id(t)]
 
 
 def _check_strength(s) -> float:

@@ -55,16 +55,14 @@ def set_side_lora(layer: FP8Linear, parts: list[tuple[int | None, torch.Tensor, 
         up_t = torch.empty(N, size, device=dev, dtype=dt)
     else:
         down_t, up_t = layer.lora
-    size = down_t.shape[0]
-    down_t.zero_()
-    up_acc = torch.zeros(N, size, device=dev, dtype=torch.float32)
+    down_t[R:].zero_()
+    up_t.zero_()
     for c, down in cols.values():
-        down_t[c : c + down.shape[0]].copy_(down.to(dev, torch.float32))
-    for slot, up, down, f in parts:
+        down_t[c : c + down.shape[0]].copy_(down)
+    for slot, up, down, f in parts:  # parts sharing a down factor write different rows: no overlap
         c = cols[id(down)][0]
         rows = slice(None) if slot is None else slice(slot * (N // 3), (slot + 1) * (N // 3))
-        up_acc[rows, c : c + down.shape[0]] += up.to(dev, torch.float32) * f
-    up_t.copy_(up_acc)
+        up_t[rows, c : c + down.shape[0]].copy_(up.to(dev, torch.float32) * f)
     if realloc:
         layer.lora = (down_t, up_t)
     return realloc
