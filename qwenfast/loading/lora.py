@@ -481,12 +481,12 @@ class LoraManager:
                 dev, dt = layer.weight_fp8.device, layer.out_dtype
                 deltas[i] = dataclasses.replace(d, up=d.up.to(dev, dt), down=_shared(d.down, dev, dt, moved))
                 continue
-        del planned
             w = layer.weight
             if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise LoraError(
                     f"{where}: {d.module} is stored as {w.dtype}; LoRAs can be fused into fp32/bf16/fp16 weights only"
                 )
+        del planned
         if name is not None and name in reserved:
             raise LoraError(f"the name {name!r} is used by another LoRA of this set")
         if name is None:
