@@ -342,7 +342,7 @@ def test_offload_blocks_with_a_budget_equals_resident(fp8):
         s = p._block_streamer
         d = p.defaults
         assert len(s.resident) == resident == MemoryPlanner.from_pipeline(p).resident_blocks(
-            int(budget * GiB), d["height"], d["width"], cfg=True, dtype=torch.float32)
+            int(0.9 * budget * GiB), d["height"], d["width"], cfg=True, dtype=torch.float32)
         # fp32 within 1e-5: a streamed block's weights sit in a differently aligned buffer, and CPU
         # GEMMs pick kernels by alignment (a batch of 1 shows ~1e-6)
         np.testing.assert_allclose(p(PROMPTS[:1], generator=_gens(1), **kw).images, want, rtol=0, atol=1e-5)

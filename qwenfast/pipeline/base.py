@@ -205,8 +205,9 @@ class PipelineBase:
             return 0
         from ..runtime.memory import GiB, MemoryPlanner, default_budget
 
-        # the planner predicts whole peaks (every resident weight): the budget includes what is allocated
-        limit = int(budget * GiB) if budget is not None else default_budget(device)
+        # the planner predicts whole peaks (every resident weight): the budget includes what is allocated.
+        # Plan for 90% of a given budget: the caching allocator's fragmentation counts against a hard cap.
+        limit = int(0.9 * budget * GiB) if budget is not None else default_budget(device)
         planner = MemoryPlanner.from_pipeline(self)
         d = self.defaults
         return planner.resident_blocks(limit, d["height"], d["width"], 1, cfg=d.get("true_cfg_scale", 1) > 1,
