@@ -109,7 +109,13 @@ def main() -> int:
     p.add_argument("--lora-strength", type=float, default=0.8)
     p.add_argument("--tolerance", type=float, default=1e-3, help="GPU: max |difference| of the PNGs in [0, 1] (bf16); on CPU the check is exact to 8 bits")
     p.add_argument("--record", default=None, help="copy workflow, image, log and result here")
+    p.add_argument("--extra-site", default=None, help="a folder of packages ComfyUI needs (appended: installed ones win)")
+    p.add_argument("--results", default=None, help="append the JSON record to RESULTS/comfyui.jsonl")
     a = p.parse_args()
+    if a.extra_site:
+        import site
+
+        site.addsitedir(a.extra_site)
 
     base = Path(a.dir).resolve()
     if base.exists():
@@ -162,6 +168,10 @@ def main() -> int:
            "cli_s": round(t_cli, 2), "ok": bool(same and lora_effect > 10 * a.tolerance)}  # fmt: skip
     print(json.dumps(rec))
     (base / "result.json").write_text(json.dumps(rec, indent=2) + "\n")
+    if a.results:
+        Path(a.results).mkdir(parents=True, exist_ok=True)
+        with open(Path(a.results) / "comfyui.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
     if a.record:
         out = Path(a.record)
         out.mkdir(parents=True, exist_ok=True)
