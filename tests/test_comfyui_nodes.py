@@ -292,3 +292,13 @@ def test_progress_bar_and_interrupt(pack, model, ref, monkeypatch):
     state["steps_left"] = None
     _, again = sample(pack, model)
     assert maxdiff(again, image) == 0  # nothing left half-done
+
+
+def test_nodes_run_under_inference_mode_as_comfyui_runs_them(pack, ref):
+    """ComfyUI executes nodes inside torch.inference_mode(): weights loaded there are inference tensors
+    (no version counter), which the VAE's cached sub-pixel weights once tripped over."""
+    with torch.inference_mode():
+        (m,) = pack.NODE_CLASS_MAPPINGS["QwenFastLoader"]().load("demo", "cpu", "fp32", False, "none", "off", False,
+                                                                  "none")  # fmt: skip
+        _, image = sample(pack, m)
+    assert maxdiff(image, ref_image(ref)) <= TOL
