@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible image server + web page ([server] extra)"))
 
+    from .export.cli_export import add_arguments as add_export_arguments
+
+    add_export_arguments(sub.add_parser("export", help="export a model component (ONNX) for TensorRT / Triton"))
+
     d = sub.add_parser("doctor", help="versions, GPU, and whether a model folder is complete")
     d.add_argument("--model", default=None, help="model folder to check (default: the embedded model)")
     return p
@@ -467,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_doctor(args)
         if args.cmd == "bench":
             return cmd_bench(args)
+        if args.cmd == "export":
+            from .export.cli_export import run as cmd_export
+
+            return cmd_export(args)
         if args.cmd == "serve":
             from .server.run import serve
 

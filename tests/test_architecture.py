@@ -1,7 +1,7 @@
 """The package's shape, checked from its source (AST): layers, cycles, and who may change what.
 
 - Layers: config/options/errors/kernels/runtime -> models -> loading -> pipeline -> server, demo,
-  testing -> benchmarks -> cli (and the package root). A module imports only from its own layer or
+  testing, export -> benchmarks -> cli (and the package root). A module imports only from its own layer or
   lower ones, function-level imports included, and the import graph has no cycle.
 - No module outside `qwenfast/pipeline/` assigns attributes on a pipeline object (they change it
   through `pipe.configure(...)` and its methods), and no code replaces a module's `forward`.
@@ -19,12 +19,12 @@ PKG = Path(__file__).resolve().parent.parent / "qwenfast"
 LAYER_OF = {  # top-level name under qwenfast/ -> layer
     "errors": 0, "options": 0, "validation": 0, "config": 0, "kernels": 0, "runtime": 0,
     "models": 1, "loading": 2, "pipeline": 3,
-    "server": 4, "demo": 4, "testing": 4,
+    "server": 4, "demo": 4, "testing": 4, "export": 4,
     "benchmarks": 5,
     "cli": 6, "launch": 6, "__init__": 6, "__main__": 6, "assets": 0,
 }  # fmt: skip
 NAMES = {0: "config/options/errors/validation/kernels/runtime", 1: "models", 2: "loading", 3: "pipeline",
-         4: "server/demo/testing", 5: "benchmarks", 6: "cli"}  # fmt: skip
+         4: "server/demo/testing/export", 5: "benchmarks", 6: "cli"}  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:

@@ -132,7 +132,9 @@ class Resample(nn.Module):
             return self.resample(x)
         conv = self.resample[1]
         w = conv.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        # inference tensors (weights loaded under torch.inference_mode, as ComfyUI runs nodes) have no
+        # version counter; they cannot be changed in place outside inference mode anyway
+        key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, w.device)
         cached = self.__dict__.get("_subpixel")
         if cached is None or cached[0] != key:  # built once after loading (weights never change after)
             w4 = subpixel_weights(w.detach())

@@ -107,22 +107,63 @@ class QwenImagePipeline(PipelineBase):
         sigmas: list[float] | None = None,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
     ) -> QwenImageOutput:
+        """Text-to-image with diffusers' arguments. `prompt_embeds` (B, L, D) (+ `prompt_embeds_mask`
+        (B, L), 1 = real token) replace `prompt` (then None), as in diffusers: conditioning encoded
+        elsewhere (a ComfyUI CONDITIONING, say). Likewise `negative_prompt_embeds` for the negative."""
         d = self.defaults
         height = d["height"] if height is None else height
         width = d["width"] if width is None else width
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        prompts = as_prompt_list(prompt, "prompt")
         h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
-        negs = negative_prompts(prompts, negative_prompt)
-        do_cfg = cfg_scale > 1 and negs is not None
-        if cfg_scale > 1 and negs is None:
-            log.info("true_cfg_scale=%s but no negative_prompt: classifier-free guidance is off", cfg_scale)
-
         n = num_images_per_prompt
-        cond = TextCond(*self.encode_prompt(prompts, n, max_sequence_length))
-        uncond = TextCond(*self.encode_prompt(negs, n, max_sequence_length)) if do_cfg else None
+        if prompt_embeds is None:
+            prompts = as_prompt_list(prompt, "prompt")
+            cond = TextCond(*self.encode_prompt(prompts, n, max_sequence_length))
+        else:
+            cond = TextCond(*self._given_embeds(prompt_embeds, prompt_embeds_mask, n, max_sequence_length))
+            prompts = [""] * prompt_embeds.shape[0]
+        negs = None if negative_prompt_embeds is not None else negative_prompts(prompts, negative_prompt)
+        do_cfg = cfg_scale > 1 and (negs is not None or negative_prompt_embeds is not None)
+        if cfg_scale > 1 and not do_cfg:
+            log.info("true_cfg_scale=%s but no negative_prompt: classifier-free guidance is off", cfg_scale)
+        uncond = None
+        if do_cfg and negs is not None:
+            uncond = TextCond(*self.encode_prompt(negs, n, max_sequence_length))
+        elif do_cfg:
+            if negative_prompt_embeds.shape[0] == 1 < len(prompts):  # one negative for every prompt, as for texts
+                negative_prompt_embeds = negative_prompt_embeds.expand(len(prompts), -1, -1)
+                if negative_prompt_embeds_mask is not None:
+                    negative_prompt_embeds_mask = negative_prompt_embeds_mask.expand(len(prompts), -1)
+            if negative_prompt_embeds.shape[0] != len(prompts):
+                raise ValueError(f"got {negative_prompt_embeds.shape[0]} negative_prompt_embeds rows for "
+                                 f"{len(prompts)} prompts")  # fmt: skip
+            uncond = TextCond(*self._given_embeds(negative_prompt_embeds, negative_prompt_embeds_mask, n,
+                                                  max_sequence_length))  # fmt: skip
         return self._generate(B=len(prompts) * n, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale,
                               steps=steps, generator=generator, latents=latents, output_type=output_type,
                               sigmas=sigmas, scheduler_overrides=scheduler_overrides, callback=callback)  # fmt: skip
+
+    def _given_embeds(self, emb: torch.Tensor, mask: torch.Tensor | None, n: int,
+                      max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Caller-encoded prompt embeddings (B, L, D) and mask (B, L) -> repeated per image, as diffusers'
+        `encode_prompt` treats them: cut to `max_sequence_length`, no mask when every token is real."""
+        if not isinstance(emb, torch.Tensor) or emb.ndim != 3:
+            raise ValueError(f"prompt embeddings must be a (batch, tokens, dim) tensor, got {getattr(emb, 'shape', emb)}")
+        dim = self.transformer.cfg.joint_attention_dim
+        if emb.shape[2] != dim:
+            raise ValueError(f"prompt embeddings have width {emb.shape[2]}, this model's text width is {dim} "
+                             "(encode the prompt with this model's text encoder)")  # fmt: skip
+        emb = emb[:, :max_sequence_length]
+        if mask is not None:
+            mask = mask[:, :max_sequence_length].to(emb.device, torch.long)  # (B, L)
+            if tuple(mask.shape) != tuple(emb.shape[:2]):
+                raise ValueError(f"prompt mask shape {tuple(mask.shape)} does not match embeddings {tuple(emb.shape)}")
+            if bool(mask.all()):
+                mask = None
+        return self._repeat(emb, mask, n)
