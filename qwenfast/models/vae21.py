@@ -240,6 +240,7 @@ class QwenImage21VAE(nn.Module):
         self.quant_conv = nn.Conv2d(2 * cfg.z_dim, 2 * cfg.z_dim, 1)
         self.post_quant_conv = nn.Conv2d(cfg.z_dim, cfg.z_dim, 1)
         self.decoder = Decoder(cfg)
+        self.tiling = False  # read by the OOM back-off (runtime/oom.py); 2.1 decodes untiled
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, logvar) of the posterior, (B, z, h, w) each."""
