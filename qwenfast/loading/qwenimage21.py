@@ -89,6 +89,9 @@ def load_transformer21_single_file(path: str | Path, device, dtype, config: dict
         dim, ctx = plain["txt_in.in_layer.weight"]["shape"]
         hd = plain["transformer_blocks.0.attn.norm_q.weight"]["shape"][0]
         cin = plain["img_in.weight"]["shape"][1]
+        if hd != 128:
+            raise CheckpointError(f"{path}: head dim {hd} is not Qwen-Image-2.1's 128; pass config= (the "
+                                  "transformer's config.json fields, RoPE axes included)")  # fmt: skip
         config = {"num_layers": len(blocks), "context_in_dim": ctx, "attention_head_dim": hd,
                   "num_attention_heads": dim // hd, "in_channels": cin, "out_channels": cin}  # fmt: skip
     cfg = Transformer21Config.from_dict(config)
