@@ -185,3 +185,32 @@ def test_comfyui_single_file_transformer(pipes, tmp_path):
     save_file({"txt_norm.weight": torch.ones(4)}, str(bad))
     with pytest.raises(CheckpointError, match="Qwen-Image \\(1.x\\)"):
         load_transformer21_single_file(bad, "cpu", torch.float32)
+
+
+def test_cli_generate_and_edit(pipes, tmp_path):
+    from PIL import Image
+
+    from qwenfast.cli import main
+
+    ref, qf, path = pipes
+    out = tmp_path / "gen.png"
+    assert main(["generate", "a red circle", "--model", str(path), "--device", "cpu", "-o", str(out), "--seed", "3",
+                 "--steps", "2", "--size", "64x96", "--quiet"]) == 0  # fmt: skip
+    with Image.open(out) as im:
+        assert im.mode == "RGBA" and im.size == (64, 96)
+        got = np.asarray(im)
+    want = ref("a red circle", height=96, width=64, num_inference_steps=2, output_type="np",
+               generator=torch.Generator().manual_seed(3)).images[0]  # fmt: skip
+    assert np.abs(got / 255.0 - want).max() <= 1 / 255 + TOL
+    small = tmp_path / "small"  # the same model with qwenfast.json defaults: condition images at ~128²
+    small.mkdir()
+    for f in path.iterdir():
+        os.symlink(f, small / f.name)
+    (small / "qwenfast.json").write_text(json.dumps({"defaults": {"output_resolution": RES}}))
+    src = tmp_path / "in.png"
+    _image(96, 64, 9, "RGBA").save(src)
+    out2 = tmp_path / "edit.png"
+    assert main(["edit", str(src), str(src), "--prompt", "make it red", "--model", str(small), "--device", "cpu",
+                 "-o", str(out2), "--steps", "1", "--quiet"]) == 0  # fmt: skip
+    with Image.open(out2) as im:
+        assert im.mode == "RGBA" and im.size[0] > im.size[1]  # follows the (landscape) input

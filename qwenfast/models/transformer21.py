@@ -344,6 +344,9 @@ class _Ctx:
 
 
 class QwenImage21Transformer(nn.Module):
+    # the block Linears FP8 replaces (kernels/fp8_linear.quantize_model); modulation and embedders stay bf16
+    fp8_linears = ("attn.to_qkv", "attn.to_out.0", "img_mlp.gate_up", "img_mlp.out")
+
     def __init__(self, cfg: Transformer21Config):
         super().__init__()
         self.cfg = cfg

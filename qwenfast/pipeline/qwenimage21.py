@@ -136,7 +136,8 @@ class QwenImage21Pipeline(PipelineBase):
     def from_pretrained(cls, path: str | Path, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
                         cuda_graphs: bool | None = None, cache: object = None) -> QwenImage21Pipeline:  # fmt: skip
-        """Load a diffusers-layout Qwen-Image-2.1 folder (model_index.json `QwenImage21Pipeline`)."""
+        """Load a diffusers-layout Qwen-Image-2.1 folder (model_index.json `QwenImage21Pipeline`); an optional
+        qwenfast.json `{"defaults": {...}}` changes the call defaults (e.g. `output_resolution`)."""
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         path = Path(path)
         index = read_json(path / "model_index.json")
@@ -152,8 +153,10 @@ class QwenImage21Pipeline(PipelineBase):
         tr = load_transformer21(path / "transformer", cpu if opts.offload == "blocks" else dev, dt)
         te = TextEncoder21.from_pretrained(path / "text_encoder", path / "processor",
                                            cpu if opts.offload != "none" else dev, dt)  # fmt: skip
+        extra = read_json(path / "qwenfast.json") if (path / "qwenfast.json").is_file() else {}
         return cls(tr, load_vae21(path / "vae", dev, dt), te, load_scheduler_config(path / "scheduler"),
-                   sample_sigmas=index.get("sample_sigmas"), model_path=str(path), options=opts, device=dev)  # fmt: skip
+                   sample_sigmas=index.get("sample_sigmas"), model_path=str(path), defaults=extra.get("defaults"),
+                   options=opts, device=dev, extra=extra)  # fmt: skip
 
     def apply_preset(self, name: str) -> None:
         """A turbo schedule (`TURBO_SIGMAS`: "turbo-8", "turbo-4"): its sigmas and no CFG for every call."""
