@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .pipeline.text_to_image import QwenImagePipeline
 
 __version__ = "0.1.0"
-__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "EngineOptions", "from_pretrained", "__version__"]
+__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImage21Pipeline", "EngineOptions", "from_pretrained", "__version__"]
 
 
 def from_pretrained(
@@ -27,7 +27,8 @@ def from_pretrained(
     **kwargs: Any,
 ) -> QwenImagePipeline:  # a QwenImageEditPipeline (a subclass) for edit models
     """Load any Qwen-Image diffusers folder with the right pipeline class (from `model_index.json`):
-    text-to-image -> `QwenImagePipeline`, Edit / Edit-2509 / Edit-2511 -> `QwenImageEditPipeline`.
+    text-to-image -> `QwenImagePipeline`, Edit / Edit-2509 / Edit-2511 -> `QwenImageEditPipeline`,
+    Qwen-Image-2.1 -> `QwenImage21Pipeline`.
     `kwargs`: engine options (`options=EngineOptions(...)`, or `offload=`, `fp8=`, `cuda_graphs=`)."""
     from .pipeline.auto import from_pretrained as load
 
@@ -43,6 +44,10 @@ def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch
         from .pipeline.edit import QwenImageEditPipeline
 
         return QwenImageEditPipeline
+    if name == "QwenImage21Pipeline":
+        from .pipeline.qwenimage21 import QwenImage21Pipeline
+
+        return QwenImage21Pipeline
     if name == "EngineOptions":
         from .options import EngineOptions
 

@@ -221,7 +221,7 @@ BLOCK_LINEARS = ("attn.to_qkv", "attn.add_qkv_proj", "attn.to_out.0", "attn.to_a
                  "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")  # fmt: skip
 
 
-def quantize_model(model: nn.Module, names: tuple[str, ...] = BLOCK_LINEARS, empty: bool = False,
+def quantize_model(model: nn.Module, names: tuple[str, ...] | None = None, empty: bool = False,
                    dtype: torch.dtype | None = None) -> int:  # fmt: skip
     """Replace the transformer blocks' big Linears with `FP8Linear` in place; returns how many.
 
@@ -229,6 +229,7 @@ def quantize_model(model: nn.Module, names: tuple[str, ...] = BLOCK_LINEARS, emp
     embedders and the output projection stay bf16. The bf16 weights of replaced layers are freed.
     `empty`: uninitialised FP8 layers computing in `dtype` (a model on meta that a loader fills).
     """
+    names = names or getattr(model, "fp8_linears", BLOCK_LINEARS)  # a model may name its own (Qwen-Image-2.1)
     n = 0
     for block in model.transformer_blocks:
         for name in names:

@@ -11,8 +11,14 @@ from ..loading.diffusers_folder import PIPELINE_CLASSES, read_json
 
 
 def pipeline_class(path: str | Path) -> type:
-    """`QwenImagePipeline` for text-to-image folders, `QwenImageEditPipeline` for Edit / 2509 / 2511."""
-    kind = PIPELINE_CLASSES.get(read_json(Path(path) / "model_index.json").get("_class_name"))
+    """`QwenImagePipeline` for text-to-image folders, `QwenImageEditPipeline` for Edit / 2509 / 2511,
+    `QwenImage21Pipeline` for Qwen-Image-2.1."""
+    name = read_json(Path(path) / "model_index.json").get("_class_name")
+    if name == "QwenImage21Pipeline":
+        from .qwenimage21 import QwenImage21Pipeline
+
+        return QwenImage21Pipeline
+    kind = PIPELINE_CLASSES.get(name)
     if kind in ("edit", "edit-plus"):
         from .edit import QwenImageEditPipeline
 

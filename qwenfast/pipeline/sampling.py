@@ -90,6 +90,11 @@ def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Te
     return comb * (cond_norm / comb_norm)
 
 
+def plain_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
+    """Classifier-free guidance without the norm rescale (Qwen-Image-2.1's pipeline)."""
+    return uncond + scale * (cond - uncond)
+
+
 def latent_hw(height: int, width: int, vae_scale: int = 8) -> tuple[int, int]:
     """Latent grid size; pixel sizes are floored to a multiple of 2*vae_scale (16) like diffusers."""
     return 2 * (int(height) // (vae_scale * 2)), 2 * (int(width) // (vae_scale * 2))
@@ -159,7 +164,8 @@ def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
 def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes: list[tuple[int, int, int]],
             cond: TextCond, uncond: TextCond | None = None, cfg_scale: float = 1.0,
             ref_latents: torch.Tensor | None = None, batched_cfg: bool | str = "auto",
-            callback: StepCallback | None = None, progress: bool = False) -> torch.Tensor:  # fmt: skip
+            callback: StepCallback | None = None, progress: bool = False,
+            guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = true_cfg) -> torch.Tensor:  # fmt: skip
     """Euler steps over `sigmas` (fp32 math) from the noise `x` (B, N, 64) -> the final latents (B, N, 64).
 
     cond / uncond: prompt conditioning (uncond None = no true CFG). ref_latents (B, M, 64): packed
@@ -167,6 +173,8 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
     the first N tokens. batched_cfg: cond and uncond in one batch-2B forward; "auto" only when no
     padding mask is needed (a masked attention costs more than the second pass saves). Each forward
     gets a `StepContext` (step, count, sigma, branch) for the transformer's block runner.
+    guidance(cond, uncond, scale): how CFG combines the two predictions (default Qwen-Image's
+    `true_cfg`; Qwen-Image-2.1 uses `plain_cfg`).
     """
     ts = timesteps_from_sigmas(sigmas)
     levels = sigmas.tolist()  # host floats for the step contexts: one copy now, no sync per step
@@ -184,13 +192,13 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
         if batched:
             step = StepContext(i, n, sigma, "both")
             pred, neg = forward(torch.cat([inp, inp]), emb2, mask2, torch.cat([t, t]), img_shapes, step).chunk(2)
-            pred = true_cfg(pred[:, :N], neg[:, :N], cfg_scale)
+            pred = guidance(pred[:, :N], neg[:, :N], cfg_scale)
         else:
             pred = forward(inp, cond.emb, cond.mask, t, img_shapes, StepContext(i, n, sigma, "cond"))[:, :N]
             if uncond is not None:
                 step = StepContext(i, n, sigma, "uncond")
                 neg = forward(inp, uncond.emb, uncond.mask, t, img_shapes, step)[:, :N]
-                pred = true_cfg(pred, neg, cfg_scale)
+                pred = guidance(pred, neg, cfg_scale)
         x = euler_step(x, pred, sigmas[i], sigmas[i + 1])
         if callback is not None:
             callback(i, n, x)

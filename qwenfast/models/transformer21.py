@@ -1,0 +1,501 @@
+"""The Qwen-Image-2.1 transformer in plain torch: the same function as diffusers'
+`QwenImage21Transformer2DModel` (single stream, block-causal, one shared modulation).
+
+The joint sequence is the Qwen3-VL sequence with every image slot expanded to the 2x2 latent tokens
+it stands for: text tokens (from `txt_in`) and condition-image latents (from `img_in`) interleave as
+the prompt template put them, and the target image's tokens come last. Attention is block-causal:
+causal over the sequence, bidirectional inside each image block. With `causal_condition` the text
+and condition tokens are modulated with t = 0, so their keys and values do not depend on the step:
+the first step can store them (`PrefixKVCache`, "extract") and later steps run only the target
+tokens against the stored prefix ("cached").
+
+Layout choices, made once at load time: Q|K|V in one Linear (`attn.to_qkv`), the SwiGLU gate and
+up projections in one Linear (`img_mlp.gate_up`, gate rows first, as ComfyUI stores it); every
+other tensor keeps its diffusers name. Host-side bookkeeping of a sequence (positions, RoPE tables,
+block segments) is computed once per layout (`Layout21`) and cached, not per step.
+
+Precision follows diffusers op for op (zero-centred RMSNorm and RoPE in fp32, LayerNorm in the
+model dtype, tanh gates), because the reference path must reproduce diffusers' images. The
+"cached" steps, where the time goes, also have a fused path (Triton LayerNorm+modulation, QK-norm +
+RoPE written straight into the cache buffers, fused gated residual).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from ..kernels.adaln import layernorm_modulate
+from ..kernels.gated_residual import gated_residual
+from ..kernels.qk_norm_rope import qk_norm_rope
+from ..runtime.attention import attention
+from ..runtime.blocks import BlockRunner, StepContext
+from .transformer import RMSNorm, _axis_angles, apply_rope
+
+SLOT = 4  # latent tokens per vision-language image slot (2x2)
+
+
+@dataclass(frozen=True)
+class Transformer21Config:
+    """`QwenImage21Transformer2DModel` config (transformer/config.json)."""
+
+    patch_size: int = 1
+    in_channels: int = 64
+    out_channels: int | None = 64
+    num_layers: int = 32
+    attention_head_dim: int = 128
+    num_attention_heads: int = 32
+    context_in_dim: int = 4096
+    mlp_ratio: int = 3
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    eps: float = 1e-6
+    causal_condition: bool = True
+
+    @property
+    def inner_dim(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+    @property
+    def out_dim(self) -> int:
+        return self.out_channels or self.in_channels
+
+    def __post_init__(self):
+        if self.patch_size != 1:
+            raise ConfigError(f"transformer config: patch_size {self.patch_size} is not supported (2.1 uses 1)")
+        if sum(self.axes_dims_rope) != self.attention_head_dim or any(a % 2 for a in self.axes_dims_rope):
+            raise ConfigError(f"transformer config: axes_dims_rope {tuple(self.axes_dims_rope)} must be even and sum "
+                              f"to attention_head_dim {self.attention_head_dim}")  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Transformer21Config:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in names)
+        if unknown:
+            raise ConfigError(f"transformer/config.json: unknown config fields {unknown}; is this Qwen-Image-2.1?")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
+
+    def flops_per_forward(self, tokens: int, batch: int = 1) -> float:
+        """Matmul + attention FLOPs of a forward over `tokens` tokens attending to themselves."""
+        d, L = self.inner_dim, tokens
+        per_block = 2 * L * (4 * d * d + 3 * d * d * self.mlp_ratio) + 2 * 2 * L * L * d
+        return batch * self.num_layers * per_block
+
+
+# ---------------------------------------------------------------------------------------------
+# Host-side layout of one joint sequence
+
+
+@dataclass(frozen=True)
+class Layout21:
+    """Where every token of the joint sequence comes from, for one (image-slot mask, img_shapes).
+
+    S tokens = text positions (from the prompt embedding, in order) + image positions (condition
+    latents in order, then the target's). `prefix` = tokens before the target block.
+    """
+
+    S: int
+    prefix: int
+    text_pos: torch.Tensor  # (Lt,) joint positions of text tokens
+    vl_text: torch.Tensor  # (Lt,) the same tokens' positions in the prompt embedding
+    img_pos: torch.Tensor  # (Ni,) joint positions of image tokens, latent order
+    segments: tuple[tuple[int, int, bool], ...]  # prefix runs (start, end, is_text)
+    cos: torch.Tensor  # (S, Dh/2) fp32
+    sin: torch.Tensor
+
+
+def _frame_positions(is_img: list[bool], img_shapes) -> tuple[list[int], list[int], list[int]]:
+    """diffusers' QwenImage21Rope index bookkeeping: (frame, image h, image w) index lists."""
+    frame, ih, iw = [], [], []
+    cursor = position = 0
+    for _, h, w in img_shapes:
+        start = is_img.index(True, cursor)
+        frame.extend(range(position, position + start - cursor))
+        position += start - cursor
+        cursor = start + h * w
+        frame.extend([position] * (h * w))
+        position += max(h, w)
+        ih.extend(r for r in range(-(h - h // 2), h // 2) for _ in range(w))
+        iw.extend(c for _ in range(h) for c in range(-(w - w // 2), w // 2))
+    if cursor < len(is_img):
+        frame.extend(range(position, position + len(is_img) - cursor))
+    return frame, ih, iw
+
+
+def build_layout(vl_mask: tuple[bool, ...], img_shapes: tuple[tuple[int, int, int], ...],
+                 axes: tuple[int, int, int]) -> Layout21:  # fmt: skip
+    """The layout of the sequence whose vision-language slots are `vl_mask` (text L + target slots)."""
+    vm = torch.tensor(vl_mask, dtype=torch.bool)
+    is_img = torch.repeat_interleave(vm, torch.where(vm, SLOT, 1))  # (S,)
+    lengths = [f * h * w for f, h, w in img_shapes]
+    img_pos = is_img.nonzero(as_tuple=True)[0]
+    if sum(lengths) != img_pos.numel():
+        raise ValueError(f"img_shapes account for {sum(lengths)} image tokens but the prompt's image slots hold "
+                         f"{img_pos.numel()}")  # fmt: skip
+    S = is_img.numel()
+    prefix = S - lengths[-1]
+    if not bool(is_img[prefix:].all()):
+        raise ValueError("the target image's tokens must end the sequence")
+    ids = torch.full((S,), -1, dtype=torch.long)
+    ids[img_pos] = torch.tensor([b for b, n in enumerate(lengths) for _ in range(n)], dtype=torch.long)
+    runs, start, plist = [], 0, ids[:prefix].tolist()
+    for i in range(1, prefix + 1):
+        if i == prefix or plist[i] != plist[start]:
+            runs.append((start, i, plist[start] < 0))
+            start = i
+    frame, ih, iw = _frame_positions(is_img.tolist(), img_shapes)
+    f = torch.tensor(frame, dtype=torch.long)
+    h, w = f.clone(), f.clone()
+    h[is_img], w[is_img] = torch.tensor(ih, dtype=torch.long), torch.tensor(iw, dtype=torch.long)
+    ang = torch.cat([_axis_angles(p, d) for p, d in zip((f, h, w), axes)], dim=-1)  # (S, Dh/2)
+    return Layout21(S, prefix, (~is_img).nonzero(as_tuple=True)[0], (~vm).nonzero(as_tuple=True)[0], img_pos,
+                    tuple(runs), ang.cos(), ang.sin())  # fmt: skip
+
+
+class PrefixKVCache:
+    """Per-call store of the prefix keys/values of every block (diffusers' `QwenImage21KVCache`).
+
+    Each layer holds (B, H, P + N, Dh) key and value buffers: the prefix part is written by the
+    "extract" step, the target part is rewritten by every "cached" step, so attention reads one
+    buffer without concatenating (and the buffers keep their addresses for CUDA graphs).
+    """
+
+    def __init__(self, num_layers: int):
+        # per layer (q buffer or None, k, v): (B, H, P[+N], Dh)
+        self.layers: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.prefix: int | None = None
+        self.ready = False
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+
+
+def timestep_sinusoid21(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
+    """QwenImage21TemporalTimesteps: (B,) -> (B, dim) fp32, cos first, 1000 * t before the product."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=t.device) / half)
+    args = (1000.0 * t.float())[:, None] * freqs[None]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+class ZeroCenterRMSNorm(nn.Module):
+    """RMSNorm with the gain stored as `scale - 1`, all in fp32 (2.1's `txt_in.text_norm`)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        rrms = torch.rsqrt(torch.mean(xf**2, dim=-1, keepdim=True) + self.eps)
+        return (xf * rrms * (self.weight.float() + 1)).to(x.dtype)
+
+
+class TextProjection(nn.Module):
+    def __init__(self, context_in_dim: int, dim: int, eps: float):
+        super().__init__()
+        self.text_norm = ZeroCenterRMSNorm(context_in_dim, eps)
+        self.in_layer = nn.Linear(context_in_dim, dim, bias=False)
+        self.out_layer = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_layer(F.gelu(self.in_layer(self.text_norm(x)), approximate="tanh"))
+
+
+class TimestepEmbedder21(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear_1 = nn.Linear(256, dim, bias=False)
+        self.linear_2 = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class TimeEmbed21(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedder21(dim)
+
+    def forward(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.timestep_embedder(timestep_sinusoid21(t).to(dtype))  # (B, D)
+
+
+class SwiGLU(nn.Module):
+    """out(silu(gate(x)) * up(x)); `gate_up` holds the gate rows then the up (`proj`) rows."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(dim, 2 * hidden, bias=False)
+        self.out = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return self.out(F.silu(g) * u)
+
+
+class Attention21(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.to_qkv = nn.Linear(dim, 3 * heads * head_dim, bias=False)
+        self.norm_q = RMSNorm(head_dim, eps)
+        self.norm_k = RMSNorm(head_dim, eps)
+        self.to_out = nn.ModuleList([nn.Linear(heads * head_dim, dim, bias=False)])
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(B, L, D) -> q, k, v (B, H, L, Dh): QK-norm (cast back to v's dtype) and RoPE, as diffusers."""
+        B, L = x.shape[:2]
+        q, k, v = self.to_qkv(x).view(B, L, 3, self.heads, self.head_dim).unbind(2)  # (B, L, H, Dh)
+        q, k = self.norm_q(q).to(v.dtype), self.norm_k(k).to(v.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        return self.to_out[0](o.transpose(1, 2).flatten(2))  # (B, H, L, Dh) -> (B, L, D)
+
+
+def block_causal_attention(q, k, v, segments, prefix: int, key_valid: torch.Tensor | None) -> torch.Tensor:
+    """The prefill's block-causal attention as diffusers' SDPA processor runs it: each prefix run
+    attends to everything up to its own end (text runs causally inside), the target to all keys.
+    q, k, v (B, H, S, Dh); key_valid (B, S) bool or None -> (B, H, S, Dh)."""
+    outs = []
+    for start, end, is_text in segments:
+        mask = None
+        if is_text:
+            n = end - start
+            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=q.device),
+                              torch.tril(torch.ones(n, n, dtype=torch.bool, device=q.device))], dim=1)[None, None]  # fmt: skip
+        if key_valid is not None:
+            kv = key_valid[:, None, None, :end]
+            mask = kv if mask is None else mask & kv
+        outs.append(attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask))
+    outs.append(attention(q[:, :, prefix:], k, v, None if key_valid is None else key_valid[:, None, None, :]))
+    return torch.cat(outs, dim=2)
+
+
+class Block21(nn.Module):
+    def __init__(self, cfg: Transformer21Config):
+        super().__init__()
+        dim = cfg.inner_dim
+        self.eps = cfg.eps
+        self.attn = Attention21(dim, cfg.num_attention_heads, cfg.attention_head_dim, cfg.eps)
+        self.img_mlp = SwiGLU(dim, dim * cfg.mlp_ratio)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), eps=self.eps)
+
+    def forward(self, x: torch.Tensor, mod: tuple[torch.Tensor, ...], ctx: _Ctx, i: int) -> torch.Tensor:
+        """x (B, L, D); mod: (scale1, gate1, scale2, gate2), each (B|1, L|1, D) rows per token."""
+        sc1, g1, sc2, g2 = mod
+        q, k, v = self.attn.qkv(self._norm(x) * (1 + sc1), ctx.cos, ctx.sin)
+        if ctx.mode == "cached":
+            ck, cv = ctx.cache.layers[i][1:]
+            k, v = torch.cat([ck[:, :, : ctx.prefix], k], dim=2), torch.cat([cv[:, :, : ctx.prefix], v], dim=2)
+            o = attention(q, k, v, ctx.key_mask)
+        else:
+            if ctx.mode == "extract":  # clone: a view would pin the whole prefill's K/V
+                ctx.cache.layers[i] = (None, k[:, :, : ctx.prefix].clone(), v[:, :, : ctx.prefix].clone())
+            o = block_causal_attention(q, k, v, ctx.segments, ctx.prefix, ctx.key_valid)
+        x = x + g1.tanh() * self.attn.out(o)
+        x = x + g2.tanh() * self.img_mlp(self._norm(x) * (1 + sc2))
+        return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+    def forward_cached_fused(self, x: torch.Tensor, mod: tuple[torch.Tensor, ...], ctx: _Ctx, i: int) -> torch.Tensor:
+        """A "cached" step (every token a target token, per-sample rows (B, D)) with fused kernels:
+        LayerNorm + scale in one pass, QK-norm + RoPE written into the cache's key/value buffers
+        after the stored prefix, the gated residuals fused (tanh of the gates taken once)."""
+        sc1, g1, sc2, g2 = mod  # (B, D) each, gates already tanh'd
+        B, L, _ = x.shape
+        a = self.attn
+        qb, kb, vb = ctx.cache.layers[i]
+        zero = ctx.zero
+        qkv = a.to_qkv(layernorm_modulate(x, zero, sc1, self.eps))
+        qk_norm_rope(qkv, a.norm_q.weight, a.norm_k.weight, ctx.cos, ctx.sin, qb, kb, vb, offset=ctx.prefix)
+        o = attention(qb[:, :, ctx.prefix :], kb, vb, ctx.key_mask)
+        x = gated_residual(x, a.out(o), g1)
+        x = gated_residual(x, self.img_mlp(layernorm_modulate(x, zero, sc2, self.eps)), g2)
+        return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+@dataclass
+class _Ctx:
+    mode: str | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    prefix: int
+    segments: tuple
+    key_valid: torch.Tensor | None  # (B, S) bool
+    key_mask: torch.Tensor | None  # (B, 1, 1, S) bool for the target's attention
+    cache: PrefixKVCache | None
+    zero: torch.Tensor | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+
+class QwenImage21Transformer(nn.Module):
+    # the block Linears FP8 replaces (kernels/fp8_linear.quantize_model); modulation and embedders stay bf16
+    fp8_linears = ("attn.to_qkv", "attn.to_out.0", "img_mlp.gate_up", "img_mlp.out")
+
+    def __init__(self, cfg: Transformer21Config):
+        super().__init__()
+        self.cfg = cfg
+        dim = cfg.inner_dim
+        self.time_text_embed = TimeEmbed21(dim)
+        self.txt_in = TextProjection(cfg.context_in_dim, dim, cfg.eps)
+        self.img_in = nn.Linear(cfg.in_channels, dim, bias=False)
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 4 * dim, bias=False))
+        self.transformer_blocks = nn.ModuleList([Block21(cfg) for _ in range(cfg.num_layers)])
+        self.norm_out_linear = nn.Linear(dim, dim, bias=False)
+        self.proj_out = nn.Linear(dim, cfg.out_dim, bias=False)
+        self.fused = True  # fused kernels on "cached" steps (their torch references off CUDA)
+        self.block_runner: BlockRunner = BlockRunner()
+        self._layouts: OrderedDict = OrderedDict()
+        self._dev_layouts: OrderedDict = OrderedDict()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.img_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    def layout(self, vl_mask: torch.Tensor, img_shapes) -> Layout21:
+        """`Layout21` of a joint sequence (cached; one host copy of the mask per new layout)."""
+        shapes = tuple(tuple(int(v) for v in s) for s in img_shapes)
+        key = (tuple(bool(b) for b in vl_mask.tolist()), shapes)
+        if key not in self._layouts:
+            if len(self._layouts) >= 16:
+                self._layouts.popitem(last=False)
+            self._layouts[key] = build_layout(key[0], shapes, tuple(self.cfg.axes_dims_rope))
+        self._layouts.move_to_end(key)
+        return self._layouts[key]
+
+    def _on_device(self, lay: Layout21, device) -> tuple[torch.Tensor, ...]:
+        key = (id(lay), str(device))
+        if key not in self._dev_layouts:
+            if len(self._dev_layouts) >= 16:
+                self._dev_layouts.popitem(last=False)
+            self._dev_layouts[key] = (lay, *(t.to(device) for t in (lay.text_pos, lay.vl_text, lay.img_pos,
+                                                                    lay.cos, lay.sin)))  # fmt: skip
+        return self._dev_layouts[key][1:]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,  # (B, Nc + N, C) condition latents first, the target's last
+        encoder_hidden_states: torch.Tensor,  # (B, L, context_in_dim) prompt embedding (with image slots)
+        encoder_hidden_states_mask: torch.Tensor | None,  # (B, L) 1 = real token; None = all real
+        timestep: torch.Tensor,  # (B,) sigma in [0, 1]
+        img_shapes: list[tuple[int, int, int]],  # (1, h, w) latent grid per image, condition first, target last
+        img_mask: torch.Tensor,  # (L + N/4,) or (B, L + N/4) bool: image slots (row 0 is the layout)
+        kv_cache: PrefixKVCache | None = None,
+        kv_cache_mode: str | None = None,  # None | "extract" (prefill, store) | "cached" (target only)
+        step: StepContext | None = None,
+    ) -> torch.Tensor:  # (B, N, out_channels): the target image's prediction
+        cfg = self.cfg
+        if kv_cache is not None and not cfg.causal_condition:
+            raise ValueError("kv_cache requires causal_condition=True (prefix activations must not depend on t)")
+        if (kv_cache is None) != (kv_cache_mode is None) or kv_cache_mode not in (None, "extract", "cached"):
+            raise ValueError(f"kv_cache_mode {kv_cache_mode!r} needs a kv_cache (and 'extract' or 'cached')")
+        B, N = hidden_states.shape[0], math.prod(img_shapes[-1])
+        vl = img_mask[0] if img_mask.dim() == 2 else img_mask
+        lay = self.layout(vl, img_shapes)
+        text_pos, vl_text, img_pos, cos, sin = self._on_device(lay, hidden_states.device)
+        cached = kv_cache_mode == "cached"
+        if cached and not kv_cache.ready:
+            raise RuntimeError("kv_cache_mode='cached' before an 'extract' step filled the cache")
+
+        t = timestep.to(self.dtype)
+        if cfg.causal_condition:
+            t = torch.cat([t, t.new_zeros(1)])
+        temb = self.time_text_embed(t, self.dtype)  # (B|B+1, D)
+        mods = self.modulation(temb).chunk(4, dim=-1)  # scale1, gate1, scale2, gate2: (B|B+1, D) each
+
+        key_valid = None
+        if encoder_hidden_states_mask is not None:
+            key_valid = torch.ones(B, lay.S, dtype=torch.bool, device=hidden_states.device)
+            key_valid[:, text_pos] = encoder_hidden_states_mask.bool()[:, vl_text]
+        key_mask = None if key_valid is None else key_valid[:, None, None, :]
+
+        if cached:
+            x = self.img_in(hidden_states[:, -N:])  # (B, N, D)
+            cos, sin = cos[lay.prefix :], sin[lay.prefix :]
+            rows = [m[:B, None] for m in mods]  # every token is a target token
+        else:
+            img = self.img_in(hidden_states)
+            txt = self.txt_in(encoder_hidden_states[:, vl_text])
+            x = img.new_empty(B, lay.S, img.shape[-1])
+            x[:, text_pos] = txt
+            x[:, img_pos] = img
+            if cfg.causal_condition:
+                target = (torch.arange(lay.S, device=x.device) >= lay.prefix)[None, :, None]
+                rows = [torch.where(target, m[:B, None], m[B:, None]) for m in mods]
+            else:
+                rows = [m[:, None] for m in mods]
+        ctx = _Ctx(kv_cache_mode, cos, sin, lay.prefix, lay.segments, key_valid, key_mask, kv_cache)
+        fused = self.fused and cached
+        if fused:
+            ctx.zero = x.new_zeros(B, x.shape[-1])
+            rows = [m[:B] for m in mods]
+            rows = [rows[0], rows[1].tanh(), rows[2], rows[3].tanh()]
+            self._grow_cache(kv_cache, lay.prefix, N)
+
+        def call(i: int, block: Block21, x: torch.Tensor, _unused):
+            if fused:
+                return block.forward_cached_fused(x, rows, ctx, i), None
+            return block(x, rows, ctx, i), None
+
+        x, _ = self.block_runner.run(self.transformer_blocks, call, x, None, step)
+        if kv_cache_mode == "extract":
+            kv_cache.prefix, kv_cache.ready = lay.prefix, True
+
+        x = x[:, -N:]
+        scale = self.norm_out_linear(F.silu(temb[:B]).to(x.dtype))[:, None]  # targets use the real rows
+        x = F.layer_norm(x, (x.shape[-1],), eps=cfg.eps) * (1 + scale)
+        return self.proj_out(x)
+
+    @staticmethod
+    def _grow_cache(cache: PrefixKVCache, prefix: int, n: int) -> None:
+        """Give every layer (q, k, v) buffers of prefix + n tokens, the stored prefix copied in once."""
+        for i, bufs in enumerate(cache.layers):
+            qb, kb, vb = bufs
+            if qb is not None and kb.shape[2] == prefix + n:
+                continue
+            B, H, _, Dh = kb.shape
+            nq, nk, nv = (torch.empty(B, H, prefix + n, Dh, dtype=kb.dtype, device=kb.device) for _ in range(3))
+            nk[:, :, :prefix].copy_(kb[:, :, :prefix])
+            nv[:, :, :prefix].copy_(vb[:, :, :prefix])
+            cache.layers[i] = (nq, nk, nv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint layout
+
+
+def checkpoint_key(key: str) -> tuple[str, int, int] | tuple[str, None, None]:
+    """A diffusers (or ComfyUI) 2.1 key -> (our key, slot, pieces) for tensors fused at load time
+    (to_q/k/v -> to_qkv, gate_layer/proj -> gate_up), else (our key, None, None)."""
+    if key.startswith("model.diffusion_model."):
+        key = key[len("model.diffusion_model.") :]
+    for old, slot in (("attn.to_q.", 0), ("attn.to_k.", 1), ("attn.to_v.", 2)):
+        if old in key:
+            return key.replace(old, "attn.to_qkv."), slot, 3
+    for old, slot in (("img_mlp.gate_layer.", 0), ("img_mlp.proj.", 1)):
+        if old in key:
+            return key.replace(old, "img_mlp.gate_up."), slot, 2
+    if key.startswith("norm_out.linear."):
+        return key.replace("norm_out.linear.", "norm_out_linear."), None, None
+    if key.startswith("modulation.1."):
+        return key, None, None
+    return key, None, None

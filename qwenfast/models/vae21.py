@@ -1,0 +1,263 @@
+"""The Qwen-Image-2.1 VAE in plain torch: the same function as diffusers' `AutoencoderKLQwenImage21`
+for single images (RGBA in and out, 16x spatial compression, 64 latent channels).
+
+2.1's VAE is Wan-2.2's residual design specialised to one frame: its "causal 3D" convolutions are
+2D convolutions already, and the temporal parts (time convolutions, the feature cache) never run on
+a single frame. What a single frame still sees of time is kept exactly: the averaging shortcut of a
+temporally-downsampling block pads one zero frame in front and averages it in, and the duplicating
+shortcut of a temporally-upsampling block keeps the last of its two frames. Activations are 4D
+(B, C, H, W). Parameter names are diffusers' (time convolutions are dropped at load time, unused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class VAE21Config:
+    """`AutoencoderKLQwenImage21` config (vae/config.json)."""
+
+    base_dim: int = 96
+    decoder_base_dim: int | None = 144
+    z_dim: int = 64
+    dim_mult: tuple[int, ...] = (1, 2, 4, 8, 8)
+    num_res_blocks: int = 2
+    attn_scales: tuple[float, ...] = ()
+    temperal_downsample: tuple[bool, ...] = (False, True, True, True)
+    dropout: float = 0.0
+    latents_mean: tuple[float, ...] = ()
+    latents_std: tuple[float, ...] = ()
+    is_residual: bool = True
+    in_channels: int = 4
+    out_channels: int = 4
+    patch_size: int | None = None
+    scale_factor_temporal: int | None = 8
+    scale_factor_spatial: int | None = 16
+
+    @property
+    def scale_factor(self) -> int:
+        return 2 ** (len(self.dim_mult) - 1)
+
+    def __post_init__(self):
+        if not self.is_residual or self.patch_size not in (None, 1) or self.attn_scales:
+            raise ConfigError("vae config: only the residual 2.1 VAE without patchify or attention scales is "
+                              "supported (is_residual=true, patch_size=null, attn_scales=[])")  # fmt: skip
+        if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
+            raise ConfigError(f"vae config: latents_mean/latents_std must have z_dim={self.z_dim} entries")
+        if self.scale_factor != (self.scale_factor_spatial or 16):
+            raise ConfigError(f"vae config: dim_mult gives {self.scale_factor}x, scale_factor_spatial says "
+                              f"{self.scale_factor_spatial}")  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, d: dict) -> VAE21Config:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(k for k in d if not k.startswith("_") and k not in names)
+        if unknown:
+            raise ConfigError(f"vae/config.json: unknown config fields {unknown}; is this Qwen-Image-2.1's VAE?")
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
+
+
+class RMSNorm2d(nn.Module):
+    """Channel RMS norm (F.normalize over C, fp32 for half inputs) * sqrt(C) * gamma."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.scale = dim**0.5
+        self.gamma = nn.Parameter(torch.ones(dim, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xn = F.normalize(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x, dim=1).to(x.dtype)
+        return xn * self.scale * self.gamma
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int):
+        super().__init__()
+        self.norm1 = RMSNorm2d(cin)
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2 = RMSNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv_shortcut(x)
+        x = self.conv1(F.silu(self.norm1(x)))
+        return self.conv2(F.silu(self.norm2(x))) + h
+
+
+class AttnBlock(nn.Module):
+    """Single-head self-attention over all pixels (the mid blocks)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = RMSNorm2d(dim)
+        self.to_qkv = nn.Conv2d(dim, 3 * dim, 1)
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, C, H, W = x.shape
+        qkv = self.to_qkv(self.norm(x)).reshape(B, 1, 3 * C, H * W).permute(0, 1, 3, 2).contiguous()
+        q, k, v = qkv.chunk(3, dim=-1)  # (B, 1, HW, C)
+        o = F.scaled_dot_product_attention(q, k, v).squeeze(1).permute(0, 2, 1).reshape(B, C, H, W)
+        return self.proj(o) + x
+
+
+class MidBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.resnets = nn.ModuleList([ResBlock(dim, dim), ResBlock(dim, dim)])
+        self.attentions = nn.ModuleList([AttnBlock(dim)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
+
+
+def avg_down(x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
+    """diffusers' AvgDown3D on one frame: (ft - 1) zero frames in front, then the channel-group mean."""
+    x = F.pad(x.unsqueeze(2), (0, 0, 0, 0, ft - 1, 0))  # (B, C, ft, H, W)
+    B, C, T, H, W = x.shape
+    x = x.view(B, C, 1, ft, H // fs, fs, W // fs, fs).permute(0, 1, 3, 5, 7, 2, 4, 6).contiguous()
+    return x.view(B, cout, C * ft * fs * fs // cout, 1, H // fs, W // fs).mean(dim=2).squeeze(2)
+
+
+def dup_up(x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
+    """diffusers' DupUp3D on the first chunk: channel duplication to space (and time), last frame kept."""
+    B, C, H, W = x.shape
+    x = x.repeat_interleave(cout * ft * fs * fs // C, dim=1).view(B, cout, ft, fs, fs, 1, H, W)
+    x = x.permute(0, 1, 5, 2, 6, 3, 7, 4).contiguous().view(B, cout, ft, H * fs, W * fs)
+    return x[:, :, ft - 1]
+
+
+class Resample(nn.Module):
+    """`resample.1` is the convolution (after a 2x nearest-exact upsample, or a (0,1,0,1) pad + stride 2)."""
+
+    def __init__(self, dim: int, mode: str, up_out: int | None = None):
+        super().__init__()
+        self.mode = mode
+        if mode == "up":
+            self.resample = nn.Sequential(nn.Identity(), nn.Conv2d(dim, up_out or dim // 2, 3, padding=1))
+        else:
+            self.resample = nn.Sequential(nn.Identity(), nn.Conv2d(dim, dim, 3, stride=2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "up":
+            x = F.interpolate(x.float(), scale_factor=2.0, mode="nearest-exact").type_as(x)
+        else:
+            x = F.pad(x, (0, 1, 0, 1))
+        return self.resample[1](x)
+
+
+class DownBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, n: int, temporal: bool, down: bool):
+        super().__init__()
+        self.cout, self.ft, self.fs = cout, 2 if temporal else 1, 2 if down else 1
+        self.resnets = nn.ModuleList([ResBlock(cin if i == 0 else cout, cout) for i in range(n)])
+        self.downsampler = Resample(cout, "down") if down else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = avg_down(x, self.cout, self.ft, self.fs)
+        for r in self.resnets:
+            x = r(x)
+        if self.downsampler is not None:
+            x = self.downsampler(x)
+        return x + shortcut
+
+
+class UpBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, n: int, temporal: bool, up: bool):
+        super().__init__()
+        self.cout, self.ft, self.up = cout, 2 if temporal else 1, up
+        self.resnets = nn.ModuleList([ResBlock(cin if i == 0 else cout, cout) for i in range(n + 1)])
+        self.upsampler = Resample(cout, "up", cout) if up else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = dup_up(x, self.cout, self.ft, 2) if self.up else None
+        for r in self.resnets:
+            x = r(x)
+        if self.upsampler is not None:
+            x = self.upsampler(x)
+        return x if shortcut is None else x + shortcut
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: VAE21Config):
+        super().__init__()
+        dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
+        last = len(cfg.dim_mult) - 1
+        self.conv_in = nn.Conv2d(cfg.in_channels, dims[0], 3, padding=1)
+        self.down_blocks = nn.ModuleList([
+            DownBlock(a, b, cfg.num_res_blocks, cfg.temperal_downsample[i] if i != last else False, i != last)
+            for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))
+        ])  # fmt: skip
+        self.mid_block = MidBlock(dims[-1])
+        self.norm_out = RMSNorm2d(dims[-1])
+        self.conv_out = nn.Conv2d(dims[-1], 2 * cfg.z_dim, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(x)
+        for b in self.down_blocks:
+            x = b(x)
+        return self.conv_out(F.silu(self.norm_out(self.mid_block(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: VAE21Config):
+        super().__init__()
+        base = cfg.decoder_base_dim or cfg.base_dim
+        dims = [base * u for u in (cfg.dim_mult[-1], *cfg.dim_mult[::-1])]
+        tup = cfg.temperal_downsample[::-1]
+        last = len(cfg.dim_mult) - 1
+        self.conv_in = nn.Conv2d(cfg.z_dim, dims[0], 3, padding=1)
+        self.mid_block = MidBlock(dims[0])
+        self.up_blocks = nn.ModuleList([
+            UpBlock(a, b, cfg.num_res_blocks, tup[i] if i != last else False, i != last)
+            for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))
+        ])  # fmt: skip
+        self.norm_out = RMSNorm2d(dims[-1])
+        self.conv_out = nn.Conv2d(dims[-1], cfg.out_channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mid_block(self.conv_in(x))
+        for b in self.up_blocks:
+            x = b(x)
+        return self.conv_out(F.silu(self.norm_out(x)))
+
+
+class QwenImage21VAE(nn.Module):
+    """encode: (B, 4, H, W) in [-1, 1] -> posterior mean (B, z, H/16, W/16); decode: the inverse, clamped."""
+
+    def __init__(self, cfg: VAE21Config):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.quant_conv = nn.Conv2d(2 * cfg.z_dim, 2 * cfg.z_dim, 1)
+        self.post_quant_conv = nn.Conv2d(cfg.z_dim, cfg.z_dim, 1)
+        self.decoder = Decoder(cfg)
+        self.tiling = False  # read by the OOM back-off (runtime/oom.py); 2.1 decodes untiled
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, logvar) of the posterior, (B, z, h, w) each."""
+        mean, logvar = self.quant_conv(self.encoder(x)).chunk(2, dim=1)
+        return mean, logvar
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.post_quant_conv(z)).clamp(-1.0, 1.0)
+
+
+def convert_vae21_key(key: str, t: torch.Tensor):
+    """diffusers key -> ours; the temporal convolutions (unused on one frame) are dropped. 5D
+    (B, C, T, kh, kw) weights from video-style exports are accepted when T == 1."""
+    if ".time_conv." in key:
+        return None
+    if key.endswith(".weight") and t.dim() == 5 and t.shape[2] == 1:
+        t = t[:, :, 0]
+    if key.endswith(".gamma") and t.dim() == 4:  # (C, 1, 1, 1) channel gains of the 5D resnet norms
+        t = t.reshape(t.shape[0], 1, 1)
+    return key, t
