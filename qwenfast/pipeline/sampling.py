@@ -37,9 +37,12 @@ def calculate_shift(image_seq_len: int, cfg: SchedulerConfig) -> float:
 
 
 def get_sigmas(
-    cfg: SchedulerConfig, num_inference_steps: int, image_seq_len: int, sigmas: list[float] | None = None
+    cfg: SchedulerConfig, num_inference_steps: int, image_seq_len: int, sigmas: list[float] | None = None,
+    mu: float | None = None,
 ) -> torch.Tensor:
-    """The N+1 noise levels (last one 0) as float32; timestep for the model = sigma."""
+    """The N+1 noise levels (last one 0) as float32; timestep for the model = sigma. `mu`: the
+    dynamic shift, when a pipeline computes its own (Layered: sqrt(condition tokens / 256)) instead
+    of the linear rule of `calculate_shift`."""
     if sigmas is None:
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
@@ -48,7 +51,7 @@ def get_sigmas(
     if s.ndim != 1 or len(s) < 1:
         raise ValueError("sigmas must be a non-empty 1-D list")
     if cfg.use_dynamic_shifting:
-        mu = calculate_shift(image_seq_len, cfg)
+        mu = calculate_shift(image_seq_len, cfg) if mu is None else mu
         if cfg.time_shift_type == "exponential":
             s = math.exp(mu) / (math.exp(mu) + (1 / s - 1) ** 1.0)
         else:
@@ -82,9 +85,12 @@ def euler_step(sample: torch.Tensor, pred: torch.Tensor, sigma: torch.Tensor, si
     return (sample.to(torch.float32) + dt * pred).to(pred.dtype)
 
 
-def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Classifier-free guidance with the per-token norm of the conditional prediction restored."""
+def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, normalize: bool = True) -> torch.Tensor:
+    """Classifier-free guidance with the per-token norm of the conditional prediction restored
+    (`normalize=False`: the plain combination, Layered's default `cfg_normalize=False`)."""
     comb = uncond + scale * (cond - uncond)
+    if not normalize:
+        return comb
     cond_norm = torch.norm(cond, dim=-1, keepdim=True)
     comb_norm = torch.norm(comb, dim=-1, keepdim=True)
     return comb * (cond_norm / comb_norm)
@@ -159,7 +165,8 @@ def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
 def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes: list[tuple[int, int, int]],
             cond: TextCond, uncond: TextCond | None = None, cfg_scale: float = 1.0,
             ref_latents: torch.Tensor | None = None, batched_cfg: bool | str = "auto",
-            callback: StepCallback | None = None, progress: bool = False) -> torch.Tensor:  # fmt: skip
+            callback: StepCallback | None = None, progress: bool = False,
+            cfg_normalize: bool = True) -> torch.Tensor:  # fmt: skip
     """Euler steps over `sigmas` (fp32 math) from the noise `x` (B, N, 64) -> the final latents (B, N, 64).
 
     cond / uncond: prompt conditioning (uncond None = no true CFG). ref_latents (B, M, 64): packed
@@ -167,6 +174,8 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
     the first N tokens. batched_cfg: cond and uncond in one batch-2B forward; "auto" only when no
     padding mask is needed (a masked attention costs more than the second pass saves). Each forward
     gets a `StepContext` (step, count, sigma, branch) for the transformer's block runner.
+    cfg_normalize: rescale the CFG combination to the conditional prediction's norm (Qwen-Image's
+    rule; Layered makes it optional).
     """
     ts = timesteps_from_sigmas(sigmas)
     levels = sigmas.tolist()  # host floats for the step contexts: one copy now, no sync per step
@@ -184,13 +193,13 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
         if batched:
             step = StepContext(i, n, sigma, "both")
             pred, neg = forward(torch.cat([inp, inp]), emb2, mask2, torch.cat([t, t]), img_shapes, step).chunk(2)
-            pred = true_cfg(pred[:, :N], neg[:, :N], cfg_scale)
+            pred = true_cfg(pred[:, :N], neg[:, :N], cfg_scale, cfg_normalize)
         else:
             pred = forward(inp, cond.emb, cond.mask, t, img_shapes, StepContext(i, n, sigma, "cond"))[:, :N]
             if uncond is not None:
                 step = StepContext(i, n, sigma, "uncond")
                 neg = forward(inp, uncond.emb, uncond.mask, t, img_shapes, step)[:, :N]
-                pred = true_cfg(pred, neg, cfg_scale)
+                pred = true_cfg(pred, neg, cfg_scale, cfg_normalize)
         x = euler_step(x, pred, sigmas[i], sigmas[i + 1])
         if callback is not None:
             callback(i, n, x)
