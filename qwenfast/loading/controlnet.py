@@ -39,8 +39,12 @@ def controlnet_folder(path: Path) -> Path | None:
 
 
 def load_controlnet(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    config: ControlNetConfig | dict | str | Path | None = None):  # fmt: skip
-    """A diffusers ControlNet folder or a single file -> `QwenImageControlNetModel` on `device` in `dtype`."""
+                    config: ControlNetConfig | dict | str | Path | None = None,
+                    axes_dims_rope: tuple[int, int, int] | None = None):  # fmt: skip
+    """A diffusers ControlNet folder or a single file -> `QwenImageControlNetModel` on `device` in `dtype`.
+
+    `axes_dims_rope`: for single files whose head dim is not Qwen-Image's, the RoPE axes (not stored in
+    the weights; a pipeline passes its transformer's, which the ControlNet must share)."""
     from ..models.controlnet import QwenImageControlNetModel
     from ..models.transformer import fuse_qkv_key
     from .diffusers_folder import read_json
@@ -63,7 +67,7 @@ def load_controlnet(path: str | Path, device: torch.device | str = "cpu", dtype:
         items = iter_safetensors(weight_files(d, WEIGHTS_STEM), device)
         where, convert = str(d), fuser
     else:
-        src, cfg = inspect_controlnet(p, config)
+        src, cfg = inspect_controlnet(p, config, axes_dims_rope)
         log.info("loading %s", src.describe())
         items, where = src.items(device, dtype), str(p)
 
@@ -77,7 +81,7 @@ def load_controlnet(path: str | Path, device: torch.device | str = "cpu", dtype:
     return load_streaming(model, items, dtype=dtype, where=where, convert=convert)
 
 
-def inspect_controlnet(path: Path | str, config=None) -> tuple[Source, ControlNetConfig]:
+def inspect_controlnet(path: Path | str, config=None, axes_dims_rope=None) -> tuple[Source, ControlNetConfig]:
     """Header, layout and config of a ControlNet single file (nothing loaded)."""
     header = read_header(path, "ControlNet")
     quant = plan_quantization(header)
@@ -89,8 +93,10 @@ def inspect_controlnet(path: Path | str, config=None) -> tuple[Source, ControlNe
         raise CheckpointError(_not_this(header, keys, "a Qwen-Image ControlNet (InstantX layout)", (
             "diffusers QwenImageControlNetModel names ('controlnet_x_embedder.weight', 'controlnet_blocks.N.weight', "
             "'transformer_blocks.N.attn.to_q.weight', ...), bare or prefixed 'controlnet.'")))  # fmt: skip
-    cfg = _make_config(ControlNetConfig, infer_controlnet_config(shapes, header.path), config, "controlnet",
-                       header.path)  # fmt: skip
+    inferred = infer_controlnet_config(shapes, header.path)
+    if inferred["axes_dims_rope"] is ASK and axes_dims_rope is not None:
+        inferred["axes_dims_rope"] = tuple(axes_dims_rope)
+    cfg = _make_config(ControlNetConfig, inferred, config, "controlnet", header.path)
     layout = f"ControlNet ({'prefix ' + repr(prefix) if prefix else 'no prefix'}, {cfg.num_layers} layers"
     layout += f", +{cfg.extra_condition_channels} condition channels)" if cfg.extra_condition_channels else ")"
     return Source(header, quant, names, layout), cfg

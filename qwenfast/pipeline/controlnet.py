@@ -50,15 +50,16 @@ __all__ = ["QwenImageControlNetPipeline", "QwenImageControlNetInpaintPipeline", 
 KINDS = ("text-to-image", "controlnet", "controlnet-inpaint")
 
 
-def load_controlnets(controlnet, device: torch.device, dtype: torch.dtype) -> ControlNets:
-    """A ControlNet model, a path (diffusers folder or single file), or a list of them (-> Multi)."""
+def load_controlnets(controlnet, device: torch.device, dtype: torch.dtype, axes_dims_rope=None) -> ControlNets:
+    """A ControlNet model, a path (diffusers folder or single file), or a list of them (-> Multi).
+    `axes_dims_rope`: the transformer's, for single files that do not say (non-standard head dims)."""
     from ..loading.controlnet import load_controlnet
 
     def one(c):
         if isinstance(c, QwenImageControlNetModel):
             return c
         if isinstance(c, (str, Path)):
-            return load_controlnet(c, device, dtype)
+            return load_controlnet(c, device, dtype, axes_dims_rope=axes_dims_rope)
         raise TypeError(f"controlnet must be a QwenImageControlNetModel or a path, got {type(c).__name__}")
 
     if isinstance(controlnet, QwenImageMultiControlNetModel):
@@ -217,7 +218,7 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
                                  "file, e.g. InstantX/Qwen-Image-ControlNet-Union)")  # fmt: skip
             controlnet = f.path / "controlnet"
         dt = f.transformer.dtype
-        net = load_controlnets(controlnet, f.device, dt)
+        net = load_controlnets(controlnet, f.device, dt, f.transformer.cfg.axes_dims_rope)
         net.to(f.device, dt)
         return cls(f.transformer, f.vae, f.te, f.sched, controlnet=net, model_path=str(f.path),
                    defaults=f.extra.get("defaults"), options=opts, device=f.device, extra=f.extra)  # fmt: skip

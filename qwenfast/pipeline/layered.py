@@ -99,8 +99,11 @@ class QwenImageLayeredPipeline(PipelineBase):
         """-> (resized PIL picture, (height, width)) as diffusers: ~resolution² area, sides multiples of 32."""
         from PIL import Image
 
-        if resolution not in RESOLUTIONS:
-            raise ValueError(f"resolution must be one of {RESOLUTIONS} (the model's training buckets), got {resolution}")
+        if not isinstance(resolution, int) or isinstance(resolution, bool) or resolution % 32 or not 64 <= resolution <= 2048:
+            raise ValueError(f"resolution must be a multiple of 32 in 64..2048 (the model was trained at {RESOLUTIONS}; "
+                             f"640 is recommended), got {resolution!r}")  # fmt: skip
+        if resolution not in RESOLUTIONS:  # diffusers refuses these; smaller ones are handy for tests and drafts
+            log.warning("resolution %s is not one of Qwen-Image-Layered's buckets %s", resolution, RESOLUTIONS)
         if isinstance(image, (list, tuple)):
             if len(image) != 1:
                 raise ValueError("QwenImageLayeredPipeline decomposes one picture per call (batch with a prompt list)")
