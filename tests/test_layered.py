@@ -53,6 +53,8 @@ def _pair(ref, qf, image, **kw):
 
 @pytest.mark.parametrize("layers,cfg,normalize", [(3, True, False), (4, True, True), (4, False, False)])
 def test_layers_match_diffusers(layered, small_buckets, layers, cfg, normalize):
+    from PIL import Image
+
     ref, qf, _ = layered
     kw = dict(prompt=["a red circle", "a blue square on the left"], layers=layers, num_inference_steps=2,
               output_type="np", cfg_normalize=normalize, true_cfg_scale=4.0 if cfg else 1.0,
@@ -65,7 +67,8 @@ def test_layers_match_diffusers(layered, small_buckets, layers, cfg, normalize):
     moved = np.concatenate(ref(img, resolution=640, generator=torch.Generator().manual_seed(3),
                                **{**kw, "prompt": ["a red square", "a blue square on the left"]}).images)  # fmt: skip
     assert np.abs(moved - a).max() >= 10 * TOL  # the prompt matters
-    other = np.concatenate(ref(_image(80, 48, 2), resolution=640, generator=torch.Generator().manual_seed(3),
+    flat = Image.new("RGBA", (80, 48), (255, 255, 255, 255))  # tiny random models barely see a noise-for-noise swap
+    other = np.concatenate(ref(flat, resolution=640, generator=torch.Generator().manual_seed(3),
                                **kw).images)  # fmt: skip
     assert np.abs(other - a).max() >= 10 * TOL  # the picture matters
 
@@ -88,7 +91,12 @@ def test_pil_layers_and_rgb_input(layered, small_buckets):
 def test_empty_prompt_is_captioned_like_diffusers(layered):
     ref, qf, _ = layered
     im, _ = qf.picture(_image(80, 48, 5), 64)
-    assert qf.caption(im, use_en_prompt=True) == ref.get_image_caption(im, use_en_prompt=True, device="cpu")
+    text = qf.caption(im, use_en_prompt=True)
+    assert text and text == ref.get_image_caption(im, use_en_prompt=True, device="cpu")
+    kw = dict(layers=1, num_inference_steps=1, true_cfg_scale=1.0, output_type="np", resolution=64)
+    auto = qf(_image(80, 48, 5), "", use_en_prompt=True, generator=torch.Generator().manual_seed(1), **kw).images
+    given = qf(_image(80, 48, 5), text, generator=torch.Generator().manual_seed(1), **kw).images
+    assert np.array_equal(auto[0], given[0])
 
 
 def test_bad_layered_inputs(layered):

@@ -134,7 +134,7 @@ class ControlForward:
     """
 
     def __init__(self, forward, net: ControlNets, conds: list[torch.Tensor], scales: list[list[float]]):
-        self.forward, self.net, self.conds, self.scales = forward, net, conds, scales
+        self.inner, self.net, self.conds, self.scales = forward, net, conds, scales
         self._last: tuple[int, list[torch.Tensor] | None] | None = None  # (step, residuals) of the cond pass
 
     def residuals(self, x, emb, mask, t, img_shapes, step: int) -> list[torch.Tensor] | None:
@@ -170,7 +170,7 @@ class ControlForward:
             self._last = None
             res = self.residuals(x, emb, mask, t, img_shapes, i)
             self._last = (i, res)
-        return self.forward(x, emb, mask, t, img_shapes, step, block_residuals=res)
+        return self.inner(x, emb, mask, t, img_shapes, step, block_residuals=res)
 
 
 class QwenImageControlNetPipeline(QwenImagePipeline):

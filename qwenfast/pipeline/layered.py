@@ -20,6 +20,7 @@ flat order of the images is the same).
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -139,10 +140,13 @@ class QwenImageLayeredPipeline(PipelineBase):
         text = CAPTION_EN if use_en_prompt else CAPTION_CN
         n = int(grid[0].prod()) // self.image_processor.merge_size**2
         tok = te.tokenizer([text.replace(IMAGE_PAD, IMAGE_PAD * n)], padding=True, return_tensors="pt").to(te.device)
+        kw = {"pixel_values": vis["pixel_values"].to(te.device), "image_grid_thw": grid.to(te.device)}
+        if "mm_token_type_ids" in inspect.signature(te.model.forward).parameters:  # transformers 5: the RoPE
+            image_id = te.model.config.image_token_id  # index follows it (Qwen2VLProcessor makes it: 1 = image)
+            kw["mm_token_type_ids"] = (tok.input_ids == image_id).long()
         with te.resident():
-            out = te.model.generate(input_ids=tok.input_ids, attention_mask=tok.attention_mask,
-                                    pixel_values=vis["pixel_values"].to(te.device),
-                                    image_grid_thw=grid.to(te.device), max_new_tokens=512)  # fmt: skip
+            out = te.model.generate(input_ids=tok.input_ids, attention_mask=tok.attention_mask, max_new_tokens=512,
+                                    **kw)  # fmt: skip
         new = out[:, tok.input_ids.shape[1] :]
         return te.tokenizer.batch_decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0].strip()
 

@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .tiny import _randomize, build_processor, build_scheduler, build_text_encoder, build_tokenizer, build_transformer
+from .tiny import (
+    _randomize,
+    build_processor,
+    build_scheduler,
+    build_text_encoder,
+    build_tokenizer,
+    build_transformer,
+)
 from .tiny import build_vae as _build_vae
 
 if TYPE_CHECKING:
