@@ -1,4 +1,4 @@
-"""`qwenfast` command line: generate | edit | doctor | bench.
+"""`qwenfast` command line: generate | edit | layers | doctor | bench.
 
 Errors a user can fix (bad size, missing files, unknown dtype) print one line starting with
 `error:` and exit with status 2; anything else is a bug and keeps its traceback.
@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_single_file_args(g)
     _add_sampling_args(g, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the model's own size, "
                                     "e.g. 128x128 for the embedded demo, 1024x1024 for Qwen-Image)")  # fmt: skip
+    from .cli_tasks import add_control_args, add_layers_parser
+
+    add_control_args(g)  # --control IMG --controlnet PATH[:SCALE]
 
     e = sub.add_parser("edit", help="edit images (Qwen-Image-Edit v1, 2509, 2511)")
     e.add_argument("image", nargs="+", help="input image(s): 1 for Edit v1, 1-3 for Edit-2509/2511")
@@ -115,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(e, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the last image's "
                                     "aspect at the model's own area, e.g. ~128x128 for the embedded demo, ~1024x1024 "
                                     "for Qwen-Image-Edit)")  # fmt: skip
+
+    add_layers_parser(sub)  # qwenfast layers IMG -o DIR --layers N
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
     bsub = b.add_subparsers(dest="what", required=True)
@@ -254,9 +259,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return launch.run(cmd_generate, a)  # every rank runs this function again, rank 0 writes
     import torch
 
+    from .cli_tasks import check_control_args, control_pipeline
     from .pipeline.common import EMBEDDED_NOTE
     from .pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
+    check_control_args(a)
     single = single_file_kwargs(a)
     if single is None:
         check_model_kind(a.model, "text-to-image")
@@ -264,24 +271,31 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
     t0 = time.perf_counter()
     opts = engine_options_from_args(a)  # FP8 comes after the LoRAs (_setup)
-    if single is not None:
+    control: dict = {}
+    if a.controlnet:
+        if single is not None or a.parallel:
+            raise ValueError("--controlnet runs with --model (a diffusers folder) on one GPU")
+        pipe, control = control_pipeline(a, opts)
+    elif single is not None:
         pipe = QwenImagePipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
     else:
         pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, options=opts)
     loras = _setup(pipe, a)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
-    w, h = _pipe_size(pipe, a) or (d["width"], d["height"])
+    w, h = _pipe_size(pipe, a) or (control.pop("width", d["width"]), control.pop("height", d["height"]))
     _size_note(pipe, w, h)
     steps, cfg, negative, seed = _sampling(d, a)
     gen = torch.Generator("cpu").manual_seed(seed)
     t1 = time.perf_counter()
     out = pipe(a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
-               true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n)  # fmt: skip
+               true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n, **control)  # fmt: skip
     t_gen = time.perf_counter() - t1
     w, h = out.images[0].size  # the size actually made
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
+    if a.controlnet:
+        meta["controlnet"] = json.dumps({"nets": a.controlnet, "control": a.control, "mask": a.control_mask})
     _meta_extras(meta, a, loras)
     if launch.rank() != 0:
         return 0
@@ -458,6 +472,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.cmd == "edit":
             return cmd_edit(args)
+        if args.cmd == "layers":
+            from .cli_tasks import cmd_layers
+
+            return cmd_layers(args)
         if args.cmd == "doctor":
             return cmd_doctor(args)
         if args.cmd == "bench":

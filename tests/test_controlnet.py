@@ -189,6 +189,24 @@ def test_transformer_block_residuals_match_diffusers(models):
         ours(x, txt, None, t, shapes, block_residuals=[torch.zeros(1, 14, 64)])
 
 
+def test_cuda_graph_key_and_inputs_carry_the_residuals(monkeypatch):
+    """Residuals are graph inputs (copied into static buffers on replay) and their count and shapes are
+    in the key, so a graph captured without them (or with other ones) is never replayed for them."""
+    from qwenfast.runtime.cuda_graphs import CudaGraphRunner
+
+    runner = CudaGraphRunner(torch.nn.Identity())
+    calls = []
+    monkeypatch.setattr(runner, "_run", lambda key, fn, inputs: calls.append((key, inputs)) or inputs[0])
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x = torch.zeros(1, 4, 64)
+    r2, r3 = [torch.ones(1, 4, 64)] * 2, [torch.ones(1, 4, 64)] * 3
+    for res in (None, r2, r2, r3):
+        runner(x, x, None, x, [(1, 2, 2)], block_residuals=res)
+    keys = [k for k, _ in calls]
+    assert len(set(keys)) == 3 and keys[1] == keys[2]
+    assert [len(i) for _, i in calls] == [5, 7, 7, 8] and calls[1][1][5] is r2[0]
+
+
 @pytest.mark.parametrize("soft", [True, False])
 def test_controlnet_inpaint_matches_diffusers(models, soft):
     import diffusers
@@ -258,3 +276,25 @@ def test_from_pretrained_picks_the_controlnet_pipelines(models):
         QwenImageControlNetPipeline.from_pretrained(root / "t2i", **kw)
     with pytest.raises(ValueError, match="unknown task"):
         qwenfast.from_pretrained(root / "t2i", task="nope", **kw)
+
+
+def test_cli_generate_with_controlnets(models, tmp_path):
+    from PIL import Image
+
+    from qwenfast.cli import main
+
+    root = models["root"]
+    _image(80, 48, 1).save(tmp_path / "canny.png")
+    _image(80, 48, 3).convert("L").save(tmp_path / "depth.png")  # grayscale control pictures are made RGB
+    base = ["generate", "a red circle", "--model", str(root / "t2i"), "--steps", "2", "--size", "80x48",
+            "--device", "cpu", "--dtype", "fp32", "--seed", "3", "--quiet"]  # fmt: skip
+    out = tmp_path / "one.png"
+    assert main([*base, "--control", str(tmp_path / "canny.png"), "--controlnet", f"{root / 'cn-a'}:0.8",
+                 "-o", str(out)]) == 0  # fmt: skip
+    assert Image.open(out).size == (80, 48) and "controlnet" in Image.open(out).text
+    two = tmp_path / "two.png"
+    assert main([*base, "--control", str(tmp_path / "canny.png"), "--control", str(tmp_path / "depth.png"),
+                 "--controlnet", str(root / "cn-a"), "--control-end", "0.5", "-o", str(two)]) == 0  # fmt: skip
+    assert np.abs(np.asarray(Image.open(two), np.float32) - np.asarray(Image.open(out), np.float32)).max() > 0
+    assert main([*base, "--control", str(tmp_path / "canny.png"), "-o", str(out)]) == 2  # no --controlnet
+    assert main([*base, "--control", str(tmp_path / "nope.png"), "--controlnet", str(root / "cn-a")]) == 2

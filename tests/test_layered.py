@@ -118,3 +118,20 @@ def test_from_pretrained_picks_layered(layered):
     assert type(p) is QwenImageLayeredPipeline and p.vae.cfg.input_channels == 4
     with pytest.raises(ValueError, match="layered model"):
         qwenfast.from_pretrained(path, task="text-to-image", device="cpu")
+
+
+def test_cli_layers_writes_one_rgba_png_per_layer(layered, tmp_path):
+    from PIL import Image
+
+    from qwenfast.cli import main
+
+    _, _, path = layered
+    _image(80, 48, 1).save(tmp_path / "in.png")
+    args = ["layers", str(tmp_path / "in.png"), "-o", str(tmp_path / "out"), "--layers", "3", "--model", str(path),
+            "--prompt", "a red circle", "--steps", "1", "--resolution", "64", "--device", "cpu", "--seed", "1",
+            "--quiet"]  # fmt: skip
+    assert main(args) == 0
+    files = sorted((tmp_path / "out").glob("*.png"))
+    assert [f.name for f in files] == ["layer-0.png", "layer-1.png", "layer-2.png"]
+    assert all(Image.open(f).mode == "RGBA" and Image.open(f).size == (96, 64) for f in files)
+    assert main([*args[:-1], "--resolution", "100"]) == 2  # a clear error, no traceback

@@ -123,8 +123,8 @@ class CudaGraphRunner(_GraphCache):
         if runner is not None:
             runner.prepare(step, x.device)  # host-side step state: a replay runs no Python
         key = (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
-               str(x.device), additional_t_cond is None, shard, variant,
-               None if res is None else tuple((tuple(r.shape), r.dtype) for r in res))  # fmt: skip
+               str(x.device), additional_t_cond is None, shard,
+               None if res is None else tuple((tuple(r.shape), r.dtype) for r in res), variant)  # fmt: skip
 
         def fn(x: torch.Tensor, txt: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor,
                extra: torch.Tensor | None, *res: torch.Tensor) -> torch.Tensor:  # fmt: skip
