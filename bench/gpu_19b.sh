@@ -8,8 +8,8 @@ set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu_19b.log"
-# the tiny-model parity tests on the GPU too (bf16 kernels are not exercised there: fp32), 2 min cap
-timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_controlnet.py -k "not cli and not single_file" 2>&1 \
+# tiny-model tests incl. the GPU one: CUDA graphs replay new ControlNet residuals == eager == diffusers
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_controlnet.py -k "cuda_graphs or one_controlnet or inpaint" 2>&1 \
     | tail -3 | tee -a "$OUT/gpu_19b.log"
 timeout 420 python3 -m qwenfast.benchmarks.tasks --results "$OUT" 2>&1 | grep -v 'Warning\|warn(' | tee -a "$OUT/gpu_19b.log"
 echo done | tee -a "$OUT/gpu_19b.log"

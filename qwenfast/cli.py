@@ -356,6 +356,45 @@ def cmd_edit(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_layers(a: argparse.Namespace) -> int:
+    """`qwenfast layers IMG -o DIR`: one RGBA PNG per layer (parser in cli_tasks.py)."""
+    import torch
+
+    from .pipeline.layered import QwenImageLayeredPipeline
+
+    if a.parallel:
+        raise ValueError("`qwenfast layers` runs on one GPU (no --parallel)")
+    a.size = None
+    check_values(a)
+    if not Path(a.image).is_file():
+        raise ValueError(f"no such picture {a.image!r}")
+    t0 = time.perf_counter()
+    pipe = QwenImageLayeredPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
+                                                    options=engine_options_from_args(a))  # fmt: skip
+    loras = _setup(pipe, a)
+    t_load = time.perf_counter() - t0
+    steps, cfg, negative, seed = _sampling(pipe.defaults, a)
+    t1 = time.perf_counter()
+    out = pipe(a.image, a.prompt, negative_prompt=negative, true_cfg_scale=cfg, layers=a.layers,
+               num_inference_steps=steps, num_images_per_prompt=a.n, resolution=a.resolution,
+               generator=torch.Generator("cpu").manual_seed(seed))  # fmt: skip
+    t_gen = time.perf_counter() - t1
+    folder = Path(a.output)
+    meta = {"prompt": a.prompt or "(caption)", "seed": str(seed), "steps": str(steps), "cfg": str(cfg),
+            "layers": str(a.layers), "model": pipe.model_path, "input": str(a.image), "generator": "qwenfast"}  # fmt: skip
+    if loras:
+        meta["loras"] = str(loras)
+    paths = []
+    for b, layer_images in enumerate(out.images):
+        stem = "layer" if len(out.images) == 1 else f"image-{b}-layer"
+        for k, im in enumerate(layer_images):
+            paths += save_pngs([im], folder / f"{stem}-{k}.png", {**meta, "layer": str(k)})
+    w, h = out.images[0][0].size
+    print(f"saved {len(paths)} RGBA layers to {folder}/ (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
+          f"load {t_load:.1f}s, decompose {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+    return 0
+
+
 def save_pngs(images: list, output: Path, meta: dict[str, str]) -> list[Path]:
     from PIL import PngImagePlugin
 
@@ -473,8 +512,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "edit":
             return cmd_edit(args)
         if args.cmd == "layers":
-            from .cli_tasks import cmd_layers
-
             return cmd_layers(args)
         if args.cmd == "doctor":
             return cmd_doctor(args)

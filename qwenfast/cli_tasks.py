@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
 from .options import add_engine_arguments
@@ -118,43 +116,3 @@ def add_layers_parser(sub) -> None:
     p.add_argument("--lora", action="append", default=[], type=_controlnet_spec, metavar="PATH[:STRENGTH]",
                    help="fuse a LoRA at STRENGTH (default 1); repeatable")  # fmt: skip
     add_engine_arguments(p)
-
-
-def cmd_layers(a: argparse.Namespace) -> int:
-    import torch
-
-    from .cli import _sampling, _setup, check_values, save_pngs
-    from .options import engine_options_from_args
-    from .pipeline.layered import QwenImageLayeredPipeline
-
-    if a.parallel:
-        raise ValueError("`qwenfast layers` runs on one GPU (no --parallel)")
-    a.size = None
-    check_values(a)
-    if not Path(a.image).is_file():
-        raise ValueError(f"no such picture {a.image!r}")
-    t0 = time.perf_counter()
-    pipe = QwenImageLayeredPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
-                                                    options=engine_options_from_args(a))  # fmt: skip
-    loras = _setup(pipe, a)
-    t_load = time.perf_counter() - t0
-    steps, cfg, negative, seed = _sampling(pipe.defaults, a)
-    t1 = time.perf_counter()
-    out = pipe(a.image, a.prompt, negative_prompt=negative, true_cfg_scale=cfg, layers=a.layers,
-               num_inference_steps=steps, num_images_per_prompt=a.n, resolution=a.resolution,
-               generator=torch.Generator("cpu").manual_seed(seed))  # fmt: skip
-    t_gen = time.perf_counter() - t1
-    folder = Path(a.output)
-    meta = {"prompt": a.prompt or "(caption)", "seed": str(seed), "steps": str(steps), "cfg": str(cfg),
-            "layers": str(a.layers), "model": pipe.model_path, "input": str(a.image), "generator": "qwenfast"}  # fmt: skip
-    if loras:
-        meta["loras"] = str(loras)
-    paths = []
-    for b, layer_images in enumerate(out.images):
-        stem = "layer" if len(out.images) == 1 else f"image-{b}-layer"
-        for k, im in enumerate(layer_images):
-            paths += save_pngs([im], folder / f"{stem}-{k}.png", {**meta, "layer": str(k)})
-    w, h = out.images[0][0].size
-    print(f"saved {len(paths)} RGBA layers to {folder}/ (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
-          f"load {t_load:.1f}s, decompose {t_gen:.2f}s on {pipe.device})", file=sys.stdout)  # fmt: skip
-    return 0
