@@ -206,7 +206,10 @@ def check_model_kind(model: str | None, want: str) -> None:
         raise ValueError(f"{model} is a text-to-image model (Qwen-Image layout); `qwenfast edit` needs an edit model "
                          f"(Qwen-Image-Edit, -2509, -2511). To make an image from a prompt with it: "
                          f"qwenfast generate \"PROMPT\" --model {model}")  # fmt: skip
-    if want == "text-to-image" and kind != "text-to-image":
+    if want == "text-to-image" and kind == "layered":
+        raise ValueError(f"{model} is a Qwen-Image-Layered model; split a picture into layers with: "
+                         f"qwenfast layers IMAGE.png -o DIR --model {model}")  # fmt: skip
+    if want == "text-to-image" and kind not in ("text-to-image", "controlnet", "controlnet-inpaint"):
         raise ValueError(f"{model} is a Qwen-Image edit model ({kind}); `qwenfast generate` needs a text-to-image "
                          f"model (Qwen-Image, -2512). To edit pictures with it: "
                          f"qwenfast edit IMAGE.png --prompt \"INSTRUCTION\" --model {model}")  # fmt: skip

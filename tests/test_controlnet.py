@@ -272,6 +272,10 @@ def test_from_pretrained_picks_the_controlnet_pipelines(models):
     with pytest.raises(ValueError, match="not an inpainting ControlNet"):
         QwenImageControlNetInpaintPipeline.from_pretrained(root / "t2i", controlnet=root / "cn-a", **kw)(
             "x", control_image=_image(32, 32, 0), control_mask=_image(32, 32, 0))
+    saved = models["dp"](models["nets"]["a"])
+    saved.save_pretrained(root / "cn-pipeline")  # a saved diffusers ControlNet pipeline: its controlnet/ is used
+    p = qwenfast.from_pretrained(root / "cn-pipeline", **kw)
+    assert type(p) is QwenImageControlNetPipeline and p.controlnet.cfg.num_layers == 2
     with pytest.raises(ValueError, match="needs controlnet="):
         QwenImageControlNetPipeline.from_pretrained(root / "t2i", **kw)
     with pytest.raises(ValueError, match="unknown task"):
