@@ -17,7 +17,21 @@ if TYPE_CHECKING:
     from .pipeline.text_to_image import QwenImagePipeline
 
 __version__ = "0.1.0"
-__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImage21Pipeline", "EngineOptions", "from_pretrained", "__version__"]
+__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImageControlNetPipeline",
+           "QwenImageControlNetInpaintPipeline", "QwenImageLayeredPipeline", "QwenImageControlNetModel",
+           "QwenImageMultiControlNetModel", "QwenImage21Pipeline", "EngineOptions", "from_pretrained", "__version__"]
+# public name -> module that defines it (imported on first use, so `qwenfast --help` does not import torch)
+_LAZY = {
+    "QwenImagePipeline": ".pipeline.text_to_image",
+    "QwenImageEditPipeline": ".pipeline.edit",
+    "QwenImageControlNetPipeline": ".pipeline.controlnet",
+    "QwenImageControlNetInpaintPipeline": ".pipeline.controlnet",
+    "QwenImageLayeredPipeline": ".pipeline.layered",
+    "QwenImageControlNetModel": ".models.controlnet",
+    "QwenImageMultiControlNetModel": ".models.controlnet",
+    "QwenImage21Pipeline": ".pipeline.qwenimage21",
+    "EngineOptions": ".options",
+}
 
 
 def from_pretrained(
@@ -28,7 +42,8 @@ def from_pretrained(
 ) -> QwenImagePipeline:  # a QwenImageEditPipeline (a subclass) for edit models
     """Load any Qwen-Image diffusers folder with the right pipeline class (from `model_index.json`):
     text-to-image -> `QwenImagePipeline`, Edit / Edit-2509 / Edit-2511 -> `QwenImageEditPipeline`,
-    Qwen-Image-2.1 -> `QwenImage21Pipeline`.
+    Qwen-Image-Layered -> `QwenImageLayeredPipeline`; `controlnet=...` (as in diffusers) or
+    `task="controlnet"` / `"controlnet-inpaint"` -> the ControlNet pipelines.
     `kwargs`: engine options (`options=EngineOptions(...)`, or `offload=`, `fp8=`, `cuda_graphs=`)."""
     from .pipeline.auto import from_pretrained as load
 
@@ -36,20 +51,8 @@ def from_pretrained(
 
 
 def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch
-    if name == "QwenImagePipeline":
-        from .pipeline.text_to_image import QwenImagePipeline
+    if name in _LAZY:
+        import importlib
 
-        return QwenImagePipeline
-    if name == "QwenImageEditPipeline":
-        from .pipeline.edit import QwenImageEditPipeline
-
-        return QwenImageEditPipeline
-    if name == "QwenImage21Pipeline":
-        from .pipeline.qwenimage21 import QwenImage21Pipeline
-
-        return QwenImage21Pipeline
-    if name == "EngineOptions":
-        from .options import EngineOptions
-
-        return EngineOptions
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(name)

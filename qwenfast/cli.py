@@ -1,4 +1,4 @@
-"""`qwenfast` command line: generate | edit | doctor | bench.
+"""`qwenfast` command line: generate | edit | layers | doctor | bench.
 
 Errors a user can fix (bad size, missing files, unknown dtype) print one line starting with
 `error:` and exit with status 2; anything else is a bug and keeps its traceback.
@@ -105,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_single_file_args(g)
     _add_sampling_args(g, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the model's own size, "
                                     "e.g. 128x128 for the embedded demo, 1024x1024 for Qwen-Image)")  # fmt: skip
+    from .cli_tasks import add_control_args, add_layers_parser
+
+    add_control_args(g)  # --control IMG --controlnet PATH[:SCALE]
 
     e = sub.add_parser("edit", help="edit images (Qwen-Image-Edit v1, 2509, 2511)")
     e.add_argument("image", nargs="+", help="input image(s): 1 for Edit v1, 1-3 for Edit-2509/2511")
@@ -115,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(e, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the last image's "
                                     "aspect at the model's own area, e.g. ~128x128 for the embedded demo, ~1024x1024 "
                                     "for Qwen-Image-Edit)")  # fmt: skip
+
+    add_layers_parser(sub)  # qwenfast layers IMG -o DIR --layers N
 
     b = sub.add_parser("bench", help="benchmarks (GPU)")
     bsub = b.add_subparsers(dest="what", required=True)
@@ -206,7 +211,10 @@ def check_model_kind(model: str | None, want: str) -> None:
         raise ValueError(f"{model} is a text-to-image model (Qwen-Image layout); `qwenfast edit` needs an edit model "
                          f"(Qwen-Image-Edit, -2509, -2511). To make an image from a prompt with it: "
                          f"qwenfast generate \"PROMPT\" --model {model}")  # fmt: skip
-    if want == "text-to-image" and kind != "text-to-image":
+    if want == "text-to-image" and kind == "layered":
+        raise ValueError(f"{model} is a Qwen-Image-Layered model; split a picture into layers with: "
+                         f"qwenfast layers IMAGE.png -o DIR --model {model}")  # fmt: skip
+    if want == "text-to-image" and kind not in ("text-to-image", "controlnet", "controlnet-inpaint"):
         raise ValueError(f"{model} is a Qwen-Image edit model ({kind}); `qwenfast generate` needs a text-to-image "
                          f"model (Qwen-Image, -2512). To edit pictures with it: "
                          f"qwenfast edit IMAGE.png --prompt \"INSTRUCTION\" --model {model}")  # fmt: skip
@@ -303,9 +311,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return launch.run(cmd_generate, a)  # every rank runs this function again, rank 0 writes
     import torch
 
+    from .cli_tasks import check_control_args, control_pipeline
     from .pipeline.common import EMBEDDED_NOTE
     from .pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
+    check_control_args(a)
     single = single_file_kwargs(a)
     if single is None:
         check_model_kind(a.model, "text-to-image")
@@ -313,24 +323,31 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
     t0 = time.perf_counter()
     opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
-    if single is not None:
+    control: dict = {}
+    if a.controlnet:
+        if single is not None or a.parallel:
+            raise ValueError("--controlnet runs with --model (a diffusers folder) on one GPU")
+        pipe, control = control_pipeline(a, opts)
+    elif single is not None:
         pipe = QwenImagePipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
     else:
         pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, options=opts)
     loras = _setup(pipe, a)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
-    w, h = _pipe_size(pipe, a) or (d["width"], d["height"])
+    w, h = _pipe_size(pipe, a) or (control.pop("width", d["width"]), control.pop("height", d["height"]))
     _size_note(pipe, w, h)
     steps, cfg, negative, seed = _sampling(d, a)
     gen = torch.Generator("cpu").manual_seed(seed)
     t1 = time.perf_counter()
     out = pipe(a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
-               true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n)  # fmt: skip
+               true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n, **control)  # fmt: skip
     t_gen = time.perf_counter() - t1
     w, h = out.images[0].size  # the size actually made
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
+    if a.controlnet:
+        meta["controlnet"] = json.dumps({"nets": a.controlnet, "control": a.control, "mask": a.control_mask})
     _meta_extras(meta, a, loras)
     if launch.rank() != 0:
         return 0
@@ -392,6 +409,45 @@ def cmd_edit(a: argparse.Namespace) -> int:
     paths = save_pngs(out.images, Path(a.output), meta)
     print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {ow}x{oh}, {pipe.mode}; "
           f"load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+    return 0
+
+
+def cmd_layers(a: argparse.Namespace) -> int:
+    """`qwenfast layers IMG -o DIR`: one RGBA PNG per layer (parser in cli_tasks.py)."""
+    import torch
+
+    from .pipeline.layered import QwenImageLayeredPipeline
+
+    if a.parallel:
+        raise ValueError("`qwenfast layers` runs on one GPU (no --parallel)")
+    a.size = None
+    check_values(a)
+    if not Path(a.image).is_file():
+        raise ValueError(f"no such picture {a.image!r}")
+    t0 = time.perf_counter()
+    pipe = QwenImageLayeredPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
+                                                    options=engine_options_from_args(a))  # fmt: skip
+    loras = _setup(pipe, a)
+    t_load = time.perf_counter() - t0
+    steps, cfg, negative, seed = _sampling(pipe.defaults, a)
+    t1 = time.perf_counter()
+    out = pipe(a.image, a.prompt, negative_prompt=negative, true_cfg_scale=cfg, layers=a.layers,
+               num_inference_steps=steps, num_images_per_prompt=a.n, resolution=a.resolution,
+               generator=torch.Generator("cpu").manual_seed(seed))  # fmt: skip
+    t_gen = time.perf_counter() - t1
+    folder = Path(a.output)
+    meta = {"prompt": a.prompt or "(caption)", "seed": str(seed), "steps": str(steps), "cfg": str(cfg),
+            "layers": str(a.layers), "model": pipe.model_path, "input": str(a.image), "generator": "qwenfast"}  # fmt: skip
+    if loras:
+        meta["loras"] = str(loras)
+    paths = []
+    for b, layer_images in enumerate(out.images):
+        stem = "layer" if len(out.images) == 1 else f"image-{b}-layer"
+        for k, im in enumerate(layer_images):
+            paths += save_pngs([im], folder / f"{stem}-{k}.png", {**meta, "layer": str(k)})
+    w, h = out.images[0][0].size
+    print(f"saved {len(paths)} RGBA layers to {folder}/ (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
+          f"load {t_load:.1f}s, decompose {t_gen:.2f}s on {pipe.device})")  # fmt: skip
     return 0
 
 
@@ -515,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.cmd == "edit":
             return cmd_edit(args)
+        if args.cmd == "layers":
+            return cmd_layers(args)
         if args.cmd == "doctor":
             return cmd_doctor(args)
         if args.cmd == "bench":

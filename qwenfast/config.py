@@ -183,3 +183,32 @@ QWEN_IMAGE_VAE = VAEConfig()
 QWEN_IMAGE_SCHEDULER = SchedulerConfig(
     use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, max_image_seq_len=8192, shift_terminal=0.02
 )
+
+
+@dataclass(frozen=True)
+class ControlNetConfig:
+    """`QwenImageControlNetModel` config (controlnet/config.json; InstantX Union: 5 layers, Inpainting:
+    `extra_condition_channels` 4 for the packed mask channel)."""
+
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int | None = 16
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    axes_dims_rope: tuple[int, int, int] = (16, 56, 56)
+    extra_condition_channels: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ControlNetConfig:
+        return _from_dict(cls, d, "controlnet/config.json")
+
+    def transformer_config(self) -> TransformerConfig:
+        """The config of its blocks (the transformer's own block code, no zero_cond_t)."""
+        return TransformerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                    if f.name != "extra_condition_channels"})  # fmt: skip
+
+
+# InstantX/Qwen-Image-ControlNet-Union (the diffusers default config, 5 layers)
+QWEN_IMAGE_CONTROLNET_UNION = ControlNetConfig(num_layers=5)

@@ -38,6 +38,9 @@ PIPELINE_CLASSES = {
     "QwenImagePipeline": "text-to-image",
     "QwenImageEditPipeline": "edit",
     "QwenImageEditPlusPipeline": "edit-plus",
+    "QwenImageControlNetPipeline": "controlnet",  # a Qwen-Image folder + controlnet/
+    "QwenImageControlNetInpaintPipeline": "controlnet-inpaint",
+    "QwenImageLayeredPipeline": "layered",  # Qwen-Image-Layered: RGBA VAE, processor/ for captions
 }
 REQUIRED = {
     "transformer": ("config.json", "diffusion_pytorch_model"),
@@ -75,8 +78,10 @@ def inspect_folder(path: Path) -> tuple[str | None, list[str]]:
     if kind is None:
         problems.append(f"model_index.json: _class_name {cls!r} is not a Qwen-Image pipeline {sorted(PIPELINE_CLASSES)}")
     needed = dict(REQUIRED)
-    if kind in ("edit", "edit-plus"):
+    if kind in ("edit", "edit-plus", "layered"):
         needed["processor"] = (None, None)
+    if kind in ("controlnet", "controlnet-inpaint"):
+        needed["controlnet"] = ("config.json", "diffusion_pytorch_model")
     for comp, (cfg_name, stem) in needed.items():
         d = path / comp
         if not d.is_dir():

@@ -379,7 +379,13 @@ class QwenImageTransformer(nn.Module):
         additional_t_cond: torch.Tensor | None = None,
         step: StepContext | None = None,  # which denoising step this is (for the block runner)
         shard: tuple[int, int] | None = None,  # sequence parallel: this rank's image tokens [start, end)
+        block_residuals: Sequence[torch.Tensor] | None = None,  # ControlNet: K x (B, L_img, D), see below
     ) -> torch.Tensor:  # (B, L_img, 4 * out_channels)
+        """`block_residuals` are diffusers' `controlnet_block_samples`: residual k is added to the image
+        stream after every block i with i // ceil(num_layers / K) == k. The add happens inside the
+        block call handed to the block runner, so it rides along with whatever the runner does
+        (offload streaming, step caches) and with the fused kernels and FP8 Linears (it is a plain add
+        after the block); under CUDA graphs the residuals are graph inputs (runtime/cuda_graphs.py)."""
         cfg = self.cfg
         img_shapes = _normalize_shapes(img_shapes)
         n_img = sum(f * h * w for f, h, w in img_shapes)
@@ -397,11 +403,8 @@ class QwenImageTransformer(nn.Module):
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         temb = self.time_text_embed(t, img.dtype, additional_t_cond)
 
-        attn_mask = None
-        if encoder_hidden_states_mask is not None:
-            m = encoder_hidden_states_mask.to(torch.bool)
-            ones = torch.ones(m.shape[0], img.shape[1], dtype=torch.bool, device=m.device)
-            attn_mask = torch.cat([m, ones], dim=1)[:, None, None, :]  # (B, 1, 1, S)
+        attn_mask = joint_attention_mask(encoder_hidden_states_mask, img.shape[1])
+        res, every = _residual_plan(block_residuals, len(self.transformer_blocks), img.shape, start, end, n_img)
         rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device, cfg.use_layer3d_rope)
         if shard is not None:  # this rank's image positions (the text is whole on every rank)
             rope = (rope[0][start:end], rope[1][start:end], rope[2], rope[3])
@@ -411,13 +414,47 @@ class QwenImageTransformer(nn.Module):
         def call(
             i: int, block: TransformerBlock, img: torch.Tensor, txt: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            return (block.forward_fused if fused else block)(img, txt, temb, attn_mask, rope, split)
+            img, txt = (block.forward_fused if fused else block)(img, txt, temb, attn_mask, rope, split)
+            if res is not None:  # ControlNet residual of this block (diffusers adds it after the block)
+                img = img + res[i // every]
+            return img, txt
 
         img, txt = self.block_runner.run(self.transformer_blocks, call, img, txt, step)
 
         if cfg.zero_cond_t:
             temb = temb.chunk(2, dim=0)[0]
         return self.proj_out(self.norm_out(img, temb))
+
+
+def joint_attention_mask(txt_mask: torch.Tensor | None, n_img: int) -> torch.Tensor | None:
+    """(B, L_txt) text mask (1 = real) -> the (B, 1, 1, L_txt + n_img) boolean key mask of the joint
+    [text; image] attention, or None when there is no text mask."""
+    if txt_mask is None:
+        return None
+    m = txt_mask.to(torch.bool)
+    ones = torch.ones(m.shape[0], n_img, dtype=torch.bool, device=m.device)
+    return torch.cat([m, ones], dim=1)[:, None, None, :]
+
+
+def _residual_plan(res: Sequence[torch.Tensor] | None, n_blocks: int, img_shape: torch.Size, start: int, end: int,
+                   n_img: int) -> tuple[list[torch.Tensor] | None, int]:  # fmt: skip
+    """ControlNet residuals checked against the image stream (sliced to a sequence-parallel shard) and
+    diffusers' block interval ceil(n_blocks / K)."""
+    if res is None:
+        return None, 1
+    res = list(res)
+    if not res:
+        raise ValueError("block_residuals is empty; pass None for no ControlNet")
+    B, n, D = img_shape
+    out = []
+    for k, r in enumerate(res):
+        if r.shape[1] == n_img and n != n_img:
+            r = r[:, start:end]
+        if tuple(r.shape) != (B, n, D):
+            raise ValueError(f"block_residuals[{k}] has shape {tuple(r.shape)}, the image stream is {(B, n, D)}: "
+                             "a ControlNet conditions the noise tokens only (no reference images)")  # fmt: skip
+        out.append(r)
+    return out, math.ceil(n_blocks / len(out))
 
 
 def _normalize_shapes(img_shapes) -> list[tuple[int, int, int]]:

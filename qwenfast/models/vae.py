@@ -369,7 +369,7 @@ class QwenImageVAE(nn.Module):
         r = self.spatial_compression_ratio
         tmin, stride = self.tile_sample_min // r, self.tile_sample_stride // r  # latent units
         blend = self.tile_sample_min - self.tile_sample_stride  # pixels
-        return self._tiled(z, self._decode_tile, tmin, stride, self.tile_sample_stride, blend, r, 3)
+        return self._tiled(z, self._decode_tile, tmin, stride, self.tile_sample_stride, blend, r, self.cfg.input_channels)
 
     def tiled_encode(self, x: torch.Tensor) -> torch.Tensor:
         """Encode overlapping image tiles and blend the latent seams: (B, 3, H, W) -> (B, 2z, H/8, W/8) raw

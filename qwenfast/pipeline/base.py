@@ -340,11 +340,14 @@ class PipelineBase:
 
     # ---------------------------------------------------------------- the shared generation path
     def _forward(self, x, emb, mask, t, img_shapes, step: StepContext | None = None,
-                 shard: tuple[int, int] | None = None) -> torch.Tensor:  # fmt: skip
-        """What the denoise core calls: the transformer, replayed as a CUDA graph where possible."""
+                 shard: tuple[int, int] | None = None, additional_t_cond: torch.Tensor | None = None,
+                 block_residuals: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+        """What the denoise core calls: the transformer, replayed as a CUDA graph where possible.
+        `additional_t_cond` (Layered) and `block_residuals` (ControlNet) go to the transformer as is."""
+        kw = {"step": step, "shard": shard, "block_residuals": block_residuals}
         if self._options.cuda_graphs and x.is_cuda:
-            return self._graphs(x, emb, mask, t, img_shapes, step=step, shard=shard)
-        return self.transformer(x, emb, mask, t, img_shapes, step=step, shard=shard)
+            return self._graphs(x, emb, mask, t, img_shapes, additional_t_cond, **kw)
+        return self.transformer(x, emb, mask, t, img_shapes, additional_t_cond, **kw)
 
     def _core_forward(self):
         """The forward the denoise core gets: `_forward`, or its multi-GPU wrapper."""
@@ -356,11 +359,14 @@ class PipelineBase:
 
     def _generate(self, *, B: int, h: int, w: int, cond: S.TextCond, uncond: S.TextCond | None, cfg_scale: float,
                   steps: int, generator, latents, output_type: str, sigmas, scheduler_overrides: dict | None,
-                  callback: Callable | None, ref: tuple[torch.Tensor, list] | None = None) -> QwenImageOutput:  # fmt: skip
+                  callback: Callable | None, ref: tuple[torch.Tensor, list] | None = None,
+                  forward_for: Callable[[Callable, int, int], Callable] | None = None) -> QwenImageOutput:  # fmt: skip
         """Noise for the whole batch, then the denoise core (split on OOM), then decode.
 
         h, w: latent grid (pixels / 8, even). ref: (packed reference latents (B, M, 64), their
-        (frames, h/2, w/2) shapes) for edits.
+        (frames, h/2, w/2) shapes) for edits. forward_for(core forward, i, j): the forward for rows
+        i..j of the batch, for conditioning that lives beside the forward (ControlNet latents), so
+        that a chunk of an OOM-split batch sees its own rows.
         """
         par = self._options.parallel
         if par is not None and par.cfg == 2 and uncond is None:
@@ -378,7 +384,8 @@ class PipelineBase:
                     buf[_i:_j] = xc
                     callback(k, n, buf)
 
-            return S.denoise(forward, x[i:j], sig, img_shapes, cond.rows(i, j),
+            fwd = forward if forward_for is None else forward_for(forward, i, j)
+            return S.denoise(fwd, x[i:j], sig, img_shapes, cond.rows(i, j),
                              None if uncond is None else uncond.rows(i, j), cfg_scale,
                              None if ref is None else ref[0][i:j], self._options.batched_cfg, cb,
                              progress=self.progress_bar)  # fmt: skip

@@ -37,9 +37,12 @@ def calculate_shift(image_seq_len: int, cfg: SchedulerConfig) -> float:
 
 
 def get_sigmas(
-    cfg: SchedulerConfig, num_inference_steps: int, image_seq_len: int, sigmas: list[float] | None = None
+    cfg: SchedulerConfig, num_inference_steps: int, image_seq_len: int, sigmas: list[float] | None = None,
+    mu: float | None = None,
 ) -> torch.Tensor:
-    """The N+1 noise levels (last one 0) as float32; timestep for the model = sigma."""
+    """The N+1 noise levels (last one 0) as float32; timestep for the model = sigma. `mu`: the
+    dynamic shift, when a pipeline computes its own (Layered: sqrt(condition tokens / 256)) instead
+    of the linear rule of `calculate_shift`."""
     if sigmas is None:
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
@@ -48,7 +51,7 @@ def get_sigmas(
     if s.ndim != 1 or len(s) < 1:
         raise ValueError("sigmas must be a non-empty 1-D list")
     if cfg.use_dynamic_shifting:
-        mu = calculate_shift(image_seq_len, cfg)
+        mu = calculate_shift(image_seq_len, cfg) if mu is None else mu
         if cfg.time_shift_type == "exponential":
             s = math.exp(mu) / (math.exp(mu) + (1 / s - 1) ** 1.0)
         else:
@@ -82,17 +85,20 @@ def euler_step(sample: torch.Tensor, pred: torch.Tensor, sigma: torch.Tensor, si
     return (sample.to(torch.float32) + dt * pred).to(pred.dtype)
 
 
-def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Classifier-free guidance with the per-token norm of the conditional prediction restored."""
+def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float, normalize: bool = True) -> torch.Tensor:
+    """Classifier-free guidance with the per-token norm of the conditional prediction restored
+    (`normalize=False`: the plain combination, Layered's default `cfg_normalize=False`)."""
     comb = uncond + scale * (cond - uncond)
+    if not normalize:
+        return comb
     cond_norm = torch.norm(cond, dim=-1, keepdim=True)
     comb_norm = torch.norm(comb, dim=-1, keepdim=True)
     return comb * (cond_norm / comb_norm)
 
 
 def plain_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Tensor:
-    """Classifier-free guidance without the norm rescale (Qwen-Image-2.1's pipeline)."""
-    return uncond + scale * (cond - uncond)
+    """Classifier-free guidance without the norm rescale (Qwen-Image-2.1's pipeline, Layered's default)."""
+    return true_cfg(cond, uncond, scale, normalize=False)
 
 
 def latent_hw(height: int, width: int, vae_scale: int = 8) -> tuple[int, int]:

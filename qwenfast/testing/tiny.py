@@ -324,9 +324,11 @@ VAE_CONFIG: dict[str, Any] = {
 
 
 def build_transformer(
-    joint_attention_dim: int, *, seed: int = 0, num_layers: int = 2, zero_cond_t: bool = False, heads: int = 2
+    joint_attention_dim: int, *, seed: int = 0, num_layers: int = 2, zero_cond_t: bool = False, heads: int = 2,
+    **extra: Any,
 ) -> QwenImageTransformer2DModel:
-    """A tiny random ``QwenImageTransformer2DModel`` (inner dim 64, head dim 32, rope axes (8, 12, 12))."""
+    """A tiny random ``QwenImageTransformer2DModel`` (inner dim 64, head dim 32, rope axes (8, 12, 12));
+    ``extra``: more config fields (Layered's ``use_layer3d_rope`` / ``use_additional_t_cond``)."""
     from diffusers import QwenImageTransformer2DModel
 
     with torch.random.fork_rng(devices=[]):
@@ -341,6 +343,7 @@ def build_transformer(
             joint_attention_dim=joint_attention_dim,
             axes_dims_rope=(8, 12, 12),
             zero_cond_t=zero_cond_t,
+            **extra,
         )
     gen = torch.Generator().manual_seed(seed + 2000)
     with torch.no_grad():
@@ -355,9 +358,10 @@ def build_transformer(
     return model.eval()
 
 
-def build_vae(*, seed: int = 0) -> AutoencoderKLQwenImage:
+def build_vae(*, seed: int = 0, input_channels: int = 3) -> AutoencoderKLQwenImage:
     """A tiny random ``AutoencoderKLQwenImage`` (base_dim 16, z_dim 16, 8x spatial compression) with
-    seeded non-trivial ``latents_mean`` / ``latents_std`` and perturbed RMS-norm gammas."""
+    seeded non-trivial ``latents_mean`` / ``latents_std`` and perturbed RMS-norm gammas
+    (``input_channels`` 4: Qwen-Image-Layered's RGBA VAE)."""
     from diffusers import AutoencoderKLQwenImage
 
     gen = torch.Generator().manual_seed(seed + 3000)
@@ -366,7 +370,8 @@ def build_vae(*, seed: int = 0) -> AutoencoderKLQwenImage:
     latents_std = [round(v, 4) for v in (0.5 + 2.5 * torch.rand(z_dim, generator=gen)).tolist()]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoencoderKLQwenImage(**VAE_CONFIG, latents_mean=latents_mean, latents_std=latents_std)
+        model = AutoencoderKLQwenImage(**VAE_CONFIG, latents_mean=latents_mean, latents_std=latents_std,
+                                       input_channels=input_channels)
     _randomize(model, gen, norm_scale=0.1)
     with torch.no_grad():  # more contrast in the decoded images (std ~0.15 -> ~0.45 in [-1, 1])
         model.decoder.conv_out.weight.mul_(3.0)
