@@ -90,6 +90,16 @@ def true_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.Te
     return comb * (cond_norm / comb_norm)
 
 
+def scale_noise(sample: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The flow-matching forward process at noise level `sigma`: sigma * noise + (1 - sigma) * sample.
+
+    diffusers' `FlowMatchEulerDiscreteScheduler.scale_noise` (sigma cast to the sample's dtype first),
+    which img2img uses for its starting point and inpainting for the known region after each step.
+    """
+    s = sigma.to(sample.device, sample.dtype)
+    return s * noise + (1.0 - s) * sample
+
+
 def latent_hw(height: int, width: int, vae_scale: int = 8) -> tuple[int, int]:
     """Latent grid size; pixel sizes are floored to a multiple of 2*vae_scale (16) like diffusers."""
     return 2 * (int(height) // (vae_scale * 2)), 2 * (int(width) // (vae_scale * 2))
@@ -130,6 +140,8 @@ class TextCond:
 Forward = Callable[..., torch.Tensor]
 # callback(step index, step count, latents (B, N, 64) after the step)
 StepCallback = Callable[[int, int, torch.Tensor], None]
+# blend(step index, latents (B, N, 64) after the Euler step) -> latents the next step starts from
+StepBlend = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
@@ -159,14 +171,17 @@ def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
 def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes: list[tuple[int, int, int]],
             cond: TextCond, uncond: TextCond | None = None, cfg_scale: float = 1.0,
             ref_latents: torch.Tensor | None = None, batched_cfg: bool | str = "auto",
-            callback: StepCallback | None = None, progress: bool = False) -> torch.Tensor:  # fmt: skip
+            callback: StepCallback | None = None, progress: bool = False,
+            blend: StepBlend | None = None) -> torch.Tensor:  # fmt: skip
     """Euler steps over `sigmas` (fp32 math) from the noise `x` (B, N, 64) -> the final latents (B, N, 64).
 
     cond / uncond: prompt conditioning (uncond None = no true CFG). ref_latents (B, M, 64): packed
     reference-image latents appended after the noise tokens (edit); the prediction is cut back to
     the first N tokens. batched_cfg: cond and uncond in one batch-2B forward; "auto" only when no
     padding mask is needed (a masked attention costs more than the second pass saves). Each forward
-    gets a `StepContext` (step, count, sigma, branch) for the transformer's block runner.
+    gets a `StepContext` (step, count, sigma, branch) for the transformer's block runner. blend: applied
+    to the latents after each Euler step, before the callback (inpainting puts the known region back
+    at the next noise level there); None leaves the loop as it is.
     """
     ts = timesteps_from_sigmas(sigmas)
     levels = sigmas.tolist()  # host floats for the step contexts: one copy now, no sync per step
@@ -192,6 +207,8 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
                 neg = forward(inp, uncond.emb, uncond.mask, t, img_shapes, step)[:, :N]
                 pred = true_cfg(pred, neg, cfg_scale)
         x = euler_step(x, pred, sigmas[i], sigmas[i + 1])
+        if blend is not None:
+            x = blend(i, x)
         if callback is not None:
             callback(i, n, x)
     return x
