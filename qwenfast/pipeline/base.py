@@ -182,6 +182,14 @@ class PipelineBase:
                 stack.enter_context(use_attention(o.attention))
             yield
 
+    def for_task(self, task: str):
+        """This loaded model under the pipeline class of `task` ("img2img" / "inpaint" for text-to-image
+        models, "edit-inpaint" for edit models), sharing weights, options and LoRAs with this pipeline
+        (see `qwenfast.pipeline.auto.for_task`)."""
+        from .auto import for_task
+
+        return for_task(self, task)
+
     # ---------------------------------------------------------------- properties
     @property
     def device(self) -> torch.device:
