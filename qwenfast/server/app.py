@@ -159,6 +159,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
     edit_cls = edit_pipeline_class()
     is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
     can_inpaint = hasattr(pipe, "for_task")  # img2img / inpainting with the loaded model (pipeline/auto.py)
+    tasks = (["edit", "edit-inpaint"] if is_edit else ["txt2img", "img2img", "inpaint"])[: None if can_inpaint else 1]
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
     noted: set[tuple[int, int]] = set()
 
@@ -228,6 +229,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
                 "queue": {"requests": q, "images": qi, "running": run, "max": cfg.max_queue},
                 "max_batch": cfg.max_batch, "auth": cfg.api_key is not None, "loras": loras.dir is not None,
                 "lora_support": hasattr(pipe, "set_loras"), "defaults": dict(pipe.defaults), "size_multiple": multiple,
+                "tasks": tasks,
                 "limits": {k: v for k, v in vars(cfg.limits).items()}}  # fmt: skip
         return JSONResponse(body, status_code=503 if state["stopping"] else 200)
 
@@ -408,6 +410,13 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
         p.width, p.height, p.size_auto = w, h, False
         if p.strength is None:
             p.strength = 1.0  # a mask repaints its area from scratch (OpenAI's meaning)
+        from ..pipeline.img2img import check_strength
+
+        try:
+            check_strength(p.strength, p.steps)
+        except ValueError as e:
+            raise APIError(400, str(e).replace("`num_inference_steps`", "`steps`"), param="strength",
+                           code="invalid_value") from None  # fmt: skip
 
     async def _respond(request: Request, job: Job, endpoint: str, t0: float):
         position = sched.submit(job)
