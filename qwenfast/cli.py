@@ -491,6 +491,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .benchmarks.serve import run_from_args
 
         return run_from_args(a)
+    if a.what == "pipeline" and a.task and (a.smoke or torch.cuda.is_available()):  # img2img / inpaint rows
+        from .benchmarks import results_dir
+        from .benchmarks.tasks import run_tasks
+
+        run_tasks(a.task, smoke=a.smoke, steps=a.steps, out_dir=results_dir(a.results))
+        return 0
     if a.what == "pipeline" and (a.smoke or torch.cuda.is_available()):  # --smoke: tiny model on the CPU
         from .benchmarks.pipeline import run_from_args as run_pipeline
 
