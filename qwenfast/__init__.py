@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 __all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImageControlNetPipeline",
            "QwenImageControlNetInpaintPipeline", "QwenImageLayeredPipeline", "QwenImageControlNetModel",
-           "QwenImageMultiControlNetModel", "QwenImage21Pipeline", "EngineOptions", "from_pretrained", "__version__"]
+           "QwenImageMultiControlNetModel", "QwenImage21Pipeline",
+           "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditInpaintPipeline", "EngineOptions", "from_pretrained", "__version__"]
 # public name -> module that defines it (imported on first use, so `qwenfast --help` does not import torch)
 _LAZY = {
     "QwenImagePipeline": ".pipeline.text_to_image",
@@ -30,6 +31,9 @@ _LAZY = {
     "QwenImageControlNetModel": ".models.controlnet",
     "QwenImageMultiControlNetModel": ".models.controlnet",
     "QwenImage21Pipeline": ".pipeline.qwenimage21",
+    "QwenImageImg2ImgPipeline": ".pipeline.img2img",
+    "QwenImageInpaintPipeline": ".pipeline.inpaint",
+    "QwenImageEditInpaintPipeline": ".pipeline.inpaint",
     "EngineOptions": ".options",
 }
 
@@ -38,16 +42,18 @@ def from_pretrained(
     path: str | Path,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    task: str | None = None,
     **kwargs: Any,
 ) -> QwenImagePipeline:  # a QwenImageEditPipeline (a subclass) for edit models
     """Load any Qwen-Image diffusers folder with the right pipeline class (from `model_index.json`):
     text-to-image -> `QwenImagePipeline`, Edit / Edit-2509 / Edit-2511 -> `QwenImageEditPipeline`,
     Qwen-Image-Layered -> `QwenImageLayeredPipeline`; `controlnet=...` (as in diffusers) or
-    `task="controlnet"` / `"controlnet-inpaint"` -> the ControlNet pipelines.
+    `task="controlnet"` / `"controlnet-inpaint"` -> the ControlNet pipelines; `task="img2img"` /
+    `"inpaint"` (text-to-image folders), `"edit-inpaint"` (edit folders).
     `kwargs`: engine options (`options=EngineOptions(...)`, or `offload=`, `fp8=`, `cuda_graphs=`)."""
     from .pipeline.auto import from_pretrained as load
 
-    return load(path, device=device, dtype=dtype, **kwargs)
+    return load(path, device=device, dtype=dtype, task=task, **kwargs)
 
 
 def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch

@@ -102,9 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-o", "--output", default="out.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
     g.add_argument("--model", default=None,
                    help="diffusers-layout text-to-image folder (default: the embedded 128x128 demo model)")  # fmt: skip
+    g.add_argument("--image", default=None, metavar="IMG",
+                   help="start from this picture (img2img); the output keeps its size unless --size is given")
+    g.add_argument("--mask", default=None, metavar="MASK",
+                   help="with --image: inpaint; white (>= 50%% grey) pixels of MASK are repainted, black ones kept")
+    g.add_argument("--strength", type=float, default=None, metavar="S",
+                   help="with --image: 0..1, how much of the schedule runs (1 = ignore the picture's content there); "
+                        "default 0.6 for img2img, 1.0 with --mask")  # fmt: skip
     add_single_file_args(g)
     _add_sampling_args(g, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the model's own size, "
-                                    "e.g. 128x128 for the embedded demo, 1024x1024 for Qwen-Image)")  # fmt: skip
+                                    "e.g. 128x128 for the embedded demo, 1024x1024 for Qwen-Image; with --image, "
+                                    "the picture's size)")  # fmt: skip
     from .cli_tasks import add_control_args, add_layers_parser
 
     add_control_args(g)  # --control IMG --controlnet PATH[:SCALE]
@@ -114,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt", required=True, help="the edit instruction")
     e.add_argument("-o", "--output", default="edited.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
     e.add_argument("--model", default=None, help="diffusers-layout edit model folder (default: embedded demo edit model)")
+    e.add_argument("--mask", default=None, metavar="MASK",
+                   help="inpaint: only the white (>= 50%% grey) pixels of MASK change (one input image)")
+    e.add_argument("--strength", type=float, default=None, metavar="S",
+                   help="with --mask: 0..1, how much of the schedule runs (default 1.0)")  # fmt: skip
     add_single_file_args(e)
     _add_sampling_args(e, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the last image's "
                                     "aspect at the model's own area, e.g. ~128x128 for the embedded demo, ~1024x1024 "
@@ -302,6 +314,30 @@ def _run21(a: argparse.Namespace, images: list | None) -> int:
     return 0
 
 
+def _start_inputs(a: argparse.Namespace, task: str) -> tuple[tuple | None, float | None]:
+    """((image, mask or None), strength) of `generate --image [--mask]` / `edit --mask`, loaded and checked
+    before the model is; (None, None) without them. Default strength: 0.6 for img2img, 1.0 to inpaint."""
+    from .pipeline.edit import load_images
+    from .pipeline.img2img import check_strength, load_masks
+
+    image = getattr(a, "image", None)
+    if a.mask and task != "edit-inpaint" and image is None:
+        raise ValueError("--mask needs --image (the picture to inpaint)")
+    if image is None and task != "edit-inpaint":
+        if a.strength is not None:
+            raise ValueError("--strength needs --image (img2img) or --mask with --image (inpainting)")
+        return None, None
+    if task == "edit-inpaint" and a.mask is None:
+        if a.strength is not None:
+            raise ValueError("--strength needs --mask (edit inpainting)")
+        return None, None
+    strength = a.strength if a.strength is not None else (0.6 if task == "img2img" else 1.0)
+    check_strength(strength, a.steps or 1_000_000)  # the step count is checked again with the model's default
+    img = load_images(image)[0] if task != "edit-inpaint" else None  # edit loads its own images
+    mask = load_masks(a.mask)[0] if a.mask else None
+    return (img, mask), strength
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from . import launch
 
@@ -316,6 +352,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from .pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
     check_control_args(a)
+    start, strength = _start_inputs(a, "inpaint" if a.mask else "img2img")  # bad inputs fail before loading
+    if start is not None and a.controlnet:
+        raise ValueError("--image/--mask (img2img, inpainting) and --controlnet do not combine; for ControlNet "
+                         "inpainting use --control-mask")  # fmt: skip
     single = single_file_kwargs(a)
     if single is None:
         check_model_kind(a.model, "text-to-image")
@@ -335,19 +375,30 @@ def cmd_generate(a: argparse.Namespace) -> int:
     loras = _setup(pipe, a)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
-    w, h = _pipe_size(pipe, a) or (control.pop("width", d["width"]), control.pop("height", d["height"]))
+    control_size = (control.pop("width", d["width"]), control.pop("height", d["height"]))  # the control image's
+    w, h = _pipe_size(pipe, a) or (V.round_size(*start[0].size, 2 * pipe.vae_scale_factor) if start else None) \
+        or control_size  # fmt: skip
     _size_note(pipe, w, h)
     steps, cfg, negative, seed = _sampling(d, a)
     gen = torch.Generator("cpu").manual_seed(seed)
+    extra, task = {}, None
+    if start is not None:  # img2img / inpainting: the same loaded model under that task's pipeline class
+        from .pipeline.auto import for_task
+
+        task = "inpaint" if a.mask else "img2img"
+        pipe = for_task(pipe, task)
+        extra = {"image": start[0], "strength": strength, **({"mask_image": start[1]} if a.mask else {})}
     t1 = time.perf_counter()
     out = pipe(a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
-               true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n, **control)  # fmt: skip
+               true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n, **control, **extra)  # fmt: skip
     t_gen = time.perf_counter() - t1
     w, h = out.images[0].size  # the size actually made
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
     if a.controlnet:
         meta["controlnet"] = json.dumps({"nets": a.controlnet, "control": a.control, "mask": a.control_mask})
+    if task is not None:
+        meta.update(task=task, input=str(a.image), strength=str(strength), **({"mask": str(a.mask)} if a.mask else {}))
     _meta_extras(meta, a, loras)
     if launch.rank() != 0:
         return 0
@@ -374,6 +425,9 @@ def cmd_edit(a: argparse.Namespace) -> int:
     from .pipeline.edit import DEFAULT_EDIT_MODEL, QwenImageEditPipeline, load_images
 
     images = load_images(a.image)  # unreadable input fails before the model loads
+    if a.mask and len(images) != 1:
+        raise ValueError(f"--mask inpaints one image; got {len(images)}")
+    start, strength = _start_inputs(a, "edit-inpaint")
     single = single_file_kwargs(a)
     if single is None:
         check_model_kind(a.model, "edit")
@@ -395,14 +449,24 @@ def cmd_edit(a: argparse.Namespace) -> int:
     if w is not None:
         _size_note(pipe, w, h)
     steps, cfg, negative, seed = _sampling(d, a)
+    extra = {}
+    if start is not None:  # edit-inpainting: the same loaded model under that pipeline class
+        from .pipeline.auto import for_task
+
+        pipe, extra = for_task(pipe, "edit-inpaint"), {"mask_image": start[1], "strength": strength}
+        if w is not None:
+            print("note: --size is ignored with --mask: edit inpainting follows the image's size", file=sys.stderr)
     t1 = time.perf_counter()
     out = pipe(images, a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
-               true_cfg_scale=cfg, generator=torch.Generator("cpu").manual_seed(seed), num_images_per_prompt=a.n)  # fmt: skip
+               true_cfg_scale=cfg, generator=torch.Generator("cpu").manual_seed(seed), num_images_per_prompt=a.n,
+               **extra)  # fmt: skip
     t_gen = time.perf_counter() - t1
     ow, oh = out.images[0].size
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
             "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "mode": pipe.mode,
             "inputs": json.dumps([str(p) for p in a.image]), "generator": "qwenfast"}  # fmt: skip
+    if start is not None:
+        meta.update(task="edit-inpaint", mask=str(a.mask), strength=str(strength))
     _meta_extras(meta, a, loras)
     if launch.rank() != 0:
         return 0
@@ -544,6 +608,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .benchmarks.serve import run_from_args
 
         return run_from_args(a)
+    if a.what == "pipeline" and a.task and (a.smoke or torch.cuda.is_available()):  # img2img / inpaint rows
+        from .benchmarks import results_dir
+        from .benchmarks.tasks_inpaint import run_tasks
+
+        run_tasks(a.task, smoke=a.smoke, steps=a.steps, out_dir=results_dir(a.results))
+        return 0
     if a.what == "pipeline" and (a.smoke or torch.cuda.is_available()):  # --smoke: tiny model on the CPU
         from .benchmarks.pipeline import run_from_args as run_pipeline
 

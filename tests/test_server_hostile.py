@@ -534,8 +534,8 @@ class _NoLoraPipe:
 
 
 def test_requests_that_can_never_succeed_are_non_retried_4xx(pipe, edit_server, tmp_path):
-    """LoRAs on a pipeline without set_loras (was 501, which the OpenAI SDK retries) and `mask` on edits:
-    400 with a code a client can act on."""
+    """LoRAs on a pipeline without set_loras (was 501, which the OpenAI SDK retries) and a `mask` without
+    transparency on edits: 400 with a code a client can act on (masks: tests/test_server_inpaint.py)."""
     d = tmp_path / "loras"
     d.mkdir()
     write_lora(pipe, d / "style.safetensors")
@@ -545,7 +545,8 @@ def test_requests_that_can_never_succeed_are_non_retried_4xx(pipe, edit_server, 
         assert httpx.post(base + G, json=OK, timeout=60).status_code == 200
     r = httpx.post(edit_server + E, data=EDIT_OK, files={"image": ("a.png", PNG, "image/png"),
                                                          "mask": ("m.png", PNG, "image/png")})  # fmt: skip
-    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_mask", r.text
+    assert "alpha" in r.json()["error"]["message"]
 
 
 def test_a_size_far_from_the_trained_one_is_logged_once(pipe, caplog):

@@ -627,6 +627,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default=None, choices=["balanced", "fast"],
                    help="also the end-to-end cases with this step-cache preset (bf16, and FP8 with --fp8)")
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
+    p.add_argument("--task", action="append", choices=["img2img", "inpaint", "edit-inpaint"],
+                   help="instead: one row per task vs diffusers' pipeline of that task (benchmarks/tasks_inpaint.py, run by the CLI)")
+    p.add_argument("--steps", type=int, default=None, help="with --task: steps of the timed call (default 30)")
 
 
 def run_from_args(a: argparse.Namespace) -> int:

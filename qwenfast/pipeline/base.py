@@ -224,6 +224,14 @@ class PipelineBase:
                 stack.enter_context(use_attention(o.attention))
             yield
 
+    def for_task(self, task: str):
+        """This loaded model under the pipeline class of `task` ("img2img" / "inpaint" for text-to-image
+        models, "edit-inpaint" for edit models), sharing weights, options and LoRAs with this pipeline
+        (see `qwenfast.pipeline.auto.for_task`)."""
+        from .auto import for_task
+
+        return for_task(self, task)
+
     # ---------------------------------------------------------------- properties
     @property
     def device(self) -> torch.device:
@@ -360,13 +368,16 @@ class PipelineBase:
     def _generate(self, *, B: int, h: int, w: int, cond: S.TextCond, uncond: S.TextCond | None, cfg_scale: float,
                   steps: int, generator, latents, output_type: str, sigmas, scheduler_overrides: dict | None,
                   callback: Callable | None, ref: tuple[torch.Tensor, list] | None = None,
-                  forward_for: Callable[[Callable, int, int], Callable] | None = None) -> QwenImageOutput:  # fmt: skip
+                  forward_for: Callable[[Callable, int, int], Callable] | None = None,
+                  start: Callable | None = None) -> QwenImageOutput:  # fmt: skip
         """Noise for the whole batch, then the denoise core (split on OOM), then decode.
 
         h, w: latent grid (pixels / 8, even). ref: (packed reference latents (B, M, 64), their
         (frames, h/2, w/2) shapes) for edits. forward_for(core forward, i, j): the forward for rows
         i..j of the batch, for conditioning that lives beside the forward (ControlNet latents), so
-        that a chunk of an OOM-split batch sees its own rows.
+        that a chunk of an OOM-split batch sees its own rows. start: img2img / inpainting,
+        `start(noise (B, N, 64), sigmas) -> (first latents, the sigmas to run, blend or None)`; a blend
+        is a per-step hook of `denoise` with `rows(i, j)` giving the hook of batch rows i..j.
         """
         par = self._options.parallel
         if par is not None and par.cfg == 2 and uncond is None:
@@ -375,6 +386,9 @@ class PipelineBase:
         x = self.initial_latents(B, h, w, generator, latents)  # (B, h/2*w/2, 64)
         img_shapes = [(1, h // 2, w // 2), *(ref[1] if ref is not None else [])]
         sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(self.device)
+        blend = None
+        if start is not None:  # starts part-way along the schedule, from the image
+            x, sig, blend = start(x, sig)
         events: list[str] = []
 
         def chunk(i: int, j: int) -> torch.Tensor:
@@ -388,7 +402,7 @@ class PipelineBase:
             return S.denoise(fwd, x[i:j], sig, img_shapes, cond.rows(i, j),
                              None if uncond is None else uncond.rows(i, j), cfg_scale,
                              None if ref is None else ref[0][i:j], self._options.batched_cfg, cb,
-                             progress=self.progress_bar)  # fmt: skip
+                             progress=self.progress_bar, blend=None if blend is None else blend.rows(i, j))  # fmt: skip
 
         buf = x.clone() if callback is not None else None
         forward = self._core_forward()

@@ -101,6 +101,16 @@ def plain_cfg(cond: torch.Tensor, uncond: torch.Tensor, scale: float) -> torch.T
     return true_cfg(cond, uncond, scale, normalize=False)
 
 
+def scale_noise(sample: torch.Tensor, sigma: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The flow-matching forward process at noise level `sigma`: sigma * noise + (1 - sigma) * sample.
+
+    diffusers' `FlowMatchEulerDiscreteScheduler.scale_noise` (sigma cast to the sample's dtype first),
+    which img2img uses for its starting point and inpainting for the known region after each step.
+    """
+    s = sigma.to(sample.device, sample.dtype)
+    return s * noise + (1.0 - s) * sample
+
+
 def latent_hw(height: int, width: int, vae_scale: int = 8) -> tuple[int, int]:
     """Latent grid size; pixel sizes are floored to a multiple of 2*vae_scale (16) like diffusers."""
     return 2 * (int(height) // (vae_scale * 2)), 2 * (int(width) // (vae_scale * 2))
@@ -141,6 +151,8 @@ class TextCond:
 Forward = Callable[..., torch.Tensor]
 # callback(step index, step count, latents (B, N, 64) after the step)
 StepCallback = Callable[[int, int, torch.Tensor], None]
+# blend(step index, latents (B, N, 64) after the Euler step) -> latents the next step starts from
+StepBlend = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
@@ -171,7 +183,8 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
             cond: TextCond, uncond: TextCond | None = None, cfg_scale: float = 1.0,
             ref_latents: torch.Tensor | None = None, batched_cfg: bool | str = "auto",
             callback: StepCallback | None = None, progress: bool = False,
-            guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = true_cfg) -> torch.Tensor:  # fmt: skip
+            guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = true_cfg,
+            blend: StepBlend | None = None) -> torch.Tensor:  # fmt: skip
     """Euler steps over `sigmas` (fp32 math) from the noise `x` (B, N, 64) -> the final latents (B, N, 64).
 
     cond / uncond: prompt conditioning (uncond None = no true CFG). ref_latents (B, M, 64): packed
@@ -180,7 +193,9 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
     padding mask is needed (a masked attention costs more than the second pass saves). Each forward
     gets a `StepContext` (step, count, sigma, branch) for the transformer's block runner.
     guidance(cond, uncond, scale): how CFG combines the two predictions (default Qwen-Image's
-    `true_cfg`; Qwen-Image-2.1 uses `plain_cfg`).
+    `true_cfg`; Qwen-Image-2.1 uses `plain_cfg`). blend: applied to the latents after each Euler
+    step, before the callback (inpainting puts the known region back at the next noise level there);
+    None leaves the loop as it is.
     """
     ts = timesteps_from_sigmas(sigmas)
     levels = sigmas.tolist()  # host floats for the step contexts: one copy now, no sync per step
@@ -206,6 +221,8 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
                 neg = forward(inp, uncond.emb, uncond.mask, t, img_shapes, step)[:, :N]
                 pred = guidance(pred, neg, cfg_scale)
         x = euler_step(x, pred, sigmas[i], sigmas[i + 1])
+        if blend is not None:
+            x = blend(i, x)
         if callback is not None:
             callback(i, n, x)
     return x

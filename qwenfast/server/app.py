@@ -32,8 +32,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..validation import round_size
 from .batcher import Job, Scheduler
-from .imaging import MIME, b64, encode_image, load_upload
+from .imaging import MIME, b64, encode_image, load_mask, load_upload
 from .loras import LoraResolver
 from .metrics import Metrics, gpu_memory
 from .options import ServerConfig
@@ -157,6 +158,8 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
     urls = UrlStore(cfg.url_ttl_s, cfg.url_store_bytes)
     edit_cls = edit_pipeline_class()
     is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
+    can_inpaint = hasattr(pipe, "for_task")  # img2img / inpainting with the loaded model (pipeline/auto.py)
+    tasks = (["edit", "edit-inpaint"] if is_edit else ["txt2img", "img2img", "inpaint"])[: None if can_inpaint else 1]
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
     noted: set[tuple[int, int]] = set()
 
@@ -226,6 +229,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
                 "queue": {"requests": q, "images": qi, "running": run, "max": cfg.max_queue},
                 "max_batch": cfg.max_batch, "auth": cfg.api_key is not None, "loras": loras.dir is not None,
                 "lora_support": hasattr(pipe, "set_loras"), "defaults": dict(pipe.defaults), "size_multiple": multiple,
+                "tasks": tasks,
                 "limits": {k: v for k, v in vars(cfg.limits).items()}}  # fmt: skip
         return JSONResponse(body, status_code=503 if state["stopping"] else 200)
 
@@ -295,7 +299,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
     async def edits(request: Request):
         t0 = time.monotonic()
         try:
-            if not is_edit:  # first: no form of any shape can succeed here (400, not 501: no client retries)
+            if not is_edit and not can_inpaint:  # first: no form of any shape can succeed here (400: no retries)
                 why = ("this qwenfast build has no edit pipeline (qwenfast.pipeline.edit is missing)"
                        if edit_cls is None else
                        f"the loaded model ({model_id}) is a text-to-image model; use POST /v1/images/generations, "
@@ -307,19 +311,21 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
                                code="unsupported_media_type")  # fmt: skip
             lim = cfg.limits
             try:
-                form = await request.form(max_files=lim.max_images + 1, max_fields=64, max_part_size=1 << 20)
+                form = await request.form(max_files=lim.max_images + 2, max_fields=64, max_part_size=1 << 20)
             except BodyTooLarge:
                 raise
             except StarletteHTTPException as e:
                 raise APIError(400, f"malformed multipart form: {e.detail}") from None
             except Exception as e:
                 raise APIError(400, f"malformed multipart form: {type(e).__name__}: {str(e)[:200]}") from None
-            files, fields = [], {}
+            files, fields, mask = [], {}, None
             for k, v in form.multi_items():
                 if k == "mask":
-                    raise APIError(400, "`mask` is not supported: Qwen-Image-Edit edits from the prompt", param="mask",
-                                   code="unsupported_parameter")  # fmt: skip
-                if hasattr(v, "read"):
+                    if not hasattr(v, "read") or mask is not None:
+                        raise APIError(400, "`mask` must be one PNG file whose transparent pixels mark the area to "
+                                            "repaint", param="mask", code="invalid_mask")  # fmt: skip
+                    mask = v
+                elif hasattr(v, "read"):
                     if k not in ("image", "image[]"):
                         raise APIError(400, f"unexpected file field `{k[:40]}`; send images as `image` or `image[]`",
                                        param=k[:40])  # fmt: skip
@@ -338,24 +344,79 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
                 )
             body = form_to_dict(fields)
             p = validate(body, lim, pipe.defaults, multiple=multiple, edit=True)
+            kind = _edit_task(p, mask is not None, len(files))
             size_note(p)
             datas = [await f.read() for f in files]
             images = [await asyncio.to_thread(load_upload, d, f"image {i + 1} ({(f.filename or '')[:40]!r})",
                                               lim.image_formats, lim.max_input_pixels)
                       for i, (f, d) in enumerate(zip(files, datas))]  # fmt: skip
+            mask_image = None
+            if mask is not None:
+                mask_image = await asyncio.to_thread(load_mask, await mask.read(), f"mask ({(mask.filename or '')[:40]!r})",
+                                                     lim.image_formats, lim.max_input_pixels, images[0].size)  # fmt: skip
             resolved = _check_common(body, p, "edits")
-            if p.size_auto:  # the size follows the last image: hold it to the same limits as a given size
+            if kind != "edit":
+                _task_size(p, images[0], kind)
+            elif p.size_auto:  # the size follows the last image: hold it to the same limits as a given size
                 h, w = pipe.output_size({"image": images, "height": None, "width": None})
-                if max(w, h) > lim.max_side or w * h > lim.max_pixels:
-                    raise APIError(400, f"the output size follows the input image's aspect ({w}x{h}), which is beyond "
-                                        f"this server's limits (sides up to {lim.max_side}, {lim.max_pixels} pixels); "
-                                        "give `size`", param="size", code="invalid_size")  # fmt: skip
-            job = Job(p, asyncio.get_running_loop(), kind="edit", loras=resolved, images=images,
-                      stream_events=p.stream)  # fmt: skip
+                _within_limits(w, h, "the input image's aspect")
+            job = Job(p, asyncio.get_running_loop(), kind=kind, loras=resolved, images=images,
+                      stream_events=p.stream, mask=mask_image)  # fmt: skip
             return await _respond(request, job, "edits", t0)
         except APIError as e:
             metrics.request("edits", e.status)
             raise
+
+    def _edit_task(p: Params, masked: bool, n_images: int) -> str:
+        """Which pipeline an edits request runs: edit, edit-inpaint, inpaint or img2img (or a 400 saying why none)."""
+        if is_edit:
+            kind = "edit-inpaint" if masked else "edit"
+            if kind == "edit" and p.strength is not None:
+                raise APIError(400, "`strength` applies to inpainting (with a `mask`) on an edit model",
+                               param="strength")  # fmt: skip
+        elif masked or p.strength is not None:
+            kind = "inpaint" if masked else "img2img"
+        else:
+            raise APIError(400, f"the loaded model ({model_id}) is a text-to-image model: send a `mask` (its "
+                                "transparent pixels are repainted) to inpaint, or a `strength` (0..1) for img2img; "
+                                "or use POST /v1/images/generations", code="wrong_endpoint")  # fmt: skip
+        if kind != "edit" and not can_inpaint:
+            raise APIError(400, "this server's pipeline cannot inpaint (it has no for_task)", param="mask",
+                           code="unsupported_parameter")  # fmt: skip
+        if kind != "edit" and n_images != 1:
+            raise APIError(400, f"{kind} takes exactly 1 image; got {n_images}", param="image")
+        return kind
+
+    def _within_limits(w: int, h: int, what: str) -> None:
+        lim = cfg.limits
+        if max(w, h) > lim.max_side or w * h > lim.max_pixels or min(w, h) < lim.min_side:
+            raise APIError(400, f"the output size follows {what} ({w}x{h}), which is beyond this server's limits "
+                                f"(sides {lim.min_side} to {lim.max_side}, {lim.max_pixels} pixels); give `size`",
+                           param="size", code="invalid_size")  # fmt: skip
+
+    def _task_size(p: Params, image, kind: str) -> None:
+        """Fill in the output size of img2img / inpainting (the image's, unless given) and the default strength."""
+        if kind == "edit-inpaint":  # the output follows the image at the model's area, as diffusers
+            h, w = pipe.for_task("edit-inpaint").output_size({"image": [image]})
+            if not p.size_auto and (p.width, p.height) != (w, h):
+                raise APIError(400, f"with a mask, an edit model's output follows the image: give size \"auto\" "
+                                    f"(here {w}x{h})", param="size", code="invalid_size")  # fmt: skip
+            _within_limits(w, h, "the input image's aspect")
+        elif p.size_auto:
+            w, h = round_size(image.width, image.height, multiple)
+            _within_limits(w, h, "the input image")
+        else:
+            w, h = p.width, p.height
+        p.width, p.height, p.size_auto = w, h, False
+        if p.strength is None:
+            p.strength = 1.0  # a mask repaints its area from scratch (OpenAI's meaning)
+        from ..pipeline.img2img import check_strength
+
+        try:
+            check_strength(p.strength, p.steps)
+        except ValueError as e:
+            raise APIError(400, str(e).replace("`num_inference_steps`", "`steps`"), param="strength",
+                           code="invalid_value") from None  # fmt: skip
 
     async def _respond(request: Request, job: Job, endpoint: str, t0: float):
         position = sched.submit(job)

@@ -44,9 +44,10 @@ class Job:
     """One HTTP request: n images, their results, and (if streaming) an event queue for the client."""
 
     def __init__(self, params: Params, loop: asyncio.AbstractEventLoop, *, kind: str = "t2i",
-                 loras: tuple = (), images: list | None = None, stream_events: bool = False):  # fmt: skip
+                 loras: tuple = (), images: list | None = None, stream_events: bool = False,
+                 mask=None):  # fmt: skip
         self.id = uuid.uuid4().hex
-        self.params, self.kind, self.loras, self.images = params, kind, loras, images
+        self.params, self.kind, self.loras, self.images, self.mask = params, kind, loras, images, mask
         self.seeds = params.seeds()
         self.loop = loop
         self.future: asyncio.Future = loop.create_future()
@@ -59,8 +60,8 @@ class Job:
         p = params
         if kind == "t2i":
             self.key = ("t2i", p.width, p.height, p.steps, p.cfg, p.negative is not None, loras, p.cache)
-        else:  # edit inputs differ per request; run alone (see app.py)
-            self.key = ("edit", self.id)
+        else:  # edit / img2img / inpaint inputs differ per request; run alone (see app.py)
+            self.key = (kind, self.id)
 
     # called from the worker thread -------------------------------------------------------------
     def post(self, event: dict) -> None:
@@ -316,6 +317,13 @@ class Scheduler:
                 hw = {} if p.size_auto else {"height": p.height, "width": p.width}
                 out += self.pipe(image=it.job.images, prompt=p.prompt, negative_prompt=p.negative, generator=g,
                                  **hw, **common).images  # fmt: skip
+            return out
+        if job0.kind != "t2i":  # img2img, inpaint, edit-inpaint: the loaded model under that task's class
+            run, out = self.pipe.for_task(job0.kind), []
+            mask = {} if job0.mask is None else {"mask_image": job0.mask}
+            for it, g in zip(items, gens):
+                out += run(image=it.job.images[0], prompt=p.prompt, negative_prompt=p.negative, generator=g,
+                           height=p.height, width=p.width, strength=p.strength, **mask, **common).images  # fmt: skip
             return out
         prompts = [it.job.params.prompt for it in items]
         negs = [it.job.params.negative for it in items] if p.negative is not None else None

@@ -86,3 +86,44 @@ def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: in
         raise APIError(400, f"{what} could not be decoded: {str(e)[:120]}", param="image",
                        code="invalid_image") from None  # fmt: skip
     return rgb
+
+
+def load_mask(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int, size: tuple[int, int]) -> Image.Image:
+    """An OpenAI edit mask -> greyscale PIL mask in diffusers' convention (white = repaint), or APIError(400).
+
+    OpenAI semantics: the mask is an image with an alpha channel and the input image's size; its
+    (fully) transparent pixels are repainted. Partly transparent pixels count as transparent below
+    half opacity (diffusers binarises its masks at 0.5), so a soft brush edge is fine.
+    """
+    from PIL import Image, UnidentifiedImageError
+
+    if not data:
+        raise APIError(400, f"{what} is empty", param="mask", code="invalid_mask")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data), formats=list(allowed))
+            if im.size[0] * im.size[1] > max_pixels:
+                raise APIError(400, f"{what} is {im.size[0]}x{im.size[1]} pixels; the limit is {max_pixels} pixels",
+                               param="mask", code="image_too_large")  # fmt: skip
+            im.load()
+    except APIError:
+        raise
+    except UnidentifiedImageError:
+        raise APIError(400, f"{what} is not a {', '.join(allowed)} image (checked from its bytes)", param="mask",
+                       code="invalid_mask") from None  # fmt: skip
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise APIError(400, f"{what} declares too many pixels", param="mask", code="image_too_large") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise APIError(400, f"{what} could not be decoded: {str(e)[:120]}", param="mask", code="invalid_mask") from None
+    if not (im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info):
+        raise APIError(400, f"{what} has no alpha channel ({im.mode}); the mask must be a PNG whose transparent "
+                            "pixels mark the area to repaint", param="mask", code="invalid_mask")  # fmt: skip
+    if im.size != tuple(size):
+        raise APIError(400, f"{what} is {im.size[0]}x{im.size[1]} but the image is {size[0]}x{size[1]}; the mask "
+                            "must have the image's size", param="mask", code="invalid_mask")  # fmt: skip
+    alpha = im.convert("RGBA").getchannel("A")
+    if alpha.getextrema()[0] >= 128:
+        raise APIError(400, f"{what} has no transparent pixels, so there is nothing to repaint (transparent = "
+                            "repaint, opaque = keep)", param="mask", code="invalid_mask")  # fmt: skip
+    return alpha.point(lambda a: 255 - a)  # white where transparent: diffusers' "repaint"

@@ -76,10 +76,12 @@ class ImageRequest(BaseModel):
     true_cfg_scale: float | None = None
     lora: list[LoraRef] | None = None
     cache: Literal["off", "balanced", "fast"] | None = None  # step cache for this request (lossy)
+    strength: float | None = None  # edits: img2img / inpainting, 0..1 of the schedule run (default 1 with a mask)
 
 
 FORM_TYPES: dict[str, type] = {"n": int, "output_compression": int, "partial_images": int, "seed": int, "steps": int,
-                               "true_cfg_scale": float, "stream": bool, "progress": bool, "lora": list}  # fmt: skip
+                               "true_cfg_scale": float, "stream": bool, "progress": bool, "lora": list,
+                               "strength": float}  # fmt: skip
 
 
 @dataclass
@@ -103,6 +105,7 @@ class Params:
     loras: list[tuple[str, float]] = field(default_factory=list)
     size_auto: bool = False  # edits: size taken from the input image
     cache: str | None = None  # step-cache preset; None = the server's default (--cache)
+    strength: float | None = None  # edits on a text-to-image model (img2img) or with a mask (inpainting)
 
     def seeds(self) -> list[int]:
         return [(self.seed + i) % (MAX_SEED + 1) for i in range(self.n)]
@@ -223,6 +226,10 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
         raise _validation_error(e) from None
     if not edit and r.input_fidelity is not None:
         raise APIError(400, "`input_fidelity` applies to /v1/images/edits only", param="input_fidelity")
+    if not edit and r.strength is not None:
+        raise APIError(400, "`strength` applies to /v1/images/edits only (img2img and inpainting of an uploaded "
+                            "image)", param="strength")  # fmt: skip
+    _range("strength", r.strength, 0, 1)
     _check_text("prompt", r.prompt, limits.max_prompt_chars)
     if not r.prompt.strip():
         raise APIError(
@@ -285,5 +292,5 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
         response_format=r.response_format or "b64_json", output_format=r.output_format or "png",
         compression=r.output_compression, stream=bool(r.stream), progress=bool(r.progress),
         partial_images=r.partial_images or 0,  # OpenAI's default: no previews unless asked for
-        loras=sorted(loras), size_auto=size_auto, cache=r.cache,
+        loras=sorted(loras), size_auto=size_auto, cache=r.cache, strength=r.strength,
     )  # fmt: skip
