@@ -228,7 +228,7 @@ class PipelineBase:
         """This loaded model under the pipeline class of `task` ("img2img" / "inpaint" for text-to-image
         models, "edit-inpaint" for edit models), sharing weights, options and LoRAs with this pipeline
         (see `qwenfast.pipeline.auto.for_task`)."""
-        from .auto import for_task
+        from .tasks import for_task
 
         return for_task(self, task)
 
