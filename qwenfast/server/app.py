@@ -269,6 +269,11 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
         if name is not None and name != model_id:
             raise APIError(404, f"model {str(name)[:80]!r} is not served here; this server serves {model_id!r} "
                                 "(GET /v1/models)", code="model_not_found", param="model")  # fmt: skip
+        par = getattr(getattr(pipe, "options", None), "parallel", None)
+        if par is not None and par.cfg == 2 and (p.negative is None or p.cfg <= 1):
+            raise APIError(400, f"this server splits true CFG over two GPUs (--parallel {par}): send a "
+                                "`negative_prompt` (\" \" is fine) and `true_cfg_scale` > 1", param="true_cfg_scale",
+                           code="cfg_required")  # fmt: skip
         if p.loras and not hasattr(pipe, "set_loras"):  # 400, not 501: clients must not retry it
             raise APIError(400, "this server's pipeline cannot apply LoRAs (it has no set_loras)",
                            param="lora", code="lora_unsupported")  # fmt: skip

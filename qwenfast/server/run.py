@@ -54,10 +54,10 @@ def load_pipeline(
 
 
 def serve(a: argparse.Namespace) -> int:
-    if getattr(a, "parallel", None):
-        print("error: `qwenfast serve --parallel` is not available yet (one engine spanning several GPUs is "
-              "planned); serve on one GPU, or use `qwenfast generate --parallel ...`", file=sys.stderr)  # fmt: skip
-        return 2
+    from .. import launch
+
+    if getattr(a, "parallel", None) and not launch.is_worker():
+        return launch.run(serve, a)  # every rank runs serve(); rank 0 answers HTTP (server/parallel.py)
     try:
         import fastapi  # noqa: F401
         import uvicorn
@@ -78,6 +78,24 @@ def serve(a: argparse.Namespace) -> int:
 
         LoraResolver(cfg.lora_dir)  # fail now, not on the first request
     pipe = load_pipeline(a.model, a.device, a.dtype, engine_options_from_args(a), a.preset, a.fp8)
+    if launch.is_worker():  # --parallel: the other ranks follow rank 0's calls
+        from .parallel import Mirrored, control_group, follow
+
+        group = control_group()
+        if launch.rank() != 0:
+            follow(pipe, group)
+            return 0
+        pipe = Mirrored(pipe, group)
+    try:
+        return _serve_http(a, cfg, pipe, create_app)
+    finally:
+        if launch.is_worker():
+            pipe.stop()
+
+
+def _serve_http(a: argparse.Namespace, cfg, pipe, create_app) -> int:
+    import uvicorn
+
     app = create_app(pipe, cfg)
     if not _is_loopback(a.host) and cfg.api_key is None:
         print(f"warning: serving on {a.host} without --api-key: anyone who can reach this port can use the GPU",
