@@ -60,7 +60,7 @@ def serve(a: argparse.Namespace) -> int:
         return launch.run(serve, a)  # every rank runs serve(); rank 0 answers HTTP (server/parallel.py)
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as e:
         print(f"error: `qwenfast serve` needs the server extra ({e.name} is missing): "
               "pip install 'qwenfast[server]'", file=sys.stderr)  # fmt: skip
