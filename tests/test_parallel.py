@@ -125,9 +125,3 @@ def test_cli_parallel_writes_the_one_process_image(tmp_path, capsys):
     assert "must divide the model's 3 attention heads" in capsys.readouterr().err
     assert not (tmp_path / "bad.png").exists()
 
-
-def test_serve_parallel_says_it_is_not_there_yet(capsys):
-    from qwenfast.cli import main
-
-    assert main(["serve", "--parallel", "cfg=2", "--device", "cpu"]) == 2
-    assert "not available yet" in capsys.readouterr().err

@@ -39,7 +39,9 @@ def task_class(kind: str | None, task: str | None = None, controlnet: bool = Fal
     module, name, kinds = TASKS[task]
     if kind is not None and kind not in kinds:
         ok = [t for t, (_, _, k) in TASKS.items() if kind in k]
-        raise ValueError(f"this is a Qwen-Image {kind} model; it runs the tasks {ok}, not {task!r}")
+        needs = {"text-to-image": "a text-to-image model (Qwen-Image, -2512)", "edit": "an edit model (Qwen-Image-Edit, "
+                 "-2509, -2511)", "edit-plus": "an edit model", "layered": "Qwen-Image-Layered"}.get(kinds[0], kinds[0])  # fmt: skip
+        raise ValueError(f"task {task!r} needs {needs}; this Qwen-Image {kind} model runs the tasks {ok}")
     return getattr(importlib.import_module(f"{__package__}.{module}"), name)
 
 

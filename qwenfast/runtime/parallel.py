@@ -19,6 +19,7 @@ decodes the image itself (rank 0 keeps it). CPU processes over gloo run the same
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -102,10 +103,18 @@ def _all_gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
 
 class UlyssesAttention:
     """The attention wrapper of one forward: q, k, v (B, H, Lt + n_mine, D) -> the same, attention
-    computed over every rank's tokens (see the module docstring)."""
+    computed over every rank's tokens (see the module docstring).
 
-    def __init__(self, groups: ParallelGroups, sizes: list[int], txt_len: int):
+    Pipelined over `chunks` sub-groups of this rank's heads: every chunk's q/k/v all-to-all is issued
+    at once (asynchronously, on the communicator's stream), then chunk c's attention runs while chunk
+    c+1's exchange is still in flight, and chunk c's output all-to-all runs while chunk c+1 attends.
+    chunks = 1 is the plain exchange -> attention -> exchange. Default: 2 where the heads divide
+    (`QWENFAST_ULYSSES_CHUNKS` overrides; measured in `qwenfast bench parallel`).
+    """
+
+    def __init__(self, groups: ParallelGroups, sizes: list[int], txt_len: int, chunks: int | None = None):
         self.g, self.sizes, self.txt_len = groups, sizes, txt_len
+        self.chunks = chunks if chunks is not None else int(os.environ.get("QWENFAST_ULYSSES_CHUNKS", "2"))
 
     def __call__(self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
@@ -114,44 +123,57 @@ class UlyssesAttention:
         if H % G:
             raise ValueError(f"ulysses={G} needs a head count divisible by {G}; this model has {H} heads")
         h = H // G
-        heads = slice(r * h, (r + 1) * h)
-        gathered = self._gather_seq([x[:, :, Lt:] for x in (q, k, v)], h)  # one exchange for q, k and v
-        full = [torch.cat([x[:, heads, :Lt], g], dim=2) for x, g in zip((q, k, v), gathered)]
+        c = max(1, min(self.chunks, h))
+        while h % c:
+            c -= 1
+        hc = h // c
         if mask is not None:  # (B, 1, 1, Lt + n_mine): the text part is replicated, image keys are real
             ones = mask.new_ones(B, 1, 1, sum(self.sizes))
             mask = torch.cat([mask[..., :Lt], ones], dim=-1)
-        o = inner(*full, mask)  # (B, h, Lt + N, D)
-        o_txt = torch.cat(_all_gather(o[:, :, :Lt], self.g.sp_group, G), dim=1)  # (B, H, Lt, D)
-        return torch.cat([o_txt, self._scatter_seq(o[:, :, Lt:], h)], dim=2)
+        img = [x[:, :, Lt:] for x in (q, k, v)]
+        inbound = [self._send_seq(img, ci, c, hc) for ci in range(c)]  # all exchanges in flight at once
+        o_txt, outbound = [], []
+        for ci, (work, recv) in enumerate(inbound):
+            work.wait()
+            mine = slice(r * h + ci * hc, r * h + (ci + 1) * hc)
+            full = [torch.cat([x[:, mine, :Lt], torch.cat([recv[j, i, :, :, : self.sizes[j]] for j in range(G)], dim=2)],
+                              dim=2) for i, x in enumerate((q, k, v))]  # fmt: skip
+            o = inner(*full, mask)  # (B, hc, Lt + N, D)
+            o_txt.append(o[:, :, :Lt])
+            outbound.append(self._return_seq(o[:, :, Lt:], hc))
+        o_txt = torch.cat(_all_gather(torch.cat(o_txt, dim=1), self.g.sp_group, G), dim=1)  # (B, H, Lt, D)
+        n = self.sizes[r]
+        got = []
+        for work, recv in outbound:
+            work.wait()
+            got.append(recv[:, :, :, :n])  # (G, B, hc, n_mine, D): chunk ci of head group j, from rank j
+        o_img = torch.stack(got, dim=1).permute(2, 0, 1, 3, 4, 5).reshape(B, H, n, D)  # heads: j, ci, hc
+        return torch.cat([o_txt, o_img], dim=2)
 
-    def _gather_seq(self, xs: list[torch.Tensor], h: int) -> list[torch.Tensor]:
-        """[(B, H, n_mine, D)] * k -> [(B, h, N, D)] * k: my head group of every rank's tokens, for k
-        tensors in one all-to-all."""
+    def _send_seq(self, xs: list[torch.Tensor], ci: int, c: int, hc: int):
+        """[(B, H, n_mine, D)] * k -> async all-to-all; received (G, k, B, hc, m, D): head chunk ci of my
+        head group, from every rank's tokens (padded to the longest rank's count m)."""
         G, sizes = self.g.sp_size, self.sizes
         B, H, n, D = xs[0].shape
         m, k = max(sizes), len(xs)
-        send = xs[0].new_zeros(G, k, B, h, m, D)  # chunk j (head group j of my tokens) -> rank j
-        for i, x in enumerate(xs):
-            send[:, i, :, :, :n] = x.reshape(B, G, h, n, D).transpose(0, 1)
+        send = xs[0].new_zeros(G, k, B, hc, m, D) if n < m else xs[0].new_empty(G, k, B, hc, m, D)
+        for i, x in enumerate(xs):  # chunk j (head chunk ci of group j, my tokens) -> rank j
+            send[:, i, :, :, :n] = x.reshape(B, G, c, hc, n, D)[:, :, ci].transpose(0, 1)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.g.sp_group)
-        return [torch.cat([recv[j, i, :, :, : sizes[j]] for j in range(G)], dim=2) for i in range(k)]
+        return dist.all_to_all_single(recv, send, group=self.g.sp_group, async_op=True), recv
 
-    def _scatter_seq(self, o: torch.Tensor, h: int) -> torch.Tensor:
-        """(B, h, N, D) -> (B, H, n_mine, D): every head group of my tokens."""
-        G, sizes, r = self.g.sp_size, self.sizes, self.g.sp_rank
+    def _return_seq(self, o: torch.Tensor, hc: int):
+        """(B, hc, N, D) -> async all-to-all sending rank j its tokens' part; received (G, B, hc, m, D)."""
+        sizes = self.sizes
         B, _, N, D = o.shape
         m = max(sizes)
-        parts, s = [], 0
-        for n in sizes:
-            c = o[:, :, s : s + n]
-            parts.append(c if n == m else torch.cat([c, c.new_zeros(B, h, m - n, D)], dim=2))
+        send = o.new_zeros(len(sizes), B, hc, m, D) if min(sizes) < m else o.new_empty(len(sizes), B, hc, m, D)
+        s = 0
+        for j, n in enumerate(sizes):
+            send[j, :, :, :n] = o[:, :, s : s + n]
             s += n
-        send = torch.stack(parts).contiguous()  # (G, B, h, m, D): chunk j (rank j's tokens) -> rank j
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.g.sp_group)
-        mine = recv[:, :, :, : sizes[r]]  # (G, B, h, n_mine, D): head group j from rank j
-        return mine.transpose(0, 1).reshape(B, G * h, sizes[r], D)
+        return dist.all_to_all_single(recv, send, group=self.g.sp_group, async_op=True), recv
 
 
 class ParallelForward:
