@@ -25,7 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -149,14 +149,20 @@ def edit_pipeline_class():
     return QwenImageEditPipeline
 
 
-def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
+def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[Metrics], Any] | None = None) -> FastAPI:
+    """The app for `pipe`. `scheduler(metrics)` replaces the local batcher with another one that has its
+    methods (start, submit, cancel, depth, stop; optionally `health()` for /health and `render_metrics()`
+    for /metrics): Ray Serve's ingress passes one that forwards to engine replicas (ray_remote.py), with a
+    `pipe` that describes the remote pipeline, so every endpoint, limit and stream stays this code."""
     cfg = cfg or ServerConfig()
     metrics = Metrics()
-    sched = Scheduler(pipe, cfg, metrics)
+    sched = scheduler(metrics) if scheduler is not None else Scheduler(pipe, cfg, metrics)
     loras = LoraResolver(cfg.lora_dir)
     urls = UrlStore(cfg.url_ttl_s, cfg.url_store_bytes)
     edit_cls = edit_pipeline_class()
-    is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
+    is_edit = getattr(pipe, "is_edit", None)  # a remote pipeline's description says; a local one is its class
+    if is_edit is None:
+        is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
     noted: set[tuple[int, int]] = set()
 
@@ -227,12 +233,19 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
                 "max_batch": cfg.max_batch, "auth": cfg.api_key is not None, "loras": loras.dir is not None,
                 "lora_support": hasattr(pipe, "set_loras"), "defaults": dict(pipe.defaults), "size_multiple": multiple,
                 "limits": {k: v for k, v in vars(cfg.limits).items()}}  # fmt: skip
+        if hasattr(sched, "health"):  # Ray Serve: replicas up/total; none up -> 503
+            body.update(await asyncio.to_thread(sched.health))
+        if body["status"] != "ok":
+            return JSONResponse(body, status_code=503)
         return JSONResponse(body, status_code=503 if state["stopping"] else 200)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus():
-        q, qi, run = sched.depth()
-        text = metrics.render(q, qi, run, gpu_memory(pipe.device))
+        if hasattr(sched, "render_metrics"):  # Ray Serve: every replica's series, summed and per replica
+            text = await asyncio.to_thread(sched.render_metrics)
+        else:
+            q, qi, run = sched.depth()
+            text = metrics.render(q, qi, run, gpu_memory(pipe.device))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

@@ -67,6 +67,19 @@ def serve(a: argparse.Namespace) -> int:
         print(f"error: `qwenfast serve` needs the server extra ({e.name} is missing): "
               "pip install 'qwenfast[server]'", file=sys.stderr)  # fmt: skip
         return 2
+    if getattr(a, "ray", False):
+        try:
+            import ray.serve  # noqa: F401
+        except ImportError:
+            print("error: `qwenfast serve --ray` needs the ray extra: pip install 'qwenfast[ray]'", file=sys.stderr)
+            return 2
+        from .ray_app import serve_ray
+
+        logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return serve_ray(a)
+    if getattr(a, "replicas", None) or getattr(a, "autoscale", None) or getattr(a, "ray_address", None):
+        print("error: --replicas, --autoscale and --ray-address need --ray", file=sys.stderr)
+        return 2
     from ..options import engine_options_from_args
     from ..pipeline.common import DEFAULT_MODEL, EMBEDDED_NOTE
     from .app import create_app
