@@ -260,7 +260,9 @@ class RemoteScheduler:
         running = st.get("states", {}).get("RUNNING", len(live))
         total = max(st.get("target") or self.target.get("replicas") or 0, running, len(live))
         up = min(len(live), running) if st else len(live)
-        body = {"replicas": {"up": up, "total": total, "states": st.get("states", {}),
+        each = [{"id": rid, "node": s.get("node"), "pid": s.get("pid"), "queue": s.get("queue"),
+                 "running": s.get("running"), "images": s.get("images_total")} for rid, s in sorted(live.items())]  # fmt: skip
+        body = {"replicas": {"up": up, "total": total, "states": st.get("states", {}), "list": each,
                              "nodes": len({s.get("node") for s in live.values()})}, "ray_retries": self.retries}  # fmt: skip
         if up == 0:
             body["status"] = "no_replicas"
