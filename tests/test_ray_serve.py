@@ -268,17 +268,20 @@ def test_200_requests_16_clients_with_a_replica_killed(main, pipe):
     assert h["status"] == "ok" and h["replicas"]["total"] == 2 and h["ray_retries"] == retries, h
     assert httpx.post(main + G, json={**reqs[0], "seed": 1}, headers=AUTH, timeout=120).status_code == 200
 
-    worst = 0
+    worst, identical, off = 0, 0, 0
     for k, q in enumerate(reqs):  # every image equals the same request run alone, retried ones included
         w, hh = (int(v) for v in q["size"].split("x"))
-        want = alone(pipe, q["prompt"], q["seed"], w, hh)
-        worst = max(worst, int(np.abs(images[k].astype(int) - want.astype(int)).max()))
-        assert_same_image(images[k], want, f"request {k}")
+        d = np.abs(images[k].astype(int) - alone(pipe, q["prompt"], q["seed"], w, hh).astype(int))
+        # CPU BLAS is batch-variant inside the transformer (test_server.py::test_batched_equals_alone): in
+        # batches of up to 8 mixed by two replicas, one 8-bit level on a few values (~0.1% of a 32x48 image)
+        assert d.max() <= 1 and (d > 0).mean() < 5e-3, f"request {k}: max diff {d.max()}, {(d > 0).sum()} values"
+        worst, identical, off = max(worst, int(d.max())), identical + int(d.max() == 0), off + int((d > 0).sum())
     lat = sorted(latency.values())
     print(f"\nray serve load test: {len(reqs)} requests, {n_clients} clients, 2 replicas on 2 nodes, {wall:.1f} s, "
           f"{len(reqs) / wall:.1f} req/s, p50 {statistics.median(lat):.3f} s, p95 {lat[int(0.95 * (len(lat) - 1))]:.3f} s; "
           f"replica {killed['id']} killed after {killed['at']} answers with {killed['busy']} requests on it: "
-          f"{int(retries)} retried; 0 lost, 0 duplicated, max pixel diff vs alone {worst}; served {served}")  # fmt: skip
+          f"{int(retries)} retried; 0 lost, 0 duplicated; {identical}/{len(reqs)} bit-identical to alone, {off} values "
+          f"off by one elsewhere (max diff {worst}); images per replica {served}")  # fmt: skip
 
 
 def test_graceful_drain_when_the_app_is_deleted(main, ray_serve):

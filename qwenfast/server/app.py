@@ -48,6 +48,13 @@ class BodyTooLarge(Exception):
     pass
 
 
+def app_path(scope) -> str:
+    """The path inside this app: without `root_path`, which a mount point (Ray Serve's route prefix, a
+    proxy's --root-path) leaves in `path`. Auth and limits must look at this one, never at the raw path."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
 def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -70,7 +77,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path = app_path(scope)
         if self._key is not None and path.startswith("/v1/") and not self._authorized(scope):
             e = APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
@@ -195,7 +202,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
 
     @app.exception_handler(BodyTooLarge)
     async def _body_too_large(request, e):
-        limit = cfg.limits.max_upload_bytes if request.url.path == EDITS else cfg.limits.max_json_bytes
+        limit = cfg.limits.max_upload_bytes if app_path(request.scope) == EDITS else cfg.limits.max_json_bytes
         return _error_response(_too_large(limit))
 
     @app.exception_handler(RequestValidationError)
