@@ -35,8 +35,14 @@ from PIL import Image  # noqa: E402
 
 from qwenfast.server.options import Limits, ServerConfig  # noqa: E402
 from qwenfast.server.run import load_pipeline  # noqa: E402
-from tests.test_server import _image_bytes, alone, assert_same_image, metric, png_pixels  # noqa: E402
-from tests.test_server import _one_torch_thread  # noqa: E402, F401  (autouse: one intra-op thread)
+from tests.test_server import (  # noqa: E402
+    _image_bytes,
+    _one_torch_thread,  # noqa: E402, F401  (autouse: one intra-op thread)
+    alone,
+    assert_same_image,
+    metric,
+    png_pixels,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "ray-s3cret"
@@ -103,8 +109,8 @@ def test_router_joins_a_forming_batch_only_when_every_replica_is_busy():
 def test_flags_config_file_and_deployment_options():
     import yaml
 
-    from qwenfast.server.ray_app import args_from_dict, engine_options
     from qwenfast.server.options import config_from_args
+    from qwenfast.server.ray_app import args_from_dict, engine_options
 
     a = args_from_dict({"device": "cpu", "autoscale": "1:4", "max_batch": 6, "max_queue": 10})
     cfg = config_from_args(a)
