@@ -107,8 +107,8 @@ class EngineReplica:
     def __init__(self, a: argparse.Namespace, cfg: ServerConfig):
         from ..options import engine_options_from_args
         from .batcher import Scheduler
+        from .engine import load_pipeline
         from .metrics import Metrics
-        from .run import load_pipeline
 
         logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.cfg = cfg
