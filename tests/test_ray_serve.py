@@ -304,3 +304,43 @@ def test_graceful_drain_when_the_app_is_deleted(main, ray_serve):
     for t in ts:
         t.join()
     assert [r.status_code for r in res] == [200] * 3 and all(len(r.json()["data"]) == 1 for r in res)
+
+
+def test_cli_serve_ray_serves_and_drains_on_sigterm(tmp_path):
+    """`qwenfast serve --ray` starts its own local Ray cluster, serves, and on SIGTERM lets a running
+    request finish before it exits 0."""
+    import subprocess
+    import sys
+
+    from tests.test_server import _free_port
+
+    port, log = _free_port(), tmp_path / "serve.log"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # not the session's cluster
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "qwenfast.cli", "serve", "--ray", "--device", "cpu", "--dtype", "fp32",
+                             "--replicas", "1", "--num-cpus", "0.5", "--ingress-cpus", "0.25", "--port", str(port),
+                             "--api-key", KEY], env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: _up(base), 240, f"the server ({log.read_text()[-2000:]})")
+        assert _health(base)["replicas"]["up"] == 1
+        res = []
+        slow = threading.Thread(target=lambda: res.append(httpx.post(base + G, headers=AUTH, timeout=300,
+                                json={"prompt": "a lighthouse", "size": "64x64", "steps": 40})))  # fmt: skip
+        slow.start()
+        _wait(lambda: (q := _health(base)["queue"])["requests"] + q["running"] == 1, 60, "the request")
+        proc.send_signal(signal.SIGTERM)
+        slow.join()
+        assert proc.wait(120) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert res[0].status_code == 200 and len(res[0].json()["data"]) == 1
+    assert "draining" in log.read_text()
+
+
+def _up(base) -> bool:
+    try:
+        return httpx.get(base + "/health", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False

@@ -259,7 +259,8 @@ def serve_ray(a: argparse.Namespace) -> int:
         from .loras import LoraResolver
 
         LoraResolver(cfg.lora_dir)
-    ray.init(address=a.ray_address, logging_level=logging.WARNING)  # None: a new local cluster
+    # no --ray-address: always a new local cluster ("local"), never a cluster that happens to run here
+    ray.init(address=a.ray_address or "local", logging_level=logging.WARNING)
     gpus = ray.cluster_resources().get("GPU", 0)
     need = replica_resources(a)["ray_actor_options"]["num_gpus"]
     if need and not gpus:
