@@ -229,6 +229,7 @@ def test_200_requests_16_clients_with_a_replica_killed(main, pipe):
     def killer():
         """Once 40 answers are in, SIGKILL the engine process with the most work on it."""
         _wait(lambda: len(results) >= 40 or not any(t.is_alive() for t in threads), 600, "40 answers")
+        _wait(lambda: all(x["pid"] for x in _health(main)["replicas"]["list"]), 60, "replica stats")
         reps = _health(main)["replicas"]["list"]
         victim = max(reps, key=lambda x: (x["queue"] or 0) + (x["running"] or 0))
         killed.update(victim, busy=(victim["queue"] or 0) + (victim["running"] or 0), at=len(results))

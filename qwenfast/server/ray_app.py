@@ -261,6 +261,9 @@ def serve_ray(a: argparse.Namespace) -> int:
         LoraResolver(cfg.lora_dir)
     # no --ray-address: always a new local cluster ("local"), never a cluster that happens to run here
     ray.init(address=a.ray_address or "local", logging_level=logging.WARNING)
+    stop = threading.Event()  # from here on SIGTERM drains (Ray's own handler would abort the driver)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     gpus = ray.cluster_resources().get("GPU", 0)
     need = replica_resources(a)["ray_actor_options"]["num_gpus"]
     if need and not gpus:
@@ -272,14 +275,12 @@ def serve_ray(a: argparse.Namespace) -> int:
     print(f"qwenfast serve --ray: {a.autoscale or a.replicas} engine replica(s) on a Ray cluster with "
           f"{int(ray.cluster_resources().get('CPU', 0))} CPUs and {int(gpus)} GPUs; open http://{a.host}:{a.port}/",
           file=sys.stderr)  # fmt: skip
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(1.0):
         pass
     print("qwenfast serve --ray: draining (queued and running requests finish) ...", file=sys.stderr)
     t0 = time.monotonic()
     serve.delete(APP)  # Ray waits graceful_shutdown_timeout_s for each replica's ongoing requests
-    serve.shutdown()
+    if not a.ray_address:  # our own local cluster; a joined cluster keeps Serve for its other apps
+        serve.shutdown()
     print(f"qwenfast serve --ray: stopped after {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return 0
