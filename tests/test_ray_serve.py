@@ -140,6 +140,36 @@ def test_serve_ray_flags_need_ray_and_parallel_is_not_there_yet():
     assert main(["serve", "--ray", "--parallel", "ulysses=2", "--device", "cpu"]) == 2
 
 
+def test_engine_replica_alone_streams_events_then_its_image_and_checks_health(pipe):
+    """The engine deployment's class, outside Ray: a job's events, then the image the pipeline gives alone;
+    its stats count it; its health check fails once the batcher's worker has stopped."""
+    import asyncio
+
+    from qwenfast.server.options import config_from_args
+    from qwenfast.server.ray_app import EngineReplica, args_from_dict
+    from qwenfast.server.schemas import validate
+
+    a = args_from_dict({"device": "cpu", "dtype": "fp32"})
+    eng = EngineReplica(a, config_from_args(a))
+    desc = eng.describe()
+    assert desc["is_edit"] is False and desc["lora_support"] and desc["vae_scale_factor"] == 8
+    p = validate({"prompt": "a red cat", "size": "32x32", "steps": 2, "seed": 5}, Limits(), eng.pipe.defaults, multiple=16)
+
+    async def run():
+        return [ev async for ev in eng.generate({"params": p, "kind": "t2i", "loras": (), "images": None}, key="k")]
+
+    events = asyncio.run(run())
+    kinds = [e["type"] for e in events]
+    assert kinds == ["image_generation.started"] + ["image_generation.progress"] * 2 + ["result"], kinds
+    assert_same_image(np.asarray(events[-1]["images"][0]), alone(pipe, "a red cat", 5, 32, 32), "engine")
+    stats = eng.record_routing_stats()
+    assert (stats["images_total"], stats["queue"], stats["running"]) == (1, 0, 0)
+    eng.check_health()
+    eng.sched.stop(10)
+    with pytest.raises(RuntimeError, match="worker thread"):
+        eng.check_health()
+
+
 # ------------------------------------------------------------------ on the cluster
 def test_openai_client_auth_page_edits_and_streaming(main, ray_serve, pipe, tmp_path_factory):
     openai = pytest.importorskip("openai")
