@@ -161,3 +161,63 @@ class InterpreterCases:
 def pytest_configure(config):
     config.pluginmanager.register(SkipGuard(), "qwenfast_ci_skip_guard")
     config.pluginmanager.register(InterpreterCases(), "qwenfast_interpreter_cases")
+
+
+# ---------------------------------------------------------------------------------------------
+# Ray Serve: one local cluster of 2 simulated nodes per session (test_ray_serve.py, test_server_hostile.py)
+
+
+class RayServeCluster:
+    """A `ray.cluster_utils.Cluster` (head + 1 worker node, 2 logical CPUs each, no dashboard) with Serve's
+    HTTP proxy on a free port; `deploy` runs a qwenfast app once per name and returns its base URL."""
+
+    def __init__(self):
+        import socket
+
+        import ray
+        from ray import serve
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        self.cluster.add_node(num_cpus=2)
+        ray.init(address=self.cluster.address, logging_level="WARNING", log_to_driver=False)
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": self.port})
+        self.apps: dict[str, str] = {}
+
+    def deploy(self, name: str, flags: dict, cfg=None, prefix: str | None = None) -> str:
+        """Base URL of app `name` (deployed on first use) from `qwenfast serve` flags and an optional config."""
+        from ray import serve
+
+        from qwenfast.server.ray_app import application, args_from_dict
+
+        if name not in self.apps:
+            prefix = prefix or f"/{name}"
+            serve.run(application(args_from_dict(flags), cfg, name=name), name=name, route_prefix=prefix)
+            self.apps[name] = f"http://127.0.0.1:{self.port}{prefix.rstrip('/')}"
+        return self.apps[name]
+
+    def delete(self, name: str) -> None:
+        from ray import serve
+
+        serve.delete(name)
+        self.apps.pop(name, None)
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        serve.shutdown()
+        ray.shutdown()
+        self.cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    pytest.importorskip("ray.serve")
+    c = RayServeCluster()
+    yield c
+    c.shutdown()

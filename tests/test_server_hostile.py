@@ -1,9 +1,14 @@
 """Hostile and malformed requests against a live server: each gets the right 4xx with an OpenAI-shaped
 error that says what is wrong, and the server keeps serving. Plus the API key; every ImageRequest field
-wrong on both image endpoints of a text-to-image and an edit server; and no host paths in any answer."""
+wrong on both image endpoints of a text-to-image and an edit server; and no host paths in any answer.
+
+The tests on `server`, `t2i_server` and `edit_server` run twice: against plain `qwenfast serve`
+("local") and against the same app on a Ray Serve cluster ("ray": ingress + engine replica, see
+qwenfast/server/ray_app.py and the `ray_serve` fixture in conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import struct
@@ -19,7 +24,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from qwenfast.server.options import Limits  # noqa: E402
+from qwenfast.server.options import Limits, ServerConfig  # noqa: E402
 from qwenfast.server.run import load_pipeline  # noqa: E402
 from qwenfast.server.schemas import ImageRequest, validate  # noqa: E402
 from tests.test_server import OK, G, _image_bytes, _one_torch_thread, metric, running, write_lora  # noqa: E402, F401
@@ -32,14 +37,36 @@ def pipe():
     return load_pipeline(None, device="cpu", dtype="fp32")
 
 
+@pytest.fixture(scope="module", params=["local", "ray"])
+def backend(request):
+    """Where the server fixtures run: one process (`running`) or a Ray Serve cluster (`ray_serve`)."""
+    return request.getfixturevalue("ray_serve") if request.param == "ray" else None
+
+
+RAY_FLAGS = {"device": "cpu", "dtype": "fp32", "num_cpus": 0.5, "ingress_cpus": 0.25}
+RAY_PREFIX = {"hostile-t2i": "/", "hostile-edit": "/hostile-edit"}  # "/": paths like /files/../../x land in an app
+
+
+@contextlib.contextmanager
+def serving(backend, pipe, name: str, model: str | None = None, **cfg):
+    """(base URL, app or None) of `pipe` served with ServerConfig(**cfg), in one process or on Ray as app
+    `name` (deployed once per session: the first fixture to ask decides its LoRA folder)."""
+    if backend is None:
+        with running(pipe, **cfg) as (base, app):
+            yield base, app
+        return
+    flags = {**RAY_FLAGS, "model": model, "lora_dir": cfg.get("lora_dir")}
+    yield backend.deploy(name, flags, ServerConfig(**cfg), prefix=RAY_PREFIX[name]), None
+
+
 @pytest.fixture(scope="module")
-def server(pipe, tmp_path_factory):
+def server(pipe, backend, tmp_path_factory):
     """Small body limits (64 KiB JSON, 256 KiB uploads) keep the oversized cases cheap."""
     d = tmp_path_factory.mktemp("loras")
     write_lora(pipe, d / "style.safetensors")
     (d / "notes.txt").write_text("not a LoRA")
     lim = Limits(max_upload_bytes=256 << 10, max_json_bytes=64 << 10, max_prompt_chars=1000)
-    with running(pipe, max_batch=4, lora_dir=str(d), limits=lim) as (base, app):
+    with serving(backend, pipe, "hostile-t2i", max_batch=4, lora_dir=str(d), limits=lim) as (base, app):
         yield base, app
 
 
@@ -126,7 +153,7 @@ HOSTILE = [
     ("text/plain", "POST", G, {"content": b'{"prompt": "x"}', "headers": {"content-type": "text/plain"}}, 415),
     ("form-urlencoded", "POST", G, {"data": {"prompt": "x"}}, 415),
     ("body too large", "POST", G, {"json": {"prompt": "x" * (70 << 10)}}, 413),
-    ("chunked body too large", "POST", G, {"content": iter([b'{"prompt": "', b"x" * (40 << 10), b"x" * (40 << 10), b'"}']),
+    ("chunked body too large", "POST", G, {"content": (b'{"prompt": "', b"x" * (40 << 10), b"x" * (40 << 10), b'"}'),  # a tuple: chunked, and re-sent whole by each backend
                                            "headers": {"content-type": "application/json"}}, 413),  # fmt: skip
     ("GET on POST endpoint", "GET", G, {}, 405),
     ("unknown path", "GET", "/v1/nothing", {}, 404),
@@ -258,19 +285,19 @@ def edit_model_pipe():
 
 
 @pytest.fixture(scope="module")
-def t2i_server(pipe, tmp_path_factory):
+def t2i_server(pipe, backend, tmp_path_factory):
     d = tmp_path_factory.mktemp("loras-matrix")
     write_lora(pipe, d / "style.safetensors")
     lim = Limits(max_upload_bytes=256 << 10, max_json_bytes=64 << 10, max_prompt_chars=1000)
-    with running(pipe, lora_dir=str(d), limits=lim) as (base, _):
+    with serving(backend, pipe, "hostile-t2i", lora_dir=str(d), limits=lim) as (base, _):
         yield base
 
 
 @pytest.fixture(scope="module")
-def edit_server(edit_model_pipe, tmp_path_factory):
+def edit_server(edit_model_pipe, backend, tmp_path_factory):
     d = tmp_path_factory.mktemp("loras-edit")
     lim = Limits(max_upload_bytes=256 << 10, max_json_bytes=64 << 10, max_prompt_chars=1000)
-    with running(edit_model_pipe, lora_dir=str(d), limits=lim) as (base, _):
+    with serving(backend, edit_model_pipe, "hostile-edit", str(DEMO_EDIT), lora_dir=str(d), limits=lim) as (base, _):
         yield base
 
 

@@ -11,4 +11,8 @@ import time, so `qwenfast --help` stays fast):
 - `metrics.py`   Prometheus text format, hand-written (no extra dependency)
 - `app.py`       the FastAPI app, auth and body-size middleware, and `serve()`
 - `static/`      the web page (plain HTML/JS, no build step)
+- `engine.py`    loading the served pipeline (shared with the Ray engine replicas)
+- `ray_app.py`   Ray Serve: engine and ingress deployments, `serve --ray`, `serve run` builder ([ray] extra)
+- `ray_remote.py` the ingress side on Ray: forwards jobs to engine replicas, retries, /metrics, /health
+- `ray_router.py` Ray Serve request router: join a forming batch of the same key, else least-loaded
 """

@@ -24,6 +24,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,13 @@ class BodyTooLarge(Exception):
     pass
 
 
+def app_path(scope) -> str:
+    """The path inside this app: without `root_path`, which a mount point (Ray Serve's route prefix, a
+    proxy's --root-path) leaves in `path`. Auth and limits must look at this one, never at the raw path."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
 def _error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
@@ -71,7 +79,7 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope.get("path", "")
+        path = app_path(scope)
         if self._key is not None and path.startswith("/v1/") and not self._authorized(scope):
             e = APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
@@ -150,15 +158,21 @@ def edit_pipeline_class():
     return QwenImageEditPipeline
 
 
-def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
+def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[Metrics], Any] | None = None) -> FastAPI:
+    """The app for `pipe`. `scheduler(metrics)` replaces the local batcher with another one that has its
+    methods (start, submit, cancel, depth, stop; optionally `health()` for /health and `render_metrics()`
+    for /metrics): Ray Serve's ingress passes one that forwards to engine replicas (ray_remote.py), with a
+    `pipe` that describes the remote pipeline, so every endpoint, limit and stream stays this code."""
     cfg = cfg or ServerConfig()
     metrics = Metrics()
-    sched = Scheduler(pipe, cfg, metrics)
+    sched = scheduler(metrics) if scheduler is not None else Scheduler(pipe, cfg, metrics)
     loras = LoraResolver(cfg.lora_dir)
     urls = UrlStore(cfg.url_ttl_s, cfg.url_store_bytes)
     edit_cls = edit_pipeline_class()
-    is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
-    can_inpaint = hasattr(pipe, "for_task")  # img2img / inpainting with the loaded model (pipeline/auto.py)
+    is_edit = getattr(pipe, "is_edit", None)  # a remote pipeline's description says; a local one is its class
+    if is_edit is None:
+        is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
+    can_inpaint = hasattr(pipe, "for_task")  # img2img / inpainting with the loaded model (pipeline/tasks.py)
     tasks = (["edit", "edit-inpaint"] if is_edit else ["txt2img", "img2img", "inpaint"])[: None if can_inpaint else 1]
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
     noted: set[tuple[int, int]] = set()
@@ -192,7 +206,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
 
     @app.exception_handler(BodyTooLarge)
     async def _body_too_large(request, e):
-        limit = cfg.limits.max_upload_bytes if request.url.path == EDITS else cfg.limits.max_json_bytes
+        limit = cfg.limits.max_upload_bytes if app_path(request.scope) == EDITS else cfg.limits.max_json_bytes
         return _error_response(_too_large(limit))
 
     @app.exception_handler(RequestValidationError)
@@ -231,12 +245,19 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None) -> FastAPI:
                 "lora_support": hasattr(pipe, "set_loras"), "defaults": dict(pipe.defaults), "size_multiple": multiple,
                 "tasks": tasks,
                 "limits": {k: v for k, v in vars(cfg.limits).items()}}  # fmt: skip
+        if hasattr(sched, "health"):  # Ray Serve: replicas up/total; none up -> 503
+            body.update(await asyncio.to_thread(sched.health))
+        if body["status"] != "ok":
+            return JSONResponse(body, status_code=503)
         return JSONResponse(body, status_code=503 if state["stopping"] else 200)
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus():
-        q, qi, run = sched.depth()
-        text = metrics.render(q, qi, run, gpu_memory(pipe.device))
+        if hasattr(sched, "render_metrics"):  # Ray Serve: every replica's series, summed and per replica
+            text = await asyncio.to_thread(sched.render_metrics)
+        else:
+            q, qi, run = sched.depth()
+            text = metrics.render(q, qi, run, gpu_memory(pipe.device))
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

@@ -141,6 +141,10 @@ class Scheduler:
         with self.cond:
             return len(self.queued), len(self.pending), len(self.running)
 
+    def alive(self) -> bool:
+        """Whether the worker thread runs (a health check: a dead worker would hang every request)."""
+        return self._thread.is_alive() or not self._thread.ident
+
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is queued (nobody waits for cancelled work), then end the worker."""
         with self.cond:

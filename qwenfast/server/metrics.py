@@ -71,6 +71,24 @@ class Metrics:
             now = time.time()
             self._recent.append((now, size))
 
+    def snapshot(self) -> dict:
+        """The batch-side series as plain data, for another process to `merge` (Ray Serve: each replica's
+        batcher counts its own batches; the ingress adds them up for one /metrics)."""
+        with self.lock:
+            hist = {k: (list(h.counts), h.sum, h.count) for k, h in (("batch_size", self.batch_size),
+                                                                     ("batch_seconds", self.batch_seconds))}  # fmt: skip
+            return {**hist, "images_total": self.images_total, "recent": list(self._recent)}
+
+    def merge(self, snap: dict) -> None:
+        """Add another Metrics' `snapshot()` (its batches, images and recent throughput) to this one."""
+        with self.lock:
+            for name in ("batch_size", "batch_seconds"):
+                h, (counts, total, count) = getattr(self, name), snap[name]
+                h.counts = [a + b for a, b in zip(h.counts, counts)]
+                h.sum, h.count = h.sum + total, h.count + count
+            self.images_total += snap["images_total"]
+            self._recent = deque(sorted([*self._recent, *map(tuple, snap["recent"])]))
+
     def images_per_second(self, window: float = 60.0) -> float:
         now = time.time()
         while self._recent and self._recent[0][0] < now - window:

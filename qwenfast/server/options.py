@@ -83,6 +83,29 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/Ctrl-C, seconds to let running and queued requests finish")  # fmt: skip
     p.add_argument("--model-name", default=None, help="model id shown in /v1/models (default: folder name)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r = p.add_argument_group("Ray Serve (many GPUs and machines; the [ray] extra)")
+    r.add_argument("--ray", action="store_true", help="serve on a Ray Serve cluster: engine replicas behind one endpoint")
+    r.add_argument("--replicas", type=_positive, default=None, help="engine replicas (default 1)")
+    r.add_argument("--autoscale", type=parse_autoscale, default=None, metavar="MIN:MAX",
+                   help="autoscale the engine replicas on queue depth, between MIN and MAX")
+    r.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (`auto`, or host:port of `ray start --head`); default: a new local one")
+    r.add_argument("--num-gpus", type=float, default=None, help="GPUs per replica (default 1; 0 with --device cpu)")
+    r.add_argument("--num-cpus", type=float, default=None, help="CPUs per replica (default 2; 1 with --device cpu)")
+    r.add_argument("--ingress-cpus", type=float, default=1.0, help="CPUs of the HTTP ingress replica")
+    r.add_argument("--max-replicas-per-node", type=_positive, default=None,
+                   help="spread engine replicas: at most this many on one node")  # fmt: skip
+
+
+def parse_autoscale(text: str) -> tuple[int, int]:
+    """`--autoscale MIN:MAX` -> (MIN, MAX)."""
+    try:
+        lo, hi = (int(x) for x in str(text).split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants MIN:MAX (e.g. 1:4), got {text!r}") from None
+    if not 0 <= lo <= hi or hi < 1:
+        raise argparse.ArgumentTypeError(f"{text}: need 0 <= MIN <= MAX and MAX >= 1")
+    return lo, hi
 
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:

@@ -14,48 +14,25 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from .engine import load_pipeline  # noqa: F401  (its home was here; callers import it from run)
 from .options import config_from_args
 
 if TYPE_CHECKING:
     import argparse
 
-    import torch
     import uvicorn
     from fastapi import FastAPI
 
-    from ..options import EngineOptions
-    from ..pipeline.text_to_image import QwenImagePipeline
-
 log = logging.getLogger("qwenfast.server")
-
-
-def load_pipeline(
-    model: str | None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
-    options: EngineOptions | None = None,
-    preset: str | None = None,
-    fp8: bool = False,
-) -> QwenImagePipeline:
-    """The pipeline class the folder needs (`qwenfast.from_pretrained`), with engine options, preset, FP8."""
-    from ..options import EngineOptions
-    from ..pipeline.auto import from_pretrained
-    from ..pipeline.common import DEFAULT_MODEL
-
-    if options is None:  # a server default: no graphs (every new prompt length or batch size is a capture)
-        options = EngineOptions.from_env(cuda_graphs=False)
-    # batched requests get the image each gets alone (the decode is batch-invariant this way)
-    options = options.replace(decode_per_image=True, fp8=options.fp8 or fp8)  # FP8: quantised while loading
-    pipe = from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, options=options)
-    pipe.set_progress_bar_config(disable=True)
-    if preset:
-        pipe.apply_preset(preset)
-    return pipe
 
 
 def serve(a: argparse.Namespace) -> int:
     from .. import launch
 
+    if getattr(a, "parallel", None) and getattr(a, "ray", False):
+        print("error: --ray with --parallel (Ray replicas that each span several GPUs) is not available yet; use "
+              "--ray with one GPU per replica, or --parallel without --ray", file=sys.stderr)  # fmt: skip
+        return 2
     if getattr(a, "parallel", None) and not launch.is_worker():
         return launch.run(serve, a)  # every rank runs serve(); rank 0 answers HTTP (server/parallel.py)
     try:
@@ -64,6 +41,19 @@ def serve(a: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"error: `qwenfast serve` needs the server extra ({e.name} is missing): "
               "pip install 'qwenfast[server]'", file=sys.stderr)  # fmt: skip
+        return 2
+    if getattr(a, "ray", False):
+        try:
+            import ray.serve  # noqa: F401
+        except ImportError:
+            print("error: `qwenfast serve --ray` needs the ray extra: pip install 'qwenfast[ray]'", file=sys.stderr)
+            return 2
+        from .ray_app import serve_ray
+
+        logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return serve_ray(a)
+    if getattr(a, "replicas", None) or getattr(a, "autoscale", None) or getattr(a, "ray_address", None):
+        print("error: --replicas, --autoscale and --ray-address need --ray", file=sys.stderr)
         return 2
     from ..options import engine_options_from_args
     from ..pipeline.common import DEFAULT_MODEL, EMBEDDED_NOTE

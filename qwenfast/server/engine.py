@@ -1,0 +1,36 @@
+"""Loading the pipeline a server serves, shared by `qwenfast serve` (run.py) and the Ray Serve engine
+replicas (ray_app.py), so both serve exactly the same engine."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..options import EngineOptions
+    from ..pipeline.text_to_image import QwenImagePipeline
+
+
+def load_pipeline(
+    model: str | None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    options: EngineOptions | None = None,
+    preset: str | None = None,
+    fp8: bool = False,
+) -> QwenImagePipeline:
+    """The pipeline class the folder needs (`qwenfast.from_pretrained`), with engine options, preset, FP8."""
+    from ..options import EngineOptions
+    from ..pipeline.auto import from_pretrained
+    from ..pipeline.common import DEFAULT_MODEL
+
+    if options is None:  # a server default: no graphs (every new prompt length or batch size is a capture)
+        options = EngineOptions.from_env(cuda_graphs=False)
+    # batched requests get the image each gets alone (the decode is batch-invariant this way)
+    options = options.replace(decode_per_image=True, fp8=options.fp8 or fp8)  # FP8: quantised while loading
+    pipe = from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, options=options)
+    pipe.set_progress_bar_config(disable=True)
+    if preset:
+        pipe.apply_preset(preset)
+    return pipe
