@@ -28,6 +28,7 @@ import math
 import os
 import threading
 import warnings
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -42,6 +43,7 @@ P_SCALE = 256.0  # cuDNN: softmax probabilities (<= 1) times 256 in e4m3 (2^-9..
 
 _warned: set[str] = set()
 _lock = threading.Lock()
+CALLS: Counter[str] = Counter()  # eager calls (and captures) per engine / "bf16 fallback: why": for benches
 
 
 def _warn_once(key: str, msg: str) -> None:
@@ -269,9 +271,11 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     """The "fp8" backend: CPU -> the reference; CUDA -> an FP8 engine, or `fallback(q, k, v, mask)`
     (cuDNN bf16) with a one-time warning saying why."""
     if not q.is_cuda:
+        CALLS["cpu reference"] += 1
         return fp8_attention_ref(q, k, v, mask)
     why = _why_not(q, k, v, mask)
     if why is not None:
+        CALLS["bf16 fallback: " + why] += 1
         _warn_once(why, f"attention='fp8': {why}; running cuDNN bf16 attention for these calls")
         return fallback(q, k, v, mask)
     choice = engine_choice()
@@ -283,7 +287,9 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         if key in _engine_errors:
             continue
         try:
-            return run_engine(eng, q, k, v)
+            out = run_engine(eng, q, k, v)
+            CALLS[name] += 1
+            return out
         except Exception as e:  # noqa: BLE001 - unsupported shape/build: next engine, said once
             if torch.cuda.is_current_stream_capturing():
                 raise  # a capture must fail loudly (the graph runner then runs eagerly and warns)
@@ -291,5 +297,6 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
             _warn_once(str(key), f"attention='fp8': the {name} FP8 engine failed on {tuple(q.shape)}: {e}")
     reasons = "; ".join(f"{n}: {engine_error(n) or 'failed on this shape'}"
                         for n in (ENGINE_ORDER if choice == "auto" else (choice,)))  # fmt: skip
+    CALLS["bf16 fallback: no engine"] += 1
     _warn_once("none:" + reasons, f"attention='fp8': no FP8 attention engine ({reasons}); running cuDNN bf16 attention")
     return fallback(q, k, v, mask)
