@@ -114,7 +114,7 @@ def _candidates() -> dict:
         def quant_only(q, k, v, eng=eng):
             return lambda: quantize_qkv(q, k, v, per_head=eng.per_head)
 
-        cands[f"{name}-fp8"] = (run, kernel_only, quant_only, eng.version())
+        cands[f"{name}-fp8"] = (run, kernel_only, quant_only, eng.version)  # called after the runs: says which graphs
     return cands
 
 
@@ -168,7 +168,7 @@ def micro(out_dir: Path | None) -> dict:
     print(f"GPU {info['gpu']}  torch {info['torch']}  triton {info['triton']}  torch cuDNN {info['cudnn_torch']}")
     cands = _candidates()
     for name, c in cands.items():
-        _say("candidate", name=name, lib=repr(c[3]))
+        _say("candidate", name=name, lib=repr(c[3]() if callable(c[3]) else c[3]))
     rows = []
     for S, what in SIZES.items():
         print(f"\n== S={S} tokens ({what}), B=1 H=24 d=128 ==", flush=True)
@@ -200,6 +200,7 @@ def micro(out_dir: Path | None) -> dict:
                 row["error"] = f"{type(e).__name__}: {e}"
                 row["pass"] = False
                 traceback.print_exc()
+            row["lib"] = lib() if callable(lib) else lib
             rows.append(row)
             _say("result", **{k2: (json.dumps(v2) if isinstance(v2, dict) else v2) for k2, v2 in row.items()
                               if k2 not in ("bench", "gpu", "torch", "triton", "cudnn_torch")})  # fmt: skip

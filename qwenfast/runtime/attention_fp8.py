@@ -100,11 +100,13 @@ class CudnnFP8:
         self.graphs: dict[tuple, tuple] = {}
         self.handles: dict[int, object] = {}
         self.consts: dict[int, torch.Tensor] = {}
-        self.api: dict[tuple, str] = {}  # key -> "pygraph" | "backend_graph" (which builder worked)
+        self.api: dict[tuple, str] = {}  # key -> which builder worked and O's dtype, e.g. "pygraph O=bfloat16"
 
     def version(self) -> str:
         c = self.cudnn
-        return f"frontend {getattr(c, '__version__', '?')}, cuDNN {c.backend_version_string()}"
+        built = sorted(set(self.api.values()))
+        return f"frontend {getattr(c, '__version__', '?')}, cuDNN {c.backend_version_string()}" + (
+            f", graphs: {', '.join(built)}" if built else "")
 
     def _handle(self, dev: int):
         if dev not in self.handles:
@@ -128,13 +130,16 @@ class CudnnFP8:
     def _build(self, key: tuple, out_dtype: torch.dtype, dev: int):
         cudnn = self.cudnn
         B, H, S, Skv, D = key[:5]
-        odt = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}[out_dtype]
+        cdt = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}
         errors = []
         builders: list[tuple[str, Callable]] = [("pygraph", cudnn.pygraph)]
         backend = getattr(getattr(cudnn, "_pybind_module", None), "backend_graph", None)
         if backend is not None:  # the classic C++ builder, should the python layer decline
             builders.append(("backend_graph", backend))
-        for api, make in builders:
+        # O in the model's dtype, else fp16 (the FP8 output type cuDNN's tests cover; |O| <= max |V|)
+        outs = [out_dtype] + ([torch.float16] if out_dtype != torch.float16 else [])
+        for (api, make), o_dtype in ((b, o) for b in builders for o in outs):
+            odt = cdt[o_dtype]
             try:
                 g = make(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
                          compute_data_type=cudnn.data_type.FLOAT, handle=self._raw_handle(dev, api))  # fmt: skip
@@ -159,10 +164,10 @@ class CudnnFP8:
                 g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
                 g.check_support()
                 g.build_plans()
-                self.api[key] = api
-                return g, int(g.get_workspace_size())
+                self.api[key] = f"{api} O={str(o_dtype).removeprefix('torch.')}"
+                return g, int(g.get_workspace_size()), o_dtype
             except Exception as e:  # noqa: BLE001 - try the next builder, report all
-                errors.append(f"{api}: {type(e).__name__}: {e}")
+                errors.append(f"{api} O={o_dtype}: {type(e).__name__}: {str(e)[:400]}")
         raise RuntimeError("cuDNN FP8 SDPA graph not supported: " + " | ".join(errors))
 
     def __call__(self, q8, k8, v8, desc, out_dtype: torch.dtype) -> torch.Tensor:
@@ -177,18 +182,23 @@ class CudnnFP8:
             with _lock:
                 entry = self.graphs.get(key) or self._build(key, out_dtype, dev)
                 self.graphs[key] = entry
-        g, ws_size = entry
+        g, ws_size, o_dtype = entry
         handle = self._handle(dev)
         self.cudnn.set_stream(handle, torch.cuda.current_stream(q8.device).cuda_stream)
-        out = torch.empty(B, S, H, D, dtype=out_dtype, device=q8.device).transpose(1, 2)  # BSHD storage
+        out = torch.empty(B, S, H, D, dtype=o_dtype, device=q8.device).transpose(1, 2)  # BSHD storage
         scratch = torch.empty(8, dtype=torch.float32, device=q8.device)
         c = self._consts(dev)
         ws = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=q8.device)
         pack = {1: q8, 2: k8, 3: v8, 4: desc[0, 0, :1], 5: desc[1, 0, :1], 6: desc[2, 0, :1],
                 7: c[0:1], 8: c[4:5], 9: c[8:9], 10: out, 11: scratch[0:1], 12: scratch[4:5]}  # fmt: skip
         pack = {uid: t.data_ptr() for uid, t in pack.items()}
-        g.execute(pack, ws.data_ptr(), handle=self._raw_handle(dev, self.api[key]))
-        return out
+        if self.api[key].startswith("pygraph"):
+            g.execute(pack, ws, handle=handle)
+        elif hasattr(g, "execute"):  # the classic C++ graph
+            g.execute(pack, ws.data_ptr(), handle=self._raw_handle(dev, "backend_graph"))
+        else:  # 1.32's internal C++ graph: what pygraph.execute itself calls
+            g._execute(pack, ws.data_ptr(), self._raw_handle(dev, "backend_graph"), None, None, None)
+        return out if o_dtype == out_dtype else out.to(out_dtype)  # strides kept (BSHD)
 
 
 # ------------------------------------------------------------------------------------------ FA3
