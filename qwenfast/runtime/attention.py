@@ -139,7 +139,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if choice in ("fa3", "auto") and mask is None and q.dtype in (torch.bfloat16, torch.float16):
-        fa3 = _fa3(explicit=choice == "fa3")
+        fa3 = _fa3(explicit=choice == "fa3" and q.dtype == torch.bfloat16)  # fa3-fwd ships no fp16 kernels
         if fa3 is not None:
             out = fa3.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             out = out[0] if isinstance(out, tuple) else out
