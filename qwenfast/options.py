@@ -26,7 +26,7 @@ from .errors import ConfigureError, OptionsError
 __all__ = ["EngineOptions", "KERNELS", "ATTENTION", "OFFLOAD", "OOM", "BATCHED_CFG"]
 
 KERNELS = ("auto", "triton", "torch")  # qwenfast.kernels.BACKENDS
-ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "fa3")  # qwenfast.runtime.attention.CHOICES
+ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "fa3", "fp8")  # qwenfast.runtime.attention.CHOICES
 OFFLOAD = ("none", "model", "blocks")
 OOM = ("backoff", "raise")
 BATCHED_CFG = (True, False, "auto")
@@ -40,8 +40,8 @@ class EngineOptions:
     kernels: fused-op backend for this pipeline's calls: "triton", "torch" (the references), "auto"
       (Triton on CUDA when it imports); None = the process-wide switch (`qwenfast.kernels`).
     fused: the transformer's fused block path (False: the plain reference blocks, op for op diffusers).
-    attention: joint-attention backend for this pipeline's calls ("auto": cuDNN first on CUDA; see
-      runtime/attention.py); None = the process-wide switch.
+    attention: joint-attention backend for this pipeline's calls ("auto": cuDNN first on CUDA; "fp8":
+      8-bit attention, lossy; see runtime/attention.py); None = the process-wide switch.
     cuda_graphs: replay the transformer forward and the text encode as CUDA graphs (CUDA only).
     batched_cfg: cond and uncond in one batch-2 forward; "auto" only when no padding mask is needed.
     fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
@@ -190,7 +190,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
     g.add_argument("--kernels", choices=list(KERNELS), default=None,
                    help="fused-op backend (default: $QWENFAST_KERNELS or auto)")
     g.add_argument("--attention", choices=list(ATTENTION), default=None,
-                   help="attention backend (default: $QWENFAST_ATTENTION or auto)")
+                   help="attention backend (default: $QWENFAST_ATTENTION or auto; fp8: 8-bit, lossy)")
     g.add_argument("--cache", choices=["off", *CACHE_PRESETS], default=None,
                    help="step cache: skip the middle blocks on some steps (lossy; README 'Step caching' has the "
                         "measured quality; default off)")  # fmt: skip

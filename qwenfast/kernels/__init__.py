@@ -21,6 +21,7 @@ Ops:
 - `qk_norm_rope.qk_norm_rope`: per-head RMSNorm of Q and K, RoPE, and the scatter of Q/K/V
   into the joint (B, H, S, Dh) attention buffers, one pass over the fused QKV projection.
 - `gelu.linear_gelu_tanh`: the MLP's first Linear with GELU(tanh) in the cuBLASLt epilogue.
+- `attn_quant.quantize_qkv`: Q, K, V -> e4m3 + descales (amax on the GPU) for 8-bit attention.
 """
 
 from __future__ import annotations

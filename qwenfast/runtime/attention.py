@@ -5,8 +5,11 @@ cuDNN's fused attention measured 659 TFLOP/s against FA2's 355 at Qwen-Image sha
 4224 tokens, d=128), and FA2 refuses boolean masks entirely. So on CUDA we ask for cuDNN first and
 keep the exact fallbacks behind it; FA3 (`flash_attn_interface`) is used when its wheel is present.
 
-`QWENFAST_ATTENTION` = auto | cudnn | flash | efficient | math | fa3 (read once), or `set_attention()`.
-All backends are exact attention (no approximation); they differ in rounding only.
+`QWENFAST_ATTENTION` = auto | cudnn | flash | efficient | math | fa3 | fp8 (read once), or
+`set_attention()`. All backends but "fp8" are exact attention (no approximation); they differ in
+rounding only. "fp8" (off by default, lossy) quantises Q, K, V to e4m3 and runs an FP8 attention
+kernel (cuDNN's FP8 SDPA or FlashAttention-3's): see `runtime/attention_fp8.py`; it runs cuDNN bf16
+(and warns once) where it cannot, e.g. for calls with a padding mask.
 
 The seam: every attention call of the model goes through `attention()`, and `wrap_attention(w)`
 puts a wrapper around it for the duration of a `with` block: `w(inner, q, k, v, mask)` may reshape
@@ -23,7 +26,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-CHOICES = ("auto", "cudnn", "flash", "efficient", "math", "fa3")
+CHOICES = ("auto", "cudnn", "flash", "efficient", "math", "fa3", "fp8")
 _choice: str | None = None
 
 
@@ -33,8 +36,20 @@ except Exception:
     _FA3 = None
 
 
-def _fa3():
-    return _FA3
+_FA3_FWD = None  # the forward-only `fa3-fwd` wheel: only for an explicit "fa3" (auto's order is unchanged)
+
+
+def _fa3(explicit: bool = False):
+    global _FA3_FWD
+    if _FA3 is not None or not explicit:
+        return _FA3
+    if _FA3_FWD is None:
+        try:
+            import fa3_fwd_interface as mod
+        except Exception:
+            mod = False
+        _FA3_FWD = mod
+    return _FA3_FWD or None
 
 
 def attention_backend() -> str:
@@ -117,10 +132,14 @@ def _bind(wrapper, inner: AttentionFn) -> AttentionFn:
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     choice = attention_backend()
+    if choice == "fp8":  # CPU: its torch reference; CUDA: an FP8 kernel, or cuDNN bf16 (said once)
+        from .attention_fp8 import fp8_attention
+
+        return fp8_attention(q, k, v, mask, fallback=_cudnn_bf16)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     if choice in ("fa3", "auto") and mask is None and q.dtype in (torch.bfloat16, torch.float16):
-        fa3 = _fa3()
+        fa3 = _fa3(explicit=choice == "fa3" and q.dtype == torch.bfloat16)  # fa3-fwd ships no fp16 kernels
         if fa3 is not None:
             out = fa3.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             out = out[0] if isinstance(out, tuple) else out
@@ -128,4 +147,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     from torch.nn.attention import sdpa_kernel
 
     with sdpa_kernel(_sdpa_backends(choice, mask is not None), set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _cudnn_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """The "fp8" backend's fallback: what "auto" runs minus FA3 (cuDNN first, exact fallbacks after it)."""
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_sdpa_backends("auto", mask is not None), set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

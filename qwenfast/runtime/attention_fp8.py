@@ -1,0 +1,312 @@
+"""The 8-bit attention backend ("fp8", off by default: lossy): Q, K, V in e4m3 on Hopper's FP8 tensor cores.
+
+Why: at 1024² cuDNN's bf16 attention takes ~20 ms of a ~90 ms FP8 forward (0.34 ms per layer at 4224
+tokens, 648 TFLOP/s); FP8 tensor cores run the two attention GEMMs at up to twice that rate. Two
+libraries ship such a kernel, and this module drives either (chosen by `QWENFAST_FP8_ATTENTION` =
+auto | cudnn | fa3, read once; auto takes the first that works, in `ENGINE_ORDER`):
+
+- "cudnn": cuDNN's FP8 SDPA (the `sdpa_fp8` node) through the `nvidia-cudnn-frontend` Python package
+  (1.32, on torch's own cuDNN). One graph per shape is built once and cached; it runs on torch's
+  current stream with a torch-allocated workspace, so CUDA graphs capture it. Scalars only: one
+  descale per tensor for Q, K, V; the softmax probabilities P go to e4m3 at scale 256 (descale 1/256).
+- "fa3": FlashAttention-3's FP8 forward (`fa3_fwd_interface`, the `fa3-fwd` wheel, or
+  `flash_attn_interface`); it takes (batch, head) descales, so Q, K, V get one scale per head.
+
+Both return bf16 (or the inputs' half type). Quantisation: `kernels.attn_quant.quantize_qkv`
+(amax on the GPU, no host sync). Where neither can run the backend says so once (a warning) and
+runs cuDNN's bf16 SDPA: no library, a GPU without FP8 tensor cores, a head dim the kernel lacks, or
+a padding mask (most calls have none: `trim_padding` drops the padding a batch shares; only a batch
+of prompts of different lengths, or batched CFG with a padded negative prompt, keeps one).
+
+On CPU the backend runs `fp8_attention_ref`: the same quantisation, dequantised, then exact SDPA in
+fp32, so tests see the quantisation error (not the e4m3 rounding of P, which only the kernels do).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.attn_quant import dequantize, quantize_qkv, quantize_qkv_ref
+
+ENGINES = ("auto", "cudnn", "fa3")
+ENGINE_ORDER = ("cudnn", "fa3")  # auto: the first that loads and takes the shape
+ENV_VAR = "QWENFAST_FP8_ATTENTION"
+P_SCALE = 256.0  # cuDNN: softmax probabilities (<= 1) times 256 in e4m3 (2^-9..448): ~2^-17 resolution
+
+_warned: set[str] = set()
+_lock = threading.Lock()
+CALLS: Counter[str] = Counter()  # eager calls (and captures) per engine / "bf16 fallback: why": for benches
+
+
+def _warn_once(key: str, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def fp8_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+                      per_head: bool = False) -> torch.Tensor:  # fmt: skip
+    """quantise -> dequantise -> exact SDPA in fp32 -> q's dtype; q, k, v (B, H, S, D), mask (B, 1, 1, S) bool."""
+    q8, k8, v8, d = quantize_qkv_ref(q, k, v, per_head)
+    qd, kd, vd = dequantize(q8, d[0]), dequantize(k8, d[1]), dequantize(v8, d[2])
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------------------ cuDNN
+
+
+def _import_cudnn():
+    """`import cudnn` (the frontend) bound to the libcudnn torch already loaded, never a second copy."""
+    torch.backends.cudnn.version()  # loads torch's libcudnn.so.9
+    lib_dir = None
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                if "libcudnn.so" in line:
+                    lib_dir = os.path.dirname(line.split()[-1])
+                    break
+    except OSError:
+        pass
+    old = os.environ.get("LD_LIBRARY_PATH")
+    if lib_dir:  # the frontend dlopens the first libcudnn.so.9 on LD_LIBRARY_PATH (its __init__)
+        os.environ["LD_LIBRARY_PATH"] = lib_dir + (os.pathsep + old if old else "")
+    try:
+        import cudnn
+    finally:
+        if lib_dir:
+            if old is None:
+                os.environ.pop("LD_LIBRARY_PATH", None)
+            else:
+                os.environ["LD_LIBRARY_PATH"] = old
+    return cudnn
+
+
+class CudnnFP8:
+    """cuDNN FP8 SDPA graphs, one per (shape, output dtype, device), built on first use."""
+
+    name = "cudnn"
+    per_head = False  # the sdpa_fp8 node takes (1, 1, 1, 1) descales
+
+    def __init__(self) -> None:
+        self.cudnn = _import_cudnn()
+        self.graphs: dict[tuple, tuple] = {}
+        self.handles: dict[int, object] = {}
+        self.consts: dict[int, torch.Tensor] = {}
+        self.api: dict[tuple, str] = {}  # key -> which builder worked and O's dtype, e.g. "pygraph O=bfloat16"
+
+    def version(self) -> str:
+        c = self.cudnn
+        built = sorted(set(self.api.values()))
+        return f"frontend {getattr(c, '__version__', '?')}, cuDNN {c.backend_version_string()}" + (
+            f", graphs: {', '.join(built)}" if built else "")
+
+    def _handle(self, dev: int):
+        if dev not in self.handles:
+            with torch.cuda.device(dev):
+                self.handles[dev] = self.cudnn.create_handle()
+        return self.handles[dev]
+
+    def _raw_handle(self, dev: int, api: str):
+        """The handle as each builder takes it: a `cudnn.Handle`, or the C++ graph's raw cudnnHandle_t."""
+        h = self._handle(dev)
+        return h if api == "pygraph" else getattr(h, "backend_handle", h)
+
+    def _consts(self, dev: int) -> torch.Tensor:
+        """fp32 [descale_s, scale_s, scale_o] on the device (scale_o = 1: the output is not FP8)."""
+        if dev not in self.consts:
+            c = torch.empty(12, dtype=torch.float32, device=f"cuda:{dev}")  # 16-byte aligned scalars
+            c[0], c[4], c[8] = 1.0 / P_SCALE, P_SCALE, 1.0
+            self.consts[dev] = c
+        return self.consts[dev]
+
+    def _build(self, key: tuple, out_dtype: torch.dtype, dev: int):
+        cudnn = self.cudnn
+        B, H, S, Skv, D = key[:5]
+        cdt = {torch.bfloat16: cudnn.data_type.BFLOAT16, torch.float16: cudnn.data_type.HALF}
+        errors = []
+        builders: list[tuple[str, Callable]] = [("pygraph", cudnn.pygraph)]
+        backend = getattr(getattr(cudnn, "_pybind_module", None), "backend_graph", None)
+        if backend is not None:  # the classic C++ builder, should the python layer decline
+            builders.append(("backend_graph", backend))
+        # O in the model's dtype, else fp16 (the FP8 output type cuDNN's tests cover; |O| <= max |V|)
+        outs = [out_dtype] + ([torch.float16] if out_dtype != torch.float16 else [])
+        for (api, make), o_dtype in ((b, o) for b in builders for o in outs):
+            odt = cdt[o_dtype]
+            try:
+                g = make(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
+                         compute_data_type=cudnn.data_type.FLOAT, handle=self._raw_handle(dev, api))  # fmt: skip
+
+                def t(uid, dim, stride, dt=cudnn.data_type.FP8_E4M3, g=g):
+                    return g.tensor(uid=uid, dim=dim, stride=stride, data_type=dt)
+
+                bshd = (S * H * D, D, H * D, 1)
+                kv = (Skv * H * D, D, H * D, 1)
+                one, f32 = ((1, 1, 1, 1), (1, 1, 1, 1)), cudnn.data_type.FLOAT
+                q, k, v = t(1, (B, H, S, D), bshd), t(2, (B, H, Skv, D), kv), t(3, (B, H, Skv, D), kv)
+                dq, dk, dv, ds, ss, so = (t(uid, *one, dt=f32) for uid in (4, 5, 6, 7, 8, 9))
+                o, _stats, amax_s, amax_o = g.sdpa_fp8(
+                    q=q, k=k, v=v, descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss,
+                    scale_o=so, generate_stats=False, attn_scale=1.0 / math.sqrt(D), use_causal_mask=False,
+                )  # fmt: skip
+                o.set_uid(10).set_output(True).set_dim((B, H, S, D)).set_stride(bshd).set_data_type(odt)
+                for uid, a in ((11, amax_s), (12, amax_o)):
+                    a.set_uid(uid).set_output(True).set_dim(one[0]).set_stride(one[1]).set_data_type(f32)
+                g.validate()
+                g.build_operation_graph()
+                g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+                g.check_support()
+                g.build_plans()
+                self.api[key] = f"{api} O={str(o_dtype).removeprefix('torch.')}"
+                return g, int(g.get_workspace_size()), o_dtype
+            except Exception as e:  # noqa: BLE001 - try the next builder, report all
+                errors.append(f"{api} O={o_dtype}: {type(e).__name__}: {str(e)[:400]}")
+        raise RuntimeError("cuDNN FP8 SDPA graph not supported: " + " | ".join(errors))
+
+    def __call__(self, q8, k8, v8, desc, out_dtype: torch.dtype) -> torch.Tensor:
+        B, H, S, D = q8.shape
+        Skv = k8.shape[2]
+        dev = q8.device.index if q8.device.index is not None else torch.cuda.current_device()
+        key = (B, H, S, Skv, D, out_dtype, dev)
+        entry = self.graphs.get(key)
+        if entry is None:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"cuDNN FP8 SDPA graph for {key} must be built before CUDA graph capture")
+            with _lock:
+                entry = self.graphs.get(key) or self._build(key, out_dtype, dev)
+                self.graphs[key] = entry
+        g, ws_size, o_dtype = entry
+        handle = self._handle(dev)
+        self.cudnn.set_stream(handle, torch.cuda.current_stream(q8.device).cuda_stream)
+        out = torch.empty(B, S, H, D, dtype=o_dtype, device=q8.device).transpose(1, 2)  # BSHD storage
+        scratch = torch.empty(8, dtype=torch.float32, device=q8.device)
+        c = self._consts(dev)
+        ws = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=q8.device)
+        pack = {1: q8, 2: k8, 3: v8, 4: desc[0, 0, :1], 5: desc[1, 0, :1], 6: desc[2, 0, :1],
+                7: c[0:1], 8: c[4:5], 9: c[8:9], 10: out, 11: scratch[0:1], 12: scratch[4:5]}  # fmt: skip
+        pack = {uid: t.data_ptr() for uid, t in pack.items()}
+        if self.api[key].startswith("pygraph"):
+            g.execute(pack, ws, handle=handle)
+        elif hasattr(g, "execute"):  # the classic C++ graph
+            g.execute(pack, ws.data_ptr(), handle=self._raw_handle(dev, "backend_graph"))
+        else:  # 1.32's internal C++ graph: what pygraph.execute itself calls
+            g._execute(pack, ws.data_ptr(), self._raw_handle(dev, "backend_graph"), None, None, None)
+        return out if o_dtype == out_dtype else out.to(out_dtype)  # strides kept (BSHD)
+
+
+# ------------------------------------------------------------------------------------------ FA3
+
+
+def _import_fa3():
+    for name in ("fa3_fwd_interface", "flash_attn_interface"):
+        try:
+            return __import__(name)
+        except Exception:  # noqa: BLE001 - not installed, or built for another torch
+            continue
+    raise ImportError("no FlashAttention-3 module (pip install fa3-fwd, or flash-attn's hopper build)")
+
+
+class FA3FP8:
+    """FlashAttention-3's FP8 forward: e4m3 (B, S, H, D) in, bf16 out, (B, H) descales."""
+
+    name = "fa3"
+    per_head = True
+
+    def __init__(self) -> None:
+        self.mod = _import_fa3()
+
+    def version(self) -> str:
+        return f"{self.mod.__name__} {getattr(self.mod, '__version__', '')}".strip()
+
+    def __call__(self, q8, k8, v8, desc, out_dtype: torch.dtype) -> torch.Tensor:
+        out = self.mod.flash_attn_func(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2),
+                                       q_descale=desc[0], k_descale=desc[1], v_descale=desc[2])  # fmt: skip
+        out = out[0] if isinstance(out, tuple) else out  # (B, S, H, D) bf16
+        return out.transpose(1, 2).to(out_dtype)
+
+
+_FACTORIES: dict[str, Callable[[], object]] = {"cudnn": CudnnFP8, "fa3": FA3FP8}
+_engines: dict[str, object] = {}
+_engine_errors: dict[str, str] = {}
+
+
+def load_engine(name: str):
+    """The engine object for "cudnn" / "fa3" (loaded once), or None with the reason in `engine_error`."""
+    if name not in _engines and name not in _engine_errors:
+        try:
+            _engines[name] = _FACTORIES[name]()
+        except Exception as e:  # noqa: BLE001 - missing library, wrong build: reported, not raised
+            _engine_errors[name] = f"{type(e).__name__}: {e}"
+    return _engines.get(name)
+
+
+def engine_error(name: str) -> str | None:
+    return _engine_errors.get(name)
+
+
+def engine_choice() -> str:
+    name = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if name not in ENGINES:
+        raise ValueError(f"{ENV_VAR}={name!r}: choose one of {ENGINES}")
+    return name
+
+
+def run_engine(engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Quantise (per head where the engine takes it) and run one FP8 engine; (B, H, S, D) out."""
+    q8, k8, v8, desc = quantize_qkv(q, k, v, per_head=engine.per_head)
+    return engine(q8, k8, v8, desc, q.dtype)
+
+
+def _why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str | None:
+    if mask is not None:
+        return "a padding mask (the FP8 kernels take none here)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"{q.dtype} inputs (FP8 attention is for bf16/fp16 models)"
+    if torch.cuda.get_device_capability(q.device) < (9, 0):
+        return "a GPU without Hopper's FP8 attention kernels (needs sm_90+)"
+    if not (q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and q.shape == k.shape == v.shape):
+        return f"head dim {q.shape[-1]} / shapes {tuple(q.shape)} {tuple(k.shape)} (needs equal shapes, d % 16 == 0, d <= 256)"
+    return None
+
+
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  fallback: Callable[..., torch.Tensor]) -> torch.Tensor:  # fmt: skip
+    """The "fp8" backend: CPU -> the reference; CUDA -> an FP8 engine, or `fallback(q, k, v, mask)`
+    (cuDNN bf16) with a one-time warning saying why."""
+    if not q.is_cuda:
+        CALLS["cpu reference"] += 1
+        return fp8_attention_ref(q, k, v, mask)
+    why = _why_not(q, k, v, mask)
+    if why is not None:
+        CALLS["bf16 fallback: " + why] += 1
+        _warn_once(why, f"attention='fp8': {why}; running cuDNN bf16 attention for these calls")
+        return fallback(q, k, v, mask)
+    choice = engine_choice()
+    for name in ENGINE_ORDER if choice == "auto" else (choice,):
+        eng = load_engine(name)
+        if eng is None:
+            continue
+        key = (name, tuple(q.shape), q.dtype)
+        if key in _engine_errors:
+            continue
+        try:
+            out = run_engine(eng, q, k, v)
+            CALLS[name] += 1
+            return out
+        except Exception as e:  # noqa: BLE001 - unsupported shape/build: next engine, said once
+            if torch.cuda.is_current_stream_capturing():
+                raise  # a capture must fail loudly (the graph runner then runs eagerly and warns)
+            _engine_errors[key] = f"{type(e).__name__}: {e}"
+            _warn_once(str(key), f"attention='fp8': the {name} FP8 engine failed on {tuple(q.shape)}: {e}")
+    reasons = "; ".join(f"{n}: {engine_error(n) or 'failed on this shape'}"
+                        for n in (ENGINE_ORDER if choice == "auto" else (choice,)))  # fmt: skip
+    CALLS["bf16 fallback: no engine"] += 1
+    _warn_once("none:" + reasons, f"attention='fp8': no FP8 attention engine ({reasons}); running cuDNN bf16 attention")
+    return fallback(q, k, v, mask)
