@@ -21,10 +21,11 @@ LAYER_OF = {  # top-level name under qwenfast/ -> layer
     "models": 1, "loading": 2, "pipeline": 3,
     "server": 4, "demo": 4, "testing": 4, "export": 4,
     "benchmarks": 5,
-    "cli": 6, "cli_tasks": 6, "launch": 6, "__init__": 6, "__main__": 6, "assets": 0,
+    "launch": 4,  # process spawning for --parallel: the CLI and `serve --parallel` use it
+    "cli": 6, "cli_tasks": 6, "__init__": 6, "__main__": 6, "assets": 0,
 }  # fmt: skip
 NAMES = {0: "config/options/errors/validation/kernels/runtime", 1: "models", 2: "loading", 3: "pipeline",
-         4: "server/demo/testing/export", 5: "benchmarks", 6: "cli"}  # fmt: skip
+         4: "server/demo/testing/export/launch", 5: "benchmarks", 6: "cli"}  # fmt: skip
 
 
 def _modules() -> dict[str, Path]:
