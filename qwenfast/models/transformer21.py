@@ -159,6 +159,14 @@ def build_layout(vl_mask: tuple[bool, ...], img_shapes: tuple[tuple[int, int, in
                     tuple(runs), ang.cos(), ang.sin())  # fmt: skip
 
 
+def qkv_buffer(B: int, H: int, S: int, Dh: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A (B, H, S, Dh) query/key/value buffer stored token-major, (B, S, H, Dh) in memory: the fused
+    QK-norm + RoPE kernel writes each token's H*Dh values as one contiguous run, the attention
+    kernels read their native layout, and their output (allocated in q's layout) reaches the out
+    projection as a view (no transpose copy)."""
+    return torch.empty(B, S, H, Dh, dtype=dtype, device=device).transpose(1, 2)
+
+
 class PrefixKVCache:
     """Per-call store of the keys/values of every block (diffusers' `QwenImage21KVCache`).
 
@@ -181,9 +189,8 @@ class PrefixKVCache:
         if q is not None and tuple(q.shape) == (B, H, S, Dh) and q.dtype == dtype and q.device == device:
             return
         self.ready = False
-        shape = (B, H, S, Dh)
-        self.q = torch.empty(shape, dtype=dtype, device=device)
-        self.layers = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+        self.q = qkv_buffer(B, H, S, Dh, dtype, device)
+        self.layers = [(qkv_buffer(B, H, S, Dh, dtype, device), qkv_buffer(B, H, S, Dh, dtype, device))
                        for _ in self.layers]  # fmt: skip
 
     def check(self, B: int, S: int, prefix: int) -> None:
@@ -398,6 +405,9 @@ class _Ctx:
 class QwenImage21Transformer(nn.Module):
     # the block Linears FP8 replaces (kernels/fp8_linear.quantize_model); modulation and embedders stay bf16
     fp8_linears = ("attn.to_qkv", "attn.to_out.0", "img_mlp.gate_up", "img_mlp.out")
+    # how LoRA files' diffusers module names map onto ours (loading/lora.ModuleIndex): fused pieces
+    lora_key = staticmethod(lambda key: checkpoint_key(key))
+    lora_names = staticmethod(lambda key: diffusers_keys(key))
 
     def __init__(self, cfg: Transformer21Config):
         super().__init__()
@@ -505,7 +515,7 @@ class QwenImage21Transformer(nn.Module):
             ctx.zero = torch.zeros_like(rows[0])
             ctx.offset = lay.prefix if cached else 0
             if kv_cache is None:
-                ctx.scratch = tuple(x.new_empty(B, H, lay.S, Dh) for _ in range(3))
+                ctx.scratch = tuple(qkv_buffer(B, H, lay.S, Dh, x.dtype, x.device) for _ in range(3))
             blocks_call = Block21.forward_fused
         else:
             if split_rows:
@@ -548,3 +558,14 @@ def checkpoint_key(key: str) -> tuple[str, int, int] | tuple[str, None, None]:
     if key.startswith("modulation.1."):
         return key, None, None
     return key, None, None
+
+
+def diffusers_keys(key: str) -> list[str]:
+    """Inverse of `checkpoint_key`: the diffusers keys whose tensors make up our tensor `key`."""
+    for fused, parts in (("attn.to_qkv.", ("attn.to_q.", "attn.to_k.", "attn.to_v.")),
+                         ("img_mlp.gate_up.", ("img_mlp.gate_layer.", "img_mlp.proj."))):  # fmt: skip
+        if fused in key:
+            return [key.replace(fused, p) for p in parts]
+    if key.startswith("norm_out_linear."):
+        return [key.replace("norm_out_linear.", "norm_out.linear.")]
+    return [key]
