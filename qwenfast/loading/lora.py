@@ -157,7 +157,7 @@ class LoraDelta:
     """One low-rank update of one weight segment: W[rows] += strength · scale · up @ down."""
 
     module: str  # our module name, e.g. transformer_blocks.0.attn.to_qkv
-    slot: int | None  # Q/K/V third of a fused projection, None = the whole weight
+    slot: int | None  # piece of a fused projection (a Q/K/V third, 2.1's gate/up half), None = the whole weight
     up: torch.Tensor  # (rows, r)
     down: torch.Tensor  # (r, in_features)
     scale: float  # alpha / rank (and the PEFT metadata scale)
@@ -173,16 +173,29 @@ class ModuleIndex:
         for n, m in model.named_modules():
             if isinstance(m, (nn.Linear, FP8Linear)):  # FP8 layers take LoRAs unmerged (loading/lora_fp8.py)
                 self.linear[n.replace("_orig_mod.", "")] = m  # torch.compile wrappers add _orig_mod.
+        # A model whose fused tensors are not only Q|K|V thirds says how diffusers' names map onto its own:
+        # `lora_key(key) -> (our key, piece, pieces)` and its inverse `lora_names(key) -> [diffusers keys]`
+        # (Qwen-Image-2.1: gate|up halves of `img_mlp.gate_up`, `norm_out.linear` -> `norm_out_linear`).
+        self._key = getattr(model, "lora_key", None)
+        names = getattr(model, "lora_names", None) or split_qkv_key
+        self.pieces: dict[str, int] = {}  # fused module -> how many equal row blocks its pieces are (else 3)
         self.flat: dict[str, str] = {}  # kohya flattened name -> dotted diffusers name
         for n in self.linear:
-            split = split_qkv_key(n + ".weight")
+            split = names(n + ".weight")
+            if split and len(split) > 1:
+                self.pieces[n] = len(split)
             for d in [n, *(k.removesuffix(".weight") for k in split or [])]:
                 self.flat[d.replace(".", "_")] = d
 
     def resolve(self, name: str) -> tuple[str, int | None] | None:
-        """A diffusers module name -> (our module, Q/K/V slot or None), or None if the model has none."""
+        """A diffusers module name -> (our module, slot of a fused projection or None), or None if the
+        model has none."""
         if name in self.linear:
             return name, None
+        if self._key is not None:
+            ours, slot, pieces = self._key(name + ".weight")
+            ours = ours.removesuffix(".weight")
+            return (ours, slot) if ours in self.linear else None
         hit = fuse_qkv_key(name + ".weight")
         if hit is not None:
             fused = hit[0].removesuffix(".weight")
@@ -295,8 +308,9 @@ def plan_lora(sd: dict[str, torch.Tensor], index: ModuleIndex, metadata: dict | 
         down, up = parts["down"][1], parts["up"][1]
         bias = parts["bias"][1] if "bias" in parts else None
         layer = index.linear[target[0]]
-        rows = layer.out_features // 3 if target[1] is not None else layer.out_features
-        fused_on_fused = target[1] is None and split_qkv_key(target[0] + ".weight") is not None
+        pieces = index.pieces.get(target[0], 1)  # > 1: a fused projection (Q|K|V thirds, 2.1's gate|up halves)
+        rows = layer.out_features // pieces if target[1] is not None else layer.out_features
+        fused_on_fused = target[1] is None and pieces > 1
         if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
             shapes.append(
                 f"{mod}: down {tuple(down.shape)} and up {tuple(up.shape)} are not (r, in) and (out, r)"
@@ -318,9 +332,9 @@ def plan_lora(sd: dict[str, torch.Tensor], index: ModuleIndex, metadata: dict | 
             scale = float(parts["alpha"][1].float().item()) / rank
         if metadata:
             scale *= _peft_scale(metadata, name)
-        if fused_on_fused:  # one LoRA on a fused Q|K|V projection = three LoRAs sharing `down`
-            n = rows // 3
-            for s in range(3):
+        if fused_on_fused:  # one LoRA on a fused projection = one LoRA per piece, sharing `down`
+            n = rows // pieces
+            for s in range(pieces):
                 b = None if bias is None else bias[s * n : (s + 1) * n]
                 deltas.append(LoraDelta(target[0], s, up[s * n : (s + 1) * n], down, scale, b, mod))
         else:
@@ -501,7 +515,7 @@ class LoraManager:
         p = getattr(self.index.linear[module], kind).data
         if slot is None:
             return p
-        n = p.shape[0] // 3
+        n = p.shape[0] // self.index.pieces[module]
         return p[slot * n : (slot + 1) * n]
 
     def _save(self, key, view: torch.Tensor) -> None:
@@ -546,7 +560,7 @@ class LoraManager:
         for mod in sorted(self._side_dirty):
             parts = [(d.slot, d.up, d.down, e.strength * d.scale) for e in self.active.values() if e.strength
                      for d in e.deltas if d.module == mod]  # fmt: skip
-            if set_side_lora(self.index.linear[mod], parts):
+            if set_side_lora(self.index.linear[mod], parts, self.index.pieces.get(mod, 1)):
                 self.side_layout += 1
         self._side_dirty.clear()
 

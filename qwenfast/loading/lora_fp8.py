@@ -30,10 +30,12 @@ def bucket(rank: int) -> int:
 
 
 @torch.no_grad()
-def set_side_lora(layer: FP8Linear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]]) -> bool:
+def set_side_lora(layer: FP8Linear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]],
+                  pieces: int = 3) -> bool:  # fmt: skip
     """Make `layer.lora` hold exactly `parts` [(slot, up (rows, r), down (r, K), factor), ...].
 
     Parts that share one `down` tensor (a LoRA on a fused Q|K|V split in three) share its columns.
+    `pieces`: how many equal row blocks a slot indexes (3 for Q|K|V, 2 for 2.1's gate|up).
     Returns True when the layer's tensors were (re)allocated or removed (captured graphs are stale).
     """
     if not parts:
@@ -61,7 +63,7 @@ def set_side_lora(layer: FP8Linear, parts: list[tuple[int | None, torch.Tensor, 
         down_t[c : c + down.shape[0]].copy_(down)
     for slot, up, down, f in parts:  # parts sharing a down factor write different rows: no overlap
         c = cols[id(down)][0]
-        rows = slice(None) if slot is None else slice(slot * (N // 3), (slot + 1) * (N // 3))
+        rows = slice(None) if slot is None else slice(slot * (N // pieces), (slot + 1) * (N // pieces))
         up_t[rows, c : c + down.shape[0]].copy_(up.to(dev, torch.float32) * f)
     if realloc:
         layer.lora = (down_t, up_t)

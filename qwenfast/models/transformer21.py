@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, fields
+from functools import lru_cache
 
 import torch
 import torch.nn as nn
@@ -32,8 +33,9 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from ..kernels.adaln import layernorm_modulate
-from ..kernels.gated_residual import gated_residual
+from ..kernels.gated_residual import gated_residual, gated_residual_layernorm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope
+from ..kernels.swiglu import silu_mul
 from ..runtime.attention import attention
 from ..runtime.blocks import BlockRunner, StepContext
 from .transformer import RMSNorm, _axis_angles, apply_rope
@@ -157,30 +159,65 @@ def build_layout(vl_mask: tuple[bool, ...], img_shapes: tuple[tuple[int, int, in
                     tuple(runs), ang.cos(), ang.sin())  # fmt: skip
 
 
-class PrefixKVCache:
-    """Per-call store of the prefix keys/values of every block (diffusers' `QwenImage21KVCache`).
+def qkv_buffer(B: int, H: int, S: int, Dh: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A (B, H, S, Dh) query/key/value buffer stored token-major, (B, S, H, Dh) in memory: the fused
+    QK-norm + RoPE kernel writes each token's H*Dh values as one contiguous run, the attention
+    kernels read their native layout, and their output (allocated in q's layout) reaches the out
+    projection as a view (no transpose copy)."""
+    return torch.empty(B, S, H, Dh, dtype=dtype, device=device).transpose(1, 2)
 
-    Each layer holds (B, H, P + N, Dh) key and value buffers: the prefix part is written by the
-    "extract" step, the target part is rewritten by every "cached" step, so attention reads one
-    buffer without concatenating (and the buffers keep their addresses for CUDA graphs).
+
+class PrefixKVCache:
+    """Per-call store of the keys/values of every block (diffusers' `QwenImage21KVCache`).
+
+    Each layer holds (B, H, S, Dh) key and value buffers over the whole joint sequence (S = prefix
+    P + target N): the "extract" step writes all S positions, every "cached" step rewrites the
+    target part [P, S), so attention reads one buffer without concatenating. `q` is one (B, H, S,
+    Dh) query scratch shared by all layers. `ensure` keeps buffers of the same shape, so a cache
+    reused across calls keeps its addresses (what a captured CUDA graph of the cached step reads).
     """
 
     def __init__(self, num_layers: int):
-        # per layer (q buffer or None, k, v): (B, H, P[+N], Dh)
-        self.layers: list[tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None] = [None] * num_layers
+        self.layers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers  # (k, v) per layer
+        self.q: torch.Tensor | None = None
         self.prefix: int | None = None
         self.ready = False
 
+    def ensure(self, B: int, H: int, S: int, Dh: int, dtype: torch.dtype, device: torch.device) -> None:
+        """(Re)allocate the buffers unless they already have this shape, dtype and device."""
+        q = self.q
+        if q is not None and tuple(q.shape) == (B, H, S, Dh) and q.dtype == dtype and q.device == device:
+            return
+        self.ready = False
+        self.q = qkv_buffer(B, H, S, Dh, dtype, device)
+        self.layers = [(qkv_buffer(B, H, S, Dh, dtype, device), qkv_buffer(B, H, S, Dh, dtype, device))
+                       for _ in self.layers]  # fmt: skip
+
+    def check(self, B: int, S: int, prefix: int) -> None:
+        """A "cached" step must continue the layout its "extract" step stored."""
+        if not self.ready:
+            raise RuntimeError("kv_cache_mode='cached' before an 'extract' step filled the cache")
+        if self.prefix != prefix or self.q.shape[0] != B or self.q.shape[2] != S:
+            raise ValueError(f"kv cache holds a batch of {self.q.shape[0]} x {self.q.shape[2]} tokens (prefix "
+                             f"{self.prefix}), this step has {B} x {S} (prefix {prefix}): run 'extract' again")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
 # Layers
 
 
+@lru_cache(maxsize=8)
+def _sinusoid_freqs(half: int, device: str) -> torch.Tensor:
+    # computed on the CPU, where diffusers computes its (non-persistent, fp32) `freqs` buffer at
+    # construction: the same bits on every device. (A model cast with `.to(bf16)` would round that
+    # buffer to bf16 and move t's embedding by ~10%; `from_pretrained(torch_dtype=...)` does not.)
+    freqs = torch.exp(-math.log(10000) * torch.arange(0, half, dtype=torch.float32) / half)
+    return freqs.to(device)
+
+
 def timestep_sinusoid21(t: torch.Tensor, dim: int = 256) -> torch.Tensor:
     """QwenImage21TemporalTimesteps: (B,) -> (B, dim) fp32, cos first, 1000 * t before the product."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(10000) * torch.arange(0, half, dtype=torch.float32, device=t.device) / half)
+    freqs = _sinusoid_freqs(dim // 2, str(t.device))
     args = (1000.0 * t.float())[:, None] * freqs[None]
     return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
 
@@ -241,6 +278,9 @@ class SwiGLU(nn.Module):
         g, u = self.gate_up(x).chunk(2, dim=-1)
         return self.out(F.silu(g) * u)
 
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(silu_mul(self.gate_up(x)))  # silu(gate) * up in one pass
+
 
 class Attention21(nn.Module):
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
@@ -294,49 +334,68 @@ class Block21(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), eps=self.eps)
 
     def forward(self, x: torch.Tensor, mod: tuple[torch.Tensor, ...], ctx: _Ctx, i: int) -> torch.Tensor:
-        """x (B, L, D); mod: (scale1, gate1, scale2, gate2), each (B|1, L|1, D) rows per token."""
+        """The reference (diffusers' op order). x (B, L, D); mod: (scale1, gate1, scale2, gate2),
+        each (B|1, L|1, D) rows per token."""
         sc1, g1, sc2, g2 = mod
-        q, k, v = self.attn.qkv(self._norm(x) * (1 + sc1), ctx.cos, ctx.sin)
-        if ctx.mode == "cached":
-            ck, cv = ctx.cache.layers[i][1:]
-            k, v = torch.cat([ck[:, :, : ctx.prefix], k], dim=2), torch.cat([cv[:, :, : ctx.prefix], v], dim=2)
-            o = attention(q, k, v, ctx.key_mask)
+        q, k, v = self.attn.qkv(self._norm(x) * (1 + sc1), ctx.cos, ctx.sin)  # (B, H, L, Dh)
+        if ctx.mode == "cached":  # the target's keys after the stored prefix: same values as diffusers' cat
+            kb, vb = ctx.cache.layers[i]
+            kb[:, :, ctx.prefix :].copy_(k)
+            vb[:, :, ctx.prefix :].copy_(v)
+            o = attention(q, kb, vb, ctx.key_mask)
         else:
-            if ctx.mode == "extract":  # clone: a view would pin the whole prefill's K/V
-                ctx.cache.layers[i] = (None, k[:, :, : ctx.prefix].clone(), v[:, :, : ctx.prefix].clone())
+            if ctx.mode == "extract":
+                kb, vb = ctx.cache.layers[i]
+                kb.copy_(k)
+                vb.copy_(v)
             o = block_causal_attention(q, k, v, ctx.segments, ctx.prefix, ctx.key_valid)
         x = x + g1.tanh() * self.attn.out(o)
         x = x + g2.tanh() * self.img_mlp(self._norm(x) * (1 + sc2))
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
-    def forward_cached_fused(self, x: torch.Tensor, mod: tuple[torch.Tensor, ...], ctx: _Ctx, i: int) -> torch.Tensor:
-        """A "cached" step (every token a target token, per-sample rows (B, D)) with fused kernels:
-        LayerNorm + scale in one pass, QK-norm + RoPE written into the cache's key/value buffers
-        after the stored prefix, the gated residuals fused (tanh of the gates taken once)."""
-        sc1, g1, sc2, g2 = mod  # (B, D) each, gates already tanh'd
-        B, L, _ = x.shape
+    def forward_fused(self, x: torch.Tensor, mod: tuple[torch.Tensor, ...], ctx: _Ctx, i: int) -> torch.Tensor:
+        """The same block with fused kernels: LayerNorm + scale in one pass, QK-norm + RoPE written
+        straight into the (B, H, S, Dh) query/key/value buffers (the KV cache's when there is one),
+        the attention residual fused with the next LayerNorm + scale, SwiGLU's silu * up in one pass.
+
+        mod: (scale1, tanh(gate1), scale2, tanh(gate2)) as (R, D) rows: R = B, or 2B with
+        `ctx.split` (tokens from `split` on take row B + b: the t=0 rows first, then the real ones).
+        """
+        sc1, g1, sc2, g2 = mod
         a = self.attn
-        qb, kb, vb = ctx.cache.layers[i]
-        zero = ctx.zero
-        qkv = a.to_qkv(layernorm_modulate(x, zero, sc1, self.eps))
-        qk_norm_rope(qkv, a.norm_q.weight, a.norm_k.weight, ctx.cos, ctx.sin, qb, kb, vb, offset=ctx.prefix)
-        o = attention(qb[:, :, ctx.prefix :], kb, vb, ctx.key_mask)
-        x = gated_residual(x, a.out(o), g1)
-        x = gated_residual(x, self.img_mlp(layernorm_modulate(x, zero, sc2, self.eps)), g2)
+        qb, kb, vb = ctx.buffers(i)
+        split, zero = ctx.split, ctx.zero
+        qkv = a.to_qkv(layernorm_modulate(x, zero, sc1, self.eps, split))  # (B, L, 3 H Dh)
+        qk_norm_rope(qkv, a.norm_q.weight, a.norm_k.weight, ctx.cos, ctx.sin, qb, kb, vb, offset=ctx.offset)
+        if ctx.mode == "cached":
+            o = attention(qb[:, :, ctx.prefix :], kb, vb, ctx.key_mask)
+        else:
+            o = block_causal_attention(qb, kb, vb, ctx.segments, ctx.prefix, ctx.key_valid)
+        x, h = gated_residual_layernorm_modulate(x, a.out(o), g1, zero, sc2, self.eps, split)
+        x = gated_residual(x, self.img_mlp.forward_fused(h), g2, split)
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
 @dataclass
 class _Ctx:
     mode: str | None
-    cos: torch.Tensor
+    cos: torch.Tensor  # (L, Dh/2) fp32 rows of this forward's tokens
     sin: torch.Tensor
     prefix: int
     segments: tuple
     key_valid: torch.Tensor | None  # (B, S) bool
     key_mask: torch.Tensor | None  # (B, 1, 1, S) bool for the target's attention
     cache: PrefixKVCache | None
-    zero: torch.Tensor | None = None
+    # the fused path
+    offset: int = 0  # where this forward's tokens start in the (B, H, S, Dh) buffers
+    split: int | None = None  # modulation rows: see Block21.forward_fused
+    zero: torch.Tensor | None = None  # (R, D) zero shift
+    scratch: tuple[torch.Tensor, ...] | None = None  # q, k, v buffers when there is no cache
+
+    def buffers(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.cache is None:
+            return self.scratch
+        return (self.cache.q, *self.cache.layers[i])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +405,9 @@ class _Ctx:
 class QwenImage21Transformer(nn.Module):
     # the block Linears FP8 replaces (kernels/fp8_linear.quantize_model); modulation and embedders stay bf16
     fp8_linears = ("attn.to_qkv", "attn.to_out.0", "img_mlp.gate_up", "img_mlp.out")
+    # how LoRA files' diffusers module names map onto ours (loading/lora.ModuleIndex): fused pieces
+    lora_key = staticmethod(lambda key: checkpoint_key(key))
+    lora_names = staticmethod(lambda key: diffusers_keys(key))
 
     def __init__(self, cfg: Transformer21Config):
         super().__init__()
@@ -358,7 +420,7 @@ class QwenImage21Transformer(nn.Module):
         self.transformer_blocks = nn.ModuleList([Block21(cfg) for _ in range(cfg.num_layers)])
         self.norm_out_linear = nn.Linear(dim, dim, bias=False)
         self.proj_out = nn.Linear(dim, cfg.out_dim, bias=False)
-        self.fused = True  # fused kernels on "cached" steps (their torch references off CUDA)
+        self.fused = True  # fused kernels in the blocks (their torch references off CUDA)
         self.block_runner: BlockRunner = BlockRunner()
         self._layouts: OrderedDict = OrderedDict()
         self._dev_layouts: OrderedDict = OrderedDict()
@@ -372,7 +434,8 @@ class QwenImage21Transformer(nn.Module):
         return self.img_in.weight.device
 
     def layout(self, vl_mask: torch.Tensor, img_shapes) -> Layout21:
-        """`Layout21` of a joint sequence (cached; one host copy of the mask per new layout)."""
+        """`Layout21` of a joint sequence (cached). Pass `vl_mask` on the CPU where the forward must
+        not synchronise (a CUDA-graph capture): a device mask is copied to the host here."""
         shapes = tuple(tuple(int(v) for v in s) for s in img_shapes)
         key = (tuple(bool(b) for b in vl_mask.tolist()), shapes)
         if key not in self._layouts:
@@ -413,9 +476,13 @@ class QwenImage21Transformer(nn.Module):
         lay = self.layout(vl, img_shapes)
         text_pos, vl_text, img_pos, cos, sin = self._on_device(lay, hidden_states.device)
         cached = kv_cache_mode == "cached"
-        if cached and not kv_cache.ready:
-            raise RuntimeError("kv_cache_mode='cached' before an 'extract' step filled the cache")
+        H, Dh = cfg.num_attention_heads, cfg.attention_head_dim
+        if cached:
+            kv_cache.check(B, lay.S, lay.prefix)
+        elif kv_cache is not None:
+            kv_cache.ensure(B, H, lay.S, Dh, self.dtype, hidden_states.device)
 
+        # one shared modulation for all blocks, computed once per forward
         t = timestep.to(self.dtype)
         if cfg.causal_condition:
             t = torch.cat([t, t.new_zeros(1)])
@@ -431,30 +498,35 @@ class QwenImage21Transformer(nn.Module):
         if cached:
             x = self.img_in(hidden_states[:, -N:])  # (B, N, D)
             cos, sin = cos[lay.prefix :], sin[lay.prefix :]
-            rows = [m[:B, None] for m in mods]  # every token is a target token
         else:
             img = self.img_in(hidden_states)
             txt = self.txt_in(encoder_hidden_states[:, vl_text])
             x = img.new_empty(B, lay.S, img.shape[-1])
             x[:, text_pos] = txt
             x[:, img_pos] = img
-            if cfg.causal_condition:
-                target = (torch.arange(lay.S, device=x.device) >= lay.prefix)[None, :, None]
+        ctx = _Ctx(kv_cache_mode, cos, sin, lay.prefix, lay.segments, key_valid, key_mask, kv_cache)
+        split_rows = cfg.causal_condition and not cached  # prefix tokens take the t=0 rows
+        if self.fused:
+            rows = [m[:B] for m in mods]  # every token of a cached step is a target token
+            if split_rows:  # (2B, D): t=0 rows for tokens before `prefix`, the real ones from there on
+                rows = [torch.cat([m[B:].expand(B, -1), m[:B]]) for m in mods]
+                ctx.split = lay.prefix
+            rows = [rows[0], rows[1].tanh(), rows[2], rows[3].tanh()]
+            ctx.zero = torch.zeros_like(rows[0])
+            ctx.offset = lay.prefix if cached else 0
+            if kv_cache is None:
+                ctx.scratch = tuple(qkv_buffer(B, H, lay.S, Dh, x.dtype, x.device) for _ in range(3))
+            blocks_call = Block21.forward_fused
+        else:
+            if split_rows:
+                target = (torch.arange(x.shape[1], device=x.device) >= lay.prefix)[None, :, None]
                 rows = [torch.where(target, m[:B, None], m[B:, None]) for m in mods]
             else:
-                rows = [m[:, None] for m in mods]
-        ctx = _Ctx(kv_cache_mode, cos, sin, lay.prefix, lay.segments, key_valid, key_mask, kv_cache)
-        fused = self.fused and cached
-        if fused:
-            ctx.zero = x.new_zeros(B, x.shape[-1])
-            rows = [m[:B] for m in mods]
-            rows = [rows[0], rows[1].tanh(), rows[2], rows[3].tanh()]
-            self._grow_cache(kv_cache, lay.prefix, N)
+                rows = [m[:B, None] for m in mods]
+            blocks_call = Block21.forward
 
         def call(i: int, block: Block21, x: torch.Tensor, _unused):
-            if fused:
-                return block.forward_cached_fused(x, rows, ctx, i), None
-            return block(x, rows, ctx, i), None
+            return blocks_call(block, x, rows, ctx, i), None
 
         x, _ = self.block_runner.run(self.transformer_blocks, call, x, None, step)
         if kv_cache_mode == "extract":
@@ -464,19 +536,6 @@ class QwenImage21Transformer(nn.Module):
         scale = self.norm_out_linear(F.silu(temb[:B]).to(x.dtype))[:, None]  # targets use the real rows
         x = F.layer_norm(x, (x.shape[-1],), eps=cfg.eps) * (1 + scale)
         return self.proj_out(x)
-
-    @staticmethod
-    def _grow_cache(cache: PrefixKVCache, prefix: int, n: int) -> None:
-        """Give every layer (q, k, v) buffers of prefix + n tokens, the stored prefix copied in once."""
-        for i, bufs in enumerate(cache.layers):
-            qb, kb, vb = bufs
-            if qb is not None and kb.shape[2] == prefix + n:
-                continue
-            B, H, _, Dh = kb.shape
-            nq, nk, nv = (torch.empty(B, H, prefix + n, Dh, dtype=kb.dtype, device=kb.device) for _ in range(3))
-            nk[:, :, :prefix].copy_(kb[:, :, :prefix])
-            nv[:, :, :prefix].copy_(vb[:, :, :prefix])
-            cache.layers[i] = (nq, nk, nv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,3 +558,14 @@ def checkpoint_key(key: str) -> tuple[str, int, int] | tuple[str, None, None]:
     if key.startswith("modulation.1."):
         return key, None, None
     return key, None, None
+
+
+def diffusers_keys(key: str) -> list[str]:
+    """Inverse of `checkpoint_key`: the diffusers keys whose tensors make up our tensor `key`."""
+    for fused, parts in (("attn.to_qkv.", ("attn.to_q.", "attn.to_k.", "attn.to_v.")),
+                         ("img_mlp.gate_up.", ("img_mlp.gate_layer.", "img_mlp.proj."))):  # fmt: skip
+        if fused in key:
+            return [key.replace(fused, p) for p in parts]
+    if key.startswith("norm_out_linear."):
+        return [key.replace("norm_out_linear.", "norm_out.linear.")]
+    return [key]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,12 @@ def load_condition_images(image: Any) -> list:
 
 class _Forward21:
     """The forward the denoise core calls: diffusers' token order (condition latents, then the
-    noise) and the prefix KV cache, one per CFG branch, made on step 0 ("extract") and read after."""
+    noise) and the prefix KV cache, one per CFG branch, filled on step 0 ("extract") and read after.
+
+    With CUDA graphs on, the "cached" steps (all but the first) replay one captured graph per
+    (branch, layout): the KV cache is then a static buffer the pipeline keeps across calls
+    (`QwenImage21Pipeline._static_cache`), each call's "extract" step rewriting it in place.
+    """
 
     def __init__(self, pipe: QwenImage21Pipeline, slots: dict[str, torch.Tensor], use_cache: bool):
         self.pipe, self.slots, self.use_cache = pipe, slots, use_cache
@@ -101,14 +107,28 @@ class _Forward21:
         N = h * w
         hidden = torch.cat([inp[:, N:], inp[:, :N]], dim=1) if refs else inp
         L = emb.shape[1]
-        slots = self.slots[step.branch][:L]
+        slots = self.slots[step.branch][:L]  # on the CPU: the layout is host-side
         vl = torch.cat([slots, slots.new_ones(N // 4)])
-        cache = mode = None
-        if self.use_cache:
-            if step.step == 0:
-                self.caches[step.branch] = PrefixKVCache(len(self.pipe.transformer.transformer_blocks))
-            cache, mode = self.caches[step.branch], ("extract" if step.step == 0 else "cached")
-        return self.pipe.transformer(hidden, emb, mask, t, [*refs, (1, h, w)], vl, cache, mode, step)
+        shapes = [*refs, (1, h, w)]
+        tr = self.pipe.transformer
+        if not self.use_cache:
+            return tr(hidden, emb, mask, t, shapes, vl, None, None, step)
+        graphs = self.pipe.options.cuda_graphs and hidden.is_cuda
+        if step.step == 0:
+            key = (step.branch, tuple(hidden.shape), tuple(vl.tolist()), tuple(shapes))
+            self.caches[step.branch] = (self.pipe._static_cache(key) if graphs
+                                        else PrefixKVCache(len(tr.transformer_blocks)))  # fmt: skip
+            return tr(hidden, emb, mask, t, shapes, vl, self.caches[step.branch], "extract", step)
+        cache = self.caches[step.branch]
+        if not graphs:
+            return tr(hidden, emb, mask, t, shapes, vl, cache, "cached", step)
+
+        def cached_step(hidden: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+            return tr(hidden, emb, mask, t, shapes, vl, cache, "cached", step)  # emb: unused when cached
+
+        key = ("qwen-image-2.1 cached", id(cache), tuple(hidden.shape), hidden.dtype, str(hidden.device),
+               None if mask is None else tuple(mask.shape), tuple(vl.tolist()), tuple(shapes))  # fmt: skip
+        return self.pipe._graphs.run(key, cached_step, hidden, mask, t)
 
 
 class QwenImage21Pipeline(PipelineBase):
@@ -120,11 +140,29 @@ class QwenImage21Pipeline(PipelineBase):
                  model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
                  device=None, extra: dict | None = None):  # fmt: skip
         d = {"num_inference_steps": 40, "true_cfg_scale": 1.0, "output_resolution": 1024, **(defaults or {})}
+        self._static_caches: OrderedDict[tuple, PrefixKVCache] = OrderedDict()  # see _static_cache
         super().__init__(transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=d,
                          options=options, device=device, extra=extra)  # fmt: skip
         self.defaults.pop("height", None)
         self.defaults.pop("width", None)
         self.sample_sigmas = None if sample_sigmas is None else [float(s) for s in sample_sigmas]
+
+    def _static_cache(self, key: tuple) -> PrefixKVCache:
+        """The KV cache the cached-step graphs of `key` (branch, latents shape, layout) read, kept
+        across calls. At most two (one call's CFG pair: ~2.2 GB each at 1024² bf16); dropping one
+        drops every graph first (a replay must never read freed memory)."""
+        if key not in self._static_caches:
+            if len(self._static_caches) >= 2:
+                self._graphs.clear()
+                self._static_caches.popitem(last=False)
+            self._static_caches[key] = PrefixKVCache(len(self.transformer.transformer_blocks))
+        self._static_caches.move_to_end(key)
+        return self._static_caches[key]
+
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph, its memory pool and the static KV caches they read."""
+        super().release_graphs()
+        self._static_caches.clear()
 
     def configure(self, **changes: Any) -> EngineOptions:
         for name in ("cache", "parallel"):
@@ -317,4 +355,4 @@ class QwenImage21Pipeline(PipelineBase):
         emb, mask = self._repeat(emb, mask, n)
         if mask is not None and bool(mask.all()):
             mask = None
-        return S.TextCond(emb, mask), slots[0].to(self.device)
+        return S.TextCond(emb, mask), slots[0].cpu()  # the layout is host-side (no sync in a graph)

@@ -34,6 +34,15 @@ class _GraphCache:
         self.enabled = True
         self._pool = None
 
+    def run(self, key: tuple, fn, *inputs: torch.Tensor | None) -> torch.Tensor:
+        """`fn(*inputs)`, replayed from the graph captured for `key` (captured on first use); eager
+        when graphs are off (a failed capture) or the inputs are not on CUDA. Everything else `fn`
+        reads (weights, a KV cache) must stay at the same addresses while `key` is in use: the
+        caller keeps such buffers static and calls `clear()` before it drops them."""
+        if not (self.enabled and any(a is not None and a.is_cuda for a in inputs)):
+            return fn(*inputs)
+        return self._run(key, fn, inputs)
+
     def _run(self, key: tuple, fn, inputs: tuple) -> torch.Tensor:
         entry = self.graphs.get(key)
         if entry is None:

@@ -219,6 +219,42 @@ def build_transformer(context_in_dim: int, *, seed: int = 0, num_layers: int = 2
     return model.eval()
 
 
+def as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast a diffusers model's parameters to `dtype` and nothing else: the state
+    `from_pretrained(..., torch_dtype=dtype)` leaves it in. `model.to(dtype)` is NOT that: it also
+    casts non-persistent buffers, e.g. 2.1's fp32 timestep frequencies (`time_proj.freqs`), which
+    rounded to bf16 move the timestep embedding by ~10% and every output by ~0.1 (rel.)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    return model
+
+
+def diffusers_transformer21(*, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0,
+                            **config: Any):  # fmt: skip
+    """diffusers' ``QwenImage21Transformer2DModel`` (``config``: its constructor arguments, full size by
+    default) with random variance-preserving Linear weights, as ``from_pretrained(torch_dtype=dtype)``
+    + ``.to(device)`` would hold it: parameters in ``dtype``, the fp32 timestep frequencies computed on
+    the CPU (where diffusers computes them at construction). The benchmark's and tests' oracle."""
+    from diffusers import QwenImage21Transformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21TemporalTimesteps
+
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = QwenImage21Transformer2DModel(**config)
+    gen = torch.Generator(device).manual_seed(seed + 1)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.normal_(0.0, mod.in_features**-0.5, generator=gen)
+    as_loaded(model, dtype)
+    buffers = [name for name, _ in model.named_buffers()]
+    if buffers != ["time_text_embed.time_proj.freqs"]:  # a new diffusers buffer: decide how it loads
+        raise RuntimeError(f"unexpected buffers in QwenImage21Transformer2DModel: {buffers}")
+    model.time_text_embed.time_proj.freqs = QwenImage21TemporalTimesteps(256).freqs.to(device)
+    return model.eval()
+
+
 def build_vae(*, seed: int = 0):
     """A tiny random ``AutoencoderKLQwenImage21`` (RGBA, 16x) with seeded latents_mean / latents_std."""
     from diffusers import AutoencoderKLQwenImage21
@@ -255,8 +291,9 @@ def build_tiny21_pipeline(path: str | os.PathLike | None = None, *, seed: int = 
                                       in_channels=VAE_CONFIG["z_dim"]),  # fmt: skip
         sample_sigmas=sample_sigmas,
     )
-    if dtype != torch.float32:
-        pipe.to(dtype=dtype)
+    if dtype != torch.float32:  # parameters only, as from_pretrained(torch_dtype=...) loads them
+        for name in ("vae", "text_encoder", "transformer"):
+            as_loaded(getattr(pipe, name), dtype)
     pipe.set_progress_bar_config(disable=True)
     if path is not None:
         from transformers.utils import logging as hf_logging
