@@ -108,13 +108,14 @@ class UlyssesAttention:
     Pipelined over `chunks` sub-groups of this rank's heads: every chunk's q/k/v all-to-all is issued
     at once (asynchronously, on the communicator's stream), then chunk c's attention runs while chunk
     c+1's exchange is still in flight, and chunk c's output all-to-all runs while chunk c+1 attends.
-    chunks = 1 is the plain exchange -> attention -> exchange. Default: 2 where the heads divide
-    (`QWENFAST_ULYSSES_CHUNKS` overrides; measured in `qwenfast bench parallel`).
+    chunks = 1 is the plain exchange -> attention -> exchange, and the default: on nvidia-h200-x2 the
+    forward at 1024² took 88.4 ms with 1 chunk, 90.6 with 2, 93.0 with 4 (1328²: 162.3 / 162.6 /
+    173.2), so the exchanges are not waiting on attention (`QWENFAST_ULYSSES_CHUNKS` sets it).
     """
 
     def __init__(self, groups: ParallelGroups, sizes: list[int], txt_len: int, chunks: int | None = None):
         self.g, self.sizes, self.txt_len = groups, sizes, txt_len
-        self.chunks = chunks if chunks is not None else int(os.environ.get("QWENFAST_ULYSSES_CHUNKS", "2"))
+        self.chunks = chunks if chunks is not None else int(os.environ.get("QWENFAST_ULYSSES_CHUNKS", "1"))
 
     def __call__(self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
