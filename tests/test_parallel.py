@@ -74,7 +74,9 @@ def test_text_to_image_equals_one_process(six_heads, tmp_path, layout, world, si
     assert np.abs(want[0] - want[1]).max() > 1e-2  # the two prompts' images differ: rows were not mixed
 
 
-def test_ulysses_without_cfg(six_heads, tmp_path):
+@pytest.mark.parametrize("chunks", ["1", "2"])  # 6 heads / 3 ranks = 2 heads each: 2 chunks pipelines them
+def test_ulysses_without_cfg(six_heads, tmp_path, monkeypatch, chunks):
+    monkeypatch.setenv("QWENFAST_ULYSSES_CHUNKS", chunks)  # the spawned ranks inherit it
     call = dict(prompt=["a red circle"], num_inference_steps=2, true_cfg_scale=1.0, seeds=[5], height=48, width=80)
     np.testing.assert_allclose(run_parallel(six_heads, "ulysses=3", call, tmp_path / "o.npy", 3), _one(six_heads, call),
                                atol=1e-5, rtol=0)  # fmt: skip
