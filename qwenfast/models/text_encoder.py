@@ -37,6 +37,9 @@ IMAGE_PAD = "<|image_pad|>"
 VISION_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+VISION_TOWER = ("model.visual.", "visual.")  # Qwen2.5-VL's vision tower (transformers 5 and 4 names)
+
+
 class TextEncoder:
     """Tokenizer + Qwen2.5-VL language model; `encode(prompts)` -> (embeds, mask or None)."""
 
@@ -56,9 +59,12 @@ class TextEncoder:
         """The language model's decoder layers (offload streams them; the memory planner sizes them)."""
         return decoder_layers(self.model)
 
-    def resident(self) -> contextlib.AbstractContextManager[torch.nn.Module | None]:
-        """Context in which the weights are on the compute device (a no-op unless offloaded)."""
-        return self.offloader.on_device() if self.offloader is not None else contextlib.nullcontext()
+    def resident(self, images: bool = True) -> contextlib.AbstractContextManager[torch.nn.Module | None]:
+        """Context in which the weights are on the compute device (a no-op unless offloaded).
+        `images=False`: a text-only use, which leaves the vision tower (1.35 GB at 7B) on the host."""
+        if self.offloader is None:
+            return contextlib.nullcontext()
+        return self.offloader.on_device(leave=() if images else VISION_TOWER)
 
     @classmethod
     def from_pretrained(
@@ -132,7 +138,7 @@ class TextEncoder:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(B, L, D) embeddings right-padded with zeros, and a (B, L) long mask or None if all ones."""
         todo = [p for p in dict.fromkeys(prompts) if (p, template, drop) not in self._cache]
-        with self.resident():
+        with self.resident(images=False):
             fresh = dict(zip(todo, self._hidden([template.format(p) for p in todo], drop))) if todo else {}
         for p, h in fresh.items():
             self._put((p, template, drop), h)

@@ -84,6 +84,7 @@ class ModelSizes:
     vae: int
     te_block: int = 0  # the largest text-encoder decoder layer (offload streams these through a ring)
     te_blocks: int = 0
+    te_vision: int = 0  # the text encoder's vision tower: not moved in for a text-only encode when offloaded
     dim: int = 3072  # transformer inner dim
     te_hidden: int = 3584
     vae_base_dim: int = 96
@@ -112,9 +113,11 @@ class ModelSizes:
         te_hidden = getattr(getattr(te_cfg, "text_config", te_cfg), "hidden_size", 3584)
         layers = getattr(pipe.text_encoder, "decoder_layers", None)  # models.text_encoder.TextEncoder
         te_layers = list((layers() if layers is not None else None) or [])
+        vision = getattr(getattr(te_model, "model", None), "visual", None) or getattr(te_model, "visual", None)
         return cls(transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
                    text_encoder=nbytes(te_model), vae=nbytes(pipe.vae), dim=tr.cfg.inner_dim, te_hidden=te_hidden,
                    te_block=max((nbytes(b) for b in te_layers), default=0), te_blocks=len(te_layers),
+                   te_vision=nbytes(vision) if isinstance(vision, torch.nn.Module) else 0,
                    vae_base_dim=pipe.vae.cfg.base_dim, vae_scale=pipe.vae.cfg.scale_factor,
                    patch=tr.cfg.patch_size)  # fmt: skip
 
@@ -199,9 +202,10 @@ class MemoryPlanner:
         return max(rest, 0) + (ring + resident_blocks) * s.transformer_block + vae + te_ring
 
     def text_encoder_moved_in(self) -> int:
-        """Text-encoder bytes copied to the GPU for an encode when offloaded (its layers stream)."""
+        """Text-encoder bytes copied to the GPU for a (text-only) encode when offloaded: its layers
+        stream, its vision tower stays on the host."""
         s = self.sizes
-        return s.text_encoder - s.te_blocks * s.te_block
+        return s.text_encoder - s.te_blocks * s.te_block - s.te_vision
 
     def predict(self, height: int, width: int, batch: int = 1, *, cfg: bool = True, batched_cfg: bool = True,
                 offload: str = "none", dtype: torch.dtype = torch.bfloat16, txt_len: int = 256,
