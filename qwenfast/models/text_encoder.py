@@ -94,6 +94,9 @@ class TextEncoder:
 
     @property
     def device(self) -> torch.device:
+        """The compute device (offloaded: the one the weights come to, not the host they live on)."""
+        if self.offloader is not None:
+            return self.offloader.device
         return next(self.model.parameters()).device
 
     @property
