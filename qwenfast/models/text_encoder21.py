@@ -9,8 +9,11 @@ padded again with a key mask (None when nothing is padded) and the mask of image
 
 No torchvision: the PIL image processor makes the pixel patches and `<|image_pad|>` is expanded
 here to one token per merged patch (what `Qwen3VLProcessor` does), with `mm_token_type_ids` built
-the way the processor builds it. The pre-norm state comes from the text config's
-`tie_last_hidden_states = False` (transformers >= 5.18), not from a forward hook.
+the way the processor builds it. The pre-norm state: for the duration of the encode a forward hook
+on the language model's final norm returns the norm's input, as diffusers does. That gives the same
+`hidden_states[-1]` on every transformers 5.x (before 5.18 that entry is tied to the normed
+`last_hidden_state`; the config flag `tie_last_hidden_states` only exists from 5.18 on, so it alone
+gave the normed state on older versions).
 """
 
 from __future__ import annotations
@@ -61,8 +64,7 @@ class TextEncoder21:
         self.cuda_graphs = False  # set by the pipeline's options; encodes run eagerly
         self.offloader = None
         self.layer_streamer = None
-        lm = _language_model(model)
-        lm.config.tie_last_hidden_states = False  # hidden_states[-1] = last layer output before the norm
+        self._lm = _language_model(model)
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         self.drop_idx = self._system_tokens(chat_template)
 
@@ -144,8 +146,12 @@ class TextEncoder21:
             kwargs = {"pixel_values": vis["pixel_values"].to(self.device, self.model.dtype),
                       "image_grid_thw": vis["image_grid_thw"].to(self.device),
                       "mm_token_type_ids": (ids == self.image_token_id).to(torch.int32)}  # fmt: skip
-        with self.resident():
-            out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, **kwargs)
+        hook = self._lm.norm.register_forward_hook(lambda module, args, output: args[0])  # skip the final norm
+        try:
+            with self.resident():
+                out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, **kwargs)
+        finally:
+            hook.remove()
         hidden = out.hidden_states[-1]  # (B, T, D), before the final norm
         m = attn.bool()
         seqs = [h[r][self.drop_idx :] for h, r in zip(hidden, m)]
