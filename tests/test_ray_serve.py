@@ -193,6 +193,22 @@ def test_openai_client_auth_page_edits_and_streaming(main, ray_serve, pipe, tmp_
     assert_same_image(final, alone(pipe, "a red cat", 3, 64, 64, steps=6), "streamed")
     with pytest.raises(openai.BadRequestError, match="multiples of 16"):
         cl.images.generate(prompt="x", size="50x64")
+    # inpainting (OpenAI mask: transparent = repaint) runs in a replica with the mask: the local pipeline's image
+    from PIL import ImageDraw
+
+    from tests.test_server_inpaint import _alpha_mask, _png
+
+    src = Image.fromarray(alone(pipe, "a small red circle at the top left, blue background", 1, 64, 64))
+    r = cl.images.edit(image=("in.png", _png(src), "image/png"), mask=("m.png", _alpha_mask((64, 64), (32, 32, 63, 63)),
+                       "image/png"), prompt="a large yellow square, blue background", extra_body={"steps": 3, "seed": 9})  # fmt: skip
+    mask = Image.new("L", (64, 64), 0)
+    ImageDraw.Draw(mask).rectangle((32, 32, 63, 63), fill=255)
+    import torch
+
+    want = pipe.for_task("inpaint")("a large yellow square, blue background", negative_prompt=" ", image=src,
+                                    mask_image=mask, strength=1.0, height=64, width=64, num_inference_steps=3,
+                                    generator=torch.Generator("cpu").manual_seed(9))  # fmt: skip
+    assert_same_image(png_pixels(r.data[0].b64_json), np.asarray(want.images[0]), "inpaint through Ray")
 
     from tests.test_server_hostile import DEMO_EDIT, RAY_FLAGS, RAY_PREFIX  # the hostile suite's edit app
 

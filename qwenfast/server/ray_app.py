@@ -129,7 +129,8 @@ class EngineReplica:
         is_edit = edit_cls is not None and isinstance(p, edit_cls)
         return {"model_path": str(getattr(p, "model_path", "") or "qwen-image"), "extra": dict(getattr(p, "extra", {}) or {}),
                 "defaults": dict(p.defaults), "vae_scale_factor": p.vae_scale_factor, "is_edit": is_edit,
-                "lora_support": hasattr(p, "set_loras"), "device": str(p.device.type), "dtype": str(p.dtype),
+                "lora_support": hasattr(p, "set_loras"), "can_inpaint": hasattr(p, "for_task"),
+                "device": str(p.device.type), "dtype": str(p.dtype),
                 "mode": getattr(p, "mode", None) if is_edit else None,
                 "image_areas": dict(getattr(p, "image_areas", {}) or {}) if is_edit else None}  # fmt: skip
 
@@ -142,7 +143,7 @@ class EngineReplica:
         from .schemas import APIError
 
         job = Job(spec["params"], asyncio.get_running_loop(), kind=spec["kind"], loras=tuple(spec["loras"]),
-                  images=spec["images"], stream_events=True)  # fmt: skip
+                  images=spec["images"], stream_events=True, mask=spec.get("mask"))  # fmt: skip
         try:
             self.sched.submit(job)
         except APIError as e:

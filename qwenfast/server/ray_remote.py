@@ -82,6 +82,17 @@ class RemotePipe:
         self.mode, self.image_areas = desc.get("mode"), desc.get("image_areas") or {}
         if desc["lora_support"]:
             self.set_loras = self._remote_only
+        if desc.get("can_inpaint"):  # img2img / inpainting / edit-inpainting run in the replicas
+            self.for_task = self._task
+
+    def _task(self, task: str) -> RemotePipe:
+        """The ingress' view of `pipe.for_task(task)`: only sizes are asked of it. Edit-inpainting's
+        output follows the image whatever height/width say (`QwenImageEditInpaintPipeline.output_size`)."""
+        if not self.is_edit:
+            return self
+        view = RemotePipe(self.desc)
+        view.output_size = lambda call_args: RemotePipe.output_size(self, {"image": call_args["image"]})
+        return view
 
     def output_size(self, call_args: dict) -> tuple[int, int]:
         if self.is_edit:
@@ -109,7 +120,7 @@ def job_spec(job) -> dict:
     p = job.params
     if not p.stream:  # previews are only for clients that stream (batcher.py); keep it so remotely
         p = dataclasses.replace(p, partial_images=0)
-    return {"params": p, "kind": job.kind, "loras": job.loras, "images": job.images}
+    return {"params": p, "kind": job.kind, "loras": job.loras, "images": job.images, "mask": job.mask}
 
 
 def route_key(job) -> str:
