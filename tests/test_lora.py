@@ -21,7 +21,8 @@ from safetensors.torch import save_file
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
-from qwenfast.loading.lora import LoraError, LoraManager  # noqa: E402
+from qwenfast.loading.lora import LoraError  # noqa: E402
+from qwenfast.loading.lora_manager import LoraManager  # noqa: E402
 from qwenfast.pipeline import sampling as S  # noqa: E402
 
 KW = dict(

@@ -139,7 +139,7 @@ class FP8Linear(nn.Module):
         self.out_dtype = out_dtype
         self.in_features, self.out_features = weight_fp8.shape[1], weight_fp8.shape[0]
         # Unmerged LoRA: (down (R, K), up (N, R)) in out_dtype, y += (x @ downᵀ) @ upᵀ, or None. Owned by
-        # loading.lora.LoraManager (strengths and scales are folded into `up`; R is padded to a bucket
+        # loading.lora_manager.LoraManager (strengths and scales are folded into `up`; R is padded to a bucket
         # and the tensors are rewritten in place on a switch, so captured CUDA graphs stay valid).
         # Plain attributes, not buffers: not part of the checkpoint's state dict.
         self.lora: tuple[torch.Tensor, torch.Tensor] | None = None

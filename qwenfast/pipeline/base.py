@@ -266,7 +266,7 @@ class PipelineBase:
         if m is None or m.model is not self.transformer:
             if m is not None and m.active:
                 raise RuntimeError("pipe.transformer was replaced while LoRAs were fused into the old one")
-            from ..loading.lora import LoraManager
+            from ..loading.lora_manager import LoraManager
 
             m = self._lora_manager = LoraManager(self.transformer)
         return m
