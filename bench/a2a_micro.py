@@ -38,7 +38,7 @@ def worker(rank: int, port: int) -> None:
         n = mb * 2**20 // 2
         x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
         y = torch.empty_like(x)
-        us = _time(lambda: dist.all_to_all_single(y, x))
+        us = _time(lambda x=x, y=y: dist.all_to_all_single(y, x))
         gbs = (n * 2 / 2) / (us * 1e-6) / 1e9  # bytes that cross the link, each way
         if rank == 0:
             print(f"nccl all_to_all_single {mb} MB: {us:.0f} us, {gbs:.0f} GB/s per direction", flush=True)
@@ -51,7 +51,7 @@ def peer_copies() -> None:
         n = int(mb * 2**20 // 2)
         a = torch.randn(n, device="cuda:0", dtype=torch.bfloat16)
         b = torch.empty(n, device="cuda:1", dtype=torch.bfloat16)
-        us = _time(lambda: b.copy_(a, non_blocking=True))
+        us = _time(lambda a=a, b=b: b.copy_(a, non_blocking=True))
         print(f"peer copy cuda:0 -> cuda:1 {mb} MB: {us:.0f} us, {n * 2 / (us * 1e-6) / 1e9:.0f} GB/s "
               f"(can_access_peer={torch.cuda.can_device_access_peer(0, 1)})", flush=True)
 
