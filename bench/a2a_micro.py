@@ -7,27 +7,18 @@ stays local), the output 13 MB. Run: `python bench/a2a_micro.py` on nvidia-h200-
 from __future__ import annotations
 
 import os
-import statistics
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from qwenfast.benchmarks import median_ms
 
-def _time(fn, n=50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+
+def _time(fn) -> float:
+    """Median microseconds (qwenfast's CUDA-event timer)."""
+    return median_ms(fn, 5, 50) * 1e3
 
 
 def worker(rank: int, port: int) -> None:

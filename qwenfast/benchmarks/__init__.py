@@ -54,3 +54,23 @@ def results_dir(value: str | None) -> Path | None:
 
 
 RESULTS_HELP = "append the JSON record to DIR/<bench>.jsonl (default: only print it)"
+
+
+def median_ms(fn, warmup: int = 3, iters: int = 10) -> float:
+    """Median GPU time of `fn()` in ms over `iters` calls after `warmup` (CUDA events, synchronised per call)."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import time
 import traceback
 from pathlib import Path
@@ -34,27 +33,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from . import emit, rel_err, versions
+from . import emit, median_ms, rel_err, versions
 
 PASS_TOL = 0.08  # rel. error vs exact fp32 on N(0, 1) inputs (e4m3 Q/K alone: ~0.046 at d=128)
 TARGET_MS_PER_FORWARD = 12.0  # issue 16: attention <= 12 ms of a 60-layer 1024² forward
 LAYERS = 60
 SIZES = {4224: "1024² (4096 image + 128 text tokens)", 7017: "1328² (6889 image + 128 text tokens)"}
-
-
-def _ms(fn, warmup: int = 5, iters: int = 30) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _say(tag: str, **kw) -> None:
@@ -185,10 +169,10 @@ def micro(out_dir: Path | None) -> dict:
                     row["rel_err_vs_fp32"] = float(f"{rel_err(out, exact):.3e}")
                     row["rel_err_vs_cudnn_bf16"] = float(f"{rel_err(out, bf16):.3e}")
                     row["rel_err_sharp_vs_fp32"] = float(f"{rel_err(run(qs, ks, vs), exact_s):.3e}")
-                    row["ms_layer"] = round(_ms(lambda: run(q, k, v)), 4)
+                    row["ms_layer"] = round(median_ms(lambda: run(q, k, v), 5, 30), 4)
                     if kernel_only is not None:
-                        row["ms_kernel"] = round(_ms(kernel_only(q, k, v)), 4)
-                        row["ms_quant"] = round(_ms(quant_only(q, k, v)), 4)
+                        row["ms_kernel"] = round(median_ms(kernel_only(q, k, v), 5, 30), 4)
+                        row["ms_quant"] = round(median_ms(quant_only(q, k, v), 5, 30), 4)
                     row["ms_forward_60"] = round(LAYERS * row["ms_layer"], 2)
                     row["tflops"] = round(4 * S * S * 128 * 24 / row["ms_layer"] / 1e9, 1)
                     row["nan_checks"] = _nan_checks(run, S)
@@ -291,7 +275,7 @@ def transformer(out_dir: Path | None, size: int = 1024, txt_len: int = 128) -> d
                 graphs = CudaGraphRunner(ours)
                 fn = lambda graphs=graphs: graphs(x, txt, None, t, shapes)  # noqa: E731
                 outs[backend] = fn().clone()
-                row["ms_forward_graph"] = round(_ms(fn, warmup=3, iters=10), 2)
+                row["ms_forward_graph"] = round(median_ms(fn, 3, 10), 2)
                 row["graph_enabled_after"] = bool(graphs.enabled)
                 row["profile_eager_ms"] = _profile_ms(lambda: ours(x, txt, None, t, shapes))
                 row["attention_ms_eager_incl_quant"] = round(

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import RESULTS_HELP, emit, rel_err, results_dir, versions
+from . import RESULTS_HELP, emit, median_ms, rel_err, results_dir, versions
 
 GiB = 1024**3
 
@@ -47,20 +47,6 @@ def _forward_inputs(size: int = 1024, txt: int = 128):
     emb = torch.randn(1, txt, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
     t = torch.full((1,), 0.7, device="cuda", dtype=torch.bfloat16)
     return x, emb, None, t, [(1, size // 16, size // 16)]
-
-
-def _ms(fn, iters: int = 5) -> float:
-    fn()
-    _sync()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        _sync()
-        ts.append(a.elapsed_time(b))
-    return float(np.median(ts))
 
 
 def write_fp8_file(model: torch.nn.Module, path: Path) -> int:
@@ -116,7 +102,7 @@ def load_stage(tmp: Path) -> dict:
     graphs = CudaGraphRunner(m8)
     with torch.no_grad():
         y8 = m8(*inp).float()
-        fwd_ms = _ms(lambda: graphs(*inp))
+        fwd_ms = median_ms(lambda: graphs(*inp), 1, 5)
     graphs.clear()
     m8 = None
     _free()
@@ -188,7 +174,7 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
     inp = _forward_inputs()
     pipe.configure(cuda_graphs=True)
     with torch.no_grad():
-        ms_lora = _ms(lambda: pipe._forward(*inp))
+        ms_lora = median_ms(lambda: pipe._forward(*inp), 1, 5)
         e2e_lora = _timed(pipe, p + " timed")[0]
     pipe.configure(cuda_graphs=False)
     layers = [m for m in pipe.transformer.modules() if isinstance(m, FP8Linear)]
@@ -197,7 +183,7 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
     fp8 = _image(pipe, p)
     pipe.configure(cuda_graphs=True)
     with torch.no_grad():
-        ms_plain = _ms(lambda: pipe._forward(*inp))
+        ms_plain = median_ms(lambda: pipe._forward(*inp), 1, 5)
         e2e_plain = _timed(pipe, p + " timed")[0]
     unload_bitwise = digest == [int(m.weight_fp8.view(torch.uint8).float().sum()) for m in layers[:8]]
     # switches (graphs on: captured with A, replayed after switching to B)

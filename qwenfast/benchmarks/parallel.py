@@ -23,10 +23,10 @@ import torch.distributed as dist
 
 
 def _ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    from .transformer import _median_ms
+    from . import median_ms
 
     dist.barrier()
-    return round(_median_ms(fn, warmup, iters), 2)
+    return round(median_ms(fn, warmup, iters), 2)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

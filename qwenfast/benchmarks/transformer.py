@@ -10,7 +10,6 @@ also appended to DIR/transformer.jsonl.
 
 from __future__ import annotations
 
-import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -18,27 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import emit, rel_err, versions
+from . import emit, median_ms, rel_err, versions
 
 if TYPE_CHECKING:
     from ..models.transformer import QwenImageTransformer
 
 PEAK_TFLOPS = 809.0  # bf16 dense GEMM, measured on H200 (see shared facts)
-
-
-def _median_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 
@@ -179,7 +163,7 @@ def run(sizes: Iterable[int] = (1024,), compare: bool = True, num_layers: int = 
                 stance = "force_eager"  # blocks compiled for an earlier size run eagerly here
             with torch.no_grad(), torch.compiler.set_stance(stance):
                 out = fn().clone()
-                ms = _median_ms(fn, warmup, iters)
+                ms = median_ms(fn, warmup, iters)
             outs[name] = out
             if bf16_modules is not None:  # back to bf16 for the other variants and sizes
                 _swap(ours, bf16_modules)
