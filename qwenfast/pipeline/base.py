@@ -390,6 +390,24 @@ class PipelineBase:
         if start is not None:  # starts part-way along the schedule, from the image
             x, sig, blend = start(x, sig)
         events: list[str] = []
+        with self._engine():
+            x = self._denoise_batch(self._core_forward(), x, sig, img_shapes, cond, uncond, cfg_scale,
+                                    None if ref is None else ref[0], callback, forward_for=forward_for,
+                                    blend=blend, events=events)  # fmt: skip
+            info = {"oom_backoff": events} if events else {}
+            if output_type == "latent":
+                return QwenImageOutput(images=x, info=info)
+            return QwenImageOutput(images=postprocess(self.decode_latents(x, h, w), output_type), info=info)
+
+    def _denoise_batch(self, forward: Callable, x: torch.Tensor, sig: torch.Tensor, img_shapes: list,
+                       cond: S.TextCond, uncond: S.TextCond | None, cfg_scale: float, ref_latents: torch.Tensor | None,
+                       callback: Callable | None, *, forward_for: Callable | None = None, blend=None,
+                       guidance: Callable = S.true_cfg, events: list[str] | None = None) -> torch.Tensor:  # fmt: skip
+        """The denoise core over the batch x (B, N, 64), split into row chunks on CUDA OOM (the `oom`
+        option): each chunk gets its rows of the conditioning, of `forward_for(forward, i, j)` and of
+        `blend.rows(i, j)`, and a split batch's callbacks still see the whole batch. Call inside `_engine()`."""
+        B = x.shape[0]
+        buf = x.clone() if callback is not None else None
 
         def chunk(i: int, j: int) -> torch.Tensor:
             cb = callback
@@ -401,21 +419,14 @@ class PipelineBase:
             fwd = forward if forward_for is None else forward_for(forward, i, j)
             return S.denoise(fwd, x[i:j], sig, img_shapes, cond.rows(i, j),
                              None if uncond is None else uncond.rows(i, j), cfg_scale,
-                             None if ref is None else ref[0][i:j], self._options.batched_cfg, cb,
-                             progress=self.progress_bar, blend=None if blend is None else blend.rows(i, j))  # fmt: skip
+                             None if ref_latents is None else ref_latents[i:j], self._options.batched_cfg, cb,
+                             progress=self.progress_bar, guidance=guidance,
+                             blend=None if blend is None else blend.rows(i, j))  # fmt: skip
 
-        buf = x.clone() if callback is not None else None
-        forward = self._core_forward()
-        with self._engine():
-            if self._options.oom == "backoff":  # per call: nothing stays switched on afterwards
-                parts = run_in_chunks(chunk, B, events=events)
-                x = parts[0] if len(parts) == 1 else torch.cat(parts)
-            else:
-                x = chunk(0, B)
-            info = {"oom_backoff": events} if events else {}
-            if output_type == "latent":
-                return QwenImageOutput(images=x, info=info)
-            return QwenImageOutput(images=postprocess(self.decode_latents(x, h, w), output_type), info=info)
+        if self._options.oom != "backoff":  # per call: nothing stays switched on afterwards
+            return chunk(0, B)
+        parts = run_in_chunks(chunk, B, events=events)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     # ---------------------------------------------------------------- decoding
     def decode_latents(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:

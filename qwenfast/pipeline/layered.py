@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from ..options import EngineOptions
-from ..runtime.oom import run_in_chunks
 from . import sampling as S
 from .base import PipelineBase
 from .common import (
@@ -229,15 +228,6 @@ class QwenImageLayeredPipeline(PipelineBase):
                 rgb[x.shape[0]] = torch.zeros(x.shape[0], dtype=torch.long, device=x.device)
             return self._forward(x, emb, mask, t, shapes, step, additional_t_cond=rgb[x.shape[0]])
 
-        def chunk(i: int, j: int) -> torch.Tensor:
-            return S.denoise(forward, x[i:j], sig, img_shapes, cond.rows(i, j),
-                             None if uncond is None else uncond.rows(i, j), cfg_scale, ref[i:j],
-                             self._options.batched_cfg, callback if (i, j) == (0, x.shape[0]) else None,
-                             progress=self.progress_bar,
-                             guidance=S.true_cfg if cfg_normalize else S.plain_cfg)  # fmt: skip
-
         with self._engine():
-            if self._options.oom != "backoff":
-                return chunk(0, x.shape[0])
-            parts = run_in_chunks(chunk, x.shape[0])
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
+            return self._denoise_batch(forward, x, sig, img_shapes, cond, uncond, cfg_scale, ref, callback,
+                                       guidance=S.true_cfg if cfg_normalize else S.plain_cfg)  # fmt: skip
