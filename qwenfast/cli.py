@@ -31,17 +31,6 @@ def _size(s: str) -> tuple[int, int]:
     return w, h
 
 
-def _lora_spec(s: str) -> tuple[str, float]:
-    """PATH[:STRENGTH]; a last `:` part that is not a number belongs to the path (C:\\loras\\x.safetensors)."""
-    path, sep, tail = s.rpartition(":")
-    if sep and path:
-        try:
-            return path, float(tail)
-        except ValueError:
-            pass
-    return s, 1.0
-
-
 SINGLE_FILES = ("transformer", "vae", "text_encoder", "tokenizer")
 
 
@@ -88,7 +77,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, size_help: str) -> None:
     p.add_argument("--size", type=_size, default=None, help=size_help)
     p.add_argument("--n", type=_positive, default=1, help="number of images (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--lora", type=_lora_spec, action="append", default=[], metavar="PATH[:STRENGTH]",
+    p.add_argument("--lora", type=V.path_and_number, action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="fuse a LoRA (.safetensors; diffusers, kohya, ComfyUI names) at STRENGTH (default 1); repeatable")
     add_engine_arguments(p)  # --device --dtype --offload --fp8 --cuda-graphs --kernels --attention --preset
 

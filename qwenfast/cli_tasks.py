@@ -14,17 +14,7 @@ from pathlib import Path
 
 from .options import add_engine_arguments
 from .options import positive_int as _positive
-
-
-def _controlnet_spec(s: str) -> tuple[str, float]:
-    """PATH[:SCALE]; a last `:` part that is not a number belongs to the path."""
-    path, sep, tail = s.rpartition(":")
-    if sep and path:
-        try:
-            return path, float(tail)
-        except ValueError:
-            pass
-    return s, 1.0
+from .validation import path_and_number
 
 
 def _fraction(s: str) -> float:
@@ -41,7 +31,7 @@ def add_control_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ControlNet (InstantX Qwen-Image-ControlNet-Union / -Inpainting)")
     g.add_argument("--control", action="append", default=[], metavar="IMG",
                    help="control picture (canny, depth, pose, ...); repeatable for several conditions")  # fmt: skip
-    g.add_argument("--controlnet", type=_controlnet_spec, action="append", default=[], metavar="PATH[:SCALE]",
+    g.add_argument("--controlnet", type=path_and_number, action="append", default=[], metavar="PATH[:SCALE]",
                    help="ControlNet folder or .safetensors file, conditioning scale (default 1); one for every "
                         "--control (one Union net) or one per --control")  # fmt: skip
     g.add_argument("--control-mask", default=None, metavar="MASK",
@@ -113,6 +103,6 @@ def add_layers_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
     p.add_argument("--n", type=_positive, default=1, help="decompositions to make (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--lora", action="append", default=[], type=_controlnet_spec, metavar="PATH[:STRENGTH]",
+    p.add_argument("--lora", action="append", default=[], type=path_and_number, metavar="PATH[:STRENGTH]",
                    help="fuse a LoRA at STRENGTH (default 1); repeatable")  # fmt: skip
     add_engine_arguments(p)

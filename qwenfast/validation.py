@@ -97,3 +97,15 @@ def size_note(trained: tuple[int, int] | None, width: int, height: int) -> str |
         return None
     return (f"note: this model was trained at {tw}x{th}; {width}x{height} will likely give noise "
             f"(pick a size near {tw}x{th})")  # fmt: skip
+
+
+def path_and_number(s: str, default: float = 1.0) -> tuple[str, float]:
+    """`PATH[:NUMBER]` (a LoRA's strength, a ControlNet's scale); a last `:` part that is not a number
+    belongs to the path (C:\\loras\\x.safetensors)."""
+    path, sep, tail = s.rpartition(":")
+    if sep and path:
+        try:
+            return path, float(tail)
+        except ValueError:
+            pass
+    return s, default
