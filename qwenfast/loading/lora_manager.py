@@ -239,10 +239,16 @@ class LoraManager:
 
     def _sync_side(self) -> None:
         """Rebuild the unmerged LoRA tensors of the FP8 layers touched since the last call."""
-        for mod in sorted(self._side_dirty):
-            parts = [(d.slot, d.up, d.down, e.strength * d.scale) for e in self.active.values() if e.strength
-                     for d in e.deltas if d.module == mod]  # fmt: skip
-            if set_side_lora(self.index.linear[mod], parts, self.index.pieces.get(mod, 1)):
+        if not self._side_dirty:
+            return
+        parts: dict[str, list] = {mod: [] for mod in self._side_dirty}  # one pass over the deltas, in load order
+        for e in self.active.values():
+            if e.strength:
+                for d in e.deltas:
+                    if d.module in parts:
+                        parts[d.module].append((d.slot, d.up, d.down, e.strength * d.scale))
+        for mod in sorted(parts):
+            if set_side_lora(self.index.linear[mod], parts[mod], self.index.pieces.get(mod, 1)):
                 self.side_layout += 1
         self._side_dirty.clear()
 
