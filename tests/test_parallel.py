@@ -70,7 +70,8 @@ def test_text_to_image_equals_one_process(six_heads, tmp_path, layout, world, si
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     import json
 
-    assert json.loads((tmp_path / "out.json").read_text()) == {"core": "ParallelForward", "world": world}
+    assert json.loads((tmp_path / "out.json").read_text()) == {"core": "ParallelForward", "world": world,
+                                                                "exchange": "collective"}  # fmt: skip
     assert np.abs(want[0] - want[1]).max() > 1e-2  # the two prompts' images differ: rows were not mixed
 
 
@@ -82,13 +83,38 @@ def test_ulysses_without_cfg(six_heads, tmp_path, monkeypatch, chunks):
                                atol=1e-5, rtol=0)  # fmt: skip
 
 
-def test_edit_with_reference_tokens_equals_one_process(edit_model, tmp_path):
+@pytest.mark.parametrize("layout,world,size,interp", [
+    ("ulysses=2", 2, (80, 48), False),
+    ("ulysses=3", 3, (80, 48), False),
+    ("cfg=2,ulysses=2", 4, (64, 48), False),
+    ("ulysses=2", 2, (48, 48), True),  # the Triton copy kernel (interpreter) across the processes
+])  # fmt: skip
+def test_peer_exchange_equals_one_process(six_heads, tmp_path, monkeypatch, layout, world, size, interp):
+    """The peer-memory Ulysses exchange (shared-memory files on CPU, NVLink on GPUs) gives the
+    one-process pixels, as the collective one does."""
+    import json
+
+    call = dict(T2I_CFG, height=size[0], width=size[1], num_inference_steps=2)
+    want = _one(six_heads, call)
+    monkeypatch.setenv("QWENFAST_ULYSSES_EXCHANGE", "peer")  # the spawned ranks inherit these
+    if interp:  # set after this process ran its own Triton-less reference
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setenv("QWENFAST_KERNELS", "triton")
+    got = run_parallel(six_heads, layout, call, tmp_path / "out.npy", world)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert json.loads((tmp_path / "out.json").read_text())["exchange"] == "peer"
+
+
+def test_edit_with_reference_tokens_equals_one_process(edit_model, tmp_path, monkeypatch):
     """Edit-2511 style (zero_cond_t): the shard boundary falls inside the noise or the reference tokens."""
     img = (np.random.default_rng(0).random((40, 56, 3)) * 255).astype(np.uint8)
     call = dict(image=img, prompt=["make it red"], negative_prompt=" ", true_cfg_scale=2.0, num_inference_steps=2,
                 seeds=[6], height=48, width=64)  # fmt: skip
     want = _one(edit_model, call)
-    for layout, world in (("ulysses=2", 2), ("cfg=2", 2)):
+    for layout, world, exchange in (("ulysses=2", 2, "collective"), ("cfg=2", 2, "collective"),
+                                    ("ulysses=2", 2, "peer")):  # fmt: skip
+        monkeypatch.setenv("QWENFAST_ULYSSES_EXCHANGE", exchange)
         got = run_parallel(edit_model, layout, call, tmp_path / f"{world}.npy", world)
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 

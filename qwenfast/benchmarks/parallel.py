@@ -35,17 +35,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too: bool) -> dict:
-    from ..options import EngineOptions  # noqa: F401 - the layout types below
+def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too: bool, fp8: bool = True) -> dict:
+    """Per size: one GPU vs Ulysses over `world` GPUs, each exchange (peer memory, the default on
+    CUDA; NCCL all-to-alls), bf16 and FP8 block GEMMs; each variant its own CUDA graphs."""
     from ..runtime.blocks import StepContext
     from ..runtime.cuda_graphs import CudaGraphRunner
     from ..runtime.parallel import ParallelConfig, ParallelForward, ParallelGroups
-    from .transformer import build
+    from .transformer import _fp8_modules, _swap, build
 
     rank = dist.get_rank()
     ours, ref = build(layers, compare=diffusers_too)
     groups = ParallelGroups(ParallelConfig(ulysses=world))
-    graphs = CudaGraphRunner(ours)
+    fp8_mods = _fp8_modules(ours) if fp8 else None
+    runners: dict[str, CudaGraphRunner] = {}
     rows = {}
     for size in sizes:
         g = torch.Generator(device="cuda").manual_seed(size)
@@ -56,20 +58,36 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
         shapes = [(1, size // 16, size // 16)]
         step = StepContext(0, 1, 0.5)
         row = {}
-        one = graphs(x, txt, None, t, shapes, step=step)
-        if rank == 0:
-            row["qwenfast_1gpu_ms"] = _ms(lambda: graphs(x, txt, None, t, shapes, step=step))
-        else:
-            dist.barrier()
-        # the shard's forward as a CUDA graph, its collectives captured with it
-        par = ParallelForward(lambda *a, shard=None: graphs(*a[:5], step=a[5], shard=shard), groups)
-        out = par(x, txt, None, t, shapes, step)
-        row[f"qwenfast_ulysses{world}_ms"] = _ms(lambda: par(x, txt, None, t, shapes, step))
-        row["rel_err_vs_1gpu"] = _rel(out, one)
-        if ref is not None:
+        for prec in ("bf16", "fp8") if fp8 else ("bf16",):
+            old = _swap(ours, fp8_mods) if prec == "fp8" else None
+            tag = "" if prec == "bf16" else "_fp8"
+            one_graphs = runners.setdefault(prec, CudaGraphRunner(ours))
+            one = one_graphs(x, txt, None, t, shapes, step=step)
+            if rank == 0:
+                row[f"qwenfast_1gpu{tag}_ms"] = _ms(lambda: one_graphs(x, txt, None, t, shapes, step=step))
+            else:
+                dist.barrier()
+            for exchange in ("peer", "collective") if prec == "bf16" else ("peer",):
+                os.environ["QWENFAST_ULYSSES_EXCHANGE"] = exchange
+                graphs = runners.setdefault(f"{prec}:{exchange}", CudaGraphRunner(ours))
+                # the shard's forward as a CUDA graph, its exchanges captured with it
+                par = ParallelForward(lambda *a, shard=None, g=graphs: g(*a[:5], step=a[5], shard=shard), groups)
+                out = par(x, txt, None, t, shapes, step)
+                name = f"qwenfast_ulysses{world}{tag}" + ("" if exchange == "peer" else "_collective")
+                row[f"{name}_ms"] = _ms(lambda: par(x, txt, None, t, shapes, step))
+                row[f"{name}_rel_err_vs_1gpu"] = _rel(out, one)
+                if rank == 0:
+                    row[f"{name}_speedup"] = round(row[f"qwenfast_1gpu{tag}_ms"] / row[f"{name}_ms"], 2)
+            os.environ.pop("QWENFAST_ULYSSES_EXCHANGE", None)
+            if old is not None:
+                _swap(ours, old)
+        for r in runners.values():  # each size's graph pools go before the next size's
+            r.clear()
+        torch.cuda.empty_cache()
+        if ref is not None:  # diffusers' own Ulysses: at the first size only (its model is dropped after)
             row.update(_diffusers_rows(ref, x, txt, t, size, world, rank))
-        if "qwenfast_1gpu_ms" in row:
-            row["speedup"] = round(row["qwenfast_1gpu_ms"] / row[f"qwenfast_ulysses{world}_ms"], 2)
+            ref = None
+            torch.cuda.empty_cache()
         rows[size] = row
     return rows
 

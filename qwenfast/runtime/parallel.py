@@ -12,6 +12,9 @@ Layout: world = cfg x ulysses ranks, rank = cfg_rank * ulysses + sp_rank.
   one all-gather of heads on the way out. Chunks are padded to the largest for the all-to-all (equal
   sizes: NCCL and gloo both take them) and the padding is dropped before the attention, so no mask
   is added and the result is exactly the one-device attention.
+  Two transports do that exchange (`QWENFAST_ULYSSES_EXCHANGE`): "peer" (the default on CUDA: direct
+  writes into the other GPUs' buffers, runtime/ulysses_peer.py) and "collective" (NCCL / gloo
+  all-to-alls, below; the default on CPU). Both give the same numbers bit for bit.
 
 Every rank holds the whole model, draws the same noise from the same seed, encodes the prompt and
 decodes the image itself (rank 0 keeps it). CPU processes over gloo run the same code (tests).
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from .attention import trim_padding, wrap_attention
 from .blocks import StepContext
+from .ulysses_peer import PeerUlyssesAttention, exchange_choice
 
 __all__ = ["ParallelConfig", "ParallelGroups", "ParallelForward", "split_sizes", "UlyssesAttention"]
 
@@ -93,6 +97,7 @@ class ParallelGroups:
             g = dist.new_group(ranks)
             if rank in ranks:
                 self.cfg_group = g
+        self.plans: dict = {}  # the peer exchange's buffers per call shape (runtime/ulysses_peer.py)
 
 
 def _all_gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -208,7 +213,11 @@ class ParallelForward:
         sizes = split_sizes(N, G)
         start = sum(sizes[: g.sp_rank])
         n = sizes[g.sp_rank]
-        with wrap_attention(UlyssesAttention(g, sizes, emb.shape[1])):
+        if exchange_choice(x.device) == "peer":
+            wrapper = PeerUlyssesAttention(g, sizes, emb.shape[1], g.plans)
+        else:
+            wrapper = UlyssesAttention(g, sizes, emb.shape[1])
+        with wrap_attention(wrapper):
             out = self.fn(x[:, start : start + n], emb, mask, t, img_shapes, step, shard=(start, start + n))
         m = max(sizes)
         if n < m:

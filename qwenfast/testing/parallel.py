@@ -40,8 +40,11 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
         if rank == 0:
             np.save(out, images)
             # what ran: the multi-GPU wrapper around the forward, over this many ranks
+            from qwenfast.runtime.ulysses_peer import exchange_choice
+
             Path(out).with_suffix(".json").write_text(json.dumps(
-                {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size()}))
+                {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size(),
+                 "exchange": exchange_choice(torch.device("cpu"))}))  # fmt: skip
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,117 @@
+"""Ulysses over peer memory: the all-to-alls of `parallel.UlyssesAttention` done as direct writes
+into the other ranks' buffers, already in the layout attention reads.
+
+Why: the collective exchange measured 28 ms of overhead per 1024² forward on 2 H200s (88.4 ms vs
+the 61 ms a perfect split of 122.5 ms would give). NCCL's all-to-alls were ~11.5 ms of it (192 µs
+per layer for 52 MB, while the 26 MB that actually cross NVLink need ~85 µs); the rest was the
+copies around them: packing a padded send buffer, `torch.cat` of text and received chunks, the
+permute of the output, and an all-gather for the text heads.
+
+Here, per attention call, on rank r of G (h = H/G heads per rank, tokens: text Lt replicated, image
+split in contiguous chunks n_j starting at s_j; S = Lt + sum n_j):
+1. one kernel (`kernels/head_scatter`) writes Q, K, V: my text rows of my heads into my IN buffer
+   (3, B, S, h, D), and for every rank j my image rows of j's heads into j's IN at tokens Lt + s_r;
+   barrier.
+2. attention on IN (my h heads, every token): the same attention kernel as one GPU, no mask added.
+3. one kernel writes the output back: for every rank j, the text rows and j's image rows of my
+   heads into j's OUT buffer (B, Lt + n_j, H, D) at heads r*h; barrier.
+4. OUT is copied into a fresh tensor (the caller may keep it; the next call reuses OUT), returned
+   as (B, H, Lt + n_r, D) over (B, Lt + n_r, H, D) memory, the layout the out projections read.
+
+Why one IN and one OUT buffer are enough (no double buffering): rank r writes IN for call i+1 only
+after the barrier of step 3 of call i, which every rank passes only after its own attention of
+call i (stream order); it writes OUT for call i+1 after the barrier of step 1 of call i+1, which
+every rank reaches only after step 4 of call i.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from ..kernels.head_scatter import entry, head_scatter
+from .peer_memory import PeerBuffer, peer_memory_available
+
+__all__ = ["PeerUlyssesAttention", "exchange_choice", "EXCHANGES"]
+
+EXCHANGES = ("auto", "peer", "collective")
+
+
+def exchange_choice(device: torch.device) -> str:
+    """`QWENFAST_ULYSSES_EXCHANGE`: "peer", "collective", or "auto" (peer on CUDA where every GPU
+    reaches the others over P2P; collective on CPU, where the gloo tests force each in turn)."""
+    want = os.environ.get("QWENFAST_ULYSSES_EXCHANGE", "auto").strip().lower()
+    if want not in EXCHANGES:
+        raise ValueError(f"QWENFAST_ULYSSES_EXCHANGE must be one of {EXCHANGES}, got {want!r}")
+    if want == "auto":
+        return "peer" if device.type == "cuda" and peer_memory_available(device) else "collective"
+    if want == "peer" and not peer_memory_available(device):
+        raise RuntimeError(f"QWENFAST_ULYSSES_EXCHANGE=peer, but {device} cannot reach its peers' memory")
+    return want
+
+
+class _Plan:
+    """The buffers and copy tables of one call shape (kept for the life of the process)."""
+
+    def __init__(self, group, rank: int, G: int, B: int, H: int, D: int, Lt: int, sizes: list[int],
+                 dtype: torch.dtype, device: torch.device):  # fmt: skip
+        h, S, m = H // G, Lt + sum(sizes), max(sizes)
+        starts = [sum(sizes[:j]) for j in range(G)]
+        self.IN = PeerBuffer(group, 3 * B * S * h * D, dtype, device)
+        self.OUT = PeerBuffer(group, B * (Lt + m) * H * D, dtype, device)
+        ins = [self.IN.view(j, (3, B, S, h, D)) for j in range(G)]
+        outs = [self.OUT.view(j, (1, B, Lt + sizes[j], H, D)) for j in range(G)]
+        n, s = sizes[rank], starts[rank]
+        self.in_rows = [entry(ins[rank], src_t0=0, src_h0=rank * h, dst_t0=0, count=Lt)]  # my text, my heads
+        self.in_rows += [entry(ins[j], src_t0=Lt, src_h0=j * h, dst_t0=Lt + s, count=n) for j in range(G)]
+        self.in_dsts = [ins[rank]] + ins
+        self.out_rows, self.out_dsts = [], []
+        for j in range(G):  # the text rows and j's image rows of my heads -> j, at heads rank*h
+            self.out_rows += [entry(outs[j], src_t0=0, src_h0=0, dst_t0=0, count=Lt, dst_h0=rank * h),
+                              entry(outs[j], src_t0=Lt + starts[j], src_h0=0, dst_t0=Lt, count=sizes[j],
+                                    dst_h0=rank * h)]  # fmt: skip
+            self.out_dsts += [outs[j], outs[j]]
+        self.in_table = torch.tensor(self.in_rows, dtype=torch.int64, device=device)
+        self.out_table = torch.tensor(self.out_rows, dtype=torch.int64, device=device)
+        self.q, self.k, self.v = (ins[rank][c].transpose(1, 2) for c in range(3))  # (B, h, S, D)
+        self.mine = outs[rank][0]  # (B, Lt + n, H, D)
+        self.h, self.in_max, self.out_max = h, max(Lt, n), max(Lt, m)
+
+
+class PeerUlyssesAttention:
+    """The `wrap_attention` wrapper of one forward (same contract as `parallel.UlyssesAttention`):
+    q, k, v (B, H, Lt + n_mine, D) -> the same shape, attention over every rank's tokens."""
+
+    def __init__(self, groups, sizes: list[int], txt_len: int, plans: dict):
+        self.g, self.sizes, self.txt_len, self.plans = groups, sizes, txt_len, plans
+
+    def _plan(self, q: torch.Tensor) -> _Plan:
+        B, H, _, D = q.shape
+        key = (B, H, D, self.txt_len, tuple(self.sizes), q.dtype, str(q.device))
+        if key not in self.plans:
+            g = self.g
+            self.plans[key] = _Plan(g.sp_group, g.sp_rank, g.sp_size, B, H, D, self.txt_len, self.sizes, q.dtype,
+                                    q.device)  # fmt: skip
+        return self.plans[key]
+
+    def __call__(self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+        G, Lt = self.g.sp_size, self.txt_len
+        B, H, _, D = q.shape
+        if H % G:
+            raise ValueError(f"ulysses={G} needs a head count divisible by {G}; this model has {H} heads")
+        p = self._plan(q)
+        src = [x.transpose(1, 2) for x in (q, k, v)]  # (B, T, H, D) views
+        if len({x.stride() for x in src}) > 1:
+            src = [x.contiguous() for x in src]
+        head_scatter(src, p.in_table, p.in_rows, p.in_dsts, p.h, p.in_max)
+        p.IN.barrier()
+        if mask is not None:  # (B, 1, 1, Lt + n_mine): the text part is replicated, image keys are real
+            mask = torch.cat([mask[..., :Lt], mask.new_ones(B, 1, 1, sum(self.sizes))], dim=-1)
+        o = inner(p.q, p.k, p.v, mask)  # (B, h, S, D)
+        head_scatter([o.transpose(1, 2)], p.out_table, p.out_rows, p.out_dsts, p.h, p.out_max)
+        p.OUT.barrier()
+        return p.mine.clone().transpose(1, 2)  # (B, H, Lt + n, D) over (B, Lt + n, H, D)
+
