@@ -62,7 +62,7 @@ class PeerBuffer:
             if hasattr(symm, "enable_symm_mem_for_group"):
                 symm.enable_symm_mem_for_group(self.group.group_name)
         self.local = symm.empty(self.numel, dtype=self.dtype, device=self.device)
-        self._handle = symm.rendezvous(self.local, self.group)
+        self._handle = symm.rendezvous(self.local, self.group.group_name)
         self._peers = [self.local if j == self.rank else self._handle.get_buffer(j, (self.numel,), self.dtype)
                        for j in range(self.size)]  # fmt: skip
 
