@@ -38,7 +38,7 @@ from .batcher import Job, Scheduler
 from .capabilities import capabilities
 from .imaging import MIME, b64, encode_image, load_mask, load_upload
 from .loras import LoraResolver
-from .metrics import Metrics, gpu_memory
+from .metrics import Metrics, gpu_memory, model_info
 from .options import ServerConfig
 from .schemas import APIError, Params, form_to_dict, parse_json_body, validate
 
@@ -261,8 +261,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         else:
             q, qi, run = sched.depth()
             text = metrics.render(q, qi, run, gpu_memory(pipe.device))
-        text += (f"# HELP qwenfast_model_info The served model (always 1).\n# TYPE qwenfast_model_info gauge\n"
-                 f'qwenfast_model_info{{model="{_label(model_id)}",type="{caps.model_type}",kind="{caps.kind}"}} 1\n')
+        text += model_info(model_id, caps.model_type, caps.kind)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -372,8 +371,9 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 n = "1 image" if max_images == 1 else f"1 to {max_images} images"
                 raise APIError(400, f"missing `image`: attach {n} as `image` or `image[]`", param="image")
             if len(files) > max_images:
-                raise APIError(400, f"{len(files)} images attached; {caps.model_type} takes at most {max_images} per "
-                                    "request", param="image", code="too_many_images")  # fmt: skip
+                who = caps.model_type if max_images == caps.max_images else "this server"
+                raise APIError(400, f"{len(files)} images attached; {who} takes at most {max_images} per request",
+                               param="image", code="too_many_images")  # fmt: skip
             body = form_to_dict(fields)
             p = validate(body, lim, pipe.defaults, multiple=multiple, edit=True)
             kind = _edit_task(p, mask is not None, len(files))
@@ -587,10 +587,6 @@ def _model_card(model_id: str, created: float, caps) -> dict:
     return {"id": model_id, "object": "model", "created": int(created), "owned_by": "qwenfast",
             "model_type": caps.model_type, "tasks": list(caps.tasks)}  # fmt: skip
 
-
-def _label(v: str) -> str:
-    """A Prometheus label value: backslash, quote and newline escaped."""
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 async def _wait_disconnect(request: Request) -> None:
