@@ -252,6 +252,34 @@ def test_a_lower_image_limit_applies(pipe):
         assert r.status_code == 400 and "at most 2" in r.json()["error"]["message"], r.text
 
 
+def test_ray_ingress_describes_the_same_model(folder, pipe):
+    """Ray Serve's ingress holds no pipeline, only an engine replica's `describe()`: built from it, the app
+    answers /health as the local one, and sizes (default, from the last image) come out the same."""
+    pytest.importorskip("ray")
+    from fastapi.testclient import TestClient
+
+    from qwenfast.server.app import create_app
+    from qwenfast.server.options import ServerConfig, config_from_args
+    from qwenfast.server.ray_app import EngineReplica, args_from_dict
+    from qwenfast.server.ray_remote import RemotePipe
+
+    a = args_from_dict({"model": str(folder), "device": "cpu", "dtype": "fp32"})
+    eng = EngineReplica(a, config_from_args(a))
+    try:
+        remote = RemotePipe(eng.describe())
+    finally:
+        eng.sched.stop(10)
+    call = {"image": [Image.new("RGBA", (64, 40))], "height": None, "width": None}
+    assert remote.output_size({}) == pipe.output_size({}) == (RES, RES)
+    assert remote.output_size(call) == pipe.output_size(call) != (RES, RES)
+    keys = ("kind", "model_type", "tasks", "max_images", "size_multiple", "defaults", "lora_support")
+    health = []
+    for p in (remote, pipe):
+        with TestClient(create_app(p, ServerConfig())) as c:
+            health.append({k: c.get("/health").json()[k] for k in keys})
+    assert health[0] == health[1] and health[0]["model_type"] == "qwen-image-2.1"
+
+
 # ------------------------------------------------------------------------------------------ start-up and CLI
 @pytest.mark.parametrize("flags", [["--cache", "fast"], ["--parallel", "cfg=2"]])
 def test_serve_refuses_what_2_1_cannot_run_before_loading(folder, flags, capsys):
