@@ -278,12 +278,12 @@ def _run21(a: argparse.Namespace, images: list | None) -> int:
 
     from .pipeline.qwenimage21 import QwenImage21Pipeline
 
-    if a.parallel or a.lora:
-        raise ValueError("--parallel and --lora are not available for Qwen-Image-2.1 yet")
+    if a.parallel:
+        raise ValueError("--parallel is not available for Qwen-Image-2.1 yet; run without it")
     t0 = time.perf_counter()
     pipe = QwenImage21Pipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
                                                options=engine_options_from_args(a))  # fmt: skip
-    _setup(pipe, a)
+    loras = _setup(pipe, a)
     t_load = time.perf_counter() - t0
     w, h = _pipe_size(pipe, a) or (None, None)
     steps, cfg, negative, seed = _sampling(pipe.defaults, a)
@@ -296,7 +296,7 @@ def _run21(a: argparse.Namespace, images: list | None) -> int:
             "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
     if images:
         meta["inputs"] = json.dumps([str(p) for p in a.image])
-    _meta_extras(meta, a, [])
+    _meta_extras(meta, a, loras)
     paths = save_pngs(out.images, Path(a.output), meta)
     print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {ow}x{oh}, Qwen-Image-2.1; "
           f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip

@@ -176,6 +176,13 @@ PRESETS: dict[str, SamplingPreset] = {
     "turbo-4": SamplingPreset(steps=4, true_cfg_scale=1.0, scheduler_overrides=_DISTILLED),
 }
 
+# Qwen-Image-2.1's turbo presets (`QwenImage21Pipeline.apply_preset`, `--preset`): sigmas before the
+# scheduler's shift, the terminal 0 excluded. "turbo-8" is the grid Qwen-Image-2.1-Turbo ships in model_index.json.
+TURBO_SIGMAS: dict[str, tuple[float, ...]] = {
+    "turbo-8": (1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568),
+    "turbo-4": (1.0, 0.926626, 0.845148, 0.414568),
+}
+
 # Full-size architecture, for benchmarks with random weights (no checkpoint needed).
 QWEN_IMAGE = TransformerConfig()
 QWEN_IMAGE_EDIT_2511 = TransformerConfig(zero_cond_t=True)

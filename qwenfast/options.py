@@ -169,7 +169,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
     `cuda_graphs_default`: None = the options' default (on; $QWENFAST_CUDA_GRAPHS); the server passes
     False (every new prompt length or batch size would be a new capture).
     """
-    from .config import PRESETS
+    from .config import PRESETS, TURBO_SIGMAS
     from .runtime.cache import PRESETS as CACHE_PRESETS
 
     g = parser.add_argument_group("engine (how it runs: the same switches for generate, edit and serve)")
@@ -197,8 +197,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
     g.add_argument("--parallel", default=None, metavar="LAYOUT",
                    help="several GPUs for one image: 'cfg=2', 'ulysses=2', 'cfg=2,ulysses=2' (one process per GPU, "
                         "started for you; --device cpu: CPU processes over gloo)")  # fmt: skip
-    g.add_argument("--preset", choices=list(PRESETS), default=None,
-                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift); --steps/--cfg still win")
+    g.add_argument("--preset", choices=list(dict.fromkeys([*PRESETS, *TURBO_SIGMAS])), default=None,
+                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift; Qwen-Image-2.1: turbo-8 "
+                        "and turbo-4 sigma schedules); --steps/--cfg still win")  # fmt: skip
 
 
 def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptions:

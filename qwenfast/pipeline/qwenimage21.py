@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import TURBO_SIGMAS
 from ..errors import CheckpointError, OptionsError
 from ..loading.diffusers_folder import load_scheduler_config, read_json
 from ..loading.qwenimage21 import PIPELINE_CLASS, inspect_folder21, load_transformer21, load_vae21
@@ -48,12 +49,6 @@ from .common import (
 log = logging.getLogger("qwenfast")
 MAX_IMAGES = 10
 
-# Turbo schedules (sigmas before the scheduler's shift, the terminal 0 excluded), like the Lightning
-# presets of Qwen-Image. "turbo-8" is the grid Qwen-Image-2.1-Turbo ships in model_index.json.
-TURBO_SIGMAS = {
-    "turbo-8": (1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568),
-    "turbo-4": (1.0, 0.926626, 0.845148, 0.414568),
-}
 
 
 def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
@@ -135,6 +130,8 @@ class QwenImage21Pipeline(PipelineBase):
     """Qwen-Image-2.1. `QwenImage21Pipeline.from_pretrained(path)(prompt, image=[...]).images[0]`."""
 
     kind = "qwen-image-2.1"
+    # engine options this pipeline refuses (the CLI and `qwenfast serve` check them before loading)
+    unsupported_options = ("cache", "parallel")
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder21, scheduler_config, *, sample_sigmas=None,
                  model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
@@ -165,9 +162,10 @@ class QwenImage21Pipeline(PipelineBase):
         self._static_caches.clear()
 
     def configure(self, **changes: Any) -> EngineOptions:
-        for name in ("cache", "parallel"):
+        for name in self.unsupported_options:
             if changes.get(name) not in (None, "off"):
-                raise OptionsError(f"{name}={changes[name]!r} is not available for Qwen-Image-2.1 yet")
+                raise OptionsError(f"{name}={changes[name]!r} is not available for Qwen-Image-2.1 yet: leave out "
+                                   f"--{name} (or {name}=)")  # fmt: skip
         return super().configure(**changes)
 
     @classmethod
@@ -251,6 +249,21 @@ class QwenImage21Pipeline(PipelineBase):
             if not self._options.decode_per_image:
                 return vae_decode(self.vae, z)
             return torch.cat([vae_decode(self.vae, z[r : r + 1]) for r in range(z.shape[0])])
+
+    def preview_images(self, latents: torch.Tensor, height: int, width: int, max_px: int = 192) -> list:
+        """PIL previews (long side <= ~max_px) of a step callback's (B, h*w, C) latents: the latent grid
+        area-shrunk, then decoded by the real VAE (RGBA), as `PipelineBase.preview_images` does."""
+        import torch.nn.functional as F
+
+        h, w = height // 16, width // 16
+        z = latents.transpose(1, 2).reshape(latents.shape[0], -1, h, w)  # (B, C, h, w)
+        scale = min(1.0, max(2, max_px // 16) / max(h, w))
+        if scale < 1.0:
+            z = F.interpolate(z.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area")
+        hh, ww = z.shape[-2:]
+        with torch.no_grad():
+            img = self.decode_latents(z.flatten(2).transpose(1, 2).to(latents.dtype), hh, ww)
+        return postprocess(img, "pil")
 
     @torch.no_grad()
     def __call__(

@@ -35,9 +35,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..validation import round_size
 from .batcher import Job, Scheduler
+from .capabilities import capabilities
 from .imaging import MIME, b64, encode_image, load_mask, load_upload
 from .loras import LoraResolver
-from .metrics import Metrics, gpu_memory
+from .metrics import Metrics, gpu_memory, model_info
 from .options import ServerConfig
 from .schemas import APIError, Params, form_to_dict, parse_json_body, validate
 
@@ -169,11 +170,10 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     loras = LoraResolver(cfg.lora_dir)
     urls = UrlStore(cfg.url_ttl_s, cfg.url_store_bytes)
     edit_cls = edit_pipeline_class()
-    is_edit = getattr(pipe, "is_edit", None)  # a remote pipeline's description says; a local one is its class
-    if is_edit is None:
-        is_edit = edit_cls is not None and isinstance(pipe, edit_cls)
-    can_inpaint = hasattr(pipe, "for_task")  # img2img / inpainting with the loaded model (pipeline/tasks.py)
-    tasks = (["edit", "edit-inpaint"] if is_edit else ["txt2img", "img2img", "inpaint"])[: None if can_inpaint else 1]
+    caps = capabilities(pipe)  # what the model can do (server/capabilities.py; Ray: the replica's answer)
+    can_inpaint, tasks = caps.inpaint, list(caps.tasks)
+    # input images per edit request: the model's own limit, lowered by the server's `Limits.max_images`
+    max_images = min(caps.max_images, cfg.limits.max_images or caps.max_images)
     model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
     noted: set[tuple[int, int]] = set()
 
@@ -186,6 +186,9 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         if note:
             log.warning("%s", note)
     multiple = 2 * pipe.vae_scale_factor
+    gen_defaults = dict(pipe.defaults)
+    if caps.generations and not gen_defaults.get("width"):  # Qwen-Image-2.1: output_resolution² by default
+        gen_defaults["height"], gen_defaults["width"] = pipe.output_size({})
     page = (STATIC / "index.html").read_text(encoding="utf-8")
     icon = _favicon()
     state = {"stopping": False}
@@ -239,12 +242,12 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     async def health():
         q, qi, run = sched.depth()
         body = {"status": "shutting_down" if state["stopping"] else "ok", "model": model_id,
-                "kind": "edit" if is_edit else "text-to-image", "device": str(pipe.device), "dtype": str(pipe.dtype),
+                "kind": caps.kind, "model_type": caps.model_type, "device": str(pipe.device), "dtype": str(pipe.dtype),
                 "queue": {"requests": q, "images": qi, "running": run, "max": cfg.max_queue},
                 "max_batch": cfg.max_batch, "auth": cfg.api_key is not None, "loras": loras.dir is not None,
                 "lora_support": hasattr(pipe, "set_loras"), "defaults": dict(pipe.defaults), "size_multiple": multiple,
-                "tasks": tasks,
-                "limits": {k: v for k, v in vars(cfg.limits).items()}}  # fmt: skip
+                "tasks": tasks, "max_images": max_images,
+                "limits": {**vars(cfg.limits), "max_images": max_images}}  # fmt: skip
         if hasattr(sched, "health"):  # Ray Serve: replicas up/total; none up -> 503
             body.update(await asyncio.to_thread(sched.health))
         if body["status"] != "ok":
@@ -258,18 +261,19 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         else:
             q, qi, run = sched.depth()
             text = metrics.render(q, qi, run, gpu_memory(pipe.device))
+        text += model_info(model_id, caps.model_type, caps.kind)
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(model_id, metrics.started)]}
+        return {"object": "list", "data": [_model_card(model_id, metrics.started, caps)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name != model_id:
             raise APIError(404, f"model {name[:80]!r} is not served here; this server serves {model_id!r}",
                            code="model_not_found", param="model")  # fmt: skip
-        return _model_card(model_id, metrics.started)
+        return _model_card(model_id, metrics.started, caps)
 
     @app.get("/v1/loras")
     async def list_loras():
@@ -295,6 +299,9 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
             raise APIError(400, f"this server splits true CFG over two GPUs (--parallel {par}): send a "
                                 "`negative_prompt` (\" \" is fine) and `true_cfg_scale` > 1", param="true_cfg_scale",
                            code="cfg_required")  # fmt: skip
+        if p.cache not in (None, "off") and not caps.request_cache:
+            raise APIError(400, f"this model ({caps.model_type}) has no step cache: leave `cache` out (or \"off\")",
+                           param="cache", code="unsupported_parameter")  # fmt: skip
         if p.loras and not hasattr(pipe, "set_loras"):  # 400, not 501: clients must not retry it
             raise APIError(400, "this server's pipeline cannot apply LoRAs (it has no set_loras)",
                            param="lora", code="lora_unsupported")  # fmt: skip
@@ -304,7 +311,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     async def generations(request: Request):
         t0 = time.monotonic()
         try:
-            if is_edit:  # first: no body of any shape can succeed here
+            if not caps.generations:  # first: no body of any shape can succeed here
                 raise APIError(400, f"the loaded model ({model_id}) is an edit model; use POST /v1/images/edits",
                                code="wrong_endpoint")  # fmt: skip
             ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
@@ -312,7 +319,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 raise APIError(415, f"send the request as JSON with `Content-Type: application/json` (got {ctype[:60]!r})",
                                code="unsupported_media_type")  # fmt: skip
             body = parse_json_body(await request.body())
-            p = validate(body, cfg.limits, pipe.defaults, multiple=multiple)
+            p = validate(body, cfg.limits, gen_defaults, multiple=multiple)
             size_note(p)
             resolved = _check_common(body, p, "generations")
             job = Job(p, asyncio.get_running_loop(), loras=resolved, stream_events=p.stream)
@@ -325,11 +332,11 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     async def edits(request: Request):
         t0 = time.monotonic()
         try:
-            if not is_edit and not can_inpaint:  # first: no form of any shape can succeed here (400: no retries)
+            if not caps.edits and not can_inpaint:  # first: no form of any shape can succeed here (400: no retries)
                 why = ("this qwenfast build has no edit pipeline (qwenfast.pipeline.edit is missing)"
                        if edit_cls is None else
                        f"the loaded model ({model_id}) is a text-to-image model; use POST /v1/images/generations, "
-                       "or start `qwenfast serve --model` with a Qwen-Image-Edit checkpoint to edit images")  # fmt: skip
+                       "or start `qwenfast serve --model` with a Qwen-Image-Edit or Qwen-Image-2.1 folder to edit images")  # fmt: skip
                 raise APIError(400, f"image edits are not available: {why}", code="wrong_endpoint")
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "multipart/form-data":
@@ -337,7 +344,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                                code="unsupported_media_type")  # fmt: skip
             lim = cfg.limits
             try:
-                form = await request.form(max_files=lim.max_images + 2, max_fields=64, max_part_size=1 << 20)
+                form = await request.form(max_files=max_images + 2, max_fields=64, max_part_size=1 << 20)
             except BodyTooLarge:
                 raise
             except StarletteHTTPException as e:
@@ -361,20 +368,19 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 else:
                     fields[k] = v
             if not files:
-                raise APIError(
-                    400, "missing `image`: attach 1 to 3 images as `image` or `image[]`", param="image"
-                )
-            if len(files) > lim.max_images:
-                raise APIError(
-                    400, f"{len(files)} images attached; the limit is {lim.max_images}", param="image"
-                )
+                n = "1 image" if max_images == 1 else f"1 to {max_images} images"
+                raise APIError(400, f"missing `image`: attach {n} as `image` or `image[]`", param="image")
+            if len(files) > max_images:
+                who = caps.model_type if max_images == caps.max_images else "this server"
+                raise APIError(400, f"{len(files)} images attached; {who} takes at most {max_images} per request",
+                               param="image", code="too_many_images")  # fmt: skip
             body = form_to_dict(fields)
             p = validate(body, lim, pipe.defaults, multiple=multiple, edit=True)
             kind = _edit_task(p, mask is not None, len(files))
             size_note(p)
             datas = [await f.read() for f in files]
             images = [await asyncio.to_thread(load_upload, d, f"image {i + 1} ({(f.filename or '')[:40]!r})",
-                                              lim.image_formats, lim.max_input_pixels)
+                                              lim.image_formats, lim.max_input_pixels, caps.rgba)
                       for i, (f, d) in enumerate(zip(files, datas))]  # fmt: skip
             mask_image = None
             if mask is not None:
@@ -395,7 +401,14 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
 
     def _edit_task(p: Params, masked: bool, n_images: int) -> str:
         """Which pipeline an edits request runs: edit, edit-inpaint, inpaint or img2img (or a 400 saying why none)."""
-        if is_edit:
+        if caps.edits and caps.generations:  # one model for both (Qwen-Image-2.1): reference edits only
+            if masked or p.strength is not None:
+                what = "a `mask`" if masked else "`strength`"
+                raise APIError(400, f"this model ({caps.model_type}) does not inpaint or run img2img: send the "
+                                    f"images and a prompt without {what}", param="mask" if masked else "strength",
+                               code="unsupported_parameter")  # fmt: skip
+            return "edit"
+        if caps.edits:
             kind = "edit-inpaint" if masked else "edit"
             if kind == "edit" and p.strength is not None:
                 raise APIError(400, "`strength` applies to inpainting (with a `mask`) on an edit model",
@@ -570,8 +583,10 @@ def _favicon() -> bytes:
     return buf.getvalue()
 
 
-def _model_card(model_id: str, created: float) -> dict:
-    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "qwenfast"}
+def _model_card(model_id: str, created: float, caps) -> dict:
+    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "qwenfast",
+            "model_type": caps.model_type, "tasks": list(caps.tasks)}  # fmt: skip
+
 
 
 async def _wait_disconnect(request: Request) -> None:

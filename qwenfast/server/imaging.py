@@ -51,14 +51,15 @@ def b64(data: bytes) -> str:
 
 
 def jpeg_b64(img: Image.Image, quality: int = 70) -> str:
-    """A PIL image as a base64 JPEG (the streamed previews)."""
+    """A PIL image as a base64 JPEG (the streamed previews; an RGBA one loses its alpha)."""
     buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=quality)
+    img.convert("RGB").save(buf, format="JPEG", quality=quality)
     return b64(buf.getvalue())
 
 
-def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int) -> Image.Image:
-    """Untrusted bytes -> RGB PIL image, or APIError(400) naming the upload and the reason."""
+def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int, keep_alpha: bool = False) -> Image.Image:
+    """Untrusted bytes -> RGB PIL image (RGBA when `keep_alpha` and the image has transparency: Qwen-Image-2.1
+    sees the alpha channel), or APIError(400) naming the upload and the reason."""
     from PIL import Image, UnidentifiedImageError
 
     if not data:
@@ -72,7 +73,8 @@ def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: in
                 raise APIError(400, f"{what} is {w}x{h} pixels; the limit is {max_pixels} pixels", param="image",
                                code="image_too_large")  # fmt: skip
             im.load()
-            rgb = im.convert("RGB")
+            alpha = keep_alpha and (im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info)
+            rgb = im.convert("RGBA" if alpha else "RGB")
     except APIError:
         raise
     except UnidentifiedImageError:

@@ -147,3 +147,13 @@ def gpu_memory(device: torch.device | str | None) -> dict[str, float]:
     free, total = torch.cuda.mem_get_info(device)
     return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
             "peak_allocated": torch.cuda.max_memory_allocated(device), "free": free, "total": total}  # fmt: skip
+
+
+def model_info(model: str, model_type: str, kind: str) -> str:
+    """The `qwenfast_model_info` series (always 1): which model this server serves, as labels."""
+
+    def label(v: str) -> str:  # backslash, quote and newline escaped, as the format wants
+        return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+    return ("# HELP qwenfast_model_info The served model (always 1).\n# TYPE qwenfast_model_info gauge\n"
+            f'qwenfast_model_info{{model="{label(model)}",type="{label(model_type)}",kind="{label(kind)}"}} 1\n')

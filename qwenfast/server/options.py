@@ -28,7 +28,7 @@ class Limits:
     max_lora_strength: float = 8.0
     max_json_bytes: int = 1 << 20  # JSON request bodies
     max_upload_bytes: int = 20 << 20  # a whole multipart edit request
-    max_images: int = 3  # input images of one edit request
+    max_images: int | None = None  # input images per edit request; None: the model's own limit (1, 3 or 10)
     max_input_pixels: int = 4096 * 4096  # per uploaded image, checked before decoding (no pixel bombs)
     image_formats: tuple[str, ...] = ("PNG", "JPEG", "WEBP")  # allowed upload formats (PIL names)
 

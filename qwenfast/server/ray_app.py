@@ -124,12 +124,13 @@ class EngineReplica:
     def describe(self) -> dict:
         """What the ingress's `RemotePipe` needs to answer as a local server would."""
         from .app import edit_pipeline_class
+        from .capabilities import capabilities
 
-        p, edit_cls = self.pipe, edit_pipeline_class()
+        p, edit_cls, caps = self.pipe, edit_pipeline_class(), capabilities(self.pipe)
         is_edit = edit_cls is not None and isinstance(p, edit_cls)
         return {"model_path": str(getattr(p, "model_path", "") or "qwen-image"), "extra": dict(getattr(p, "extra", {}) or {}),
                 "defaults": dict(p.defaults), "vae_scale_factor": p.vae_scale_factor, "is_edit": is_edit,
-                "lora_support": hasattr(p, "set_loras"), "can_inpaint": hasattr(p, "for_task"),
+                "lora_support": hasattr(p, "set_loras"), "can_inpaint": caps.inpaint, "capabilities": caps.as_dict(),
                 "device": str(p.device.type), "dtype": str(p.dtype),
                 "mode": getattr(p, "mode", None) if is_edit else None,
                 "image_areas": dict(getattr(p, "image_areas", {}) or {}) if is_edit else None}  # fmt: skip

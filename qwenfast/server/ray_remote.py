@@ -80,6 +80,7 @@ class RemotePipe:
         self.vae_scale_factor, self.is_edit = desc["vae_scale_factor"], desc["is_edit"]
         self.device, self.dtype = f"{desc['device']} (Ray Serve replicas)", desc["dtype"]
         self.mode, self.image_areas = desc.get("mode"), desc.get("image_areas") or {}
+        self.capabilities = desc["capabilities"]  # server/capabilities.py, computed by the replica
         if desc["lora_support"]:
             self.set_loras = self._remote_only
         if desc.get("can_inpaint"):  # img2img / inpainting / edit-inpainting run in the replicas
@@ -95,6 +96,10 @@ class RemotePipe:
         return view
 
     def output_size(self, call_args: dict) -> tuple[int, int]:
+        if self.capabilities["model_type"] == "qwen-image-2.1":  # reads `defaults` only
+            from ..pipeline.qwenimage21 import QwenImage21Pipeline
+
+            return QwenImage21Pipeline.output_size(self, call_args)
         if self.is_edit:
             from ..pipeline.edit import QwenImageEditPipeline
 
