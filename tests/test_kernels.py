@@ -410,6 +410,30 @@ def test_kernel_qk_norm_rope(device, dtype, Dh, layout, w_dtype, triton_backend)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_qk_norm_rope_head_groups(device, dtype, triton_backend):
+    """head0: each head group written on its own (a Ulysses rank's share, into its own buffer) gives
+    exactly the slices of the all-heads result, and nothing outside its positions."""
+    dev = _dev(device)
+    B, H, G, Dh, L, off = 2, 6, 3, 64, 19, 4
+    qkv = _randn(B, L, 3 * H * Dh, dtype=dtype, device=dev, seed=21, scale=2.0)
+    wq, wk = ((torch.rand(Dh, generator=_gen(22 + i)) + 0.5).to(device=dev, dtype=dtype) for i in range(2))
+    cos, sin = (t.to(dev) for t in _rope(L, Dh, 23))
+    full = _joint_buffers(B, H, off + L, Dh, dtype, dev, "bshd")
+    qk_norm_rope_ref(qkv, wq, wk, cos, sin, *full, offset=off)
+    h = H // G
+    for j in range(G):
+        got = _joint_buffers(B, h, off + L + 2, Dh, dtype, dev, "bshd")
+        qk_norm_rope(qkv, wq, wk, cos, sin, *got, offset=off, head0=j * h)
+        want = _joint_buffers(B, h, off + L + 2, Dh, dtype, dev, "bshd")
+        qk_norm_rope_ref(qkv, wq, wk, cos, sin, *want, offset=off, head0=j * h)
+        for a, b, f in zip(got, want, full):
+            assert torch.isnan(a[:, :, :off]).all() and torch.isnan(a[:, :, off + L :]).all()
+            assert_match(a[:, :, off : off + L], b[:, :, off : off + L], dtype)
+            assert torch.equal(b[:, :, off : off + L], f[:, j * h : (j + 1) * h, off:])  # the ref: a slice
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
 def test_kernel_launchers_fall_back_on_unsupported_layouts(device, triton_backend):
     dev = _dev(device)
     B, L, D = 2, 7, 64

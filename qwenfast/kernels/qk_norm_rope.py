@@ -60,7 +60,7 @@ if triton_available():
     @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr,
-        L, H, Dh, offset,
+        L, H, Dh, offset, h0, HQ,
         s_b, s_l, s_cos, s_sin,
         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
         eps,
@@ -75,7 +75,7 @@ if triton_available():
         ds = tl.arange(0, BLOCK_D)
         dmask = ds < Dh
         m2 = (hs < H)[:, None] & dmask[None, :]
-        src = qkv_ptr + b * s_b + tok * s_l + hs[:, None] * Dh + ds[None, :]
+        src = qkv_ptr + b * s_b + tok * s_l + (h0 + hs)[:, None] * Dh + ds[None, :]  # heads h0.. of HQ
         half = tl.arange(0, BLOCK_D // 2)
         hmask = half < Dh // 2
         c = tl.load(cos_ptr + tok * s_cos + half, mask=hmask, other=0.0).to(tl.float32)
@@ -86,12 +86,12 @@ if triton_available():
         dq = oq_ptr + b * sq_b + hs[:, None] * sq_h + seq * sq_s + ds[None, :]
         tl.store(dq, _cast(q, QDT), mask=m2)
 
-        k = tl.load(src + H * Dh, mask=m2, other=0.0).to(tl.float32)
+        k = tl.load(src + HQ * Dh, mask=m2, other=0.0).to(tl.float32)
         k = _norm_rope(k, wk_ptr, ds, dmask, c, s, Dh, eps, BLOCK_H, BLOCK_D, YDT, W_HALF)
         dk = ok_ptr + b * sk_b + hs[:, None] * sk_h + seq * sk_s + ds[None, :]
         tl.store(dk, _cast(k, KDT), mask=m2)
 
-        v = tl.load(src + 2 * H * Dh, mask=m2, other=0.0).to(tl.float32)  # exact
+        v = tl.load(src + 2 * HQ * Dh, mask=m2, other=0.0).to(tl.float32)  # exact
         dv = ov_ptr + b * sv_b + hs[:, None] * sv_h + seq * sv_s + ds[None, :]
         tl.store(dv, _cast(v, VDT), mask=m2)
 
@@ -117,11 +117,14 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 def qk_norm_rope_ref(
     qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, offset: int = 0, eps: float = EPS,
+    head0: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Plain torch: norm_q/norm_k + apply_rope, then copy into out_*[:, :, offset:offset+L]."""
+    """Plain torch: norm_q/norm_k + apply_rope of heads head0.. (as many as out_q has), then copy
+    into out_*[:, :, offset:offset+L]."""
     B, L, _ = qkv.shape
     H, Dh = out_q.shape[1], out_q.shape[3]
-    q, k, v = qkv.unflatten(-1, (3, H, Dh)).unbind(2)  # (B, L, H, Dh) each
+    HQ = qkv.shape[-1] // (3 * Dh)
+    q, k, v = (x[:, :, head0 : head0 + H] for x in qkv.unflatten(-1, (3, HQ, Dh)).unbind(2))  # (B, L, H, Dh)
     q = apply_rope_ref(rms_norm_ref(q, wq, eps), cos, sin)
     k = apply_rope_ref(rms_norm_ref(k, wk, eps), cos, sin)
     for dst, src in ((out_q, q), (out_k, k), (out_v, v)):
@@ -129,7 +132,7 @@ def qk_norm_rope_ref(
     return out_q, out_k, out_v
 
 
-def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset) -> bool:
+def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, head0=0) -> bool:
     if qkv.dim() != 3 or qkv.dtype not in FLOAT_DTYPES or qkv.stride(-1) != 1 or qkv.numel() == 0:
         return False
     B, L, _ = qkv.shape
@@ -137,7 +140,8 @@ def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset) -> bool:
         return False
     H, Dh = out_q.shape[1], out_q.shape[3]
     return (
-        Dh % 2 == 0 and qkv.shape[-1] == 3 * H * Dh and H * Dh <= 65536 and 0 <= offset
+        Dh % 2 == 0 and qkv.shape[-1] % (3 * Dh) == 0 and 0 <= head0
+        and head0 + H <= qkv.shape[-1] // (3 * Dh) and H * Dh <= 65536 and 0 <= offset
         and all(
             o.shape[0] == B and o.shape[1] == H and o.shape[3] == Dh and o.shape[2] >= offset + L
             and o.dtype in FLOAT_DTYPES and o.stride(-1) == 1
@@ -152,18 +156,21 @@ def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset) -> bool:
 def qk_norm_rope(
     qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, offset: int = 0, eps: float = EPS,
+    head0: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """RMSNorm(q; wq), RMSNorm(k; wk), RoPE on both, and q, k, v -> out_*[:, :, offset:offset+L].
 
-    qkv: (B, L, 3*H*Dh) fused projection (Q|K|V, heads contiguous), last dim contiguous.
+    qkv: (B, L, 3*HQ*Dh) fused projection (Q|K|V, heads contiguous), last dim contiguous.
+    head0: the first of the H = out_q.shape[1] heads to take (HQ >= head0 + H): a sequence-parallel
+    exchange writes each rank's head group straight into that rank's buffer, one call per group.
     wq, wk: (Dh,) RMSNorm gains. cos, sin: (L, Dh/2) fp32 tables of this stream.
     out_q, out_k, out_v: (B, H, S, Dh) buffers (S >= offset + L), last dim contiguous; only
     positions [offset, offset + L) are written. Returns (out_q, out_k, out_v).
     Unsupported layouts/devices run `qk_norm_rope_ref` (same result, no error).
     """
     args = (qkv, wq, wk, cos, sin, out_q, out_k, out_v)
-    if not (_supported(*args, offset) and use_triton(*args)):
-        return qk_norm_rope_ref(*args, offset, eps)
+    if not (_supported(*args, offset, head0) and use_triton(*args)):
+        return qk_norm_rope_ref(*args, offset, eps, head0)
     B, L, _ = qkv.shape
     H, Dh = out_q.shape[1], out_q.shape[3]
     w_half = wq.dtype in (torch.float16, torch.bfloat16)
@@ -171,7 +178,7 @@ def qk_norm_rope(
     with _on_device(qkv):
         _qk_norm_rope_kernel[(B * L,)](
             qkv, wq, wk, cos, sin, out_q, out_k, out_v,
-            L, H, Dh, offset,
+            L, H, Dh, offset, head0, qkv.shape[-1] // (3 * Dh),
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
             out_q.stride(0), out_q.stride(1), out_q.stride(2),
             out_k.stride(0), out_k.stride(1), out_k.stride(2),

@@ -28,8 +28,7 @@ from ..config import TransformerConfig
 from ..kernels.adaln import layernorm_modulate, select_rows
 from ..kernels.gated_residual import gated_residual, gated_residual_layernorm_modulate
 from ..kernels.gelu import linear_gelu_tanh
-from ..kernels.qk_norm_rope import qk_norm_rope
-from ..runtime.attention import attention
+from ..runtime.attention import attention, joint_attention
 from ..runtime.blocks import BlockRunner, StepContext
 
 # ---------------------------------------------------------------------------------------------
@@ -257,11 +256,9 @@ class JointAttention(nn.Module):
         H, Dh = self.heads, self.head_dim
         icos, isin, tcos, tsin = rope
         qkv_i, qkv_t = self.to_qkv(img), self.add_qkv_proj(txt)  # (B, L, 3*H*Dh)
-        q, k, v = (torch.empty(B, Lt + Li, H, Dh, dtype=img.dtype, device=img.device).transpose(1, 2)
-                   for _ in range(3))  # (B, H, S, Dh) views  # fmt: skip
-        qk_norm_rope(qkv_t, self.norm_added_q.weight, self.norm_added_k.weight, tcos, tsin, q, k, v, offset=0)
-        qk_norm_rope(qkv_i, self.norm_q.weight, self.norm_k.weight, icos, isin, q, k, v, offset=Lt)
-        o = attention(q, k, v, attn_mask).transpose(1, 2).reshape(B, Lt + Li, H * Dh)
+        streams = [(qkv_t, self.norm_added_q.weight, self.norm_added_k.weight, tcos, tsin),
+                   (qkv_i, self.norm_q.weight, self.norm_k.weight, icos, isin)]  # joint order: [text; image]
+        o = joint_attention(streams, H, Dh, attn_mask).transpose(1, 2).reshape(B, Lt + Li, H * Dh)
         return self.to_out[0](o[:, Lt:]), self.to_add_out(o[:, :Lt])
 
 

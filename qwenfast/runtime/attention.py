@@ -15,6 +15,12 @@ The seam: every attention call of the model goes through `attention()`, and `wra
 puts a wrapper around it for the duration of a `with` block: `w(inner, q, k, v, mask)` may reshape
 the inputs (e.g. a sequence-parallel all-to-all of heads <-> sequence), call `inner`, and reshape
 back. Wrappers nest; the innermost `with` is outermost in the call.
+
+`joint_attention(streams, ...)` is the same seam one step earlier, for blocks whose Q/K/V come from
+fused projections ([text; image] streams, each (B, L, 3*H*D)): by default the streams' QK-norm +
+RoPE kernel writes one joint buffer and `attention()` runs on it; a single active wrapper with a
+`joint` method (the peer-memory Ulysses exchange) takes the call instead, so that the kernel can
+write each head group straight into the rank that attends over it.
 """
 
 from __future__ import annotations
@@ -124,6 +130,28 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     for w in _wrappers:  # the first registered ends up innermost
         fn = _bind(w, fn)
     return fn(q, k, v, mask)
+
+
+JointStream = tuple  # (qkv (B, L, 3*H*D), q-norm gain (D,), k-norm gain (D,), cos (L, D/2), sin (L, D/2))
+
+
+def joint_attention(streams: list[JointStream], heads: int, head_dim: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention over the concatenated streams (sequence order = list order), from their fused QKV
+    projections: QK RMSNorm + RoPE (`kernels.qk_norm_rope`) then `attention()`. -> (B, H, S, D), a
+    view of (B, S, H, D) memory (the out projections reshape it without a copy)."""
+    if len(_wrappers) == 1 and hasattr(_wrappers[0], "joint"):
+        return _wrappers[0].joint(streams, heads, head_dim, mask, _attention)
+    from ..kernels.qk_norm_rope import qk_norm_rope
+
+    qkv0 = streams[0][0]
+    S = sum(st[0].shape[1] for st in streams)
+    q, k, v = (torch.empty(qkv0.shape[0], S, heads, head_dim, dtype=qkv0.dtype, device=qkv0.device).transpose(1, 2)
+               for _ in range(3))  # (B, H, S, D) views  # fmt: skip
+    offset = 0
+    for qkv, wq, wk, cos, sin in streams:
+        qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset)
+        offset += qkv.shape[1]
+    return attention(q, k, v, mask)
 
 
 def _bind(wrapper, inner: AttentionFn) -> AttentionFn:

@@ -9,9 +9,11 @@ permute of the output, and an all-gather for the text heads.
 
 Here, per attention call, on rank r of G (h = H/G heads per rank, tokens: text Lt replicated, image
 split in contiguous chunks n_j starting at s_j; S = Lt + sum n_j):
-1. one kernel (`kernels/head_scatter`) writes Q, K, V: my text rows of my heads into my IN buffer
-   (3, B, S, h, D), and for every rank j my image rows of j's heads into j's IN at tokens Lt + s_r;
-   barrier.
+1. Q, K, V go into place: my text rows of my heads into my IN buffer (3, B, S, h, D), and for every
+   rank j my image rows of j's heads into j's IN at tokens Lt + s_r; barrier. Blocks that go through
+   `attention.joint_attention` (Qwen-Image's fused path) get this from the QK-norm + RoPE kernel
+   itself, one launch per head group writing straight into rank j's memory; a plain `attention()`
+   call gets it from one `kernels/head_scatter` launch over the Q, K, V it was given.
 2. attention on IN (my h heads, every token): the same attention kernel as one GPU, no mask added.
 3. one kernel writes the output back: for every rank j, the text rows and j's image rows of my
    heads into j's OUT buffer (B, Lt + n_j, H, D) at heads r*h; barrier.
@@ -75,9 +77,10 @@ class _Plan:
             self.out_dsts += [outs[j], outs[j]]
         self.in_table = torch.tensor(self.in_rows, dtype=torch.int64, device=device)
         self.out_table = torch.tensor(self.out_rows, dtype=torch.int64, device=device)
-        self.q, self.k, self.v = (ins[rank][c].transpose(1, 2) for c in range(3))  # (B, h, S, D)
+        self.qkv = [tuple(x[c].transpose(1, 2) for c in range(3)) for x in ins]  # rank j's q, k, v (B, h, S, D)
+        self.q, self.k, self.v = self.qkv[rank]
         self.mine = outs[rank][0]  # (B, Lt + n, H, D)
-        self.h, self.in_max, self.out_max = h, max(Lt, n), max(Lt, m)
+        self.h, self.start, self.in_max, self.out_max = h, s, max(Lt, n), max(Lt, m)
 
 
 class PeerUlyssesAttention:
@@ -87,31 +90,49 @@ class PeerUlyssesAttention:
     def __init__(self, groups, sizes: list[int], txt_len: int, plans: dict):
         self.g, self.sizes, self.txt_len, self.plans = groups, sizes, txt_len, plans
 
-    def _plan(self, q: torch.Tensor) -> _Plan:
-        B, H, _, D = q.shape
-        key = (B, H, D, self.txt_len, tuple(self.sizes), q.dtype, str(q.device))
+    def _plan(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device) -> _Plan:
+        G = self.g.sp_size
+        if H % G:
+            raise ValueError(f"ulysses={G} needs a head count divisible by {G}; this model has {H} heads")
+        key = (B, H, D, self.txt_len, tuple(self.sizes), dtype, str(device))
         if key not in self.plans:
             g = self.g
-            self.plans[key] = _Plan(g.sp_group, g.sp_rank, g.sp_size, B, H, D, self.txt_len, self.sizes, q.dtype,
-                                    q.device)  # fmt: skip
+            self.plans[key] = _Plan(g.sp_group, g.sp_rank, G, B, H, D, self.txt_len, self.sizes, dtype, device)
         return self.plans[key]
 
     def __call__(self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-        G, Lt = self.g.sp_size, self.txt_len
         B, H, _, D = q.shape
-        if H % G:
-            raise ValueError(f"ulysses={G} needs a head count divisible by {G}; this model has {H} heads")
-        p = self._plan(q)
+        p = self._plan(B, H, D, q.dtype, q.device)
         src = [x.transpose(1, 2) for x in (q, k, v)]  # (B, T, H, D) views
         if len({x.stride() for x in src}) > 1:
             src = [x.contiguous() for x in src]
         head_scatter(src, p.in_table, p.in_rows, p.in_dsts, p.h, p.in_max)
+        return self._attend(p, inner, mask, B)
+
+    def joint(self, streams: list, H: int, D: int, mask: torch.Tensor | None, inner: Callable) -> torch.Tensor:
+        """`attention.joint_attention` for [text; image]: the QK-norm + RoPE kernel writes my text rows
+        of my heads into my IN, and my image rows of head group j straight into rank j's IN (no
+        local Q/K/V buffer, no separate copy)."""
+        from ..kernels.qk_norm_rope import qk_norm_rope
+
+        if len(streams) != 2 or streams[0][0].shape[1] != self.txt_len:
+            raise ValueError("the peer Ulysses exchange takes [text; this rank's image tokens] streams")
+        (qkv_t, *norm_t), (qkv_i, *norm_i) = streams
+        B, r = qkv_t.shape[0], self.g.sp_rank
+        p = self._plan(B, H, D, qkv_t.dtype, qkv_t.device)
+        qk_norm_rope(qkv_t, *norm_t, *p.qkv[r], offset=0, head0=r * p.h)
+        for j in range(self.g.sp_size):
+            qk_norm_rope(qkv_i, *norm_i, *p.qkv[j], offset=self.txt_len + p.start, head0=j * p.h)
+        return self._attend(p, inner, mask, B)
+
+    def _attend(self, p: _Plan, inner: Callable, mask: torch.Tensor | None, B: int) -> torch.Tensor:
+        """Steps 1 (barrier) to 4 of the module docstring, once IN holds this rank's rows."""
         p.IN.barrier()
+        Lt = self.txt_len
         if mask is not None:  # (B, 1, 1, Lt + n_mine): the text part is replicated, image keys are real
             mask = torch.cat([mask[..., :Lt], mask.new_ones(B, 1, 1, sum(self.sizes))], dim=-1)
         o = inner(p.q, p.k, p.v, mask)  # (B, h, S, D)
         head_scatter([o.transpose(1, 2)], p.out_table, p.out_rows, p.out_dsts, p.h, p.out_max)
         p.OUT.barrier()
         return p.mine.clone().transpose(1, 2)  # (B, H, Lt + n, D) over (B, Lt + n, H, D)
-
