@@ -36,12 +36,15 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
         pipe.set_progress_bar_config(disable=True)
         kw = dict(call)
         kw["generator"] = [torch.Generator().manual_seed(s) for s in kw.pop("seeds")]
-        images = pipe(**kw, output_type="np").images
+        result = pipe(**kw, output_type="np")
         if rank == 0:
-            np.save(out, images)
-            # what ran: the multi-GPU wrapper around the forward, over this many ranks
-            Path(out).with_suffix(".json").write_text(json.dumps(
-                {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size()}))
+            np.save(out, result.images)
+            # what ran: the multi-GPU wrapper around the forward, over this many ranks (and what the call
+            # reported about it, when it did: Qwen-Image-2.1's `info["parallel"]`)
+            record = {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size()}
+            if "parallel" in result.info:
+                record["info"] = result.info["parallel"]
+            Path(out).with_suffix(".json").write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()
 
