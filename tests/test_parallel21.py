@@ -89,3 +89,19 @@ def test_edit_ulysses_with_step_cache_equals_one_process(model, tmp_path, kv):
     skipped = sum(not p.static_full(i, run) for i in range(run))  # a cached step runs only `first` blocks
     assert skipped > 0
     _check(got, want, tmp_path, "c", "cfg=1,ulysses=2", 7, 7 * LAYERS - skipped * (LAYERS - p.first - p.last))
+
+
+def test_cli_parallel_21_writes_the_one_process_image(model, tmp_path):
+    """`qwenfast generate --model <2.1 folder> --parallel ulysses=2` starts the ranks; rank 0 writes the PNG."""
+    from PIL import Image
+
+    from qwenfast.cli import main
+
+    args = ["generate", "a red circle", "--model", str(model), "--device", "cpu", "--seed", "3", "--steps", "2",
+            "--size", "48x80", "--quiet"]  # fmt: skip
+    assert main([*args, "-o", str(tmp_path / "one.png")]) == 0
+    assert main([*args, "--parallel", "ulysses=2", "-o", str(tmp_path / "par.png")]) == 0
+    par = Image.open(tmp_path / "par.png")
+    assert par.text["parallel"] == "ulysses=2"
+    one = np.asarray(Image.open(tmp_path / "one.png")).astype(int)
+    assert np.abs(np.asarray(par).astype(int) - one).max() <= 1  # fp32: at most one 8-bit level
