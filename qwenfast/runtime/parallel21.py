@@ -104,7 +104,8 @@ class PrefixParallelForward(ParallelForward):
     whose sequence is a prefix + the target: x (B, N + M, C) is the target's N tokens (img_shapes[0])
     then M condition tokens; `prefix_len(emb, img_shapes, step)` is the prefix length of that call's
     joint sequence. Each rank runs the whole prefix and its chunk of the target; the output (B, N, C)
-    is gathered. `stats`: sharded forwards and target attention exchanges run by this rank."""
+    is gathered. `stats`: sharded forwards and target attention exchanges this rank ran in Python (a
+    replayed CUDA graph runs none: there they count the capture)."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], groups: ParallelGroups,
                  prefix_len: Callable[[torch.Tensor, list, StepContext], int]):  # fmt: skip
