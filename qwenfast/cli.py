@@ -272,14 +272,16 @@ def _is_21(model: str | None) -> bool:
         return False
 
 
-def _run21(a: argparse.Namespace, images: list | None) -> int:
-    """generate / edit with a Qwen-Image-2.1 folder (one pipeline for both; 1-10 images, RGBA PNGs)."""
+def _run21(a: argparse.Namespace, images: list | None, again=None) -> int:
+    """generate / edit with a Qwen-Image-2.1 folder (one pipeline for both; 1-10 images, RGBA PNGs).
+    `again`: the command, which with --parallel every rank runs again (rank 0 writes)."""
     import torch
 
+    from . import launch
     from .pipeline.qwenimage21 import QwenImage21Pipeline
 
-    if a.parallel:
-        raise ValueError("--parallel is not available for Qwen-Image-2.1 yet; run without it")
+    if a.parallel and not launch.is_worker():
+        return launch.run(again, a)
     t0 = time.perf_counter()
     pipe = QwenImage21Pipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
                                                options=engine_options_from_args(a))  # fmt: skip
@@ -297,6 +299,10 @@ def _run21(a: argparse.Namespace, images: list | None) -> int:
     if images:
         meta["inputs"] = json.dumps([str(p) for p in a.image])
     _meta_extras(meta, a, loras)
+    if launch.rank() != 0:
+        return 0
+    if a.parallel:
+        meta["parallel"] = a.parallel
     paths = save_pngs(out.images, Path(a.output), meta)
     print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {ow}x{oh}, Qwen-Image-2.1; "
           f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
@@ -331,7 +337,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from . import launch
 
     if _is_21(a.model):
-        return _run21(a, None)
+        return _run21(a, None, cmd_generate)
     if a.parallel and not launch.is_worker():
         return launch.run(cmd_generate, a)  # every rank runs this function again, rank 0 writes
     import torch
@@ -405,7 +411,7 @@ def cmd_edit(a: argparse.Namespace) -> int:
     if _is_21(a.model):
         from .pipeline.qwenimage21 import load_condition_images
 
-        return _run21(a, load_condition_images(list(a.image)))
+        return _run21(a, load_condition_images(list(a.image)), cmd_edit)
     if a.parallel and not launch.is_worker():
         return launch.run(cmd_edit, a)
 

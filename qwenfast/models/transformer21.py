@@ -159,6 +159,18 @@ def build_layout(vl_mask: tuple[bool, ...], img_shapes: tuple[tuple[int, int, in
                     tuple(runs), ang.cos(), ang.sin())  # fmt: skip
 
 
+def shard_layout(lay: Layout21, start: int, end: int) -> Layout21:
+    """The layout one sequence-parallel rank runs: the whole prefix (text and condition tokens,
+    replicated: they never attend to the target), then only the target tokens [start, end)."""
+    P, N = lay.prefix, lay.S - lay.prefix
+    if not 0 <= start < end <= N:
+        raise ValueError(f"shard [{start}, {end}) is not a non-empty part of the {N} target tokens")
+    keep = torch.cat([torch.arange(P), torch.arange(P + start, P + end)])
+    img_pos = torch.cat([lay.img_pos[: lay.img_pos.numel() - N], torch.arange(P, P + end - start)])
+    return Layout21(P + end - start, P, lay.text_pos, lay.vl_text, img_pos, lay.segments, lay.cos[keep],
+                    lay.sin[keep])  # fmt: skip
+
+
 def qkv_buffer(B: int, H: int, S: int, Dh: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A (B, H, S, Dh) query/key/value buffer stored token-major, (B, S, H, Dh) in memory: the fused
     QK-norm + RoPE kernel writes each token's H*Dh values as one contiguous run, the attention
@@ -433,15 +445,17 @@ class QwenImage21Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.img_in.weight.device
 
-    def layout(self, vl_mask: torch.Tensor, img_shapes) -> Layout21:
-        """`Layout21` of a joint sequence (cached). Pass `vl_mask` on the CPU where the forward must
-        not synchronise (a CUDA-graph capture): a device mask is copied to the host here."""
+    def layout(self, vl_mask: torch.Tensor, img_shapes, shard: tuple[int, int] | None = None) -> Layout21:
+        """`Layout21` of a joint sequence (cached), or of a rank's `shard` of its target tokens. Pass
+        `vl_mask` on the CPU where the forward must not synchronise (a CUDA-graph capture): a device
+        mask is copied to the host here."""
         shapes = tuple(tuple(int(v) for v in s) for s in img_shapes)
-        key = (tuple(bool(b) for b in vl_mask.tolist()), shapes)
+        key = (tuple(bool(b) for b in vl_mask.tolist()), shapes, shard)
         if key not in self._layouts:
             if len(self._layouts) >= 16:
                 self._layouts.popitem(last=False)
-            self._layouts[key] = build_layout(key[0], shapes, tuple(self.cfg.axes_dims_rope))
+            self._layouts[key] = (build_layout(key[0], shapes, tuple(self.cfg.axes_dims_rope)) if shard is None
+                                  else shard_layout(self.layout(vl_mask, img_shapes), *shard))  # fmt: skip
         self._layouts.move_to_end(key)
         return self._layouts[key]
 
@@ -465,15 +479,17 @@ class QwenImage21Transformer(nn.Module):
         kv_cache: PrefixKVCache | None = None,
         kv_cache_mode: str | None = None,  # None | "extract" (prefill, store) | "cached" (target only)
         step: StepContext | None = None,
-    ) -> torch.Tensor:  # (B, N, out_channels): the target image's prediction
+        shard: tuple[int, int] | None = None,  # sequence parallel: this rank's target tokens [start, end)
+    ) -> torch.Tensor:  # (B, N | end - start, out_channels): the target image's (shard's) prediction
         cfg = self.cfg
         if kv_cache is not None and not cfg.causal_condition:
             raise ValueError("kv_cache requires causal_condition=True (prefix activations must not depend on t)")
         if (kv_cache is None) != (kv_cache_mode is None) or kv_cache_mode not in (None, "extract", "cached"):
             raise ValueError(f"kv_cache_mode {kv_cache_mode!r} needs a kv_cache (and 'extract' or 'cached')")
-        B, N = hidden_states.shape[0], math.prod(img_shapes[-1])
+        B = hidden_states.shape[0]
         vl = img_mask[0] if img_mask.dim() == 2 else img_mask
-        lay = self.layout(vl, img_shapes)
+        lay = self.layout(vl, img_shapes, shard)
+        N = lay.S - lay.prefix  # the target tokens this forward runs (a shard's only, under sequence parallel)
         text_pos, vl_text, img_pos, cos, sin = self._on_device(lay, hidden_states.device)
         cached = kv_cache_mode == "cached"
         H, Dh = cfg.num_attention_heads, cfg.attention_head_dim
@@ -525,10 +541,12 @@ class QwenImage21Transformer(nn.Module):
                 rows = [m[:B, None] for m in mods]
             blocks_call = Block21.forward
 
-        def call(i: int, block: Block21, x: torch.Tensor, _unused):
-            return blocks_call(block, x, rows, ctx, i), None
+        def call(i: int, block: Block21, x: torch.Tensor, none: torch.Tensor):
+            return blocks_call(block, x, rows, ctx, i), none
 
-        x, _ = self.block_runner.run(self.transformer_blocks, call, x, None, step)
+        # the runner seam carries two streams (Qwen-Image's image and text); 2.1 is single-stream, so the
+        # second is an empty (B, 0, D) view: a step cache stores and adds its (empty) residual unchanged
+        x, _ = self.block_runner.run(self.transformer_blocks, call, x, x[:, :0], step)
         if kv_cache_mode == "extract":
             kv_cache.prefix, kv_cache.ready = lay.prefix, True
 

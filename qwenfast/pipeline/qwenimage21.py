@@ -89,40 +89,61 @@ class _Forward21:
     noise) and the prefix KV cache, one per CFG branch, filled on step 0 ("extract") and read after.
 
     With CUDA graphs on, the "cached" steps (all but the first) replay one captured graph per
-    (branch, layout): the KV cache is then a static buffer the pipeline keeps across calls
-    (`QwenImage21Pipeline._static_cache`), each call's "extract" step rewriting it in place.
+    (branch, layout, block-runner variant): the KV cache is then a static buffer the pipeline keeps
+    across calls (`QwenImage21Pipeline._static_cache`), each call's "extract" step rewriting it in place.
+
+    The step cache (a `StepCacheRunner` on the transformer) with the KV cache: the "extract" step
+    runs every block (it fills every layer's cache) and is not shown to the runner (`step=None`);
+    the cached steps 1..n-1 are the runner's run, numbered 0..n-2, so its state restarts on the first
+    of them and always holds target-token residuals of this call. What a skipped step reuses is
+    valid: the prefix keys/values are never rewritten, and a skipped layer's stale target keys are
+    rewritten before that layer next reads them. Without the KV cache every step is a joint forward
+    (the prefix residual the cache reuses does not depend on the step under `causal_condition`).
+
+    Sequence parallel (`runtime.parallel21.PrefixParallelForward`): `shard` = this rank's target
+    tokens [start, end); the prefix is whole on every rank (`prefix_len` tells the wrapper its length).
     """
 
     def __init__(self, pipe: QwenImage21Pipeline, slots: dict[str, torch.Tensor], use_cache: bool):
         self.pipe, self.slots, self.use_cache = pipe, slots, use_cache
         self.caches: dict[str, PrefixKVCache] = {}
 
-    def __call__(self, inp, emb, mask, t, img_shapes, step: StepContext):
+    def _layout(self, emb: torch.Tensor, img_shapes, step: StepContext) -> tuple[torch.Tensor, list]:
+        """(image-slot mask of the joint sequence (host), img_shapes in the transformer's order)."""
         (_, h, w), refs = img_shapes[0], list(img_shapes[1:])
-        N = h * w
+        slots = self.slots[step.branch][: emb.shape[1]]  # on the CPU: the layout is host-side
+        return torch.cat([slots, slots.new_ones(h * w // 4)]), [*refs, (1, h, w)]
+
+    def prefix_len(self, emb: torch.Tensor, img_shapes, step: StepContext) -> int:
+        """Tokens before the target in this branch's joint sequence (text and condition latents)."""
+        return self.pipe.transformer.layout(*self._layout(emb, img_shapes, step)).prefix
+
+    def __call__(self, inp, emb, mask, t, img_shapes, step: StepContext, shard: tuple[int, int] | None = None):
+        (_, h, w), refs = img_shapes[0], img_shapes[1:]
+        N = h * w if shard is None else shard[1] - shard[0]  # the target tokens in `inp` (first)
         hidden = torch.cat([inp[:, N:], inp[:, :N]], dim=1) if refs else inp
-        L = emb.shape[1]
-        slots = self.slots[step.branch][:L]  # on the CPU: the layout is host-side
-        vl = torch.cat([slots, slots.new_ones(N // 4)])
-        shapes = [*refs, (1, h, w)]
+        vl, shapes = self._layout(emb, img_shapes, step)
         tr = self.pipe.transformer
         if not self.use_cache:
-            return tr(hidden, emb, mask, t, shapes, vl, None, None, step)
-        graphs = self.pipe.options.cuda_graphs and hidden.is_cuda
+            return tr(hidden, emb, mask, t, shapes, vl, None, None, step, shard)
+        graphs = self.pipe.options.cuda_graphs and hidden.is_cuda and tr.block_runner.graph_safe
         if step.step == 0:
-            key = (step.branch, tuple(hidden.shape), tuple(vl.tolist()), tuple(shapes))
+            key = (step.branch, tuple(hidden.shape), tuple(vl.tolist()), tuple(shapes), shard)
             self.caches[step.branch] = (self.pipe._static_cache(key) if graphs
                                         else PrefixKVCache(len(tr.transformer_blocks)))  # fmt: skip
-            return tr(hidden, emb, mask, t, shapes, vl, self.caches[step.branch], "extract", step)
+            return tr(hidden, emb, mask, t, shapes, vl, self.caches[step.branch], "extract", None, shard)
         cache = self.caches[step.branch]
+        step = StepContext(step.step - 1, step.steps - 1, step.sigma, step.branch)  # the runner's run: see above
         if not graphs:
-            return tr(hidden, emb, mask, t, shapes, vl, cache, "cached", step)
+            return tr(hidden, emb, mask, t, shapes, vl, cache, "cached", step, shard)
 
         def cached_step(hidden: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
-            return tr(hidden, emb, mask, t, shapes, vl, cache, "cached", step)  # emb: unused when cached
+            return tr(hidden, emb, mask, t, shapes, vl, cache, "cached", step, shard)  # emb: unused when cached
 
+        tr.block_runner.prepare(step, hidden.device)  # host-side step state (a replay runs no Python)
         key = ("qwen-image-2.1 cached", id(cache), tuple(hidden.shape), hidden.dtype, str(hidden.device),
-               None if mask is None else tuple(mask.shape), tuple(vl.tolist()), tuple(shapes))  # fmt: skip
+               None if mask is None else tuple(mask.shape), tuple(vl.tolist()), tuple(shapes), shard,
+               tr.block_runner.variant(step))  # fmt: skip
         return self.pipe._graphs.run(key, cached_step, hidden, mask, t)
 
 
@@ -130,8 +151,9 @@ class QwenImage21Pipeline(PipelineBase):
     """Qwen-Image-2.1. `QwenImage21Pipeline.from_pretrained(path)(prompt, image=[...]).images[0]`."""
 
     kind = "qwen-image-2.1"
-    # engine options this pipeline refuses (the CLI and `qwenfast serve` check them before loading)
-    unsupported_options = ("cache", "parallel")
+    # options `qwenfast serve` refuses for this model before loading (the pipeline itself takes them:
+    # the mirrored multi-GPU server, server/parallel.py, is not checked with 2.1)
+    serve_unsupported = ("parallel",)
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder21, scheduler_config, *, sample_sigmas=None,
                  model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
@@ -160,13 +182,6 @@ class QwenImage21Pipeline(PipelineBase):
         """Drop every captured CUDA graph, its memory pool and the static KV caches they read."""
         super().release_graphs()
         self._static_caches.clear()
-
-    def configure(self, **changes: Any) -> EngineOptions:
-        for name in self.unsupported_options:
-            if changes.get(name) not in (None, "off"):
-                raise OptionsError(f"{name}={changes[name]!r} is not available for Qwen-Image-2.1 yet: leave out "
-                                   f"--{name} (or {name}=)")  # fmt: skip
-        return super().configure(**changes)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: Device = None, dtype: DType = None, offload: str | None = None,
@@ -321,6 +336,11 @@ class QwenImage21Pipeline(PipelineBase):
         do_cfg = cfg_scale > 1 and negs is not None
         if cfg_scale > 1 and negs is None:
             log.info("true_cfg_scale=%s but no negative_prompt: classifier-free guidance is off", cfg_scale)
+        par = self._options.parallel
+        cfg_split = par is not None and par.cfg == 2
+        if cfg_split and not do_cfg:
+            raise OptionsError(f"parallel {par} splits CFG over two ranks, but this call has no CFG (give a "
+                               "negative_prompt and true_cfg_scale > 1, or use parallel 'ulysses=N' alone)")  # fmt: skip
         cond, slot_rows = self._cond(emb, mask, slots, n)
         uncond, neg_slots = None, None
         if do_cfg:
@@ -342,12 +362,18 @@ class QwenImage21Pipeline(PipelineBase):
         sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(self.device)
         forward = _Forward21(self, {"cond": slot_rows, "uncond": neg_slots},
                              use_kv_cache and self.transformer.cfg.causal_condition)  # fmt: skip
+        if self._parallel is not None:  # the prefix whole on every rank, the target tokens sharded
+            from ..runtime.parallel21 import PrefixParallelForward
+
+            forward = PrefixParallelForward(forward, self._parallel, forward.prefix_len)
         events: list[str] = []
 
         def chunk(i: int, j: int) -> torch.Tensor:
+            # one CFG forward per branch (their layouts differ); cfg=2 takes them as one batched call
+            # that it splits back into the two branches, one per rank
             return S.denoise(forward, x[i:j], sig, img_shapes, cond.rows(i, j),
                              None if uncond is None else uncond.rows(i, j), cfg_scale,
-                             None if ref is None else ref[0][i:j], False, callback if (i, j) == (0, B) else None,
+                             None if ref is None else ref[0][i:j], cfg_split, callback if (i, j) == (0, B) else None,
                              progress=self.progress_bar, guidance=S.plain_cfg)  # fmt: skip
 
         with self._engine():
@@ -357,6 +383,8 @@ class QwenImage21Pipeline(PipelineBase):
             else:
                 x = chunk(0, B)
             info = {"oom_backoff": events} if events else {}
+            if self._parallel is not None:
+                info["parallel"] = {"layout": str(par), **forward.stats}
             out = x if output_type == "latent" else postprocess(self.decode_latents(x, h, w), output_type)
         return QwenImageOutput(images=out, info=info) if return_dict else (out,)
 

@@ -99,7 +99,7 @@ def _refused_option(a: argparse.Namespace) -> str | None:
         cls = pipeline_class(a.model)
     except Exception:
         return None
-    for name in getattr(cls, "unsupported_options", ()):
+    for name in getattr(cls, "serve_unsupported", ()):
         value = getattr(a, name, None)
         if value not in (None, "off"):
             return (f"--{name} {value} is not available for {getattr(cls, 'kind', cls.__name__)} models yet; "

@@ -22,7 +22,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dict, out: str, fail_rank: int) -> None:
+def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dict, out: str, fail_rank: int,
+            options: dict | None = None) -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -32,26 +33,30 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
 
         if rank == fail_rank:
             raise RuntimeError(f"rank {rank} failed on purpose (test)")
-        pipe = from_pretrained(model, device="cpu", dtype=torch.float32, options=EngineOptions(parallel=layout))
+        pipe = from_pretrained(model, device="cpu", dtype=torch.float32, options=EngineOptions(parallel=layout, **(options or {})))
         pipe.set_progress_bar_config(disable=True)
         kw = dict(call)
         kw["generator"] = [torch.Generator().manual_seed(s) for s in kw.pop("seeds")]
-        images = pipe(**kw, output_type="np").images
+        result = pipe(**kw, output_type="np")
         if rank == 0:
-            np.save(out, images)
-            # what ran: the multi-GPU wrapper around the forward, over this many ranks
+            np.save(out, result.images)
+            # what ran: the multi-GPU wrapper around the forward, over this many ranks, the Ulysses
+            # exchange (and what the call reported, when it did: Qwen-Image-2.1's `info["parallel"]`)
             from qwenfast.runtime.ulysses_peer import exchange_choice
 
-            Path(out).with_suffix(".json").write_text(json.dumps(
-                {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size(),
-                 "exchange": exchange_choice(torch.device("cpu"))}))  # fmt: skip
+            record = {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size(),
+                      "exchange": exchange_choice(torch.device("cpu"))}  # fmt: skip
+            if "parallel" in result.info:
+                record["info"] = result.info["parallel"]
+            Path(out).with_suffix(".json").write_text(json.dumps(record))
     finally:
         dist.destroy_process_group()
 
 
 def run_parallel(model: str | Path, layout: str, call: dict[str, Any], out: str | Path, world: int,
-                 fail_rank: int = -1) -> np.ndarray:  # fmt: skip
-    """`call` (pipeline kwargs; `seeds` instead of generators) on `world` gloo processes -> rank 0's images."""
-    mp.spawn(_worker, args=(world, free_port(), str(model), layout, call, str(out), fail_rank), nprocs=world,
-             join=True)  # fmt: skip
+                 fail_rank: int = -1, options: dict[str, Any] | None = None) -> np.ndarray:  # fmt: skip
+    """`call` (pipeline kwargs; `seeds` instead of generators) on `world` gloo processes -> rank 0's images.
+    `options`: further EngineOptions fields for every rank (e.g. a step cache)."""
+    mp.spawn(_worker, args=(world, free_port(), str(model), layout, call, str(out), fail_rank, options),
+             nprocs=world, join=True)  # fmt: skip
     return np.load(out)

@@ -275,7 +275,7 @@ def build_vae(*, seed: int = 0):
 
 def build_tiny21_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, transformer_layers: int = 2,
                           causal_condition: bool = True, sample_sigmas: list[float] | None = None,
-                          dtype: torch.dtype = torch.float32) -> DiffusionPipeline:  # fmt: skip
+                          dtype: torch.dtype = torch.float32, heads: int = 2) -> DiffusionPipeline:  # fmt: skip
     """A tiny random diffusers ``QwenImage21Pipeline``, optionally saved to ``path`` (HF layout)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
 
@@ -287,7 +287,7 @@ def build_tiny21_pipeline(path: str | os.PathLike | None = None, *, seed: int = 
         text_encoder=text_encoder,
         processor=build_processor(tokenizer),
         transformer=build_transformer(text_encoder.config.text_config.hidden_size, seed=seed,
-                                      num_layers=transformer_layers, causal_condition=causal_condition,
+                                      num_layers=transformer_layers, heads=heads, causal_condition=causal_condition,
                                       in_channels=VAE_CONFIG["z_dim"]),  # fmt: skip
         sample_sigmas=sample_sigmas,
     )
