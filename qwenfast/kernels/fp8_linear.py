@@ -5,7 +5,9 @@ FP8 tensor cores run the same shapes at 1.8-1.9x (measured on H200: 1408-1488 TF
 
 Scheme (the one that keeps quality on DiTs, and the one Hopper runs fastest):
 - weights: quantised once, per output channel (row of W): w ≈ w8 * sw, sw = amax(|row|) / 448;
-- activations: quantised per token (row of x) on every call, x ≈ x8 * sx, by one Triton pass
+- activations: quantised per token (row of x) on every call, x ≈ x8 * sx: by the kernel that produced
+  x when it can (LayerNorm + modulation, the gated residual's LayerNorm, the MLP's GELU hand over
+  `QuantizedRows`, see `fp8_rows.py`: no bf16 write + re-read), else by one Triton pass here
   (`quantize_rows`) that reads the row, takes its amax and writes e4m3 plus the fp32 scale;
 - `torch._scaled_mm(x8, w8ᵀ, sx, swᵀ, bias, out_dtype=bf16, use_fast_accum=True)`.
 The error is that of rounding both operands to 3 mantissa bits (rel. ~3-4% per GEMM output): not
