@@ -282,6 +282,7 @@ def test_fp8_linear_on_quantized_rows_is_its_own_quantisation(lora):
 
 
 def _tiny_fp8_model(zero_cond_t: bool, device: str):
+    """Two blocks, FP8 block Linears; bf16 on CUDA (rowwise-scaled `_scaled_mm` writes bf16), fp32 on CPU."""
     from qwenfast.config import TransformerConfig
     from qwenfast.kernels.fp8_linear import quantize_model
     from qwenfast.models.transformer import QwenImageTransformer
@@ -289,7 +290,7 @@ def _tiny_fp8_model(zero_cond_t: bool, device: str):
     torch.manual_seed(0)
     cfg = TransformerConfig(num_layers=2, num_attention_heads=2, attention_head_dim=32, joint_attention_dim=48,
                             axes_dims_rope=(8, 12, 12), zero_cond_t=zero_cond_t)  # fmt: skip
-    model = QwenImageTransformer(cfg).eval().to(device)
+    model = QwenImageTransformer(cfg).eval().to(device, torch.bfloat16 if device == "cuda" else torch.float32)
     with torch.no_grad():
         for m in model.modules():  # stronger residual branches than the default init: the MLP matters
             if isinstance(m, torch.nn.Linear) and m.out_features == 6 * cfg.inner_dim:
@@ -308,7 +309,8 @@ def test_transformer_fused_fp8_matches_unfused(device, zero_cond_t):
     shapes = [(1, 4, 6), (1, 2, 3)] if zero_cond_t else [(1, 4, 6)]
     n_img = sum(f * h * w for f, h, w in shapes)
     g = torch.Generator().manual_seed(1)
-    x, txt = torch.randn(1, n_img, 64, generator=g).to(dev), torch.randn(1, 5, 48, generator=g).to(dev)
+    dt = model.dtype
+    x, txt = torch.randn(1, n_img, 64, generator=g).to(dev, dt), torch.randn(1, 5, 48, generator=g).to(dev, dt)
     t = torch.tensor([0.6], device=dev)
     seen: dict[str, type] = {}
     hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.__setitem__(n, type(args[0])))
@@ -336,7 +338,7 @@ def test_transformer_fused_fp8_matches_unfused(device, zero_cond_t):
                                "txt_mlp.net.0.proj", "txt_mlp.net.2"])  # fmt: skip
     assert torch.isfinite(outs[True]).all()
     # equal but for the GELU's rare one-step codes (kernels/gelu.py)
-    assert rel_err(outs[False], outs[True]) < 2e-3
+    assert rel_err(outs[False], outs[True]) < (2e-3 if dt == torch.float32 else 5e-3)
     b0.attn.to_qkv.lora = None  # the LoRA itself moves the output far more than the fusion does
     with torch.no_grad():
         assert rel_err(outs[True], model(x, txt, None, t, shapes)) > 1e-2
@@ -347,7 +349,7 @@ def test_transformer_fused_fp8_matches_unfused(device, zero_cond_t):
 def test_fused_fp8_under_cuda_graph():
     from qwenfast.runtime.cuda_graphs import CudaGraphRunner
 
-    model = _tiny_fp8_model(False, "cuda").to(torch.bfloat16)
+    model = _tiny_fp8_model(False, "cuda")
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1, 96, 64, generator=g).to("cuda", torch.bfloat16)
     txt = torch.randn(1, 7, 48, generator=g).to("cuda", torch.bfloat16)
