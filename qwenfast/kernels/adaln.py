@@ -26,8 +26,11 @@ import torch
 import torch.nn.functional as F
 
 from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, interpreting, triton_available, use_triton
+from .fp8_linear import quantize_activation
+from .fp8_rows import QuantizedRows, empty_rows, quantize_rows_ref_padded
 
-__all__ = ["layernorm_modulate", "layernorm_modulate_ref", "select_rows"]
+__all__ = ["layernorm_modulate", "layernorm_modulate_ref", "layernorm_modulate_fp8", "layernorm_modulate_fp8_ref",
+           "select_rows"]  # fmt: skip
 
 EPS = 1e-6
 MAX_D = 65536  # one program holds a whole row in registers
@@ -35,6 +38,8 @@ MAX_D = 65536  # one program holds a whole row in registers
 if triton_available():
     import triton
     import triton.language as tl
+
+    from .fp8_rows import _quant_row
 
     # How `_round` rounds fp32 to bf16/fp16 and back. Two Triton pitfalls rule out the plain
     # `v.to(tl.bfloat16).to(tl.float32)`: on the GPU (triton 3.6, H200) the compiler drops such
@@ -110,18 +115,23 @@ if triton_available():
 
     @triton.jit
     def _layernorm_modulate_kernel(
-        x_ptr, shift_ptr, scale_ptr, out_ptr,
+        x_ptr, shift_ptr, scale_ptr, out_ptr, q_ptr, qs_ptr,
         L, D, B, split,
         sx_b, sx_l, so_b, so_l, s_shift, s_scale,
         eps,
-        BLOCK: tl.constexpr, DT: tl.constexpr,
+        BLOCK: tl.constexpr, DT: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
     ):  # fmt: skip
+        """STORE: write y (B, L, D) in DT; QUANT: write y's e4m3 rows (q (B*L, D), scales (B*L,)),
+        quantised from y as stored (rounded to DT), i.e. `quantize_rows(y)` without re-reading y."""
         b, tok, cols, mask, mrow = _row_coords(L, D, B, split, BLOCK)
         x = tl.load(x_ptr + b * sx_b + tok * sx_l + cols, mask=mask, other=0.0).to(tl.float32)
         shift = tl.load(shift_ptr + mrow * s_shift + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(scale_ptr + mrow * s_scale + cols, mask=mask, other=0.0).to(tl.float32)
         y = _ln_modulate_row(x, mask, shift, scale, D, eps, DT)
-        tl.store(out_ptr + b * so_b + tok * so_l + cols, _cast(y, DT), mask=mask)
+        if STORE:
+            tl.store(out_ptr + b * so_b + tok * so_l + cols, _cast(y, DT), mask=mask)
+        if QUANT:
+            _quant_row(_round(y, DT), cols, mask, q_ptr, qs_ptr, b * L + tok, D)
 
 
 def select_rows(t: torch.Tensor, L: int, split: int | None) -> torch.Tensor:
@@ -155,6 +165,14 @@ def _out_ok(out: torch.Tensor | None, x: torch.Tensor) -> bool:
     return out is None or (out.shape == x.shape and out.dtype == x.dtype and out.stride(-1) == 1)
 
 
+def _ok(x, shift, scale, split, out) -> bool:
+    return (
+        x.dim() == 3 and x.dtype in FLOAT_DTYPES and x.stride(-1) == 1 and 0 < x.shape[-1] <= MAX_D
+        and x.numel() > 0 and _mod_ok(shift, x, split) and _mod_ok(scale, x, split) and _out_ok(out, x)
+        and use_triton(x, shift, scale, *(() if out is None else (out,)))
+    )  # fmt: skip
+
+
 def layernorm_modulate(
     x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = EPS, split: int | None = None,
     out: torch.Tensor | None = None,
@@ -166,22 +184,48 @@ def layernorm_modulate(
     with `split`, (2B, D) and tokens `l >= split` use rows B..2B-1. `out`: optional (B, L, D) buffer.
     Anything else (or CPU tensors, or backend "torch") returns `layernorm_modulate_ref`.
     """
-    ok = (
-        x.dim() == 3 and x.dtype in FLOAT_DTYPES and x.stride(-1) == 1 and 0 < x.shape[-1] <= MAX_D
-        and x.numel() > 0 and _mod_ok(shift, x, split) and _mod_ok(scale, x, split) and _out_ok(out, x)
-        and use_triton(x, shift, scale, *(() if out is None else (out,)))
-    )  # fmt: skip
-    if not ok:
+    if not _ok(x, shift, scale, split, out):
         return layernorm_modulate_ref(x, shift, scale, eps, split, out)
+    return _launch(x, shift, scale, eps, split, out, store=True, quant=False)[0]
+
+
+def _launch(x, shift, scale, eps, split, out, store: bool, quant: bool, qout=None):
     B, L, D = x.shape
-    y = torch.empty((B, L, D), dtype=x.dtype, device=x.device) if out is None else out
+    y = (torch.empty((B, L, D), dtype=x.dtype, device=x.device) if out is None else out) if store else x
+    q, qs = empty_rows(B * L, D, x.device, out=qout) if quant else (x, x)  # (x: an unused dummy pointer)
     block = triton.next_power_of_2(D)
     with _on_device(x):
         _layernorm_modulate_kernel[(B * L,)](
-            x, shift, scale, y,
+            x, shift, scale, y, q, qs,
             L, D, B, L if split is None else split,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1), shift.stride(0), scale.stride(0),
             eps,
-            BLOCK=block, DT=_tl_dtype(x.dtype), num_warps=_num_warps(block),
+            BLOCK=block, DT=_tl_dtype(x.dtype), STORE=store, QUANT=quant, num_warps=_num_warps(block),
         )  # fmt: skip
-    return y
+    return (y if store else None), q, qs
+
+
+def layernorm_modulate_fp8_ref(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = EPS, split: int | None = None,
+    keep: bool = False,
+) -> QuantizedRows:  # fmt: skip
+    """Plain torch: `layernorm_modulate_ref`, then `quantize_rows_ref` of its (B*L, D) rows."""
+    return quantize_rows_ref_padded(layernorm_modulate_ref(x, shift, scale, eps, split), keep)
+
+
+def layernorm_modulate_fp8(
+    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = EPS, split: int | None = None,
+    keep: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> QuantizedRows:  # fmt: skip
+    """`layernorm_modulate` for an `FP8Linear` consumer: the output's rows in e4m3 + fp32 scales
+    (`QuantizedRows`, padded to `gemm_rows`), written by the same pass; with `keep`, the (B, L, D)
+    output in x.dtype too (for a LoRA side GEMM), from the same registers. `out`: (q, scale) buffers
+    (see `fp8_rows.empty_rows`) for the kernel to write instead of new ones.
+
+    The bytes equal `quantize_rows(layernorm_modulate(x, ...))`: the row is quantised as stored. A
+    layout the kernel does not take runs exactly that, the two passes.
+    """
+    if not _ok(x, shift, scale, split, None):  # the unfused pair (each op falls back on its own)
+        return quantize_activation(layernorm_modulate(x, shift, scale, eps, split), keep, out)
+    y, q, s = _launch(x, shift, scale, eps, split, None, store=keep, quant=True, qout=out)
+    return QuantizedRows(q, s, x.shape, x.dtype, y)

@@ -5,7 +5,9 @@ FP8 tensor cores run the same shapes at 1.8-1.9x (measured on H200: 1408-1488 TF
 
 Scheme (the one that keeps quality on DiTs, and the one Hopper runs fastest):
 - weights: quantised once, per output channel (row of W): w ≈ w8 * sw, sw = amax(|row|) / 448;
-- activations: quantised per token (row of x) on every call, x ≈ x8 * sx, by one Triton pass
+- activations: quantised per token (row of x) on every call, x ≈ x8 * sx: by the kernel that produced
+  x when it can (LayerNorm + modulation, the gated residual's LayerNorm, the MLP's GELU hand over
+  `QuantizedRows`, see `fp8_rows.py`: no bf16 write + re-read), else by one Triton pass here
   (`quantize_rows`) that reads the row, takes its amax and writes e4m3 plus the fp32 scale;
 - `torch._scaled_mm(x8, w8ᵀ, sx, swᵀ, bias, out_dtype=bf16, use_fast_accum=True)`.
 The error is that of rounding both operands to 3 mantissa bits (rel. ~3-4% per GEMM output): not
@@ -24,9 +26,24 @@ from functools import lru_cache
 import torch
 import torch.nn as nn
 
-from . import _on_device, use_triton
+from . import _on_device, interpreting, triton_available, use_triton
+from .fp8_rows import (
+    FP8,
+    FP8_MAX,
+    MIN_ROWS,
+    MIN_SCALE,
+    QuantizedRows,
+    empty_rows,
+    fp8_fusion,
+    gemm_rows,
+    quantize_rows_ref,
+)
+
+if triton_available():
+    from .fp8_rows import _quant_rows_kernel
 
 __all__ = [
+    "FP8", "FP8_MAX", "MIN_ROWS", "MIN_SCALE", "QuantizedRows", "fp8_consumer", "quantize_activation",
     "FP8Linear",
     "quantize_rows",
     "quantize_rows_ref",
@@ -35,10 +52,6 @@ __all__ = [
     "fp8_supported",
 ]
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = 1e-12  # an all-zero row gets a tiny scale, not a division by zero
-MIN_ROWS = 64  # GEMM rows are padded to at least this (see FP8Linear.forward)
 _REFUSED: set[tuple] = set()  # (rows, K, N, device) that cuBLASLt refused: the dequantised fallback runs
 
 
@@ -50,43 +63,6 @@ def fp8_supported(device: torch.device) -> bool:
 @lru_cache(maxsize=16)
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
-
-
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) -> (e4m3 (M, K), fp32 scale (M, 1)) with x ≈ q * scale, per row."""
-    xf = x.float()
-    scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-_kernel = None
-
-
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit
-        def quant_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
-            row = tl.program_id(0).to(tl.int64)
-            offs = tl.arange(0, BLOCK)
-            amax = tl.zeros([BLOCK], dtype=tl.float32)
-            for k in range(0, K, BLOCK):  # pass 1: amax (the row stays in L2 for pass 2)
-                m = k + offs < K
-                v = tl.load(x_ptr + row * stride_x + k + offs, mask=m, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(v))
-            scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
-            tl.store(s_ptr + row, scale)
-            for k in range(0, K, BLOCK):
-                m = k + offs < K
-                v = tl.load(x_ptr + row * stride_x + k + offs, mask=m, other=0.0).to(tl.float32)
-                q = tl.clamp(v / scale, -448.0, 448.0)
-                tl.store(q_ptr + row * stride_q + k + offs, q.to(tl.float8e4nv), mask=m)
-
-        _kernel = quant_rows_kernel
-    return _kernel
 
 
 def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,15 +81,23 @@ def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tenso
             q = torch.cat([q, torch.zeros(rows - M, K, dtype=FP8, device=x.device)])
             s = torch.cat([s, torch.ones(rows - M, 1, dtype=s.dtype, device=x.device)])
         return q, s
-    q = torch.empty(rows, K, dtype=FP8, device=x.device)
-    s = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
-    if rows > M:
-        q[M:].view(torch.uint8).zero_()
-        s[M:].fill_(1.0)
+    q, s = empty_rows(M, K, x.device, rows)
     block = min(4096, max(128, 1 << (K - 1).bit_length()))
     with _on_device(x):
-        _get_kernel()[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block, num_warps=4)
+        _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block, num_warps=4)
     return q, s
+
+
+def quantize_activation(x: torch.Tensor, keep: bool = False,
+                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedRows:  # fmt: skip
+    """An (..., K) activation -> `QuantizedRows` by the separate pass (`quantize_rows`, padded to
+    `gemm_rows`): what a fused producer's fallback returns; `keep` keeps `x` for a LoRA; `out`:
+    (q, scale) buffers to copy the result into."""
+    x2 = x.reshape(-1, x.shape[-1])
+    q, s = quantize_rows(x2 if x2.stride(-1) == 1 else x2.contiguous(), rows=gemm_rows(x2.shape[0]))
+    if out is not None:
+        q, s = empty_rows(x2.shape[0], x2.shape[1], x.device, out=out)[0].copy_(q), out[1].copy_(s)
+    return QuantizedRows(q, s, x.shape, x.dtype, x if keep else None)
 
 
 def fp8_linear_ref(
@@ -169,51 +153,85 @@ class FP8Linear(nn.Module):
             return y2.addmm_(h, up.t())  # in place: y2 is this layer's fresh output
         return torch.addmm(y2.to(up.dtype), h, up.t()).to(y2.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        K = self.in_features
-        ok = x.is_cuda and fp8_supported(x.device) and K % 16 == 0 and self.out_features % 16 == 0
-        if not ok:
-            y = fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
-            if self.lora is not None:
-                y = self._add_lora(x.reshape(-1, K), y.reshape(-1, self.out_features)).view(y.shape)
-            return y
-        x2 = x.reshape(-1, K)
-        if x2.stride(-1) != 1 or x2.stride(0) != K:
-            x2 = x2.contiguous()
-        M = x2.shape[0]
-        # cuBLASLt (rowwise scales) refuses short text streams with CUBLAS_STATUS_NOT_SUPPORTED: seen on
-        # an H200 for 2 <= M <= 32 at full width, while 1 and >= 40 ran. Quantise into a buffer of at
-        # least MIN_ROWS rows (a multiple of 16; the extra rows are zeros), multiply, keep the first M.
-        Mp = max(MIN_ROWS, -(-M // 16) * 16) if M > 1 else M
-        x8, sx = quantize_rows(x2, rows=Mp)
+    def _fast(self, x: torch.Tensor | QuantizedRows) -> bool:
+        """Whether `_scaled_mm` runs for this input (else the fp32 dequantised reference)."""
+        return (x.device.type == "cuda" and fp8_supported(x.device) and self.in_features % 16 == 0
+                and self.out_features % 16 == 0)  # fmt: skip
+
+    def takes_rows(self, x: torch.Tensor) -> bool:
+        """Whether the kernel producing this layer's input `x`-like activation should hand it over as
+        `QuantizedRows` (the fusion is on and the FP8 GEMM runs: on an FP8 GPU, or any device under
+        the Triton interpreter, where the dequantised reference multiplies the same rows)."""
+        return fp8_fusion() and use_triton(x) and (self._fast(x) or interpreting())
+
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """x (..., K) -> (..., N). `x` may arrive already quantised (`QuantizedRows` from a fused
+        producer): then no quantisation pass runs here; an unmerged LoRA reads `x.x`."""
+        K, N = self.in_features, self.out_features
+        if isinstance(x, QuantizedRows):
+            rows, shape, M = x, x.shape, x.rows
+            x2 = None if x.x is None else x.x.reshape(-1, K)
+            if self.lora is not None and x2 is None:
+                raise RuntimeError("FP8Linear with a LoRA got QuantizedRows without the activation (x=None): "
+                                   "the producer must keep it (keep=True) while a LoRA is active")  # fmt: skip
+            if not self._fast(x):
+                y = (rows.q[:M].float() * rows.scale[:M]) @ (self.weight_fp8.float() * self.weight_scale).t()
+                if self.bias is not None:
+                    y = y + self.bias.float()
+                y = y.to(self.out_dtype)  # == fp8_linear_ref of the activation these rows quantise
+                if self.lora is not None:
+                    y = self._add_lora(x2, y)
+                return y.view(*shape[:-1], N)
+            x8, sx = rows.q, rows.scale
+        else:
+            if not self._fast(x):
+                y = fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
+                if self.lora is not None:
+                    y = self._add_lora(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
+                return y
+            shape, x2 = x.shape, x.reshape(-1, K)
+            if x2.stride(-1) != 1 or x2.stride(0) != K:
+                x2 = x2.contiguous()
+            M = x2.shape[0]
+            # cuBLASLt (rowwise scales) refuses short text streams with CUBLAS_STATUS_NOT_SUPPORTED: seen on
+            # an H200 for 2 <= M <= 32 at full width, while 1 and >= 40 ran. Quantise into a buffer of at
+            # least MIN_ROWS rows (a multiple of 16; the extra rows are zeros), multiply, keep the first M.
+            x8, sx = quantize_rows(x2, rows=gemm_rows(M))
+        return self._gemm(x8, sx, M, x2, x.device).view(*shape[:-1], N)
+
+    def _gemm(self, x8: torch.Tensor, sx: torch.Tensor, M: int, x2: torch.Tensor | None,
+              device: torch.device) -> torch.Tensor:  # fmt: skip
+        """(M, N) = rows [0, M) of x8 (Mp, K) · sx times the FP8 weight, + bias (+ LoRA on x2)."""
         bias = None if self.bias is None else self.bias.to(self.out_dtype)
-        key = (Mp, K, self.out_features, x.device.index)
+        key = (x8.shape[0], self.in_features, self.out_features, device.index)
         if key not in _REFUSED:
             try:
                 y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=sx, scale_b=self.weight_scale.t(), bias=bias,
                                      out_dtype=self.out_dtype, use_fast_accum=True)[:M]  # fmt: skip
-                if self.lora is not None:
-                    y = self._add_lora(x2, y)
-                return y.view(*x.shape[:-1], self.out_features)
+                return y if self.lora is None else self._add_lora(x2, y)
             except RuntimeError as e:  # the heuristic query fails on the host, before any launch
                 if "NOT_SUPPORTED" not in str(e):
                     raise
                 _REFUSED.add(key)
                 warnings.warn(f"FP8 GEMM {key[:3]} refused by cuBLASLt ({str(e).splitlines()[0][:60]}); "
-                              "this shape runs as a dequantised bf16 GEMM", stacklevel=2)  # fmt: skip
+                              "this shape runs as a dequantised bf16 GEMM", stacklevel=3)  # fmt: skip
         # the same operands, dequantised: exact FP8 products, bf16 GEMM (small M only in practice)
         y = (x8[:M].to(self.out_dtype) * sx[:M].to(self.out_dtype)) @ (
             self.weight_fp8.to(self.out_dtype) * self.weight_scale.to(self.out_dtype)
         ).t()
         if bias is not None:
             y = y + bias
-        if self.lora is not None:
-            y = self._add_lora(x2, y)
-        return y.view(*x.shape[:-1], self.out_features)
+        return y if self.lora is None else self._add_lora(x2, y)
 
     def extra_repr(self) -> str:
         r = "" if self.lora is None else f", lora_rank={self.lora[0].shape[0]}"
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 rowwise{r}"
+
+
+def fp8_consumer(layer: nn.Module, x: torch.Tensor) -> FP8Linear | None:
+    """`layer` when it is an `FP8Linear` that takes an activation like `x` pre-quantised
+    (`FP8Linear.takes_rows`), else None: tells a fused producer to write `QuantizedRows`."""
+    return layer if isinstance(layer, FP8Linear) and layer.takes_rows(x) else None
 
 
 IMAGE_LINEARS = ("attn.to_qkv", "attn.to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")  # 97% of the FLOPs at 1024²

@@ -28,12 +28,16 @@ import torch
 
 from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, triton_available, use_triton
 from .adaln import EPS, MAX_D, _mod_ok, _out_ok, layernorm_modulate_ref, select_rows
+from .fp8_linear import quantize_activation
+from .fp8_rows import QuantizedRows, empty_rows, quantize_rows_ref_padded
 
 __all__ = [
     "gated_residual",
     "gated_residual_ref",
     "gated_residual_layernorm_modulate",
     "gated_residual_layernorm_modulate_ref",
+    "gated_residual_layernorm_modulate_fp8",
+    "gated_residual_layernorm_modulate_fp8_ref",
 ]
 
 if triton_available():
@@ -41,15 +45,19 @@ if triton_available():
     import triton.language as tl
 
     from .adaln import _cast, _ln_modulate_row, _round, _row_coords
+    from .fp8_rows import _quant_row
 
     @triton.jit
     def _gated_residual_kernel(
-        x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, xo_ptr, mo_ptr,
+        x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, xo_ptr, mo_ptr, q_ptr, qs_ptr,
         L, D, B, split,
         sx_b, sx_l, sy_b, sy_l, sxo_b, sxo_l, smo_b, smo_l, s_gate, s_shift, s_scale,
         eps,
-        BLOCK: tl.constexpr, DT: tl.constexpr, NORM: tl.constexpr,
+        BLOCK: tl.constexpr, DT: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr = True,
+        QUANT: tl.constexpr = False,
     ):  # fmt: skip
+        """NORM: also the LayerNorm + modulation h of the new residual; STORE: write h in DT; QUANT:
+        write h's e4m3 rows (q (B*L, D), scales (B*L,)) as `quantize_rows(h)` would."""
         b, tok, cols, mask, mrow = _row_coords(L, D, B, split, BLOCK)
         x = tl.load(x_ptr + b * sx_b + tok * sx_l + cols, mask=mask, other=0.0).to(tl.float32)
         y = tl.load(y_ptr + b * sy_b + tok * sy_l + cols, mask=mask, other=0.0).to(tl.float32)
@@ -61,7 +69,10 @@ if triton_available():
         tl.store(xo_ptr + b * sxo_b + tok * sxo_l + cols, xn.to(DT), mask=mask)  # exact: xn is in DT
         if NORM:
             h = _ln_modulate_row(xn, mask, shift, scale, D, eps, DT)
-            tl.store(mo_ptr + b * smo_b + tok * smo_l + cols, _cast(h, DT), mask=mask)
+            if STORE:
+                tl.store(mo_ptr + b * smo_b + tok * smo_l + cols, _cast(h, DT), mask=mask)
+            if QUANT:
+                _quant_row(_round(h, DT), cols, mask, q_ptr, qs_ptr, b * L + tok, D)
 
 
 def gated_residual_ref(
@@ -93,24 +104,28 @@ def _inputs_ok(x, y, gate, split, outs) -> bool:
     )  # fmt: skip
 
 
-def _launch(x, y, gate, shift, scale, eps, split, out_x, out_mod, norm: bool):
+def _launch(x, y, gate, shift, scale, eps, split, out_x, out_mod, norm: bool, store: bool = True,
+            quant: bool = False, qout=None):  # fmt: skip
     B, L, D = x.shape
     xo = torch.empty((B, L, D), dtype=x.dtype, device=x.device) if out_x is None else out_x
     mo = xo  # dummy when not normalising (never written)
-    if norm:
+    if norm and store:
         mo = torch.empty((B, L, D), dtype=x.dtype, device=x.device) if out_mod is None else out_mod
-    else:
+    if not norm:
         shift = scale = gate
+    q, qs = empty_rows(B * L, D, x.device, out=qout) if quant else (xo, xo)  # (xo: an unused dummy pointer)
     block = triton.next_power_of_2(D)
     with _on_device(x):
         _gated_residual_kernel[(B * L,)](
-            x, y, gate, shift, scale, xo, mo,
+            x, y, gate, shift, scale, xo, mo, q, qs,
             L, D, B, L if split is None else split,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1), xo.stride(0), xo.stride(1),
             mo.stride(0), mo.stride(1), gate.stride(0), shift.stride(0), scale.stride(0),
             eps,
-            BLOCK=block, DT=_tl_dtype(x.dtype), NORM=norm, num_warps=_num_warps(block),
+            BLOCK=block, DT=_tl_dtype(x.dtype), NORM=norm, STORE=store, QUANT=quant, num_warps=_num_warps(block),
         )  # fmt: skip
+    if quant:
+        return xo, QuantizedRows(q, qs, x.shape, x.dtype, mo if store else None)
     return xo, mo
 
 
@@ -150,3 +165,35 @@ def gated_residual_layernorm_modulate(
     if not ok:
         return gated_residual_layernorm_modulate_ref(x, y, gate, shift, scale, eps, split, out_x, out_mod)
     return _launch(x, y, gate, shift, scale, eps, split, out_x, out_mod, norm=True)
+
+
+def gated_residual_layernorm_modulate_fp8_ref(
+    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+    eps: float = EPS, split: int | None = None, out_x: torch.Tensor | None = None, keep: bool = False,
+) -> tuple[torch.Tensor, QuantizedRows]:  # fmt: skip
+    """Plain torch: `gated_residual_layernorm_modulate_ref`, then `quantize_rows_ref` of h's rows."""
+    x_new, h = gated_residual_layernorm_modulate_ref(x, y, gate, shift, scale, eps, split, out_x)
+    return x_new, quantize_rows_ref_padded(h, keep)
+
+
+def gated_residual_layernorm_modulate_fp8(
+    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+    eps: float = EPS, split: int | None = None, out_x: torch.Tensor | None = None, keep: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, QuantizedRows]:  # fmt: skip
+    """`gated_residual_layernorm_modulate` for an `FP8Linear` consumer of h (the MLP's first Linear):
+    (x_new, h as `QuantizedRows`), one pass; with `keep`, h in x.dtype too (for a LoRA side GEMM).
+    `out`: (q, scale) buffers for h's rows (see `fp8_rows.empty_rows`).
+
+    The bytes equal `quantize_rows` of the unfused h. A layout the kernel does not take runs the
+    unfused pair.
+    """
+    outs = () if out_x is None else (out_x,)
+    ok = (
+        _inputs_ok(x, y, gate, split, outs) and _mod_ok(shift, x, split) and _mod_ok(scale, x, split)
+        and use_triton(x, y, gate, shift, scale, *outs)
+    )  # fmt: skip
+    if not ok:
+        x_new, h = gated_residual_layernorm_modulate(x, y, gate, shift, scale, eps, split, out_x)
+        return x_new, quantize_activation(h, keep, out)
+    return _launch(x, y, gate, shift, scale, eps, split, out_x, None, norm=True, store=keep, quant=True, qout=out)

@@ -25,9 +25,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..config import TransformerConfig
-from ..kernels.adaln import layernorm_modulate, select_rows
-from ..kernels.gated_residual import gated_residual, gated_residual_layernorm_modulate
-from ..kernels.gelu import linear_gelu_tanh
+from ..kernels.adaln import layernorm_modulate, layernorm_modulate_fp8, select_rows
+from ..kernels.fp8_linear import QuantizedRows, fp8_consumer
+from ..kernels.gated_residual import (
+    gated_residual,
+    gated_residual_layernorm_modulate,
+    gated_residual_layernorm_modulate_fp8,
+)
+from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
 from ..runtime.attention import attention, joint_attention
 from ..runtime.blocks import BlockRunner, StepContext
 
@@ -113,11 +118,14 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
-        p = self.net[0].proj
+    def forward_fused(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """`x` arrives as `QuantizedRows` when `net.0.proj` is an FP8Linear fed by a fused producer."""
+        p, out = self.net[0].proj, self.net[2]
         if not isinstance(p, nn.Linear):  # FP8Linear: no cuBLASLt GELU epilogue for scaled GEMMs
-            return self.net[2](F.gelu(p(x), approximate="tanh"))
-        return self.net[2](linear_gelu_tanh(x, p.weight, p.bias))
+            h = p(x)  # (B, L, 4D)
+            c = fp8_consumer(out, h)  # an FP8 net.2 takes the GELU's output quantised by the GELU pass
+            return out(F.gelu(h, approximate="tanh") if c is None else gelu_tanh_fp8(h, keep=c.lora is not None))
+        return out(linear_gelu_tanh(x, p.weight, p.bias))
 
 
 class AdaLayerNormOut(nn.Module):
@@ -244,14 +252,15 @@ class JointAttention(nn.Module):
 
     def forward_fused(
         self,
-        img: torch.Tensor,
-        txt: torch.Tensor,
+        img: torch.Tensor | QuantizedRows,  # (B, Li, D), or its FP8 rows for an FP8 to_qkv
+        txt: torch.Tensor | QuantizedRows,
         attn_mask: torch.Tensor | None,
         rope: tuple[torch.Tensor, ...],  # (img_cos, img_sin, txt_cos, txt_sin) from `rope_tables`
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Same function; QK-norm + RoPE + the scatter into the joint [text; image] buffers is one
         kernel per stream (no torch.cat), and the buffers are (B, S, H, Dh) so the attention output
-        reshapes to (B, S, H*Dh) for the out projections without a copy."""
+        reshapes to (B, S, H*Dh) for the out projections without a copy. Only the shape, dtype and
+        device of `img`/`txt` are read here, so pre-quantised rows pass straight to the projections."""
         B, Li, Lt = img.shape[0], img.shape[1], txt.shape[1]
         H, Dh = self.heads, self.head_dim
         icos, isin, tcos, tsin = rope
@@ -260,6 +269,23 @@ class JointAttention(nn.Module):
                    (qkv_i, self.norm_q.weight, self.norm_k.weight, icos, isin)]  # joint order: [text; image]
         o = joint_attention(streams, H, Dh, attn_mask).transpose(1, 2).reshape(B, Lt + Li, H * Dh)
         return self.to_out[0](o[:, Lt:]), self.to_add_out(o[:, :Lt])
+
+
+def _norm_modulate(x, shift, scale, split, consumer: nn.Module) -> torch.Tensor | QuantizedRows:
+    """`layernorm_modulate`, or its FP8 rows when `consumer` is an FP8Linear taking them (`fp8_consumer`):
+    the quantisation then happens in the same pass (the bf16 output too while it has a LoRA)."""
+    c = fp8_consumer(consumer, x)
+    if c is None:
+        return layernorm_modulate(x, shift, scale, split=split)
+    return layernorm_modulate_fp8(x, shift, scale, split=split, keep=c.lora is not None)
+
+
+def _residual_norm_modulate(x, y, gate, shift, scale, split, consumer: nn.Module):
+    """`gated_residual_layernorm_modulate`, the modulated output as FP8 rows for an FP8 `consumer`."""
+    c = fp8_consumer(consumer, x)
+    if c is None:
+        return gated_residual_layernorm_modulate(x, y, gate, shift, scale, split=split)
+    return gated_residual_layernorm_modulate_fp8(x, y, gate, shift, scale, split=split, keep=c.lora is not None)
 
 
 def _modulate(x, mod, split):
@@ -326,11 +352,12 @@ class TransformerBlock(nn.Module):
         txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
         t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = self.txt_mod(txt_temb).chunk(6, dim=-1)
 
-        img_in = layernorm_modulate(img, i_sh1, i_sc1, split=split)
-        txt_in = layernorm_modulate(txt, t_sh1, t_sc1)
+        # inputs of FP8 Linears come quantised from these kernels (QuantizedRows; kernels/fp8_rows.py)
+        img_in = _norm_modulate(img, i_sh1, i_sc1, split, self.attn.to_qkv)
+        txt_in = _norm_modulate(txt, t_sh1, t_sc1, None, self.attn.add_qkv_proj)
         img_attn, txt_attn = self.attn.forward_fused(img_in, txt_in, attn_mask, rope)
-        img, img_in = gated_residual_layernorm_modulate(img, img_attn, i_g1, i_sh2, i_sc2, split=split)
-        txt, txt_in = gated_residual_layernorm_modulate(txt, txt_attn, t_g1, t_sh2, t_sc2)
+        img, img_in = _residual_norm_modulate(img, img_attn, i_g1, i_sh2, i_sc2, split, self.img_mlp.net[0].proj)
+        txt, txt_in = _residual_norm_modulate(txt, txt_attn, t_g1, t_sh2, t_sc2, None, self.txt_mlp.net[0].proj)
         img = gated_residual(img, self.img_mlp.forward_fused(img_in), i_g2, split=split)
         txt = gated_residual(txt, self.txt_mlp.forward_fused(txt_in), t_g2)
         if txt.dtype == torch.float16:
