@@ -174,7 +174,9 @@ def qk_norm_rope(
     B, L, _ = qkv.shape
     H, Dh = out_q.shape[1], out_q.shape[3]
     w_half = wq.dtype in (torch.float16, torch.bfloat16)
-    block_h, block_d = triton.next_power_of_2(H), triton.next_power_of_2(Dh)
+    # the tile of all HQ heads even when writing a group of H of them: the same thread layout, so the
+    # same fp32 reduction order, as the all-heads call (a head group's rows are then bit for bit its)
+    block_h, block_d = triton.next_power_of_2(qkv.shape[-1] // (3 * Dh)), triton.next_power_of_2(Dh)
     with _on_device(qkv):
         _qk_norm_rope_kernel[(B * L,)](
             qkv, wq, wk, cos, sin, out_q, out_k, out_v,

@@ -138,7 +138,8 @@ JointStream = tuple  # (qkv (B, L, 3*H*D), q-norm gain (D,), k-norm gain (D,), c
 def joint_attention(streams: list[JointStream], heads: int, head_dim: int, mask: torch.Tensor | None) -> torch.Tensor:
     """Attention over the concatenated streams (sequence order = list order), from their fused QKV
     projections: QK RMSNorm + RoPE (`kernels.qk_norm_rope`) then `attention()`. -> (B, H, S, D), a
-    view of (B, S, H, D) memory (the out projections reshape it without a copy)."""
+    view of (B, S, H, D) memory (the out projections reshape it without a copy). The result may live
+    in a buffer that the next `joint_attention` call reuses: consume it before calling again."""
     if len(_wrappers) == 1 and hasattr(_wrappers[0], "joint"):
         return _wrappers[0].joint(streams, heads, head_dim, mask, _attention)
     from ..kernels.qk_norm_rope import qk_norm_rope

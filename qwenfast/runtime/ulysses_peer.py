@@ -17,8 +17,9 @@ split in contiguous chunks n_j starting at s_j; S = Lt + sum n_j):
 2. attention on IN (my h heads, every token): the same attention kernel as one GPU, no mask added.
 3. one kernel writes the output back: for every rank j, the text rows and j's image rows of my
    heads into j's OUT buffer (B, Lt + n_j, H, D) at heads r*h; barrier.
-4. OUT is copied into a fresh tensor (the caller may keep it; the next call reuses OUT), returned
-   as (B, H, Lt + n_r, D) over (B, Lt + n_r, H, D) memory, the layout the out projections read.
+4. OUT is returned as (B, H, Lt + n_r, D) over (B, Lt + n_r, H, D) memory, the layout the out
+   projections read: as is to `joint_attention` (its caller consumes it before the next call), as a
+   copy to a plain `attention()` call (whose caller may hold several results, e.g. 2.1's blocks).
 
 Why one IN and one OUT buffer are enough (no double buffering): rank r writes IN for call i+1 only
 after the barrier of step 3 of call i, which every rank passes only after its own attention of
@@ -124,10 +125,12 @@ class PeerUlyssesAttention:
         qk_norm_rope(qkv_t, *norm_t, *p.qkv[r], offset=0, head0=r * p.h)
         for j in range(self.g.sp_size):
             qk_norm_rope(qkv_i, *norm_i, *p.qkv[j], offset=self.txt_len + p.start, head0=j * p.h)
-        return self._attend(p, inner, mask, B)
+        return self._attend(p, inner, mask, B, keep=False)
 
-    def _attend(self, p: _Plan, inner: Callable, mask: torch.Tensor | None, B: int) -> torch.Tensor:
-        """Steps 1 (barrier) to 4 of the module docstring, once IN holds this rank's rows."""
+    def _attend(self, p: _Plan, inner: Callable, mask: torch.Tensor | None, B: int, keep: bool = True) -> torch.Tensor:
+        """Steps 1 (barrier) to 4 of the module docstring, once IN holds this rank's rows. keep=False
+        (`joint_attention`, whose caller consumes the result before its next call): OUT itself is
+        returned, no copy - the other ranks write OUT again only after this rank's next barrier."""
         p.IN.barrier()
         Lt = self.txt_len
         if mask is not None:  # (B, 1, 1, Lt + n_mine): the text part is replicated, image keys are real
@@ -135,4 +138,5 @@ class PeerUlyssesAttention:
         o = inner(p.q, p.k, p.v, mask)  # (B, h, S, D)
         head_scatter([o.transpose(1, 2)], p.out_table, p.out_rows, p.out_dsts, p.h, p.out_max)
         p.OUT.barrier()
-        return p.mine.clone().transpose(1, 2)  # (B, H, Lt + n, D) over (B, Lt + n, H, D)
+        out = p.mine.clone() if keep else p.mine
+        return out.transpose(1, 2)  # (B, H, Lt + n, D) over (B, Lt + n, H, D)
