@@ -157,19 +157,21 @@ def run_size(model, fp8_mods: dict, size: int, args, head: dict, lora: bool) -> 
     model.fused = True
     timed("bf16 fused + CUDA graph", CudaGraphRunner(model))
     bf16 = _swap(model, fp8_mods)
-    variants = [("FP8 + CUDA graph, fusion off", False, False), ("FP8 + CUDA graph, fusion on", True, False)]
+    variants = [("FP8 + CUDA graph, fusion off", False, False, False),
+                ("FP8 + CUDA graph, fusion on", True, False, False),  # the default: LayerNorm producers
+                ("FP8 + CUDA graph, fusion on + GELU", True, True, False)]  # QWENFAST_FP8_FUSE=all
     if lora:
-        variants += [("FP8 + LoRA r64 + graph, fusion off", False, True),
-                     ("FP8 + LoRA r64 + graph, fusion on", True, True)]  # fmt: skip
-    for name, on, with_lora in variants:
+        variants += [("FP8 + LoRA r64 + graph, fusion off", False, False, True),
+                     ("FP8 + LoRA r64 + graph, fusion on", True, False, True)]  # fmt: skip
+    for name, on, gelu, with_lora in variants:
         if with_lora and not any(m.lora is not None for m in model.modules() if isinstance(m, FP8Linear)):
             add_lora(model)
-        set_fp8_fusion(on)
+        set_fp8_fusion(on, gelu=gelu)
         timed(name, CudaGraphRunner(model))  # a fresh graph per setting: graphs keep what they captured
         if not with_lora:
             with torch.no_grad():
                 profs[name] = profile(lambda: model(x, txt, None, t, shapes))
-    set_fp8_fusion(True)
+    set_fp8_fusion(True, gelu=False)
     for m in model.modules():
         if isinstance(m, FP8Linear):
             m.lora = None

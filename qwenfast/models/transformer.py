@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from ..config import TransformerConfig
 from ..kernels.adaln import layernorm_modulate, layernorm_modulate_fp8, select_rows
 from ..kernels.fp8_linear import QuantizedRows, fp8_consumer
+from ..kernels.fp8_rows import fp8_gelu_fusion
 from ..kernels.gated_residual import (
     gated_residual,
     gated_residual_layernorm_modulate,
@@ -123,7 +124,7 @@ class FeedForward(nn.Module):
         p, out = self.net[0].proj, self.net[2]
         if not isinstance(p, nn.Linear):  # FP8Linear: no cuBLASLt GELU epilogue for scaled GEMMs
             h = p(x)  # (B, L, 4D)
-            c = fp8_consumer(out, h)  # an FP8 net.2 takes the GELU's output quantised by the GELU pass
+            c = fp8_consumer(out, h) if fp8_gelu_fusion() else None  # net.2 quantises it itself (faster)
             return out(F.gelu(h, approximate="tanh") if c is None else gelu_tanh_fp8(h, keep=c.lora is not None))
         return out(linear_gelu_tanh(x, p.weight, p.bias))
 
