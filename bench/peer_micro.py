@@ -41,8 +41,7 @@ def worker(rank: int, world: int, port: int) -> None:
         a, b = peer(inner, q, k, v, None), coll(inner, q, k, v, None)
         same = bool(torch.equal(a, b))
         row = {"size": size, "rank": rank, "peer_equals_collective": same}
-        for name, w in (("peer", peer), ("peer_serial", peer), ("collective", coll)):
-            os.environ["QWENFAST_ULYSSES_OVERLAP"] = "0" if name == "peer_serial" else "1"
+        for name, w in (("peer", peer), ("collective", coll)):
             fn = lambda w=w, q=q, k=k, v=v: w(inner, q, k, v, None)  # noqa: E731
             dist.barrier()
             row[f"{name}_eager_us"] = round(median_ms(fn, 5, 50) * 1e3, 1)

@@ -37,8 +37,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @torch.no_grad()
 def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too: bool, fp8: bool = True) -> dict:
     """Per size: one GPU vs Ulysses over `world` GPUs, each exchange (peer memory, the default on
-    CUDA, with the output writes overlapping the attention or after it ("peer_serial"); NCCL
-    all-to-alls), bf16 and FP8 block GEMMs; each variant its own CUDA graphs."""
+    CUDA; NCCL all-to-alls), bf16 and FP8 block GEMMs; each variant its own CUDA graphs."""
     from ..runtime.blocks import StepContext
     from ..runtime.cuda_graphs import CudaGraphRunner
     from ..runtime.parallel import ParallelConfig, ParallelForward, ParallelGroups
@@ -68,20 +67,18 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
                 row[f"qwenfast_1gpu{tag}_ms"] = _ms(lambda: one_graphs(x, txt, None, t, shapes, step=step))
             else:
                 dist.barrier()
-            for exchange in ("peer", "peer_serial", "collective") if prec == "bf16" else ("peer",):
-                os.environ["QWENFAST_ULYSSES_EXCHANGE"] = exchange.split("_")[0]
-                os.environ["QWENFAST_ULYSSES_OVERLAP"] = "0" if exchange == "peer_serial" else "1"
+            for exchange in ("peer", "collective") if prec == "bf16" else ("peer",):
+                os.environ["QWENFAST_ULYSSES_EXCHANGE"] = exchange
                 graphs = runners.setdefault(f"{prec}:{exchange}", CudaGraphRunner(ours))
                 # the shard's forward as a CUDA graph, its exchanges captured with it
                 par = ParallelForward(lambda *a, shard=None, g=graphs: g(*a[:5], step=a[5], shard=shard), groups)
                 out = par(x, txt, None, t, shapes, step)
-                name = f"qwenfast_ulysses{world}{tag}" + ("" if exchange == "peer" else f"_{exchange}")
+                name = f"qwenfast_ulysses{world}{tag}" + ("" if exchange == "peer" else "_collective")
                 row[f"{name}_ms"] = _ms(lambda: par(x, txt, None, t, shapes, step))
                 row[f"{name}_rel_err_vs_1gpu"] = _rel(out, one)
                 if rank == 0:
                     row[f"{name}_speedup"] = round(row[f"qwenfast_1gpu{tag}_ms"] / row[f"{name}_ms"], 2)
             os.environ.pop("QWENFAST_ULYSSES_EXCHANGE", None)
-            os.environ.pop("QWENFAST_ULYSSES_OVERLAP", None)
             if old is not None:
                 _swap(ours, old)
         for r in runners.values():  # each size's graph pools go before the next size's

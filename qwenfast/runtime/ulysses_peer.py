@@ -15,10 +15,8 @@ split in contiguous chunks n_j starting at s_j; S = Lt + sum n_j):
    itself, one launch per head group writing straight into rank j's memory; a plain `attention()`
    call gets it from one `kernels/head_scatter` launch over the Q, K, V it was given.
 2. attention on IN (my h heads, every token): the same attention kernel as one GPU, no mask added.
-3. the output goes back: for every rank j, the text rows and j's image rows of my heads into j's OUT
-   buffer (B, Lt + n_j, H, D) at heads r*h; barrier. By default attention runs by query chunk (the
-   other ranks' image rows first, mine last) and each chunk's rows are written on a side stream while
-   the next chunk attends (`QWENFAST_ULYSSES_OVERLAP=0`: one call, then one write kernel).
+3. one kernel writes the output back: for every rank j, the text rows and j's image rows of my
+   heads into j's OUT buffer (B, Lt + n_j, H, D) at heads r*h; barrier.
 4. OUT is returned as (B, H, Lt + n_r, D) over (B, Lt + n_r, H, D) memory, the layout the out
    projections read: as is to `joint_attention` (its caller consumes it before the next call), as a
    copy to a plain `attention()` call (whose caller may hold several results, e.g. 2.1's blocks).
@@ -80,19 +78,6 @@ class _Plan:
             self.out_dsts += [outs[j], outs[j]]
         self.in_table = torch.tensor(self.in_rows, dtype=torch.int64, device=device)
         self.out_table = torch.tensor(self.out_rows, dtype=torch.int64, device=device)
-        # The output by query chunk (see `_attend_chunked`): chunk j = rank j's image queries, rank 0's
-        # with the text in front ([0, Lt + n_0) is contiguous); the other ranks' chunks first, mine last.
-        self.chunks = []
-        for j in [(rank + i) % G for i in range(1, G)] + [rank]:
-            q0 = 0 if j == 0 else Lt + starts[j]
-            rows = [entry(outs[j], src_t0=Lt + starts[j] - q0, src_h0=0, dst_t0=Lt, count=sizes[j], dst_h0=rank * h)]
-            dsts = [outs[j]]
-            if j == 0:  # the text rows of my heads -> every rank
-                rows += [entry(outs[i], src_t0=0, src_h0=0, dst_t0=0, count=Lt, dst_h0=rank * h) for i in range(G)]
-                dsts += outs
-            table = torch.tensor(rows, dtype=torch.int64, device=device)
-            self.chunks.append((q0, Lt + starts[j] + sizes[j], table, rows, dsts, max(r[-1] for r in rows)))
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None  # the chunks' writes
         self.qkv = [tuple(x[c].transpose(1, 2) for c in range(3)) for x in ins]  # rank j's q, k, v (B, h, S, D)
         self.q, self.k, self.v = self.qkv[rank]
         self.mine = outs[rank][0]  # (B, Lt + n, H, D)
@@ -150,35 +135,8 @@ class PeerUlyssesAttention:
         Lt = self.txt_len
         if mask is not None:  # (B, 1, 1, Lt + n_mine): the text part is replicated, image keys are real
             mask = torch.cat([mask[..., :Lt], mask.new_ones(B, 1, 1, sum(self.sizes))], dim=-1)
-        if _overlap() and len(p.chunks) > 1:
-            self._attend_chunked(p, inner, mask)
-        else:
-            o = inner(p.q, p.k, p.v, mask)  # (B, h, S, D)
-            head_scatter([o.transpose(1, 2)], p.out_table, p.out_rows, p.out_dsts, p.h, p.out_max)
+        o = inner(p.q, p.k, p.v, mask)  # (B, h, S, D)
+        head_scatter([o.transpose(1, 2)], p.out_table, p.out_rows, p.out_dsts, p.h, p.out_max)
         p.OUT.barrier()
         out = p.mine.clone() if keep else p.mine
         return out.transpose(1, 2)  # (B, H, Lt + n, D) over (B, Lt + n, H, D)
-
-    @staticmethod
-    def _attend_chunked(p: _Plan, inner: Callable, mask: torch.Tensor | None) -> None:
-        """Attention by query chunk, each chunk's rows written to their rank on a side stream while
-        the next chunk attends (the keys and values are the whole sequence for every chunk, so the
-        rows are exactly those of one call; the writes overlap the attention instead of following it)."""
-        main = torch.cuda.current_stream() if p.side is not None else None
-        for q0, q1, table, rows, dsts, most in p.chunks:
-            o = inner(p.q[:, :, q0:q1], p.k, p.v, mask)  # (B, h, q1 - q0, D)
-            if main is None:
-                head_scatter([o.transpose(1, 2)], table, rows, dsts, p.h, most)
-                continue
-            p.side.wait_stream(main)
-            with torch.cuda.stream(p.side):
-                head_scatter([o.transpose(1, 2)], table, rows, dsts, p.h, most)
-            o.record_stream(p.side)
-        if main is not None:
-            main.wait_stream(p.side)
-
-
-def _overlap() -> bool:
-    """`QWENFAST_ULYSSES_OVERLAP` (default 1): the output exchange by query chunk, overlapping the
-    attention (`PeerUlyssesAttention._attend_chunked`); 0: one attention call, then the writes."""
-    return os.environ.get("QWENFAST_ULYSSES_OVERLAP", "1").strip() not in ("0", "false", "off")
