@@ -17,6 +17,9 @@ split in contiguous chunks n_j starting at s_j; S = Lt + sum n_j):
 2. attention on IN (my h heads, every token): the same attention kernel as one GPU, no mask added.
 3. one kernel writes the output back: for every rank j, the text rows and j's image rows of my
    heads into j's OUT buffer (B, Lt + n_j, H, D) at heads r*h; barrier.
+   (Measured and dropped: attention by query chunk with each chunk's rows written on a side stream
+   while the next chunk attends: 74.6 vs 70.9 ms per 1024² forward on 2 H200s; the writes take SMs
+   from the attention and the chunks' calls are less efficient than one.)
 4. OUT is returned as (B, H, Lt + n_r, D) over (B, Lt + n_r, H, D) memory, the layout the out
    projections read: as is to `joint_attention` (its caller consumes it before the next call), as a
    copy to a plain `attention()` call (whose caller may hold several results, e.g. 2.1's blocks).
