@@ -5,12 +5,6 @@ engines against cuDNN bf16."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +14,7 @@ from qwenfast.kernels.attn_quant import FP8, FP8_MAX, MIN_DESCALE, dequantize, q
 from qwenfast.options import EngineOptions
 from qwenfast.runtime import attention_fp8 as A8
 from qwenfast.runtime.attention import CHOICES, attention, use_attention
+from qwenfast.testing.interp import run_interpreter_cases
 
 from .conftest import rel_err
 
@@ -125,16 +120,7 @@ def test_quantize_kernel_matches_ref(device, per_head, case):
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
 def test_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", QWENFAST_KERNELS="triton")
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
-           "-k", "interp and not subprocess"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == 8, tail
-    assert not re.search(r"\d+ (failed|error)", proc.stdout), tail
+    run_interpreter_cases(__file__, at_least=8, exactly=True, timeout=600, allow_skipped=True)
 
 
 def test_kernel_falls_back_to_ref_without_triton():

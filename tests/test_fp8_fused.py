@@ -17,12 +17,6 @@ the kernels write them; NaN never passes.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,6 +38,7 @@ from qwenfast.kernels.gated_residual import (
     gated_residual_layernorm_modulate_fp8_ref,
 )
 from qwenfast.kernels.gelu import MAX_N, gelu_tanh_fp8, gelu_tanh_fp8_ref
+from qwenfast.testing.interp import run_interpreter_cases
 
 from .conftest import rel_err
 
@@ -377,13 +372,4 @@ def test_fused_fp8_under_cuda_graph():
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
 def test_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", QWENFAST_KERNELS="triton")
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
-           "-k", "interp and not subprocess"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 30, tail
-    assert not re.search(r"\d+ (failed|error|skipped)", proc.stdout), tail
+    run_interpreter_cases(__file__, at_least=30)

@@ -13,12 +13,6 @@ Outputs are poisoned with NaN before a kernel writes them, and NaN never passes 
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn as nn
@@ -34,6 +28,7 @@ from qwenfast.kernels.gated_residual import (
 from qwenfast.kernels.gelu import linear_gelu_tanh, linear_gelu_tanh_ref
 from qwenfast.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from qwenfast.models import transformer as T
+from qwenfast.testing.interp import run_interpreter_cases
 
 from .conftest import rel_err
 
@@ -487,16 +482,7 @@ def test_linear_gelu_tanh_cuda(dtype, triton_backend):
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
 def test_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", QWENFAST_KERNELS="triton")
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
-           "-k", "interp and not subprocess"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 40, tail
-    assert not re.search(r"\d+ (failed|error|skipped)", proc.stdout), tail
+    run_interpreter_cases(__file__, at_least=40)
 
 
 def test_kernels_step_aside_while_autograd_records(monkeypatch):

@@ -15,10 +15,6 @@ frequencies to bf16: its "relative error 0.12" was that oracle's, not ours.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,7 @@ import torch
 
 import qwenfast.kernels as K
 from qwenfast.kernels.swiglu import silu_mul, silu_mul_ref
+from qwenfast.testing.interp import run_interpreter_cases
 
 from .conftest import rel_err
 
@@ -197,16 +194,7 @@ def test_kernel_silu_mul(device, dtype):
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
 def test_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", QWENFAST_KERNELS="triton")
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
-           "-k", "interp and not subprocess"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) >= 6, tail
-    assert not re.search(r"\d+ (failed|error|skipped)", proc.stdout), tail
+    run_interpreter_cases(__file__, at_least=6)
 
 
 @pytest.mark.gpu

@@ -11,12 +11,6 @@
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +19,7 @@ import qwenfast.kernels as K
 from qwenfast.kernels.rmsnorm_silu import rmsnorm_silu, rmsnorm_silu_ref
 from qwenfast.kernels.upsample_conv import subpixel_weights, upsample_conv, upsample_conv_ref
 from qwenfast.models.vae import RMSNorm
+from qwenfast.testing.interp import run_interpreter_cases
 
 CUDA = torch.cuda.is_available()
 TRITON = K.triton_available()
@@ -103,16 +98,8 @@ def test_rmsnorm_silu_nan_propagates():
 
 @pytest.mark.skipif(not TRITON or INTERP, reason="needs triton; this is the outer process")
 def test_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1", QWENFAST_KERNELS="triton")
-    root = Path(__file__).resolve().parents[1]
-    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
-           "-k", "interp and kernel"]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    tail = proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert proc.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) == len(DTYPES) * len(SHAPES) * 4, tail
-    assert not re.search(r"\d+ (failed|error)", proc.stdout), tail
+    run_interpreter_cases(__file__, at_least=len(DTYPES) * len(SHAPES) * 4, exactly=True, timeout=600,
+                          select="interp and kernel", allow_skipped=True)
 
 
 # ---------------------------------------------------------------------------------------------- sub-pixel conv
