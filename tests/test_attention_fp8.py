@@ -14,7 +14,7 @@ from qwenfast.kernels.attn_quant import FP8, FP8_MAX, MIN_DESCALE, dequantize, q
 from qwenfast.options import EngineOptions
 from qwenfast.runtime import attention_fp8 as A8
 from qwenfast.runtime.attention import CHOICES, attention, use_attention
-from qwenfast.testing.interp import run_interpreter_cases
+from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
 from .conftest import rel_err
 
@@ -88,12 +88,7 @@ def test_quantize_ref_zero_and_huge_stay_finite():
 # ---------------------------------------------------------------------------------------------
 # the Triton kernel vs the reference: CUDA, or CPU under TRITON_INTERPRET=1
 
-KERNEL_DEVICES = [
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu,
-                 pytest.mark.skipif(not (CUDA and TRITON) or INTERP, reason="needs CUDA and triton")]),
-    pytest.param("interp", id="interp", marks=pytest.mark.skipif(
-        not INTERP, reason="needs TRITON_INTERPRET=1 (see test_interpreter_subprocess)")),
-]  # fmt: skip
+KERNEL_DEVICES = kernel_devices()
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

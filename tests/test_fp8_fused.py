@@ -38,7 +38,7 @@ from qwenfast.kernels.gated_residual import (
     gated_residual_layernorm_modulate_fp8_ref,
 )
 from qwenfast.kernels.gelu import MAX_N, gelu_tanh_fp8, gelu_tanh_fp8_ref
-from qwenfast.testing.interp import run_interpreter_cases
+from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
 from .conftest import rel_err
 
@@ -47,16 +47,7 @@ FP8_GPU = CUDA and fp8_supported(torch.device("cuda"))
 TRITON = K.triton_available()
 INTERP = TRITON and K.interpreting()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-KERNEL_DEVICES = [
-    pytest.param(
-        "cuda", id="cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not (FP8_GPU and TRITON) or INTERP, reason="needs an FP8 GPU")],
-    ),
-    pytest.param(
-        "interp", id="interp",
-        marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (see test_interpreter_subprocess)"),
-    ),
-]  # fmt: skip
+KERNEL_DEVICES = kernel_devices(FP8_GPU and TRITON, "needs an FP8 GPU")
 
 
 @pytest.fixture(autouse=True)

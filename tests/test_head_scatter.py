@@ -9,16 +9,12 @@ import torch
 
 import qwenfast.kernels as K
 from qwenfast.kernels.head_scatter import entry, head_scatter, head_scatter_ref
-from qwenfast.testing.interp import run_interpreter_cases
+from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
 CUDA = torch.cuda.is_available()
 TRITON = K.triton_available()
 INTERP = TRITON and K.interpreting()
-DEVICES = [
-    pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not (CUDA and TRITON) or INTERP,
-                                                                                reason="needs CUDA and triton")]),
-    pytest.param("interp", id="interp", marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1")),
-]  # fmt: skip
+DEVICES = kernel_devices()
 
 
 def _case(device: str, dtype: torch.dtype, nc: int, seed: int):

@@ -28,7 +28,7 @@ from qwenfast.kernels.gated_residual import (
 from qwenfast.kernels.gelu import linear_gelu_tanh, linear_gelu_tanh_ref
 from qwenfast.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
 from qwenfast.models import transformer as T
-from qwenfast.testing.interp import run_interpreter_cases
+from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
 from .conftest import rel_err
 
@@ -39,17 +39,7 @@ NAN = float("nan")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
-# Where the Triton kernels themselves run: "cuda", or "interp" (CPU tensors, TRITON_INTERPRET=1).
-KERNEL_DEVICES = [
-    pytest.param(
-        "cuda", id="cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not (CUDA and TRITON) or INTERP, reason="needs CUDA and triton")],
-    ),
-    pytest.param(
-        "interp", id="interp",
-        marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (see test_interpreter_subprocess)"),
-    ),
-]  # fmt: skip
+KERNEL_DEVICES = kernel_devices()  # where the Triton kernels run: "cuda", or "interp" (CPU tensors)
 
 
 @pytest.fixture(autouse=True)

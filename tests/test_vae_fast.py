@@ -19,19 +19,14 @@ import qwenfast.kernels as K
 from qwenfast.kernels.rmsnorm_silu import rmsnorm_silu, rmsnorm_silu_ref
 from qwenfast.kernels.upsample_conv import subpixel_weights, upsample_conv, upsample_conv_ref
 from qwenfast.models.vae import RMSNorm
-from qwenfast.testing.interp import run_interpreter_cases
+from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
 CUDA = torch.cuda.is_available()
 TRITON = K.triton_available()
 INTERP = TRITON and K.interpreting()
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DEVICES = [
-    pytest.param("cuda", marks=pytest.mark.skipif(not (CUDA and TRITON), reason="needs CUDA + triton")),
-    pytest.param(
-        "interp", marks=pytest.mark.skipif(not INTERP, reason="needs TRITON_INTERPRET=1 (subprocess)")
-    ),
-]
+DEVICES = kernel_devices()
 SHAPES = [(2, 96, 7, 9), (1, 5, 3, 1), (3, 384, 2, 5), (1, 130, 11, 3)]  # odd C, H, W; C = VAE widths
 
 

@@ -48,6 +48,15 @@ def emit(record: dict, name: str, out_dir: Path | str | None) -> None:
         save_record(record, Path(out_dir) / name)
 
 
+def emit_lines(records: list[dict], path: Path | str | None) -> None:
+    """Print each record as a JSON line; append them to the file `path` when given (`--out FILE`)."""
+    for r in records:
+        print(json.dumps(r))
+    if path is not None:
+        for r in records:
+            save_record(r, Path(path))
+
+
 def results_dir(value: str | None) -> Path | None:
     """`--results` -> the folder for the JSON records, or None (print only)."""
     return Path(value) if value else None

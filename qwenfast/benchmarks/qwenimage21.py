@@ -19,7 +19,6 @@ oracle this benchmark used before, `model.to(bf16)`, whose timestep frequencies 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -171,12 +170,9 @@ def main(argv=None) -> list[dict]:
               f"{r['ours_prefill_ms']:>8} {r['ours_cached_eager_ms']:>7} {r['ours_cached_graph_ms']:>7} "
               f"{r['rel_err_prefill']:>8.1e} {r['rel_err_cached']:>10.1e} {r['rel_err_old_oracle']:>8.1e} "
               f"{r['speedup_loop']:>6}")  # fmt: skip
-    for r in rows:
-        print(json.dumps(r))
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    from . import emit_lines
+
+    emit_lines(rows, a.out or None)
     return rows
 
 

@@ -17,7 +17,6 @@ diffusers' image (turbo).
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -169,12 +168,9 @@ def main(argv=None) -> list[dict]:
         label = r["what"].replace("qwen-image-2.1 e2e ", "") + (f" {r['cache']}" if "cache" in r else "")
         d = r.get("mean_abs_diff_vs_off", r.get("mean_abs_diff_vs_diffusers", ""))
         print(f"{label:<32} {r.get('ours_s', r.get('ours_s_cache_off', '')):>8} {r.get('diffusers_s', ''):>11} {d!s:>10}")
-    for r in rows:
-        print(json.dumps(r))
-    if a.out:
-        with open(a.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+    from . import emit_lines
+
+    emit_lines(rows, a.out or None)
     return rows
 
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["run_interpreter_cases"]
+__all__ = ["run_interpreter_cases", "kernel_devices"]
 
 
 def run_interpreter_cases(test_file: str | Path, at_least: int, *, exactly: bool = False, timeout: int = 900,
@@ -30,3 +30,23 @@ def run_interpreter_cases(test_file: str | Path, at_least: int, *, exactly: bool
     bad = "failed|error|errors" + ("" if allow_skipped else "|skipped")
     assert not re.search(rf"\d+ ({bad})\b", proc.stdout), tail
     return int(passed.group(1))
+
+
+def kernel_devices(cuda_ok: bool | None = None, cuda_reason: str = "needs CUDA and triton") -> list:
+    """The pytest params of where a Triton kernel under test runs: "cuda" (marked gpu; skipped
+    unless `cuda_ok`, default CUDA + triton, and not interpreting) and "interp" (CPU tensors; only in
+    a process started with TRITON_INTERPRET=1, which `run_interpreter_cases` starts)."""
+    import pytest
+    import torch
+
+    from .. import kernels as K
+
+    interp = K.triton_available() and K.interpreting()
+    if cuda_ok is None:
+        cuda_ok = torch.cuda.is_available() and K.triton_available()
+    return [
+        pytest.param("cuda", id="cuda",
+                     marks=[pytest.mark.gpu, pytest.mark.skipif(not cuda_ok or interp, reason=cuda_reason)]),
+        pytest.param("interp", id="interp", marks=pytest.mark.skipif(
+            not interp, reason="needs TRITON_INTERPRET=1 (see test_interpreter_subprocess)")),
+    ]  # fmt: skip
