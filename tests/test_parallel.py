@@ -70,8 +70,10 @@ def test_text_to_image_equals_one_process(six_heads, tmp_path, layout, world, si
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     import json
 
+    G = ParallelConfig.parse(layout).ulysses  # rank 0 ran the modulation GEMVs of blocks 0, G, 2G, ... only
     assert json.loads((tmp_path / "out.json").read_text()) == {"core": "ParallelForward", "world": world,
-                                                                "exchange": "collective"}  # fmt: skip
+                                                                "exchange": "collective",
+                                                                "modulated_blocks": list(range(0, 3, G))}  # fmt: skip
     assert np.abs(want[0] - want[1]).max() > 1e-2  # the two prompts' images differ: rows were not mixed
 
 

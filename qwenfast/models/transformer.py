@@ -36,6 +36,7 @@ from ..kernels.gated_residual import (
 from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
 from ..runtime.attention import attention, joint_attention
 from ..runtime.blocks import BlockRunner, StepContext
+from ..runtime.parallel import split_over_ranks
 
 # ---------------------------------------------------------------------------------------------
 # Small layers
@@ -310,6 +311,18 @@ class TransformerBlock(nn.Module):
         self.img_mlp = FeedForward(dim)
         self.txt_mlp = FeedForward(dim)
 
+    def modulations(self, temb: torch.Tensor) -> torch.Tensor:
+        """img_mod(temb) rows then txt_mod(its temb) rows: (R + B, 6D) with R = temb's rows (B, or 2B
+        with zero_cond_t). Computed by the block, or up front for every block by the model (and then
+        split over sequence-parallel ranks: runtime/parallel.split_over_ranks)."""
+        txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
+        return torch.cat([self.img_mod(temb), self.txt_mod(txt_temb)], dim=0)
+
+    def _mods(self, temb: torch.Tensor, mods: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if mods is None:
+            mods = self.modulations(temb)
+        return mods[: temb.shape[0]], mods[temb.shape[0] :]  # (R, 6D) img, (B, 6D) txt
+
     def forward(
         self,
         img: torch.Tensor,
@@ -318,10 +331,11 @@ class TransformerBlock(nn.Module):
         attn_mask: torch.Tensor | None,
         rope: tuple[torch.Tensor, ...],
         split: int | None,
+        mods: torch.Tensor | None = None,  # `modulations(temb)` when the model computed it up front
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)  # (B|2B, 3D) each
-        txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
-        txt_mod1, txt_mod2 = self.txt_mod(txt_temb).chunk(2, dim=-1)
+        im, tm = self._mods(temb, mods)
+        img_mod1, img_mod2 = im.chunk(2, dim=-1)  # (B|2B, 3D) each
+        txt_mod1, txt_mod2 = tm.chunk(2, dim=-1)
 
         img_in, img_gate1 = _modulate(self.img_norm1(img), img_mod1, split)
         txt_in, txt_gate1 = _modulate(self.txt_norm1(txt), txt_mod1, None)
@@ -345,13 +359,14 @@ class TransformerBlock(nn.Module):
         attn_mask: torch.Tensor | None,
         rope: tuple[torch.Tensor, ...],
         split: int | None,
+        mods: torch.Tensor | None = None,  # `modulations(temb)` when the model computed it up front
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same block with fused kernels: LayerNorm+modulation in one pass, the attention
         residual fused with the next LayerNorm+modulation, cuBLASLt GELU epilogue. `split`: first
         token modulated with t=0 (zero_cond_t), else None."""
-        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = self.img_mod(temb).chunk(6, dim=-1)  # (B|2B, D) views
-        txt_temb = temb.chunk(2, dim=0)[0] if self.zero_cond_t else temb
-        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = self.txt_mod(txt_temb).chunk(6, dim=-1)
+        im, tm = self._mods(temb, mods)
+        i_sh1, i_sc1, i_g1, i_sh2, i_sc2, i_g2 = im.chunk(6, dim=-1)  # (B|2B, D) views
+        t_sh1, t_sc1, t_g1, t_sh2, t_sc2, t_g2 = tm.chunk(6, dim=-1)
 
         # inputs of FP8 Linears come quantised from these kernels (QuantizedRows; kernels/fp8_rows.py)
         img_in = _norm_modulate(img, i_sh1, i_sc1, split, self.attn.to_qkv)
@@ -435,11 +450,16 @@ class QwenImageTransformer(nn.Module):
             rope = (rope[0][start:end], rope[1][start:end], rope[2], rope[3])
 
         fused = self.fused
+        blocks = self.transformer_blocks
+        mods = None  # under sequence parallelism each rank computes a share of the blocks' modulations
+        if self.block_runner.every_block_resident:
+            mods = split_over_ranks(len(blocks), lambda i: blocks[i].modulations(temb))
 
         def call(
             i: int, block: TransformerBlock, img: torch.Tensor, txt: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            img, txt = (block.forward_fused if fused else block)(img, txt, temb, attn_mask, rope, split)
+            m = None if mods is None else mods[i]
+            img, txt = (block.forward_fused if fused else block)(img, txt, temb, attn_mask, rope, split, m)
             if res is not None:  # ControlNet residual of this block (diffusers adds it after the block)
                 img = img + res[i // every]
             return img, txt

@@ -81,6 +81,12 @@ class BlockRunner:
         """False when the runner re-points weights per call (a captured graph would read stale memory)."""
         return True
 
+    @property
+    def every_block_resident(self) -> bool:
+        """Every block runs at every step with its weights on the device: what computing per-block
+        inputs (the modulation vectors) up front, before the block loop, needs."""
+        return True
+
 
 class StreamingBlockRunner(BlockRunner):
     """Offload: each block's weights are brought in by a `BlockStreamer` (runtime/offload.py) just
@@ -102,4 +108,8 @@ class StreamingBlockRunner(BlockRunner):
 
     @property
     def graph_safe(self) -> bool:
+        return False
+
+    @property
+    def every_block_resident(self) -> bool:
         return False

@@ -109,6 +109,8 @@ class _State:
 class StepCacheRunner(BlockRunner):
     """The step cache as a block runner (see the module docstring)."""
 
+    every_block_resident = False  # cached steps skip blocks: their inputs are not computed up front
+
     def __init__(self, policy: CachePolicy):
         self.policy = policy
         self.states: dict[tuple, _State] = {}

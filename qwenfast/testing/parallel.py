@@ -35,6 +35,11 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
             raise RuntimeError(f"rank {rank} failed on purpose (test)")
         pipe = from_pretrained(model, device="cpu", dtype=torch.float32, options=EngineOptions(parallel=layout, **(options or {})))
         pipe.set_progress_bar_config(disable=True)
+        modulated: set[int] = set()  # which blocks' img_mod this rank ran (split_over_ranks)
+        blocks = getattr(pipe.transformer, "transformer_blocks", [])
+        for i, b in enumerate(blocks):
+            if hasattr(b, "img_mod"):
+                b.img_mod.register_forward_hook(lambda *_, i=i: modulated.add(i))
         kw = dict(call)
         kw["generator"] = [torch.Generator().manual_seed(s) for s in kw.pop("seeds")]
         result = pipe(**kw, output_type="np")
@@ -45,7 +50,7 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
             from qwenfast.runtime.ulysses_peer import exchange_choice
 
             record = {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size(),
-                      "exchange": exchange_choice(torch.device("cpu"))}  # fmt: skip
+                      "exchange": exchange_choice(torch.device("cpu")), "modulated_blocks": sorted(modulated)}  # fmt: skip
             if "parallel" in result.info:
                 record["info"] = result.info["parallel"]
             Path(out).with_suffix(".json").write_text(json.dumps(record))
