@@ -26,7 +26,7 @@ from qwenfast.kernels.gated_residual import (
     gated_residual_ref,
 )
 from qwenfast.kernels.gelu import linear_gelu_tanh, linear_gelu_tanh_ref
-from qwenfast.kernels.qk_norm_rope import qk_norm_rope, qk_norm_rope_ref
+from qwenfast.kernels.qk_norm_rope import group_row, qk_norm_rope, qk_norm_rope_groups, qk_norm_rope_ref
 from qwenfast.models import transformer as T
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
@@ -416,6 +416,15 @@ def test_kernel_qk_norm_rope_head_groups(device, dtype, triton_backend):
             assert torch.isnan(a[:, :, :off]).all() and torch.isnan(a[:, :, off + L :]).all()
             assert_match(a[:, :, off : off + L], b[:, :, off : off + L], dtype)
             assert torch.equal(b[:, :, off : off + L], f[:, j * h : (j + 1) * h, off:])  # the ref: a slice
+    # every group in one launch (a table of their addresses), each into its own buffers
+    outs = [_joint_buffers(B, h, off + L + 2, Dh, dtype, dev, "bshd") for _ in range(G)]
+    groups = [(*o, j * h) for j, o in enumerate(outs)]
+    table = torch.tensor([group_row(*grp) for grp in groups], dtype=torch.int64, device=dev)
+    qk_norm_rope_groups(qkv, wq, wk, cos, sin, table, groups, offset=off)
+    for j, o in enumerate(outs):
+        for a, f in zip(o, full):
+            assert torch.isnan(a[:, :, :off]).all() and torch.isnan(a[:, :, off + L :]).all()
+            assert_match(a[:, :, off : off + L], f[:, j * h : (j + 1) * h, off:], dtype)
 
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)

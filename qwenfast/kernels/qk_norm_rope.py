@@ -31,7 +31,7 @@ import torch
 
 from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, triton_available, use_triton
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_ref", "rms_norm_ref", "apply_rope_ref"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_groups", "group_row", "qk_norm_rope_ref", "rms_norm_ref", "apply_rope_ref"]
 
 EPS = 1e-6
 
@@ -59,14 +59,20 @@ if triton_available():
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr,
+        qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, table_ptr,
         L, H, Dh, offset, h0, HQ,
         s_b, s_l, s_cos, s_sin,
         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
         eps,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, YDT: tl.constexpr, W_HALF: tl.constexpr,
-        QDT: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr,
+        QDT: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr, TABLE: tl.constexpr,
     ):  # fmt: skip
+        if TABLE:  # head group program_id(1): its q, k, v addresses and first head from a table row
+            rt = table_ptr + tl.program_id(1).to(tl.int64) * 4
+            oq_ptr = tl.load(rt).to(tl.pointer_type(QDT))
+            ok_ptr = tl.load(rt + 1).to(tl.pointer_type(QDT))
+            ov_ptr = tl.load(rt + 2).to(tl.pointer_type(QDT))
+            h0 = tl.load(rt + 3)
         row = tl.program_id(0).to(tl.int64)
         b = row // L
         tok = row % L
@@ -179,7 +185,7 @@ def qk_norm_rope(
     block_h, block_d = triton.next_power_of_2(qkv.shape[-1] // (3 * Dh)), triton.next_power_of_2(Dh)
     with _on_device(qkv):
         _qk_norm_rope_kernel[(B * L,)](
-            qkv, wq, wk, cos, sin, out_q, out_k, out_v,
+            qkv, wq, wk, cos, sin, out_q, out_k, out_v, qkv,
             L, H, Dh, offset, head0, qkv.shape[-1] // (3 * Dh),
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
             out_q.stride(0), out_q.stride(1), out_q.stride(2),
@@ -187,7 +193,51 @@ def qk_norm_rope(
             out_v.stride(0), out_v.stride(1), out_v.stride(2),
             eps,
             BLOCK_H=block_h, BLOCK_D=block_d, YDT=_tl_dtype(wq.dtype) if w_half else tl.float32, W_HALF=w_half,
-            QDT=_tl_dtype(out_q.dtype), KDT=_tl_dtype(out_k.dtype), VDT=_tl_dtype(out_v.dtype),
+            QDT=_tl_dtype(out_q.dtype), KDT=_tl_dtype(out_k.dtype), VDT=_tl_dtype(out_v.dtype), TABLE=False,
             num_warps=_num_warps(block_h * block_d),
         )  # fmt: skip
     return out_q, out_k, out_v
+
+
+def group_row(out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, head0: int) -> list[int]:
+    """One row of `qk_norm_rope_groups`' table: the group's q, k, v addresses and first head."""
+    return [out_q.data_ptr(), out_k.data_ptr(), out_v.data_ptr(), head0]
+
+
+def qk_norm_rope_groups(
+    qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    table: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], offset: int = 0,
+    eps: float = EPS,
+) -> None:  # fmt: skip
+    """`qk_norm_rope(..., head0=h0)` into every group (out_q, out_k, out_v, h0) of `groups` in one
+    launch: e.g. each Ulysses rank's head group straight into that rank's buffers, the remote writes
+    of one group overlapping the others' work. `table`: the int64 (G, 4) device tensor of
+    `group_row(*group)` per group (kept alive by the caller: a captured CUDA graph reads it). The
+    groups' buffers share one shape, dtype and layout. Unsupported cases: one call per group."""
+    q0, k0, v0, _ = groups[0]
+    same = all(q.shape == q0.shape and q.stride() == q0.stride() and k.stride() == k0.stride()
+               and v.stride() == v0.stride() and q.dtype == k.dtype == v.dtype == q0.dtype
+               for q, k, v, _ in groups)  # fmt: skip
+    args = (qkv, wq, wk, cos, sin, q0, k0, v0)
+    if not (same and all(_supported(*args[:5], q, k, v, offset, h) for q, k, v, h in groups)
+            and use_triton(*args, table)):  # fmt: skip
+        for q, k, v, h in groups:
+            qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, eps=eps, head0=h)
+        return
+    B, L, _ = qkv.shape
+    H, Dh = q0.shape[1], q0.shape[3]
+    w_half = wq.dtype in (torch.float16, torch.bfloat16)
+    block_h, block_d = triton.next_power_of_2(qkv.shape[-1] // (3 * Dh)), triton.next_power_of_2(Dh)
+    with _on_device(qkv):
+        _qk_norm_rope_kernel[(B * L, len(groups))](
+            qkv, wq, wk, cos, sin, q0, k0, v0, table,
+            L, H, Dh, offset, 0, qkv.shape[-1] // (3 * Dh),
+            qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
+            q0.stride(0), q0.stride(1), q0.stride(2),
+            k0.stride(0), k0.stride(1), k0.stride(2),
+            v0.stride(0), v0.stride(1), v0.stride(2),
+            eps,
+            BLOCK_H=block_h, BLOCK_D=block_d, YDT=_tl_dtype(wq.dtype) if w_half else tl.float32, W_HALF=w_half,
+            QDT=_tl_dtype(q0.dtype), KDT=_tl_dtype(q0.dtype), VDT=_tl_dtype(q0.dtype), TABLE=True,
+            num_warps=_num_warps(block_h * block_d),
+        )  # fmt: skip

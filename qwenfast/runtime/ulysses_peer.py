@@ -12,7 +12,7 @@ split in contiguous chunks n_j starting at s_j; S = Lt + sum n_j):
 1. Q, K, V go into place: my text rows of my heads into my IN buffer (3, B, S, h, D), and for every
    rank j my image rows of j's heads into j's IN at tokens Lt + s_r; barrier. Blocks that go through
    `attention.joint_attention` (Qwen-Image's fused path) get this from the QK-norm + RoPE kernel
-   itself, one launch per head group writing straight into rank j's memory; a plain `attention()`
+   itself, one launch over every head group, each program writing straight into its rank's memory; a plain `attention()`
    call gets it from one `kernels/head_scatter` launch over the Q, K, V it was given.
 2. attention on IN (my h heads, every token): the same attention kernel as one GPU, no mask added.
 3. one kernel writes the output back: for every rank j, the text rows and j's image rows of my
@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.head_scatter import entry, head_scatter
+from ..kernels.qk_norm_rope import group_row, qk_norm_rope, qk_norm_rope_groups
 from .peer_memory import PeerBuffer, peer_memory_available
 
 __all__ = ["PeerUlyssesAttention", "exchange_choice", "EXCHANGES"]
@@ -83,6 +84,9 @@ class _Plan:
         self.out_table = torch.tensor(self.out_rows, dtype=torch.int64, device=device)
         self.qkv = [tuple(x[c].transpose(1, 2) for c in range(3)) for x in ins]  # rank j's q, k, v (B, h, S, D)
         self.q, self.k, self.v = self.qkv[rank]
+        # `joint`: the image rows' head groups, rank j's into rank j's IN, in one QK-norm + RoPE launch
+        self.img_groups = [(*self.qkv[j], j * h) for j in range(G)]
+        self.img_table = torch.tensor([group_row(*grp) for grp in self.img_groups], dtype=torch.int64, device=device)
         self.mine = outs[rank][0]  # (B, Lt + n, H, D)
         self.h, self.start, self.in_max, self.out_max = h, s, max(Lt, n), max(Lt, m)
 
@@ -118,16 +122,13 @@ class PeerUlyssesAttention:
         """`attention.joint_attention` for [text; image]: the QK-norm + RoPE kernel writes my text rows
         of my heads into my IN, and my image rows of head group j straight into rank j's IN (no
         local Q/K/V buffer, no separate copy)."""
-        from ..kernels.qk_norm_rope import qk_norm_rope
-
         if len(streams) != 2 or streams[0][0].shape[1] != self.txt_len:
             raise ValueError("the peer Ulysses exchange takes [text; this rank's image tokens] streams")
         (qkv_t, *norm_t), (qkv_i, *norm_i) = streams
         B, r = qkv_t.shape[0], self.g.sp_rank
         p = self._plan(B, H, D, qkv_t.dtype, qkv_t.device)
         qk_norm_rope(qkv_t, *norm_t, *p.qkv[r], offset=0, head0=r * p.h)
-        for j in range(self.g.sp_size):
-            qk_norm_rope(qkv_i, *norm_i, *p.qkv[j], offset=self.txt_len + p.start, head0=j * p.h)
+        qk_norm_rope_groups(qkv_i, *norm_i, p.img_table, p.img_groups, offset=self.txt_len + p.start)
         return self._attend(p, inner, mask, B, keep=False)
 
     def _attend(self, p: _Plan, inner: Callable, mask: torch.Tensor | None, B: int, keep: bool = True) -> torch.Tensor:
