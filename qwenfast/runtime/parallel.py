@@ -17,7 +17,8 @@ Layout: world = cfg x ulysses ranks, rank = cfg_rank * ulysses + sp_rank.
   all-to-alls, below; the default on CPU). Both give the same numbers bit for bit.
 
 Every rank holds the whole model, draws the same noise from the same seed, encodes the prompt and
-decodes the image itself (rank 0 keeps it). CPU processes over gloo run the same code (tests).
+decodes the image itself (rank 0 keeps it). Token-independent work that is large is split instead of
+repeated: the blocks' modulation GEMVs (`split_over_ranks`). CPU processes over gloo run the same code (tests).
 """
 
 from __future__ import annotations
