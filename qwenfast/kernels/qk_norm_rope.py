@@ -177,25 +177,7 @@ def qk_norm_rope(
     args = (qkv, wq, wk, cos, sin, out_q, out_k, out_v)
     if not (_supported(*args, offset, head0) and use_triton(*args)):
         return qk_norm_rope_ref(*args, offset, eps, head0)
-    B, L, _ = qkv.shape
-    H, Dh = out_q.shape[1], out_q.shape[3]
-    w_half = wq.dtype in (torch.float16, torch.bfloat16)
-    # the tile of all HQ heads even when writing a group of H of them: the same thread layout, so the
-    # same fp32 reduction order, as the all-heads call (a head group's rows are then bit for bit its)
-    block_h, block_d = triton.next_power_of_2(qkv.shape[-1] // (3 * Dh)), triton.next_power_of_2(Dh)
-    with _on_device(qkv):
-        _qk_norm_rope_kernel[(B * L,)](
-            qkv, wq, wk, cos, sin, out_q, out_k, out_v, qkv,
-            L, H, Dh, offset, head0, qkv.shape[-1] // (3 * Dh),
-            qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
-            out_q.stride(0), out_q.stride(1), out_q.stride(2),
-            out_k.stride(0), out_k.stride(1), out_k.stride(2),
-            out_v.stride(0), out_v.stride(1), out_v.stride(2),
-            eps,
-            BLOCK_H=block_h, BLOCK_D=block_d, YDT=_tl_dtype(wq.dtype) if w_half else tl.float32, W_HALF=w_half,
-            QDT=_tl_dtype(out_q.dtype), KDT=_tl_dtype(out_k.dtype), VDT=_tl_dtype(out_v.dtype), TABLE=False,
-            num_warps=_num_warps(block_h * block_d),
-        )  # fmt: skip
+    _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, eps, head0=head0)
     return out_q, out_k, out_v
 
 
@@ -224,20 +206,28 @@ def qk_norm_rope_groups(
         for q, k, v, h in groups:
             qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, eps=eps, head0=h)
         return
+    _launch(qkv, wq, wk, cos, sin, q0, k0, v0, offset, eps, table=table, groups=len(groups))
+
+
+def _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset: int, eps: float, head0: int = 0,
+            table: torch.Tensor | None = None, groups: int = 1) -> None:  # fmt: skip
+    """The kernel over B*L tokens (x `groups` head groups from `table`, else into out_* from head0)."""
     B, L, _ = qkv.shape
-    H, Dh = q0.shape[1], q0.shape[3]
+    H, Dh = out_q.shape[1], out_q.shape[3]
     w_half = wq.dtype in (torch.float16, torch.bfloat16)
+    # the tile of all HQ heads even when writing a group of H of them: the same thread layout, so the
+    # same fp32 reduction order, as the all-heads call (a head group's rows are then bit for bit its)
     block_h, block_d = triton.next_power_of_2(qkv.shape[-1] // (3 * Dh)), triton.next_power_of_2(Dh)
     with _on_device(qkv):
-        _qk_norm_rope_kernel[(B * L, len(groups))](
-            qkv, wq, wk, cos, sin, q0, k0, v0, table,
-            L, H, Dh, offset, 0, qkv.shape[-1] // (3 * Dh),
+        _qk_norm_rope_kernel[(B * L, groups)](
+            qkv, wq, wk, cos, sin, out_q, out_k, out_v, qkv if table is None else table,
+            L, H, Dh, offset, head0, qkv.shape[-1] // (3 * Dh),
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
-            q0.stride(0), q0.stride(1), q0.stride(2),
-            k0.stride(0), k0.stride(1), k0.stride(2),
-            v0.stride(0), v0.stride(1), v0.stride(2),
+            out_q.stride(0), out_q.stride(1), out_q.stride(2),
+            out_k.stride(0), out_k.stride(1), out_k.stride(2),
+            out_v.stride(0), out_v.stride(1), out_v.stride(2),
             eps,
             BLOCK_H=block_h, BLOCK_D=block_d, YDT=_tl_dtype(wq.dtype) if w_half else tl.float32, W_HALF=w_half,
-            QDT=_tl_dtype(q0.dtype), KDT=_tl_dtype(q0.dtype), VDT=_tl_dtype(q0.dtype), TABLE=True,
-            num_warps=_num_warps(block_h * block_d),
+            QDT=_tl_dtype(out_q.dtype), KDT=_tl_dtype(out_k.dtype), VDT=_tl_dtype(out_v.dtype),
+            TABLE=table is not None, num_warps=_num_warps(block_h * block_d),
         )  # fmt: skip
