@@ -12,8 +12,8 @@ split in contiguous chunks n_j starting at s_j; S = Lt + sum n_j):
 1. Q, K, V go into place: my text rows of my heads into my IN buffer (3, B, S, h, D), and for every
    rank j my image rows of j's heads into j's IN at tokens Lt + s_r; barrier. Blocks that go through
    `attention.joint_attention` (Qwen-Image's fused path) get this from the QK-norm + RoPE kernel
-   itself, one launch over every head group, each program writing straight into its rank's memory; a plain `attention()`
-   call gets it from one `kernels/head_scatter` launch over the Q, K, V it was given.
+   itself, one launch over every head group, each program writing straight into its rank's memory;
+   a plain `attention()` call gets it from one `kernels/head_scatter` launch over its Q, K, V.
 2. attention on IN (my h heads, every token): the same attention kernel as one GPU, no mask added.
 3. one kernel writes the output back: for every rank j, the text rows and j's image rows of my
    heads into j's OUT buffer (B, Lt + n_j, H, D) at heads r*h; barrier.
@@ -27,7 +27,8 @@ split in contiguous chunks n_j starting at s_j; S = Lt + sum n_j):
 Why one IN and one OUT buffer are enough (no double buffering): rank r writes IN for call i+1 only
 after the barrier of step 3 of call i, which every rank passes only after its own attention of
 call i (stream order); it writes OUT for call i+1 after the barrier of step 1 of call i+1, which
-every rank reaches only after step 4 of call i.
+every rank reaches only after it has read call i's OUT (step 4's copy, or the `joint_attention`
+caller's out projections, which run before its next call).
 """
 
 from __future__ import annotations
