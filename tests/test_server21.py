@@ -3,7 +3,7 @@ endpoints. Generations and edits (1, 3 and 10 images, RGB and RGBA, `image[]` as
 them) give the pixels of `QwenImage21Pipeline` called directly with the same seed, size and steps; 11
 images, masks, `strength` and a step cache are clear 400s; the hostile-request suite and the every-field
 matrix of test_server_hostile.py never get a 5xx; /health, /v1/models and /metrics name the model type;
-`serve` refuses --parallel before loading; the CLI takes --lora and --preset turbo-8 for 2.1;
+the CLI takes --lora and --preset turbo-8 for 2.1;
 the web page offers optional reference images.
 
 The folder's qwenfast.json sets `output_resolution` 128 (the default size of generations and the area
@@ -281,15 +281,6 @@ def test_ray_ingress_describes_the_same_model(folder, pipe):
 
 
 # ------------------------------------------------------------------------------------------ start-up and CLI
-@pytest.mark.parametrize("flags", [["--parallel", "cfg=2"]])
-def test_serve_refuses_what_2_1_cannot_run_before_loading(folder, flags, capsys):
-    from qwenfast.cli import main
-
-    assert main(["serve", "--model", str(folder), "--device", "cpu", *flags]) == 2
-    err = capsys.readouterr().err
-    assert f"{flags[0]} {flags[1]} is not available" in err and f"without {flags[0]}" in err, err
-
-
 def test_cli_2_1_takes_lora_and_turbo_presets(folder, pipe, lora_dir, tmp_path, capsys):
     from qwenfast.cli import main
 

@@ -118,7 +118,8 @@ def _diffusers_rows(ref, x, txt, t, size: int, world: int, rank: int) -> dict:
 def end_to_end_rows(world: int) -> dict:
     import numpy as np
 
-    from .pipeline import PROMPT, build
+    from .harness import PROMPT
+    from .pipeline import build
 
     rank = dist.get_rank()
     ours, _ = build(False, diffusers_transformer=False)

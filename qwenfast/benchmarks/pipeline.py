@@ -23,7 +23,6 @@ Stages (flags; each prints one JSON line, and with `--results DIR` appends it to
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 from collections.abc import Iterable
@@ -35,13 +34,12 @@ import numpy as np
 import torch
 
 from . import RESULTS_HELP, results_dir, save_record
+from .harness import PROMPT, GiB, StageTimer, _call, _device_name, _free, _peak, _reset_peak, _sync
 
 if TYPE_CHECKING:
     from ..pipeline.text_to_image import QwenImagePipeline
 
-GiB = 1024**3
 CASES = {"1024:50:cfg": (1024, 50, True), "1328:50:cfg": (1328, 50, True), "1024:4:nocfg": (1024, 4, False)}
-PROMPT = "a fox reading a newspaper in a cafe, watercolor, soft light"
 
 QWEN25_VL_7B = {  # Qwen/Qwen2.5-VL-7B-Instruct config.json (sizes), transformers-5 layout
     "model_type": "qwen2_5_vl", "image_token_id": 151655, "video_token_id": 151656,
@@ -57,70 +55,6 @@ QWEN25_VL_7B = {  # Qwen/Qwen2.5-VL-7B-Instruct config.json (sizes), transformer
                       "temporal_patch_size": 2, "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31],
                       "in_channels": 3, "hidden_act": "silu"},
 }  # fmt: skip
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _peak() -> int:
-    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-
-
-def _reset_peak():
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _free():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-class StageTimer:
-    """Wraps methods (instance attributes) to add their synchronised wall time and peak memory to a stage."""
-
-    def __init__(self, stage_peaks: bool = False):
-        self.stage_peaks = stage_peaks  # reset the peak counter per stage (then the call's own peak is lost)
-        self.t: dict[str, float] = {}
-        self.peak: dict[str, int] = {}
-        self._undo = []
-
-    def wrap(self, obj: object, name: str, stage: str, before: str | None = None) -> None:
-        """Time `obj.<name>` (a model's method) as `stage`; `before`: record the memory peak since the
-        last reset as that stage first (the phase between two timed calls)."""
-        fn = getattr(obj, name)
-
-        def run(*a: Any, **k: Any) -> Any:
-            _sync()
-            t0 = time.perf_counter()
-            if before is not None:
-                self.peak[before] = max(self.peak.get(before, 0), _peak())
-            if self.stage_peaks:
-                _reset_peak()
-            try:
-                return fn(*a, **k)
-            finally:
-                _sync()
-                self.t[stage] = self.t.get(stage, 0.0) + time.perf_counter() - t0
-                self.peak[stage] = max(self.peak.get(stage, 0), _peak())
-
-        had = name in obj.__dict__
-        self._undo.append((obj, name, obj.__dict__.get(name), had))
-        setattr(obj, name, run)
-
-    def reset(self) -> None:
-        self.t, self.peak = {}, {}
-
-    def restore(self) -> None:
-        for obj, name, old, had in reversed(self._undo):
-            if had:
-                setattr(obj, name, old)
-            else:
-                obj.__dict__.pop(name, None)
-        self._undo = []
 
 
 # ------------------------------------------------------------------------------------------------ build
@@ -179,14 +113,6 @@ def build(
 
 
 # ------------------------------------------------------------------------------------------------ stages
-def _call(pipe, engine: str, size: int, steps: int, cfg: bool, prompt: str, seed: int = 0, batch: int = 1):
-    kw = dict(height=size, width=size, num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
-              true_cfg_scale=4.0 if cfg else 1.0, output_type="np")  # fmt: skip
-    if cfg:
-        kw["negative_prompt"] = " "
-    return pipe([prompt] * batch if batch > 1 else prompt, **kw).images
-
-
 def end_to_end(
     ours: QwenImagePipeline,
     ref: Any,  # a diffusers QwenImagePipeline, or None
@@ -305,10 +231,6 @@ def cache_rows(ours, cases, smoke: bool, cache: str, uncached: dict, diffusers: 
     print(f"  cached step: {json.dumps(res['cached_step'])}", flush=True)
     ours.configure(cache=None)
     return res
-
-
-def _device_name() -> str:
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def run(cases: Iterable[str] = tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool = False,

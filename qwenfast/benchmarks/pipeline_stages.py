@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from . import rel_err
-from .pipeline import PROMPT, GiB, StageTimer, _call, _device_name, _free, _peak, _reset_peak, _sync
+from .harness import PROMPT, GiB, StageTimer, _call, _device_name, _free, _peak, _reset_peak, _sync
 
 if TYPE_CHECKING:
     from ..pipeline.common import QwenImageOutput

@@ -74,7 +74,8 @@ def run_tasks(tasks: list[str], smoke: bool = False, steps: int | None = None, s
     import diffusers
 
     from . import save_record, versions
-    from .pipeline import PROMPT, GiB, _device_name, _free, _peak, _reset_peak, _sync, build
+    from .harness import PROMPT, GiB, _device_name, _free, _peak, _reset_peak, _sync
+    from .pipeline import build
 
     steps = steps or (2 if smoke else 30)
     size = size or (64 if smoke else 1024)

@@ -151,9 +151,6 @@ class QwenImage21Pipeline(PipelineBase):
     """Qwen-Image-2.1. `QwenImage21Pipeline.from_pretrained(path)(prompt, image=[...]).images[0]`."""
 
     kind = "qwen-image-2.1"
-    # options `qwenfast serve` refuses for this model before loading (the pipeline itself takes them:
-    # the mirrored multi-GPU server, server/parallel.py, is not checked with 2.1)
-    serve_unsupported = ("parallel",)
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder21, scheduler_config, *, sample_sigmas=None,
                  model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,

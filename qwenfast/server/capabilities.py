@@ -8,7 +8,7 @@ Three model families are served today:
 - Qwen-Image (text-to-image): generations; edits run img2img / inpainting on 1 image;
 - Qwen-Image-Edit (v1, 2509, 2511): edits with 1 (v1) or 1-3 images, and edit-inpainting; no generations;
 - Qwen-Image-2.1: one model for both: generations and edits with 1-10 images, RGBA kept; no
-  inpainting and no per-request step cache (the pipeline refuses it).
+  inpainting and no per-request step cache (a server-wide `--cache` preset works).
 """
 
 from __future__ import annotations

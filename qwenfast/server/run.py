@@ -29,10 +29,6 @@ log = logging.getLogger("qwenfast.server")
 def serve(a: argparse.Namespace) -> int:
     from .. import launch
 
-    refused = _refused_option(a)
-    if refused:
-        print(f"error: {refused}", file=sys.stderr)
-        return 2
     if getattr(a, "parallel", None) and getattr(a, "ray", False):
         print("error: --ray with --parallel (Ray replicas that each span several GPUs) is not available yet; use "
               "--ray with one GPU per replica, or --parallel without --ray", file=sys.stderr)  # fmt: skip
@@ -85,26 +81,6 @@ def serve(a: argparse.Namespace) -> int:
     finally:
         if launch.is_worker():
             pipe.stop()
-
-
-def _refused_option(a: argparse.Namespace) -> str | None:
-    """What the model folder's pipeline class cannot run among the flags (Qwen-Image-2.1: --cache, --parallel),
-    said before anything loads or a process starts; None when all is fine (or the folder is not readable:
-    the load then says what is wrong with it)."""
-    if not getattr(a, "model", None):
-        return None
-    from ..pipeline.auto import pipeline_class
-
-    try:
-        cls = pipeline_class(a.model)
-    except Exception:
-        return None
-    for name in getattr(cls, "serve_unsupported", ()):
-        value = getattr(a, name, None)
-        if value not in (None, "off"):
-            return (f"--{name} {value} is not available for {getattr(cls, 'kind', cls.__name__)} models yet; "
-                    f"start `qwenfast serve` without --{name}")  # fmt: skip
-    return None
 
 
 def _serve_http(a: argparse.Namespace, cfg, pipe, create_app) -> int:
