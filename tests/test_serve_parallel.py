@@ -29,6 +29,14 @@ def _serve(layout: str, port: int, model=None) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _wait(proc: subprocess.Popen, url: str, timeout: float = 240) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
@@ -66,11 +74,7 @@ def test_serve_parallel_equals_one_process(layout):
             assert r.status_code == 400 and "cfg=2" in r.json()["error"]["message"], r.text
         assert httpx.get(url + "/health", timeout=5).status_code == 200  # the followers are still in step
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
 
 
 def test_serve_parallel_qwen_image_2_1(tmp_path):
@@ -112,8 +116,4 @@ def test_serve_parallel_qwen_image_2_1(tmp_path):
         assert_same_image(got, want, "2.1 edit")
         assert _differs(direct(pipe, 5, prompt="blend", image=images), want)  # the comparison could fail
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop(proc)
