@@ -1,6 +1,6 @@
 """The pipeline benchmarks' shared harness: synchronised timing and memory peaks around model calls,
 the benchmark prompt, and one call of a pipeline in the benchmarks' standard form (used by
-`pipeline.py`, `pipeline_stages.py`, `tasks_inpaint.py`, `parallel.py`)."""
+`pipeline.py`, `pipeline_stages.py`, `tasks.py`, `tasks_inpaint.py`, `parallel.py`)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,6 @@ into them), so two 20B models + a 60-block ControlNet fit in ~90 GiB. The text e
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import time
 
@@ -26,20 +25,9 @@ import numpy as np
 import torch
 
 from . import emit, versions
+from .harness import GiB, _free, _sync
 
-GiB = 1024**3
 PROMPT = "a lighthouse on a cliff at dusk, oil painting"
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _free():
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def share_qkv(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
