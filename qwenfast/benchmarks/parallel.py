@@ -45,7 +45,8 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
 
     rank = dist.get_rank()
     ours, ref = build(layers, compare=diffusers_too)
-    groups = ParallelGroups(ParallelConfig(ulysses=world))
+    layout = ParallelConfig(ulysses=world)
+    groups = {ex: ParallelGroups(layout, exchange=ex) for ex in ("peer", "collective")}  # same order on every rank
     fp8_mods = _fp8_modules(ours) if fp8 else None
     runners: dict[str, CudaGraphRunner] = {}
     rows = {}
@@ -68,17 +69,15 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
             else:
                 dist.barrier()
             for exchange in ("peer", "collective") if prec == "bf16" else ("peer",):
-                os.environ["QWENFAST_ULYSSES_EXCHANGE"] = exchange
                 graphs = runners.setdefault(f"{prec}:{exchange}", CudaGraphRunner(ours))
                 # the shard's forward as a CUDA graph, its exchanges captured with it
-                par = ParallelForward(lambda *a, shard=None, g=graphs: g(*a[:5], step=a[5], shard=shard), groups)
+                par = ParallelForward(lambda *a, shard=None, g=graphs: g(*a[:5], step=a[5], shard=shard), groups[exchange])
                 out = par(x, txt, None, t, shapes, step)
                 name = f"qwenfast_ulysses{world}{tag}" + ("" if exchange == "peer" else "_collective")
                 row[f"{name}_ms"] = _ms(lambda: par(x, txt, None, t, shapes, step))
                 row[f"{name}_rel_err_vs_1gpu"] = _rel(out, one)
                 if rank == 0:
                     row[f"{name}_speedup"] = round(row[f"qwenfast_1gpu{tag}_ms"] / row[f"{name}_ms"], 2)
-            os.environ.pop("QWENFAST_ULYSSES_EXCHANGE", None)
             if old is not None:
                 _swap(ours, old)
         for r in runners.values():  # each size's graph pools go before the next size's

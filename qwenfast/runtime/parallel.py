@@ -75,7 +75,7 @@ def split_sizes(n: int, parts: int) -> list[int]:
 class ParallelGroups:
     """This process's place in the layout, and its two process groups (from torch.distributed)."""
 
-    def __init__(self, config: ParallelConfig):
+    def __init__(self, config: ParallelConfig, exchange: str | None = None):
         if not dist.is_initialized():
             raise RuntimeError(f"parallel {config} needs torch.distributed: start it with `qwenfast generate "
                                f"--parallel {config}` (one process per GPU) or under torchrun")  # fmt: skip
@@ -99,6 +99,15 @@ class ParallelGroups:
             if rank in ranks:
                 self.cfg_group = g
         self.plans: dict = {}  # the peer exchange's buffers per call shape (runtime/ulysses_peer.py)
+        self._want, self._exchange = exchange, {}  # exchange: see `exchange()`; None = the environment's
+
+    def exchange(self, device: torch.device) -> str:
+        """The Ulysses exchange on `device` ("peer" | "collective"), chosen once per device (the
+        choice reads the environment and asks the driver about P2P: not per forward)."""
+        key = str(device)
+        if key not in self._exchange:
+            self._exchange[key] = exchange_choice(device, self._want)
+        return self._exchange[key]
 
 
 def _all_gather(t: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -237,7 +246,7 @@ class ParallelForward:
         sizes = split_sizes(N, G)
         start = sum(sizes[: g.sp_rank])
         n = sizes[g.sp_rank]
-        if exchange_choice(x.device) == "peer":
+        if g.exchange(x.device) == "peer":
             wrapper = PeerUlyssesAttention(g, sizes, emb.shape[1], g.plans)
         else:
             wrapper = UlyssesAttention(g, sizes, emb.shape[1])

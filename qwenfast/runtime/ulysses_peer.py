@@ -47,10 +47,10 @@ __all__ = ["PeerUlyssesAttention", "exchange_choice", "EXCHANGES"]
 EXCHANGES = ("auto", "peer", "collective")
 
 
-def exchange_choice(device: torch.device) -> str:
-    """`QWENFAST_ULYSSES_EXCHANGE`: "peer", "collective", or "auto" (peer on CUDA where every GPU
-    reaches the others over P2P; collective on CPU, where the gloo tests force each in turn)."""
-    want = os.environ.get("QWENFAST_ULYSSES_EXCHANGE", "auto").strip().lower()
+def exchange_choice(device: torch.device, want: str | None = None) -> str:
+    """`want`, else `QWENFAST_ULYSSES_EXCHANGE`: "peer", "collective", or "auto" (peer on CUDA where
+    every GPU reaches the others over P2P; collective on CPU, where the gloo tests force each in turn)."""
+    want = (want or os.environ.get("QWENFAST_ULYSSES_EXCHANGE", "auto")).strip().lower()
     if want not in EXCHANGES:
         raise ValueError(f"QWENFAST_ULYSSES_EXCHANGE must be one of {EXCHANGES}, got {want!r}")
     if want == "auto":
