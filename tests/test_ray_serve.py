@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import random
 import signal
 import statistics
 import threading
@@ -43,14 +42,13 @@ from tests.test_server import (  # noqa: E402
     metric,
     png_pixels,
 )
+from tests.test_server_load import load_requests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "ray-s3cret"
 G = "/v1/images/generations"
 FLAGS = {"device": "cpu", "dtype": "fp32", "replicas": 2, "num_cpus": 0.5, "ingress_cpus": 0.25,
          "max_replicas_per_node": 1, "max_batch": 8, "batch_wait_ms": 10, "api_key": KEY}  # fmt: skip
-SIZES = [(32, 32), (48, 32), (32, 48), (64, 32), (64, 64)]
-WORDS = "red blue small large cat dog house tree river moon over under a the with painting photo".split()
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
@@ -228,16 +226,6 @@ def test_openai_client_auth_page_edits_and_streaming(main, ray_serve, pipe, tmp_
     assert_same_image(png_pixels(r.data[0].b64_json), np.asarray(want.images[0]), "edit")
 
 
-def _requests(n=200, seed=0) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for k in range(n):
-        w, h = rng.choice(SIZES)
-        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) + f" #{k}"
-        out.append({"prompt": prompt, "size": f"{w}x{h}", "steps": 2, "seed": 5000 + k})
-    return out
-
-
 def _replica_images(text: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
@@ -247,7 +235,7 @@ def _replica_images(text: str) -> dict[str, float]:
 
 
 def test_200_requests_16_clients_with_a_replica_killed(main, pipe):
-    reqs, n_clients = _requests(), 16
+    reqs, n_clients = load_requests(200, first_seed=5000), 16
     results: dict[int, list] = {}
     latency: dict[int, float] = {}
     errors: list[str] = []

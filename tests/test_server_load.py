@@ -36,13 +36,14 @@ WORDS = "red blue small large cat dog house tree river moon over under a the wit
 N_REQUESTS, N_CLIENTS = 200, 16
 
 
-def _requests(seed: int = 0) -> list[dict]:
+def load_requests(n: int = N_REQUESTS, seed: int = 0, first_seed: int = 1000) -> list[dict]:
+    """n generation requests of mixed sizes and prompt lengths (also the Ray load test's)."""
     rng = random.Random(seed)
     out = []
-    for k in range(N_REQUESTS):
+    for k in range(n):
         w, h = rng.choice(SIZES)
         prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) + f" #{k}"
-        out.append({"prompt": prompt, "size": f"{w}x{h}", "steps": 2, "seed": 1000 + k})
+        out.append({"prompt": prompt, "size": f"{w}x{h}", "steps": 2, "seed": first_seed + k})
     return out
 
 
@@ -50,7 +51,7 @@ def test_200_requests_16_clients(tmp_path):
     import torch
 
     pipe = load_pipeline(None, device="cpu", dtype="fp32")
-    reqs = _requests()
+    reqs = load_requests()
     app = create_app(pipe, ServerConfig(max_batch=8, max_queue=64, batch_wait_s=0.01))
     server, th, base = start_server(app)
     results: dict[int, httpx.Response] = {}
