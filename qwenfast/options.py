@@ -57,6 +57,9 @@ class EngineOptions:
       quality they measured on the demo model), or a `CachePolicy`. Lossy; off by default.
     parallel: the multi-GPU layout (runtime/parallel.py): None = one device, or a `ParallelConfig` /
       "cfg=2,ulysses=2"; needs torch.distributed with that many processes (`--parallel` starts them).
+    modulation_cache: how many timesteps' modulation vectors the modulation table keeps
+      (runtime/modulation.py; 4.4 MB each at full size); 0 = compute them in every forward. With
+      `offload="blocks"` the table lets the modulation weights (half of each FP8 block) stay in host memory.
     """
 
     kernels: str | None = None
@@ -71,6 +74,7 @@ class EngineOptions:
     decode_per_image: bool = False
     cache: Any = None
     parallel: Any = None
+    modulation_cache: int = 64
 
     def __post_init__(self):
         _choice("kernels", self.kernels, (None, *KERNELS))
@@ -102,6 +106,9 @@ class EngineOptions:
                 raise OptionsError(f"parallel must be a ParallelConfig or 'cfg=2,ulysses=2', got {self.parallel!r}")
             if self.parallel.world > 1 and self.offload != "none":
                 raise OptionsError("parallel layouts need every weight resident (offload='none')")
+        if isinstance(self.modulation_cache, bool) or not isinstance(self.modulation_cache, int) \
+                or self.modulation_cache < 0:  # fmt: skip
+            raise OptionsError(f"modulation_cache is a number of timesteps (>= 0), got {self.modulation_cache!r}")
         if self.offload_budget is not None and (isinstance(self.offload_budget, bool) or not isinstance(
                 self.offload_budget, (int, float)) or not self.offload_budget > 0):  # fmt: skip
             raise OptionsError(f"offload_budget is GiB of GPU memory (> 0), got {self.offload_budget!r}")

@@ -204,7 +204,8 @@ def test_cuda_graph_key_and_inputs_carry_the_residuals(monkeypatch):
         runner(x, x, None, x, [(1, 2, 2)], block_residuals=res)
     keys = [k for k, _ in calls]
     assert len(set(keys)) == 3 and keys[1] == keys[2]
-    assert [len(i) for _, i in calls] == [5, 7, 7, 8] and calls[1][1][5] is r2[0]
+    # inputs: x, txt, mask, t, additional_t_cond, modulations, *residuals
+    assert [len(i) for _, i in calls] == [6, 8, 8, 9] and calls[1][1][6] is r2[0]
 
 
 @pytest.mark.parametrize("soft", [True, False])

@@ -86,9 +86,14 @@ def test_one_way_changes_are_refused_with_advice():
 
 
 def test_the_free_denoise_core_is_the_pipeline(pipe):
-    """Calling sampling.denoise with the transformer as `forward` gives the pipeline's latents."""
-    want = pipe(["a blue square", "x"], negative_prompt=" ", true_cfg_scale=3.0, generator=_gen(2),
-                **{**KW, "output_type": "latent"}).images  # fmt: skip
+    """Calling sampling.denoise with the transformer as `forward` gives the pipeline's latents (the
+    pipeline's modulation table off: its shared rows differ from a batch's GEMM by ~2e-6 in fp32)."""
+    pipe.configure(modulation_cache=0)
+    try:
+        want = pipe(["a blue square", "x"], negative_prompt=" ", true_cfg_scale=3.0, generator=_gen(2),
+                    **{**KW, "output_type": "latent"}).images  # fmt: skip
+    finally:
+        pipe.configure(modulation_cache=EngineOptions().modulation_cache)
     h, w = S.latent_hw(48, 32)
     x = S.pack_latents(torch.randn((2, 1, 16, h, w), generator=_gen(2))[:, 0])
     cond = S.TextCond(*pipe.encode_prompt(["a blue square", "x"]))

@@ -70,11 +70,24 @@ def test_text_to_image_equals_one_process(six_heads, tmp_path, layout, world, si
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     import json
 
-    G = ParallelConfig.parse(layout).ulysses  # rank 0 ran the modulation GEMVs of blocks 0, G, 2G, ... only
+    # every rank fills its modulation table (runtime/modulation.py) for the schedule: all blocks' GEMVs, once
     assert json.loads((tmp_path / "out.json").read_text()) == {"core": "ParallelForward", "world": world,
                                                                 "exchange": "collective",
-                                                                "modulated_blocks": list(range(0, 3, G))}  # fmt: skip
+                                                                "modulated_blocks": [0, 1, 2]}  # fmt: skip
     assert np.abs(want[0] - want[1]).max() > 1e-2  # the two prompts' images differ: rows were not mixed
+
+
+@pytest.mark.parametrize("layout,world", [("ulysses=2", 2), ("ulysses=3", 3)])
+def test_modulations_split_over_ranks_without_the_table(six_heads, tmp_path, layout, world):
+    """With the modulation table off, each forward's modulation GEMVs are split over the sequence
+    ranks (`parallel.split_over_ranks`): rank 0 runs blocks 0, G, 2G, ... only."""
+    import json
+
+    call = dict(T2I_CFG, height=80, width=48)
+    got = run_parallel(six_heads, layout, call, tmp_path / "out.npy", world, options={"modulation_cache": 0})
+    np.testing.assert_allclose(got, _one(six_heads, call), atol=1e-5, rtol=0)
+    G = ParallelConfig.parse(layout).ulysses
+    assert json.loads((tmp_path / "out.json").read_text())["modulated_blocks"] == list(range(0, 3, G))
 
 
 @pytest.mark.parametrize("chunks", ["1", "2"])  # 6 heads / 3 ranks = 2 heads each: 2 chunks pipelines them

@@ -191,7 +191,7 @@ def test_offload_modes_equal_no_offload():
     streamer = p._block_streamer
     assert streamer.copies > 0 and p.options.cuda_graphs is False
     blk = p.transformer.transformer_blocks[0]
-    w = next(blk.parameters())
+    w = blk.attn.to_qkv.weight  # (the modulation Linears are not streamed: the modulation table serves them)
     assert any(w.data_ptr() == v.data_ptr() for v in streamer.host_views[0])  # back on the host copy
     with pytest.raises(RuntimeError, match="already 'blocks'"):
         p.enable_offload("model")
@@ -350,3 +350,54 @@ def test_offload_blocks_with_a_budget_equals_resident(fp8):
     p.configure(offload_budget=1e-6)  # planned again: everything streams now
     assert not p._block_streamer.resident and p.transformer.block_runner.streamer is p._block_streamer
     np.testing.assert_allclose(p(PROMPTS[:1], generator=_gens(1), **kw).images, want, rtol=0, atol=1e-5)
+
+
+def test_block_streamer_set_resident_both_ways():
+    """A re-planned budget moves streamed blocks to the device and back; results never change."""
+    torch.manual_seed(9)
+    blocks = nn.ModuleList([_Blk(8) for _ in range(5)])
+    x = torch.randn(2, 8)
+
+    def run():
+        y = x
+        for b in blocks:
+            y = b(y)
+        return y
+
+    want = run()
+    s = BlockStreamer(blocks, "cpu", ring=2)
+    for resident in ([1, 3], [0, 1, 2, 3, 4], [], [4]):
+        s.set_resident(resident)
+        c0 = s.copies
+        for _ in range(2):
+            torch.testing.assert_close(run(), want, rtol=0, atol=0)
+        assert sorted(s.resident) == resident and s.copies - c0 <= 2 * (5 - len(resident)) + 1
+    s2 = BlockStreamer(blocks, "cpu", ring=2, resident=[0])
+    with pytest.raises(ValueError, match="resident from the start"):
+        s2.set_resident([])
+
+
+@pytest.mark.parametrize("budget", [1e-6, 64.0])
+def test_text_encoder_layers_take_what_the_blocks_leave(budget):
+    """offload="blocks": once every transformer block fits, the planner keeps text-encoder layers
+    resident with the rest of the budget (they stream for every new prompt otherwise)."""
+    from qwenfast.runtime.memory import GiB
+
+    p = QwenImagePipeline.from_pretrained(TINY, device="cpu", dtype=torch.float32, offload="blocks",
+                                          options=EngineOptions(offload_budget=budget))  # fmt: skip
+    p.progress_bar = False
+    te = p.text_encoder.layer_streamer
+    pl, d = MemoryPlanner.from_pipeline(p), p.defaults
+    kw = dict(cfg=True, dtype=torch.float32, modulation_on_host=True)
+    n = len(p.transformer.transformer_blocks)
+    want = pl.te_resident_layers(int(0.9 * budget * GiB), d["height"], d["width"], resident_blocks=n, **kw)
+    assert len(te.resident) == (want if len(p._block_streamer.resident) == n else 0)
+    assert (len(te.resident) == len(te.blocks)) == (budget > 1)
+    base = QwenImagePipeline.from_pretrained(TINY, device="cpu", dtype=torch.float32)
+    base.progress_bar = False
+    kw2 = dict(negative_prompt=" ", true_cfg_scale=2.0, **SIZE)
+    np.testing.assert_allclose(p(PROMPTS[:1], generator=_gens(1), **kw2).images,
+                               base(PROMPTS[:1], generator=_gens(1), **kw2).images, rtol=0, atol=1e-5)  # fmt: skip
+    small = pl.predict(1024, 1024, 1, offload="blocks", resident_blocks=n, te_resident_layers=0, **kw).peak
+    assert pl.predict(1024, 1024, 1, offload="blocks", resident_blocks=n, te_resident_layers=2, **kw).peak == \
+        small + 2 * pl.sizes.te_block

@@ -225,8 +225,14 @@ def budget_stage(pipe) -> dict:
     t0 = time.perf_counter()
     _image(pipe, p)  # the prompt's embedding is cached now: denoise + decode only
     _sync()
-    res = {"resident_s": round(resident_s, 3), "resident_cached_prompt_s": round(time.perf_counter() - t0, 3),
-           "graphs_enabled": pipe._graphs.enabled}  # fmt: skip
+    n = pipe.options.modulation_cache
+    pipe.configure(modulation_cache=0)  # the same without the modulation table: 120 GEMVs per forward
+    no_table_s = _timed(pipe, p + " no table")[0]
+    pipe.configure(modulation_cache=n)
+    table = pipe.transformer.modulation_table
+    res = {"resident_s": round(resident_s, 3), "resident_s_no_modulation_table": round(no_table_s, 3), "resident_cached_prompt_s": round(time.perf_counter() - t0, 3),
+           "graphs_enabled": pipe._graphs.enabled, "modulation_cache": pipe.options.modulation_cache,
+           "modulation_table_entries": 0 if table is None else len(table)}  # fmt: skip
     pipe.configure(cuda_graphs=False)
     pipe.release_graphs()
     total = torch.cuda.get_device_properties(0).total_memory
@@ -244,14 +250,19 @@ def budget_stage(pipe) -> dict:
             _image(pipe, p + f" {cap}")
             _sync()
             cached = time.perf_counter() - t0
-            st = pipe._block_streamer
+            st, te = pipe._block_streamer, pipe.text_encoder.layer_streamer
+            on_host = bool(st.held)  # the modulation Linears, served by the modulation table
             pred = MemoryPlanner.from_pipeline(pipe).predict(1024, 1024, 1, cfg=False, offload="blocks",
-                                                             resident_blocks=len(st.resident)).peak  # fmt: skip
+                                                             resident_blocks=len(st.resident),
+                                                             modulation_on_host=on_host,
+                                                             te_resident_layers=len(te.resident)).peak  # fmt: skip
             peak = torch.cuda.max_memory_allocated()
             res[f"{cap}gib"] = {"s": round(s, 3), "x_resident": round(s / resident_s, 2), "setup_s": round(setup, 1),
                                 "cached_prompt_s": round(cached, 3),
                                 "cached_x_resident": round(cached / res["resident_cached_prompt_s"], 2),
                                 "resident_blocks": len(st.resident), "streamed_blocks": len(st.order),
+                                "modulation_on_host": on_host, "te_resident_layers": len(te.resident),
+                                "te_layers": len(te.blocks),
                                 "peak_gib": round(peak / GiB, 2), "predicted_gib": round(pred / GiB, 2),
                                 "prediction_err": round(pred / peak - 1, 3),
                                 "max_abs_diff_vs_resident": float(np.abs(img - want).max())}  # fmt: skip

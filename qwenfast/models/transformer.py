@@ -36,6 +36,7 @@ from ..kernels.gated_residual import (
 from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
 from ..runtime.attention import attention, joint_attention
 from ..runtime.blocks import BlockRunner, StepContext
+from ..runtime.modulation import ModulationTable
 from ..runtime.parallel import split_over_ranks
 
 # ---------------------------------------------------------------------------------------------
@@ -400,6 +401,8 @@ class QwenImageTransformer(nn.Module):
         self.fused = True  # fused kernels (qwenfast.kernels; their torch references off CUDA)
         # the block loop's owner (runtime/blocks.py): offload streaming and step caches are runners
         self.block_runner: BlockRunner = BlockRunner()
+        # per-timestep modulation rows (runtime/modulation.py), set by the pipeline; None = computed per forward
+        self.modulation_table: ModulationTable | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -420,8 +423,11 @@ class QwenImageTransformer(nn.Module):
         step: StepContext | None = None,  # which denoising step this is (for the block runner)
         shard: tuple[int, int] | None = None,  # sequence parallel: this rank's image tokens [start, end)
         block_residuals: Sequence[torch.Tensor] | None = None,  # ControlNet: K x (B, L_img, D), see below
+        modulations: torch.Tensor | None = None,  # (n_blocks, R + B, 6D): `modulation_entries` rows
     ) -> torch.Tensor:  # (B, L_img, 4 * out_channels)
-        """`block_residuals` are diffusers' `controlnet_block_samples`: residual k is added to the image
+        """`modulations`: every block's modulation vectors for this timestep, from the modulation
+        table (`runtime.modulation.batch_rows` of `modulation_entries`); None computes them here.
+        `block_residuals` are diffusers' `controlnet_block_samples`: residual k is added to the image
         stream after every block i with i // ceil(num_layers / K) == k. The add happens inside the
         block call handed to the block runner, so it rides along with whatever the runner does
         (offload streaming, step caches) and with the fused kernels and FP8 Linears (it is a plain add
@@ -451,14 +457,22 @@ class QwenImageTransformer(nn.Module):
 
         fused = self.fused
         blocks = self.transformer_blocks
-        mods = None  # under sequence parallelism each rank computes a share of the blocks' modulations
-        if self.block_runner.every_block_resident:
+        runner = self.block_runner
+        mods = modulations
+        if mods is not None and (mods.shape[0] != len(blocks) or mods.shape[1] != temb.shape[0] + img.shape[0]):
+            raise ValueError(f"modulations {tuple(mods.shape)} do not fit {len(blocks)} blocks and "
+                             f"{temb.shape[0]} + {img.shape[0]} embedding rows")  # fmt: skip
+        if mods is None and runner.every_block_resident:  # sequence parallel: each rank computes a share
             mods = split_over_ranks(len(blocks), lambda i: blocks[i].modulations(temb))
 
         def call(
             i: int, block: TransformerBlock, img: torch.Tensor, txt: torch.Tensor
         ) -> tuple[torch.Tensor, torch.Tensor]:
-            m = None if mods is None else mods[i]
+            if mods is not None:
+                m = mods[i]
+            else:  # the runner may keep the modulation weights elsewhere (offload): it brings them in
+                with runner.bring(block.img_mod, block.txt_mod):
+                    m = block.modulations(temb)
             img, txt = (block.forward_fused if fused else block)(img, txt, temb, attn_mask, rope, split, m)
             if res is not None:  # ControlNet residual of this block (diffusers adds it after the block)
                 img = img + res[i // every]
@@ -469,6 +483,22 @@ class QwenImageTransformer(nn.Module):
         if cfg.zero_cond_t:
             temb = temb.chunk(2, dim=0)[0]
         return self.proj_out(self.norm_out(img, temb))
+
+    @torch.no_grad()
+    def modulation_entries(self, ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Modulation-table entries (runtime/modulation.py) for timesteps `ts` (each (1,), as `forward`
+        gets them): per block, `img_mod` and `txt_mod` of that timestep's embedding row -> (n_blocks, 2,
+        6D) each. One GEMV per timestep and module, so an entry does not depend on its batch-mates; the
+        block runner brings the weights in when it keeps them elsewhere (offload)."""
+        dtype = self.dtype
+        tembs = [self.time_text_embed(t.to(dtype), dtype) for t in ts]  # (1, D) each
+        blocks = self.transformer_blocks
+        out = [torch.empty(len(blocks), 2, 6 * self.cfg.inner_dim, device=te.device, dtype=te.dtype) for te in tembs]
+        for i, block in enumerate(blocks):
+            with self.block_runner.bring(block.img_mod, block.txt_mod):
+                for e, temb in zip(out, tembs):
+                    e[i, 0], e[i, 1] = block.img_mod(temb)[0], block.txt_mod(temb)[0]
+        return out
 
 
 def joint_attention_mask(txt_mask: torch.Tensor | None, n_img: int) -> torch.Tensor | None:

@@ -34,6 +34,7 @@ from ..runtime.attention import use_attention
 from ..runtime.blocks import BlockRunner, StepContext, StreamingBlockRunner
 from ..runtime.cache import StepCacheRunner, resolve_policy
 from ..runtime.cuda_graphs import CudaGraphRunner
+from ..runtime.modulation import ModulationTable, batch_rows
 from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module, spread
 from ..runtime.oom import run_in_chunks, vae_decode
 from . import sampling as S
@@ -91,6 +92,7 @@ class PipelineBase:
         if new.offload == "blocks" and old.offload != "blocks":
             new = new.replace(cuda_graphs=False)  # the block weights move every step
         check_transition(old, new)
+        self._set_modulation_table(new.modulation_cache)  # before offload: it decides what streams
         if new.fp8 and not old.fp8:
             if old.offload == "blocks":
                 raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
@@ -119,8 +121,26 @@ class PipelineBase:
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
         if new.changed(old) & {"fp8", "offload", "fused", "attention", "kernels", "cuda_graphs", "cache"}:
             self._graphs.clear()  # captured with the old weights / kernels
+            self._clear_modulations()
         self._options = new
         return new
+
+    def _set_modulation_table(self, n: int) -> None:
+        """The transformer's modulation table (runtime/modulation.py) with room for `n` timesteps; 0: none.
+        Models without per-block modulation (Qwen-Image-2.1 shares one) have no table."""
+        tr = self.transformer
+        if not hasattr(tr, "modulation_table"):
+            return
+        if n == 0:
+            tr.modulation_table = None
+        elif tr.modulation_table is None or tr.modulation_table.max_entries != n:
+            tr.modulation_table = ModulationTable(n)
+
+    def _clear_modulations(self) -> None:
+        """The weights changed (LoRA, FP8, a new load): every table entry is stale."""
+        table = getattr(self.transformer, "modulation_table", None)
+        if table is not None:
+            table.clear()
 
     def enable_offload(self, mode: str = "model", device: torch.device | str | None = None, vae: bool = False, ring: int = 2) -> None:
         """Fit smaller GPUs: "model" keeps the text encoder in pinned host memory (its layers streamed
@@ -161,12 +181,15 @@ class PipelineBase:
 
     def _lora_changed(self, layout: int) -> None:
         """After a LoRA change: drop captured graphs if FP8 layers' LoRA tensors were reallocated."""
+        self._clear_modulations()  # a LoRA may touch the modulation Linears
         if self.lora_manager.side_layout != layout:
             self._graphs.clear()
 
     def release_graphs(self) -> None:
-        """Drop every captured CUDA graph and its memory pool (before measuring memory, say)."""
+        """Drop every captured CUDA graph and its memory pool, and the modulation table (before
+        measuring memory, say, or after changing `pipe.transformer`'s weights by hand)."""
         self._graphs.clear()
+        self._clear_modulations()
 
     def set_progress_bar_config(self, disable: bool = False) -> None:
         """diffusers' switch for the per-call progress bar."""
@@ -192,17 +215,30 @@ class PipelineBase:
         """A new block streamer for this budget (blocks come from wherever the last one left them)."""
         tr = self.transformer
         self._block_streamer = None  # the old one's host buffers go before the new ones are pinned
-        resident = spread(len(tr.transformer_blocks), self._resident_blocks(device, budget))
+        n, te_layers = self._resident_blocks(device, budget)
+        resident = spread(len(tr.transformer_blocks), n)
         self._block_streamer = BlockStreamer(tr.transformer_blocks, device, ring=getattr(self, "_ring", 2),
-                                             hooks=False, resident=resident)  # fmt: skip
+                                             hooks=False, resident=resident, on_host=self._modulation_modules())  # fmt: skip
         tr.block_runner = StreamingBlockRunner(self._block_streamer)
+        te_stream = getattr(self.text_encoder, "layer_streamer", None)
+        if te_stream is not None:  # what the transformer leaves of the budget keeps encoder layers resident
+            te_stream.set_resident(spread(len(te_stream.blocks), te_layers))
 
-    def _resident_blocks(self, device: torch.device, budget: float | None) -> int:
-        """offload="blocks": how many blocks stay on the device, so that a call of the model's default
-        size (batch 1, its default CFG) peaks under the budget (`options.offload_budget` GiB, else the
-        free GPU memory; on CPU without a budget: none)."""
+    def _modulation_modules(self) -> list[torch.nn.Module]:
+        """With a modulation table, the blocks' modulation Linears, which offload keeps in host memory
+        (the table serves the forward; a miss brings them in): half of each FP8 block's bytes."""
+        tr = self.transformer
+        if getattr(tr, "modulation_table", None) is None:
+            return []
+        return [m for b in tr.transformer_blocks for m in (b.img_mod, b.txt_mod)]
+
+    def _resident_blocks(self, device: torch.device, budget: float | None) -> tuple[int, int]:
+        """offload="blocks": how many transformer blocks, and then (once all of those fit) how many
+        text-encoder layers, stay on the device, so that a call of the model's default size (batch 1,
+        its default CFG) peaks under the budget (`options.offload_budget` GiB, else the free GPU
+        memory; on CPU without a budget: none)."""
         if budget is None and device.type != "cuda":
-            return 0
+            return 0, 0
         from ..runtime.memory import GiB, MemoryPlanner, default_budget
 
         # the planner predicts whole peaks (every resident weight): the budget includes what is allocated.
@@ -210,8 +246,11 @@ class PipelineBase:
         limit = int(0.9 * budget * GiB) if budget is not None else default_budget(device)
         planner = MemoryPlanner.from_pipeline(self)
         d = self.defaults
-        return planner.resident_blocks(limit, d["height"], d["width"], 1, cfg=d.get("true_cfg_scale", 1) > 1,
-                                       dtype=self.dtype)  # fmt: skip
+        kw = dict(cfg=d.get("true_cfg_scale", 1) > 1, dtype=self.dtype, modulation_on_host=bool(self._modulation_modules()))
+        n = planner.resident_blocks(limit, d["height"], d["width"], 1, **kw)
+        if n < planner.sizes.num_blocks:
+            return n, 0
+        return n, planner.te_resident_layers(limit, d["height"], d["width"], 1, resident_blocks=n, **kw)
 
     @contextlib.contextmanager
     def _engine(self) -> Iterator[None]:
@@ -353,9 +392,38 @@ class PipelineBase:
         """What the denoise core calls: the transformer, replayed as a CUDA graph where possible.
         `additional_t_cond` (Layered) and `block_residuals` (ControlNet) go to the transformer as is."""
         kw = {"step": step, "shard": shard, "block_residuals": block_residuals}
+        mods = self._modulations(t, step, additional_t_cond)
+        if mods is not None:
+            kw["modulations"] = mods
         if self._options.cuda_graphs and x.is_cuda:
             return self._graphs(x, emb, mask, t, img_shapes, additional_t_cond, **kw)
         return self.transformer(x, emb, mask, t, img_shapes, additional_t_cond, **kw)
+
+    def _modulations(self, t: torch.Tensor, step: StepContext | None,
+                     additional_t_cond: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+        """Every block's modulation rows for this forward from the modulation table, or None (no
+        table, or a call from outside the denoise core: no step; Layered's extra condition). The
+        denoise core gives all rows one timestep; its sigma (a host float) is the key."""
+        table = getattr(self.transformer, "modulation_table", None)
+        if table is None or step is None or additional_t_cond is not None:
+            return None
+        compute = self.transformer.modulation_entries
+        e = table.get(step.sigma, t[:1], compute)
+        z = table.get("t=0", t[:1] * 0, compute) if self.transformer.cfg.zero_cond_t else None
+        return batch_rows(e, t.shape[0], z)
+
+    def _fill_modulations(self, sig: torch.Tensor, dtype: torch.dtype) -> None:
+        """Table entries for every step of the schedule `sig` in one pass over the blocks (under
+        offload the modulation weights cross PCIe once per new schedule, not once per step), with
+        the timesteps exactly as the denoise core will hand them to the forward."""
+        table = getattr(self.transformer, "modulation_table", None)
+        if table is None or len(sig) < 2:
+            return
+        ts = S.timesteps_from_sigmas(sig)
+        keys, tvals = sig[:-1].tolist(), [S.model_timestep(ts[j], 1, dtype) for j in range(len(ts))]
+        if self.transformer.cfg.zero_cond_t:
+            keys, tvals = [*keys, "t=0"], [*tvals, tvals[0] * 0]
+        table.fill(keys, tvals, self.transformer.modulation_entries)
 
     def _core_forward(self):
         """The forward the denoise core gets: `_forward`, or its multi-GPU wrapper."""
@@ -391,6 +459,7 @@ class PipelineBase:
             x, sig, blend = start(x, sig)
         events: list[str] = []
         with self._engine():
+            self._fill_modulations(sig, x.dtype)
             x = self._denoise_batch(self._core_forward(), x, sig, img_shapes, cond, uncond, cfg_scale,
                                     None if ref is None else ref[0], callback, forward_for=forward_for,
                                     blend=blend, events=events)  # fmt: skip

@@ -16,6 +16,7 @@ pipeline object. Lower layers than `models/` only: this module imports nothing f
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -87,6 +88,12 @@ class BlockRunner:
         inputs (the modulation vectors) up front, before the block loop, needs."""
         return True
 
+    def bring(self, *modules: nn.Module) -> contextlib.AbstractContextManager:
+        """A context in which `modules` (parts of a block) have their weights on the device: a runner
+        that keeps some weights elsewhere (offload keeps the modulation Linears in host memory while
+        the modulation table serves them) brings them in for the duration. Here they are there."""
+        return contextlib.nullcontext()
+
 
 class StreamingBlockRunner(BlockRunner):
     """Offload: each block's weights are brought in by a `BlockStreamer` (runtime/offload.py) just
@@ -113,3 +120,6 @@ class StreamingBlockRunner(BlockRunner):
     @property
     def every_block_resident(self) -> bool:
         return False
+
+    def bring(self, *modules: nn.Module) -> contextlib.AbstractContextManager:
+        return self.streamer.bring(*modules)

@@ -117,15 +117,16 @@ class CudaGraphRunner(_GraphCache):
             runner.restore(snap)
 
     def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None, step=None, shard=None,
-                 block_residuals=None):  # fmt: skip
-        """`block_residuals` (ControlNet) are graph inputs like x: copied into the graph's static
-        buffers on every replay, and their count and shapes are part of the key (a graph captured
-        without them, or with another count, is never replayed for them)."""
+                 block_residuals=None, modulations=None):  # fmt: skip
+        """`block_residuals` (ControlNet) and `modulations` (the modulation table's rows) are graph
+        inputs like x: copied into the graph's static buffers on every replay, and their presence and
+        shapes are part of the key (a graph captured without them is never replayed for them)."""
         runner = getattr(self.model, "block_runner", None)
         res = None if block_residuals is None else tuple(block_residuals)
+        mkw = {} if modulations is None else {"modulations": modulations}
         if not (self.enabled and x.is_cuda) or (runner is not None and not runner.graph_safe):
             return self.model(x, txt, mask, t, img_shapes, additional_t_cond, step=step, shard=shard,
-                              block_residuals=res)  # fmt: skip
+                              block_residuals=res, **mkw)  # fmt: skip
         # one graph per block-runner variant: a runner whose steps compute different things (a step
         # cache's full and cached steps) gets a graph for each
         variant = runner.variant(step) if runner is not None else None
@@ -133,15 +134,16 @@ class CudaGraphRunner(_GraphCache):
             runner.prepare(step, x.device)  # host-side step state: a replay runs no Python
         key = (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
                str(x.device), additional_t_cond is None, shard,
-               None if res is None else tuple((tuple(r.shape), r.dtype) for r in res), variant)  # fmt: skip
+               None if res is None else tuple((tuple(r.shape), r.dtype) for r in res),
+               None if modulations is None else tuple(modulations.shape), variant)  # fmt: skip
 
         def fn(x: torch.Tensor, txt: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor,
-               extra: torch.Tensor | None, *res: torch.Tensor) -> torch.Tensor:  # fmt: skip
+               extra: torch.Tensor | None, mods: torch.Tensor | None, *res: torch.Tensor) -> torch.Tensor:  # fmt: skip
             # a sequence-parallel shard's collectives (attention seam) are captured with the rest
             return self.model(x, txt, mask, t, img_shapes, extra, step=step, shard=shard,
-                              block_residuals=res or None)  # fmt: skip
+                              block_residuals=res or None, **({} if mods is None else {"modulations": mods}))  # fmt: skip
 
-        return self._run(key, fn, (x, txt, mask, t, additional_t_cond, *(res or ())))
+        return self._run(key, fn, (x, txt, mask, t, additional_t_cond, modulations, *(res or ())))
 
 
 class TextEncoderGraphs(_GraphCache):

@@ -85,6 +85,7 @@ class ModelSizes:
     te_block: int = 0  # the largest text-encoder decoder layer (offload streams these through a ring)
     te_blocks: int = 0
     te_vision: int = 0  # the text encoder's vision tower: not moved in for a text-only encode when offloaded
+    block_modulation: int = 0  # a block's modulation Linears (host memory under offload with a modulation table)
     dim: int = 3072  # transformer inner dim
     te_hidden: int = 3584
     vae_base_dim: int = 96
@@ -96,10 +97,11 @@ class ModelSizes:
         """Qwen-Image at full size without loading anything (parameter counts of the released model)."""
         e = torch.empty((), dtype=dtype).element_size()
         block = 339_725_312  # parameters of one of the 60 transformer blocks
+        mod = 2 * (3072 * 18432 + 18432)  # img_mod + txt_mod of one block
         te_layer = 233_057_792  # one of Qwen2.5-VL-7B's 28 decoder layers
         return cls(transformer=20_430_401_088 * e, transformer_block=block * e, num_blocks=60,
                    text_encoder=8_292_166_656 * e, vae=126_892_531 * e, te_block=te_layer * e,
-                   te_blocks=28)  # fmt: skip
+                   te_blocks=28, block_modulation=mod * e)  # fmt: skip
 
     @classmethod
     def from_pipeline(cls, pipe: Any) -> ModelSizes:  # a qwenfast pipeline, duck-typed (runtime is below it)
@@ -114,7 +116,9 @@ class ModelSizes:
         layers = getattr(pipe.text_encoder, "decoder_layers", None)  # models.text_encoder.TextEncoder
         te_layers = list((layers() if layers is not None else None) or [])
         vision = getattr(getattr(te_model, "model", None), "visual", None) or getattr(te_model, "visual", None)
-        return cls(transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
+        mods = [getattr(b, n) for b in blocks[:1] for n in ("img_mod", "txt_mod") if hasattr(b, n)]
+        return cls(block_modulation=sum(nbytes(m) for m in mods),
+                   transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
                    text_encoder=nbytes(te_model), vae=nbytes(pipe.vae), dim=tr.cfg.inner_dim, te_hidden=te_hidden,
                    te_block=max((nbytes(b) for b in te_layers), default=0), te_blocks=len(te_layers),
                    te_vision=nbytes(vision) if isinstance(vision, torch.nn.Module) else 0,
@@ -186,8 +190,11 @@ class MemoryPlanner:
     def with_calibration(self, **kw: Any) -> MemoryPlanner:  # Calibration fields
         return MemoryPlanner(self.sizes, replace(self.calib, **kw), self.ring)
 
-    def resident(self, offload: str, offload_vae: bool = False, resident_blocks: int = 0) -> int:
-        """Weights on the GPU while denoising (`resident_blocks`: blocks kept on it under "blocks")."""
+    def resident(self, offload: str, offload_vae: bool = False, resident_blocks: int = 0,
+                 modulation_on_host: bool = False, te_resident_layers: int = 0) -> int:  # fmt: skip
+        """Weights on the GPU while denoising (`resident_blocks`: blocks kept on it under "blocks";
+        `modulation_on_host`: their modulation Linears stay in host memory, a modulation table serving
+        them; `te_resident_layers`: text-encoder layers that stay on it instead of streaming)."""
         s = self.sizes
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"offload must be one of {OFFLOAD_MODES}, got {offload!r}")
@@ -195,11 +202,13 @@ class MemoryPlanner:
         if offload == "none":
             return s.transformer + s.text_encoder + vae
         te_ring = min(self.ring, s.te_blocks) * s.te_block  # the text encoder's layer ring stays allocated
+        te_ring += min(te_resident_layers, s.te_blocks) * s.te_block
         if offload == "model":
             return s.transformer + vae + te_ring
         rest = s.transformer - s.num_blocks * s.transformer_block  # embeddings, norm_out, proj_out (approx.)
         ring = min(self.ring, s.num_blocks - resident_blocks)
-        return max(rest, 0) + (ring + resident_blocks) * s.transformer_block + vae + te_ring
+        block = s.transformer_block - (s.block_modulation if modulation_on_host else 0)
+        return max(rest, 0) + (ring + resident_blocks) * block + vae + te_ring
 
     def text_encoder_moved_in(self) -> int:
         """Text-encoder bytes copied to the GPU for a (text-only) encode when offloaded: its layers
@@ -210,12 +219,14 @@ class MemoryPlanner:
     def predict(self, height: int, width: int, batch: int = 1, *, cfg: bool = True, batched_cfg: bool = True,
                 offload: str = "none", dtype: torch.dtype = torch.bfloat16, txt_len: int = 256,
                 decode_batch: int | None = None, tile: int | None = None, fast_vae: bool = True,
-                offload_vae: bool = False, resident_blocks: int = 0) -> Prediction:  # fmt: skip
+                offload_vae: bool = False, resident_blocks: int = 0, modulation_on_host: bool = False,
+                te_resident_layers: int = 0) -> Prediction:  # fmt: skip
         """Peak bytes of one call generating `batch` images of height x width (pixels)."""
         if batch < 1 or height < 1 or width < 1:
             raise ValueError(f"batch, height and width must be >= 1, got {batch}, {height}, {width}")
         s, c, e = self.sizes, self.calib, _elem(dtype)
-        res = self.resident(offload, offload_vae, resident_blocks)
+        res = self.resident(offload, offload_vae, resident_blocks, modulation_on_host and offload == "blocks",
+                            te_resident_layers if offload != "none" else 0)  # fmt: skip
         # text encoder: moved in for the encode when offloaded; prompts + negatives
         te_in = self.text_encoder_moved_in() if offload in ("model", "blocks") else 0
         prompts = batch * (2 if cfg else 1)
@@ -251,6 +262,19 @@ class MemoryPlanner:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.predict(height, width, batch, resident_blocks=mid, **kw).peak <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def te_resident_layers(self, budget: int, height: int, width: int, batch: int = 1, **kw: Any) -> int:
+        """Under offload="blocks" with every transformer block resident (`kw` as for `predict`): how many
+        text-encoder layers can stay on the GPU too (they stream for every new prompt otherwise)."""
+        kw["offload"] = "blocks"
+        lo, hi = 0, self.sizes.te_blocks
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.predict(height, width, batch, te_resident_layers=mid, **kw).peak <= budget:
                 lo = mid
             else:
                 hi = mid - 1

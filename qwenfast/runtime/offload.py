@@ -120,13 +120,16 @@ class BlockStreamer:
     """Streams `blocks` (an nn.ModuleList) through a ring of device buffers; see the module docstring."""
 
     def __init__(self, blocks: nn.ModuleList, device: torch.device | str, ring: int = 2, pin: bool | None = None,
-                 hooks: bool = True, resident: Collection[int] = ()):  # fmt: skip
+                 hooks: bool = True, resident: Collection[int] = (), on_host: Collection[nn.Module] = ()):  # fmt: skip
         """`hooks`: bring each block in through forward hooks on the block modules (for models whose
         loop we do not own, e.g. the text encoder's decoder layers); False when a block runner
         (`runtime.blocks.StreamingBlockRunner`) calls `before(i)` / `after(i)` itself.
         `resident`: indices of blocks that stay on the device (a memory budget's worth, chosen by
         `resident_blocks`); only the others stream, and each one's copy overlaps the compute of
-        the resident blocks before it."""
+        the resident blocks before it.
+        `on_host`: parts of the blocks (the modulation Linears, which the modulation table serves)
+        that neither stream nor stay resident: they live in (pinned) host memory and `bring(...)`
+        puts them on the device for a moment when something needs them."""
         if ring < 2:
             raise ValueError("the block ring needs at least 2 slots (one computing, one loading)")
         self.device = torch.device(device)
@@ -136,6 +139,12 @@ class BlockStreamer:
         self.resident = frozenset(i for i in resident if 0 <= i < len(self.blocks))
         for i in sorted(self.resident):
             self.blocks[i].to(self.device)
+        held = [t for m in on_host for t in _tensors(m)]
+        for owner, name, is_param in held:  # to host memory (once: tied tensors are listed once per module)
+            t = _get(owner, name, is_param)
+            if not (t.device.type == "cpu" and (t.is_pinned() or not pin)):
+                _point(owner, name, is_param, _pin(t.detach().to("cpu"), pin))
+        self.held = {id(_get(*t)) for t in held}
         self.order = [i for i in range(len(self.blocks)) if i not in self.resident]  # the streamed blocks
         self.pos = {b: k for k, b in enumerate(self.order)}  # block -> its place in the stream
         self.ring = min(ring, len(self.order))
@@ -151,6 +160,8 @@ class BlockStreamer:
             items, off = [], 0
             for owner, name, is_param in _tensors(block):
                 t = _get(owner, name, is_param)
+                if id(t) in self.held:
+                    continue
                 n = t.numel() * t.element_size()
                 items.append((owner, name, is_param, off, n, t.dtype, tuple(t.shape)))
                 off += -(-n // ALIGN) * ALIGN
@@ -235,10 +246,51 @@ class BlockStreamer:
         for (owner, name, is_param, *_), v in zip(self.layout[i], self.host_views[i]):
             _point(owner, name, is_param, v)
 
+    def set_resident(self, indices: Collection[int]) -> None:
+        """Change which blocks stay on the device (a re-planned budget: the text encoder's layers get
+        what the transformer left). Every block keeps its host copy, so a block may go back to
+        streaming; blocks made resident at construction have none and must stay resident."""
+        want = frozenset(i for i in indices if 0 <= i < len(self.blocks))
+        stuck = sorted(i for i in self.resident - want if not self.layout[i])
+        if stuck:
+            raise ValueError(f"blocks {stuck} were resident from the start (no host copy): they cannot stream")
+        if self.cuda:
+            torch.cuda.synchronize(self.device)  # no copy in flight into a slot whose owner changes
+        for i in sorted(want - self.resident):
+            for (owner, name, is_param, *_), v in zip(self.layout[i], self.host_views[i]):
+                _point(owner, name, is_param, v.to(self.device))
+        for i in sorted(self.resident - want):
+            for (owner, name, is_param, *_), v in zip(self.layout[i], self.host_views[i]):
+                _point(owner, name, is_param, v)
+        self.resident = want
+        self.order = [i for i in range(len(self.blocks)) if i not in want]
+        self.pos = {b: k for k, b in enumerate(self.order)}
+        self.ready = [None] * len(self.blocks)
+        self.freed = [None] * len(self.slots)
+        self.in_slot = [None] * len(self.slots)
+        self.ring = min(len(self.slots), len(self.order))
+
+    @contextmanager
+    def bring(self, *modules: nn.Module) -> Iterator[None]:
+        """`modules`' tensors that are not on the device are copied in for the duration (from pinned
+        memory, asynchronously on the compute stream) and dropped after: the `on_host` parts."""
+        moved = []
+        for m in modules:
+            for owner, name, is_param in _tensors(m):
+                t = _get(owner, name, is_param)
+                if t.device.type != self.device.type:  # one GPU per process: the type says where
+                    moved.append((owner, name, is_param, t))
+                    _point(owner, name, is_param, t.to(self.device, non_blocking=True))
+        try:
+            yield
+        finally:
+            for owner, name, is_param, t in moved:
+                _point(owner, name, is_param, t)
+
     def device_bytes(self) -> int:
         """The ring's buffers plus the resident blocks."""
-        res = sum(t.numel() * t.element_size() for i in self.resident for t in (*self.blocks[i].parameters(),
-                                                                                 *self.blocks[i].buffers()))  # fmt: skip
+        res = sum(t.numel() * t.element_size() for i in self.resident
+                  for t in (*self.blocks[i].parameters(), *self.blocks[i].buffers()) if id(t) not in self.held)
         return sum(s.numel() for s in self.slots) + res
 
 
