@@ -145,7 +145,7 @@ def test_planner_counts_modulation_on_host():
     assert 0 < s.block_modulation < s.transformer_block
     a = pl.resident("blocks", resident_blocks=60)
     b = pl.resident("blocks", resident_blocks=60, modulation_on_host=True)
-    assert a - b == (60 + 0) * s.block_modulation
+    assert a - b == (60 - 1) * s.block_modulation  # one block's come in for a table miss
     kw = dict(offload="blocks", cfg=False)
     for gib in (16, 24):
         k0 = pl.resident_blocks(gib * 2**30, 1024, 1024, **kw)

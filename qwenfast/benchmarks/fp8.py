@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import traceback
 import time
 from pathlib import Path
 from typing import Any
@@ -225,14 +226,15 @@ def budget_stage(pipe) -> dict:
     t0 = time.perf_counter()
     _image(pipe, p)  # the prompt's embedding is cached now: denoise + decode only
     _sync()
-    n = pipe.options.modulation_cache
-    pipe.configure(modulation_cache=0)  # the same without the modulation table: 120 GEMVs per forward
-    no_table_s = _timed(pipe, p + " no table")[0]
-    pipe.configure(modulation_cache=n)
+    cached_s = time.perf_counter() - t0
     table = pipe.transformer.modulation_table
-    res = {"resident_s": round(resident_s, 3), "resident_s_no_modulation_table": round(no_table_s, 3), "resident_cached_prompt_s": round(time.perf_counter() - t0, 3),
+    res = {"resident_s": round(resident_s, 3), "resident_cached_prompt_s": round(cached_s, 3),
            "graphs_enabled": pipe._graphs.enabled, "modulation_cache": pipe.options.modulation_cache,
            "modulation_table_entries": 0 if table is None else len(table)}  # fmt: skip
+    n = pipe.options.modulation_cache
+    pipe.configure(modulation_cache=0)  # the same without the modulation table: 120 GEMVs per forward
+    res["resident_s_no_modulation_table"] = round(_timed(pipe, p + " no table")[0], 3)
+    pipe.configure(modulation_cache=n)
     pipe.configure(cuda_graphs=False)
     pipe.release_graphs()
     total = torch.cuda.get_device_properties(0).total_memory
@@ -243,6 +245,15 @@ def budget_stage(pipe) -> dict:
             pipe.configure(offload="blocks", offload_budget=cap)
             setup = time.perf_counter() - t0
             _free()
+            st, te = pipe._block_streamer, pipe.text_encoder.layer_streamer
+            plan = MemoryPlanner.from_pipeline(pipe).predict(1024, 1024, 1, cfg=False, offload="blocks",
+                                                             resident_blocks=len(st.resident),
+                                                             modulation_on_host=bool(st.held),
+                                                             te_resident_layers=len(te.resident))  # fmt: skip
+            diag = {"resident_blocks": len(st.resident), "te_resident_layers": len(te.resident),
+                    "allocated_after_setup_gib": round(torch.cuda.memory_allocated() / GiB, 2),
+                    "planned_resident_gib": round(plan.resident / GiB, 2), "planned_phases_gib": plan.gib()}
+            print(f"  budget {cap} GiB setup: {json.dumps(diag)}", flush=True)
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total))
             torch.cuda.reset_peak_memory_stats()
             s, img = _timed(pipe, p + f" {cap}")
@@ -267,7 +278,9 @@ def budget_stage(pipe) -> dict:
                                 "prediction_err": round(pred / peak - 1, 3),
                                 "max_abs_diff_vs_resident": float(np.abs(img - want).max())}  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the record says what happened
-            res[f"{cap}gib"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+            res[f"{cap}gib"] = {"error": f"{type(e).__name__}: {e}"[:400], **locals().get("diag", {}),
+                                "allocated_at_error_gib": round(torch.cuda.memory_allocated() / GiB, 2),
+                                "where": [f.name for f in traceback.extract_tb(e.__traceback__)[-8:]]}  # fmt: skip
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
         print(f"  budget {cap} GiB: {json.dumps(res[f'{cap}gib'])}", flush=True)

@@ -208,7 +208,8 @@ class MemoryPlanner:
         rest = s.transformer - s.num_blocks * s.transformer_block  # embeddings, norm_out, proj_out (approx.)
         ring = min(self.ring, s.num_blocks - resident_blocks)
         block = s.transformer_block - (s.block_modulation if modulation_on_host else 0)
-        return max(rest, 0) + (ring + resident_blocks) * block + vae + te_ring
+        brought = s.block_modulation if modulation_on_host else 0  # one block's, brought in by a table miss
+        return max(rest, 0) + (ring + resident_blocks) * block + brought + vae + te_ring
 
     def text_encoder_moved_in(self) -> int:
         """Text-encoder bytes copied to the GPU for a (text-only) encode when offloaded: its layers
