@@ -401,3 +401,18 @@ def test_text_encoder_layers_take_what_the_blocks_leave(budget):
     small = pl.predict(1024, 1024, 1, offload="blocks", resident_blocks=n, te_resident_layers=0, **kw).peak
     assert pl.predict(1024, 1024, 1, offload="blocks", resident_blocks=n, te_resident_layers=2, **kw).peak == \
         small + 2 * pl.sizes.te_block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (a parameter's data cannot move between CPU and meta)")
+def test_block_streamer_bring_puts_on_host_parts_back():
+    """`on_host` parts stay out of the streamed bytes and in (pinned) host memory; `bring` points them
+    at device copies for the duration and back at the very host tensors after (no device copy kept)."""
+    torch.manual_seed(3)
+    blocks = nn.ModuleList([_Blk(8) for _ in range(3)])
+    s = BlockStreamer(blocks, "cuda", ring=2, hooks=False, on_host=[b.lin for b in blocks])
+    w = blocks[1].lin.weight
+    host = w.data
+    assert w.device.type == "cpu" and w.is_pinned() and all(item[1] != "weight" for item in s.layout[1])
+    with s.bring(blocks[1].lin):
+        assert w.device.type == "cuda" and blocks[1].lin.bias.device.type == "cuda"
+    assert w.device.type == "cpu" and w.data_ptr() == host.data_ptr()

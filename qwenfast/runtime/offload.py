@@ -279,7 +279,7 @@ class BlockStreamer:
             for owner, name, is_param in _tensors(m):
                 t = _get(owner, name, is_param)
                 if t.device.type != self.device.type:  # one GPU per process: the type says where
-                    moved.append((owner, name, is_param, t))
+                    moved.append((owner, name, is_param, t.data if is_param else t))  # (not the Parameter itself)
                     _point(owner, name, is_param, t.to(self.device, non_blocking=True))
         try:
             yield
