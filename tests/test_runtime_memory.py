@@ -398,6 +398,12 @@ def test_text_encoder_layers_take_what_the_blocks_leave(budget):
     kw2 = dict(negative_prompt=" ", true_cfg_scale=2.0, **SIZE)
     np.testing.assert_allclose(p(PROMPTS[:1], generator=_gens(1), **kw2).images,
                                base(PROMPTS[:1], generator=_gens(1), **kw2).images, rtol=0, atol=1e-5)  # fmt: skip
+    # a text-only encode leaves the token embedding and the LM head on the host (rows looked up there)
+    parts = p.text_encoder.host_parts()
+    assert any("embed_tokens" in h for h in parts) and any("lm_head" in h for h in parts)
+    emb = p.text_encoder.model.get_input_embeddings().weight
+    assert pl.sizes.te_embed >= emb.numel() * emb.element_size() and pl.text_encoder_moved_in() < (
+        pl.sizes.text_encoder - pl.sizes.te_blocks * pl.sizes.te_block - pl.sizes.te_vision)
     small = pl.predict(1024, 1024, 1, offload="blocks", resident_blocks=n, te_resident_layers=0, **kw).peak
     assert pl.predict(1024, 1024, 1, offload="blocks", resident_blocks=n, te_resident_layers=2, **kw).peak == \
         small + 2 * pl.sizes.te_block

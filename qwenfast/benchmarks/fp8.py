@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import traceback
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 

@@ -86,6 +86,7 @@ class ModelSizes:
     te_blocks: int = 0
     te_vision: int = 0  # the text encoder's vision tower: not moved in for a text-only encode when offloaded
     block_modulation: int = 0  # a block's modulation Linears (host memory under offload with a modulation table)
+    te_embed: int = 0  # the text encoder's token embedding + LM head: left on the host by an offloaded text-only encode
     dim: int = 3072  # transformer inner dim
     te_hidden: int = 3584
     vae_base_dim: int = 96
@@ -101,7 +102,7 @@ class ModelSizes:
         te_layer = 233_057_792  # one of Qwen2.5-VL-7B's 28 decoder layers
         return cls(transformer=20_430_401_088 * e, transformer_block=block * e, num_blocks=60,
                    text_encoder=8_292_166_656 * e, vae=126_892_531 * e, te_block=te_layer * e,
-                   te_blocks=28, block_modulation=mod * e)  # fmt: skip
+                   te_blocks=28, block_modulation=mod * e, te_embed=2 * 152_064 * 3584 * e)  # fmt: skip
 
     @classmethod
     def from_pipeline(cls, pipe: Any) -> ModelSizes:  # a qwenfast pipeline, duck-typed (runtime is below it)
@@ -117,7 +118,11 @@ class ModelSizes:
         te_layers = list((layers() if layers is not None else None) or [])
         vision = getattr(getattr(te_model, "model", None), "visual", None) or getattr(te_model, "visual", None)
         mods = [getattr(b, n) for b in blocks[:1] for n in ("img_mod", "txt_mod") if hasattr(b, n)]
-        return cls(block_modulation=sum(nbytes(m) for m in mods),
+        host_parts = getattr(pipe.text_encoder, "host_parts", None)  # models.text_encoder.TextEncoder
+        prefixes = host_parts() if host_parts is not None else ()
+        te_embed = sum(t.numel() * t.element_size() for n, t in te_model.named_parameters()
+                       if n.startswith(prefixes) and "visual." not in n)  # fmt: skip
+        return cls(block_modulation=sum(nbytes(m) for m in mods), te_embed=te_embed,
                    transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
                    text_encoder=nbytes(te_model), vae=nbytes(pipe.vae), dim=tr.cfg.inner_dim, te_hidden=te_hidden,
                    te_block=max((nbytes(b) for b in te_layers), default=0), te_blocks=len(te_layers),
@@ -215,7 +220,7 @@ class MemoryPlanner:
         """Text-encoder bytes copied to the GPU for a (text-only) encode when offloaded: its layers
         stream, its vision tower stays on the host."""
         s = self.sizes
-        return s.text_encoder - s.te_blocks * s.te_block - s.te_vision
+        return s.text_encoder - s.te_blocks * s.te_block - s.te_vision - s.te_embed
 
     def predict(self, height: int, width: int, batch: int = 1, *, cfg: bool = True, batched_cfg: bool = True,
                 offload: str = "none", dtype: torch.dtype = torch.bfloat16, txt_len: int = 256,
