@@ -209,6 +209,12 @@ class _Blk(nn.Module):
         return torch.tanh(self.lin(x)) + self.shift
 
 
+def _chain(blocks, x):
+    for b in blocks:
+        x = b(x)
+    return x
+
+
 @pytest.mark.parametrize("n,ring", [(3, 2), (4, 2), (5, 3), (1, 2)])
 def test_block_streamer_odd_counts(n, ring):
     """Odd block counts put the last block and the next forward's block 0 in the same slot."""
@@ -217,10 +223,7 @@ def test_block_streamer_odd_counts(n, ring):
     x = torch.randn(2, 8)
 
     def run():
-        y = x
-        for b in blocks:
-            y = b(y)
-        return y
+        return _chain(blocks, x)
 
     want = run()
     s = BlockStreamer(blocks, "cpu", ring=ring)
@@ -295,10 +298,7 @@ def test_block_streamer_with_resident_blocks(n, resident, ring):
     x = torch.randn(2, 8)
 
     def run():
-        y = x
-        for b in blocks:
-            y = b(y)
-        return y
+        return _chain(blocks, x)
 
     want = run()
     s = BlockStreamer(blocks, "cpu", ring=ring, resident=resident)
@@ -359,10 +359,7 @@ def test_block_streamer_set_resident_both_ways():
     x = torch.randn(2, 8)
 
     def run():
-        y = x
-        for b in blocks:
-            y = b(y)
-        return y
+        return _chain(blocks, x)
 
     want = run()
     s = BlockStreamer(blocks, "cpu", ring=2)

@@ -180,6 +180,18 @@ def default_budget(
     return int(fraction * max(free, 0)) + used
 
 
+def _largest(hi: int, fits: Any) -> int:
+    """The largest k in 0..hi with fits(k) (fits is monotone: true up to some k, false after); 0 if none."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class MemoryPlanner:
     """`MemoryPlanner(ModelSizes.from_pipeline(pipe)).predict(1024, 1024, batch=2, offload="none")`."""
 
@@ -264,27 +276,14 @@ class MemoryPlanner:
         n = self.sizes.num_blocks
         if self.predict(height, width, batch, resident_blocks=n, **kw).peak <= budget:
             return n
-        lo, hi = 0, n  # peaks grow with the resident count: the largest k that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.predict(height, width, batch, resident_blocks=mid, **kw).peak <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _largest(n, lambda k: self.predict(height, width, batch, resident_blocks=k, **kw).peak <= budget)
 
     def te_resident_layers(self, budget: int, height: int, width: int, batch: int = 1, **kw: Any) -> int:
         """Under offload="blocks" with every transformer block resident (`kw` as for `predict`): how many
         text-encoder layers can stay on the GPU too (they stream for every new prompt otherwise)."""
         kw["offload"] = "blocks"
-        lo, hi = 0, self.sizes.te_blocks
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.predict(height, width, batch, te_resident_layers=mid, **kw).peak <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _largest(self.sizes.te_blocks,
+                        lambda k: self.predict(height, width, batch, te_resident_layers=k, **kw).peak <= budget)
 
     def max_batch(
         self, height: int, width: int, budget: int | None = None, limit: int = 64, **kw: Any
