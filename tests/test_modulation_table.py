@@ -152,6 +152,13 @@ def test_planner_counts_modulation_on_host():
         k1 = pl.resident_blocks(gib * 2**30, 1024, 1024, modulation_on_host=True, **kw)
         assert k1 > k0
     p = _pipe()
+    tr = p.transformer
+    entry = len(tr.transformer_blocks) * 2 * 6 * tr.cfg.inner_dim * 4  # fp32
+    assert p._modulation_table_bytes() == min(64, p.defaults["num_inference_steps"] + 1) * entry
+    p.configure(modulation_cache=2)
+    assert p._modulation_table_bytes() == 2 * entry
+    p.configure(modulation_cache=0)
+    assert p._modulation_table_bytes() == 0
     assert MemoryPlanner.from_pipeline(p).sizes.block_modulation == sum(
         t.numel() * t.element_size() for m in (p.transformer.transformer_blocks[0].img_mod,
                                                p.transformer.transformer_blocks[0].txt_mod) for t in m.parameters())

@@ -232,6 +232,16 @@ class PipelineBase:
             return []
         return [m for b in tr.transformer_blocks for m in (b.img_mod, b.txt_mod)]
 
+    def _modulation_table_bytes(self) -> int:
+        """What the modulation table holds on the device for the model's default schedule (its steps,
+        + a t=0 entry; at most its size): 4.4 MB per timestep at full size."""
+        tr = self.transformer
+        table = getattr(tr, "modulation_table", None)
+        if table is None:
+            return 0
+        entries = min(table.max_entries, int(self.defaults.get("num_inference_steps", 50)) + 1)
+        return entries * len(tr.transformer_blocks) * 2 * 6 * tr.cfg.inner_dim * torch.empty((), dtype=tr.dtype).element_size()
+
     def _resident_blocks(self, device: torch.device, budget: float | None) -> tuple[int, int]:
         """offload="blocks": how many transformer blocks, and then (once all of those fit) how many
         text-encoder layers, stay on the device, so that a call of the model's default size (batch 1,
@@ -244,6 +254,7 @@ class PipelineBase:
         # the planner predicts whole peaks (every resident weight): the budget includes what is allocated.
         # Plan for 90% of a given budget: the caching allocator's fragmentation counts against a hard cap.
         limit = int(0.9 * budget * GiB) if budget is not None else default_budget(device)
+        limit -= self._modulation_table_bytes()
         planner = MemoryPlanner.from_pipeline(self)
         d = self.defaults
         kw = dict(cfg=d.get("true_cfg_scale", 1) > 1, dtype=self.dtype, modulation_on_host=bool(self._modulation_modules()))
