@@ -184,6 +184,8 @@ def test_table_lru_and_fill_computes_only_missing_entries():
     rows = batch_rows(e, 3, z)  # (blocks, 3 img + 3 zero img + 3 txt, 6D)
     assert rows.shape == (4, 9, 6)
     assert torch.equal(rows[:, 0], e[:, 0]) and torch.equal(rows[:, 4], z[:, 0]) and torch.equal(rows[:, 8], e[:, 1])
+    assert batch_rows(e, 1) is e  # batch 1: the entry's [img, txt] rows as they are, no copy
+    assert torch.equal(batch_rows(e, 2)[:, 1], e[:, 0]) and torch.equal(batch_rows(e, 2)[:, 3], e[:, 1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -261,12 +261,8 @@ def budget_stage(pipe) -> dict:
             _image(pipe, p + f" {cap}")
             _sync()
             cached = time.perf_counter() - t0
-            st, te = pipe._block_streamer, pipe.text_encoder.layer_streamer
             on_host = bool(st.held)  # the modulation Linears, served by the modulation table
-            pred = MemoryPlanner.from_pipeline(pipe).predict(1024, 1024, 1, cfg=False, offload="blocks",
-                                                             resident_blocks=len(st.resident),
-                                                             modulation_on_host=on_host,
-                                                             te_resident_layers=len(te.resident)).peak  # fmt: skip
+            pred = plan.peak
             peak = torch.cuda.max_memory_allocated()
             res[f"{cap}gib"] = {"s": round(s, 3), "x_resident": round(s / resident_s, 2), "setup_s": round(setup, 1),
                                 "cached_prompt_s": round(cached, 3),

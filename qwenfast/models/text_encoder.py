@@ -54,6 +54,7 @@ class TextEncoder:
         # come in for each encode through `offloader.on_device()`; the layers stream through hooks
         self.offloader = None
         self.layer_streamer = None
+        self._host_parts: tuple[str, ...] | None = None
 
     def decoder_layers(self) -> torch.nn.ModuleList | None:
         """The language model's decoder layers (offload streams them; the memory planner sizes them)."""
@@ -69,13 +70,22 @@ class TextEncoder:
     def host_parts(self) -> tuple[str, ...]:
         """Name prefixes a text-only encode under offload leaves on the host: the vision tower, the LM
         head (never run: the encode reads the hidden states before it) and the token embedding (looked
-        up on the host, so a prompt's few rows cross PCIe instead of its 1.09 GB table; `_hidden`)."""
-        lm = language_model(self.model)
-        if lm is None or not isinstance(getattr(lm, "embed_tokens", None), torch.nn.Module):
-            return VISION_TOWER
-        names = {id(m): n for n, m in self.model.named_modules()}
-        parts = (lm.embed_tokens, getattr(self.model, "lm_head", None))
-        return VISION_TOWER + tuple(names[id(m)] + "." for m in parts if m is not None and id(m) in names)
+        up on the host, so a prompt's few rows cross PCIe instead of its 1.09 GB table; `_hidden`).
+        Found once (a walk over the model's modules), then kept."""
+        if self._host_parts is None:
+            lm = language_model(self.model)
+            if lm is None or not isinstance(getattr(lm, "embed_tokens", None), torch.nn.Module):
+                self._host_parts = VISION_TOWER
+            else:
+                names = {id(m): n for n, m in self.model.named_modules()}
+                parts = (lm.embed_tokens, getattr(self.model, "lm_head", None))
+                self._host_parts = VISION_TOWER + tuple(names[id(m)] + "." for m in parts
+                                                        if m is not None and id(m) in names)  # fmt: skip
+        return self._host_parts
+
+    def _embeds_on_host(self) -> bool:
+        """Whether an offloaded text-only encode looks its token rows up on the host (`host_parts`)."""
+        return self.offloader is not None and len(self.host_parts()) > len(VISION_TOWER)
 
     @classmethod
     def from_pretrained(
@@ -122,7 +132,7 @@ class TextEncoder:
         graphs = self._graph_runner() if self.cuda_graphs and tok.input_ids.is_cuda else None
         if graphs is not None and self.tokenizer.padding_side == "right":
             hidden = graphs(tok.input_ids, tok.attention_mask)  # (B, T, D), rows past the mask unused
-        elif self.offloader is not None and len(self.host_parts()) > len(VISION_TOWER):
+        elif self._embeds_on_host():
             # offloaded: the embedding table stayed on the host (`host_parts`); only the language model
             # runs (no LM head), from the looked-up rows: the same states as the full model's last one
             lm = language_model(self.model)

@@ -34,7 +34,7 @@ from ..runtime.attention import use_attention
 from ..runtime.blocks import BlockRunner, StepContext, StreamingBlockRunner
 from ..runtime.cache import StepCacheRunner, resolve_policy
 from ..runtime.cuda_graphs import CudaGraphRunner
-from ..runtime.modulation import ModulationTable, batch_rows
+from ..runtime.modulation import ZERO, ModulationTable, batch_rows
 from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module, spread
 from ..runtime.oom import run_in_chunks, vae_decode
 from . import sampling as S
@@ -420,7 +420,7 @@ class PipelineBase:
             return None
         compute = self.transformer.modulation_entries
         e = table.get(step.sigma, t[:1], compute)
-        z = table.get("t=0", t[:1] * 0, compute) if self.transformer.cfg.zero_cond_t else None
+        z = table.get(ZERO, t[:1] * 0, compute) if self.transformer.cfg.zero_cond_t else None
         return batch_rows(e, t.shape[0], z)
 
     def _fill_modulations(self, sig: torch.Tensor, dtype: torch.dtype) -> None:
@@ -433,7 +433,7 @@ class PipelineBase:
         ts = S.timesteps_from_sigmas(sig)
         keys, tvals = sig[:-1].tolist(), [S.model_timestep(ts[j], 1, dtype) for j in range(len(ts))]
         if self.transformer.cfg.zero_cond_t:
-            keys, tvals = [*keys, "t=0"], [*tvals, tvals[0] * 0]
+            keys, tvals = [*keys, ZERO], [*tvals, tvals[0] * 0]
         table.fill(keys, tvals, self.transformer.modulation_entries)
 
     def _core_forward(self):

@@ -28,7 +28,9 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-__all__ = ["ModulationTable"]
+__all__ = ["ModulationTable", "batch_rows", "ZERO"]
+
+ZERO = "t=0"  # the key of the t=0 entry (zero_cond_t: reference-image tokens are modulated with t=0)
 
 
 class ModulationTable:
@@ -90,7 +92,10 @@ class ModulationTable:
 def batch_rows(entry: torch.Tensor, batch: int, zero: torch.Tensor | None = None) -> torch.Tensor:
     """Table entries -> the forward's per-block modulations (n_blocks, R + B, 6D): img rows for the R
     embedding rows (B rows of `entry`, then, with zero_cond_t, B rows of the t=0 entry `zero`), then
-    B txt rows. `entry`, `zero`: (n_blocks, 2, 6D)."""
+    B txt rows. `entry`, `zero`: (n_blocks, 2, 6D). Batch 1 without `zero` is the entry itself (read
+    only): no copy on the per-step path."""
+    if batch == 1 and zero is None:
+        return entry
     n, _, w = entry.shape
     img = [entry[:, :1].expand(n, batch, w)]
     if zero is not None:
