@@ -146,8 +146,6 @@ def check_transition(old: EngineOptions, new: EngineOptions) -> None:
                            "load the model again without fp8")  # fmt: skip
     if _ORDER[new.offload] < _ORDER[old.offload]:
         raise ConfigureError(f"offload is already {old.offload!r}; load the model again to use {new.offload!r}")
-    if old.offload == "blocks" and new.cuda_graphs:
-        raise ConfigureError("CUDA graphs cannot run with offload='blocks' (the block weights move every step)")
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:

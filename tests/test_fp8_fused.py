@@ -207,15 +207,27 @@ def test_gated_residual_layernorm_modulate_fp8(device, dtype, B, L, D, split):
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 77, 600), (2, 9, 12288)])  # 12288: the MLP width of Qwen-Image
-def test_gelu_tanh_fp8(device, dtype, shape):
+@pytest.mark.parametrize("chunk", [256, 2048])
+def test_gelu_tanh_fp8(device, dtype, shape, chunk, monkeypatch):
+    """Chunks smaller than the row (a partial last chunk at 600 columns), rows whose amax is GELU(max h)
+    and rows where it is not (all-negative, all-zero, and small positive maxima: the kernel's
+    second amax pass), h left as it was."""
+    from qwenfast.kernels import gelu as gelu_mod
+
+    monkeypatch.setitem(gelu_mod.CONFIG, "chunk", chunk)
     dev = _dev(device)
     h = _randn(*shape, dtype=dtype, device=dev, seed=7, scale=3.0)
     h[0, 0] = 0  # an all-zero GELU row
     h[0, 1] = -h[0, 1].abs()  # an all-negative row: amax from the GELU's dip (|gelu| <= 0.17)
+    h[0, 2] = -h[0, 2].abs()
+    h[0, 2, 5] = 0.2  # max h = 0.2: GELU(0.2) = 0.116 < the dip's 0.17 at -0.75 -> the second amax pass
+    h[0, 3] = h[0, 3].clamp(max=0.3)  # max 0.3 (GELU 0.185): the first pass's amax
     M, N = h.numel() // shape[-1], shape[-1]
     plain = F.gelu(h, approximate="tanh")
     for keep in (False, True):
-        got = gelu_tanh_fp8(h, keep=keep, out=_poisoned(M, N, dev))
+        h_in = h.clone()
+        got = gelu_tanh_fp8(h_in, keep=keep, out=_poisoned(M, N, dev))
+        assert torch.equal(h_in, h)  # h is left as it was
         _check_layout(got, shape, dtype)
         assert (got.x is not None) == keep
         if keep:  # torch's GELU up to a last-bit difference of the fp32 tanh (one ulp of the dtype)
@@ -321,10 +333,10 @@ def test_transformer_fused_fp8_matches_unfused(device, zero_cond_t):
                 outs[on, gelu] = model(x, txt, None, t, shapes)
                 rows = sorted(n.split(".", 2)[2] for n, tp in seen.items() if tp is QuantizedRows)
                 assert len(seen) == 16 and len(rows) == fed, rows
-                if (on, gelu) == (True, False):  # the default: the LayerNorm producers (same bytes but rare codes)
+                if (on, gelu) == (True, False):  # QWENFAST_FP8_FUSE=norm: the LayerNorm producers (same bytes but rare codes)
                     assert rel_err(outs[False, False], outs[True, False]) < (1e-4 if dt == torch.float32 else 5e-3)
     finally:
-        set_fp8_fusion(True, gelu=False)
+        set_fp8_fusion(True, gelu=True)  # the default
         for h in hooks:
             h.remove()
     assert rows == sorted(2 * ["attn.to_qkv", "attn.add_qkv_proj", "img_mlp.net.0.proj", "img_mlp.net.2",

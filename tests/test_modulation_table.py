@@ -130,6 +130,9 @@ def test_offload_blocks_keeps_modulation_weights_on_the_host(budget):
     assert s.held == mod_ids
     streamed = {id(item[0]._parameters[item[1]]) for items in s.layout for item in items if item[2]}
     assert not streamed & mod_ids and (streamed or budget > 1)
+    # CUDA graphs (on by default) run only when no block streams and the table serves the modulations
+    runner, all_resident = p.transformer.block_runner, budget > 1
+    assert p.options.cuda_graphs and runner.can_graph(True) is all_resident and not runner.can_graph(False)
     np.testing.assert_allclose(_run(p), want, rtol=0, atol=TOL)
     # a forward outside the denoise core (no step: no table) brings them in through the runner
     tr = p.transformer
@@ -202,3 +205,34 @@ def test_table_under_cuda_graphs_equals_eager():
                                             options=EngineOptions(modulation_cache=0, cuda_graphs=False))  # fmt: skip
     off.progress_bar = False
     np.testing.assert_allclose(_run(off), g, rtol=0, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_with_every_block_resident_replays_graphs():
+    """offload="blocks" under a budget that keeps every block: the forward is replayed from CUDA
+    graphs (the modulation weights on the host are never read: the table serves them) and equals
+    the eager resident pipeline, also for another schedule (same graph, other table rows) and after
+    an eager forward in between; a budget that streams blocks drops the graphs and runs eagerly."""
+    ref = QwenImagePipeline.from_pretrained(TINY, device="cuda", dtype=torch.bfloat16,
+                                            options=EngineOptions(cuda_graphs=False))  # fmt: skip
+    ref.progress_bar = False
+    want, want2 = _run(ref), _run(ref, num_inference_steps=2)
+    p = QwenImagePipeline.from_pretrained(TINY, device="cuda", dtype=torch.bfloat16,
+                                          options=EngineOptions(offload="blocks", offload_budget=64.0))  # fmt: skip
+    p.progress_bar = False
+    assert not p._block_streamer.order
+    np.testing.assert_allclose(_run(p), want, rtol=0, atol=1e-2)
+    assert p._graphs.graphs
+    tr = p.transformer  # an eager forward (no step: no table, so no graph) between replays
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, 12, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    emb = torch.randn(1, 5, tr.cfg.joint_attention_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    t = torch.full((1,), 0.5, device="cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(tr(x, emb, None, t, [(1, 4, 3)]), ref.transformer(x, emb, None, t, [(1, 4, 3)]),
+                                   rtol=0, atol=2e-2)  # fmt: skip
+    np.testing.assert_allclose(_run(p, num_inference_steps=2), want2, rtol=0, atol=1e-2)
+    p.configure(offload_budget=1e-6)  # every block streams: graphs dropped, eager
+    assert p._block_streamer.order and not p._graphs.graphs
+    np.testing.assert_allclose(_run(p), want, rtol=0, atol=1e-2)
+    assert not p._graphs.graphs

@@ -217,7 +217,10 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
     return row
 
 
-def budget_stage(pipe) -> dict:
+def budget_stage(pipe, caps: tuple[float, ...] = (24, 16), graphs: bool = True) -> dict:
+    """FP8 1024² 4 steps resident (graphs, with and without the modulation table), then under
+    offload="blocks" planned for and capped at each of `caps` GiB; `graphs`: CUDA graphs kept on
+    under offload (they replay the streamed blocks' copies too) or off (eager)."""
     from ..runtime.memory import MemoryPlanner
 
     p = "a red bicycle leaning on a brick wall"
@@ -235,10 +238,10 @@ def budget_stage(pipe) -> dict:
     pipe.configure(modulation_cache=0)  # the same without the modulation table: 120 GEMVs per forward
     res["resident_s_no_modulation_table"] = round(_timed(pipe, p + " no table")[0], 3)
     pipe.configure(modulation_cache=n)
-    pipe.configure(cuda_graphs=False)
     pipe.release_graphs()
+    pipe.configure(cuda_graphs=graphs)
     total = torch.cuda.get_device_properties(0).total_memory
-    for cap in (24, 16):
+    for cap in caps:
         _free()
         try:
             t0 = time.perf_counter()  # planned for `cap` GiB, then capped there (the limit a 24 GiB card sets)
@@ -253,7 +256,7 @@ def budget_stage(pipe) -> dict:
             diag = {"resident_blocks": len(st.resident), "te_resident_layers": len(te.resident),
                     "allocated_after_setup_gib": round(torch.cuda.memory_allocated() / GiB, 2),
                     "planned_resident_gib": round(plan.resident / GiB, 2), "planned_phases_gib": plan.gib()}
-            print(f"  budget {cap} GiB setup: {json.dumps(diag)}", flush=True)
+            print(f"  budget {cap:g} GiB setup: {json.dumps(diag)}", flush=True)
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total))
             torch.cuda.reset_peak_memory_stats()
             s, img = _timed(pipe, p + f" {cap}")
@@ -264,8 +267,9 @@ def budget_stage(pipe) -> dict:
             on_host = bool(st.held)  # the modulation Linears, served by the modulation table
             pred = plan.peak
             peak = torch.cuda.max_memory_allocated()
-            res[f"{cap}gib"] = {"s": round(s, 3), "x_resident": round(s / resident_s, 2), "setup_s": round(setup, 1),
-                                "cached_prompt_s": round(cached, 3),
+            res[f"{cap:g}gib"] = {"graphs_on": graphs, "reserved_peak_gib": round(torch.cuda.max_memory_reserved() / GiB, 2),
+                                "s": round(s, 3), "x_resident": round(s / resident_s, 2), "setup_s": round(setup, 1),
+                                "cached_prompt_s": round(cached, 3), "graphs_replayed": bool(pipe._graphs.graphs),
                                 "cached_x_resident": round(cached / res["resident_cached_prompt_s"], 2),
                                 "resident_blocks": len(st.resident), "streamed_blocks": len(st.order),
                                 "modulation_on_host": on_host, "te_resident_layers": len(te.resident),
@@ -274,16 +278,17 @@ def budget_stage(pipe) -> dict:
                                 "prediction_err": round(pred / peak - 1, 3),
                                 "max_abs_diff_vs_resident": float(np.abs(img - want).max())}  # fmt: skip
         except Exception as e:  # noqa: BLE001 - the record says what happened
-            res[f"{cap}gib"] = {"error": f"{type(e).__name__}: {e}"[:400], **locals().get("diag", {}),
+            res[f"{cap:g}gib"] = {"error": f"{type(e).__name__}: {e}"[:400], **locals().get("diag", {}),
                                 "allocated_at_error_gib": round(torch.cuda.memory_allocated() / GiB, 2),
                                 "where": [f.name for f in traceback.extract_tb(e.__traceback__)[-8:]]}  # fmt: skip
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
-        print(f"  budget {cap} GiB: {json.dumps(res[f'{cap}gib'])}", flush=True)
+        print(f"  budget {cap:g} GiB: {json.dumps(res[f'{cap:g}gib'])}", flush=True)
     return res
 
 
-def run(stages: tuple[str, ...] = ("load", "lora", "budget"), tmp: str = "/tmp", out_dir: Path | None = None) -> dict:
+def run(stages: tuple[str, ...] = ("load", "lora", "budget"), tmp: str = "/tmp", out_dir: Path | None = None,
+        caps: tuple[float, ...] = (24, 16), graphs: bool = True) -> dict:  # fmt: skip
     if not torch.cuda.is_available():
         raise SystemExit("error: `qwenfast bench fp8` measures full-size models on a GPU; none is available")
     from .pipeline import build
@@ -301,7 +306,7 @@ def run(stages: tuple[str, ...] = ("load", "lora", "budget"), tmp: str = "/tmp",
         if "budget" in stages:
             if not pipe.options.fp8:
                 pipe.configure(fp8=True)
-            rec["budget"] = budget_stage(pipe)
+            rec["budget"] = budget_stage(pipe, caps, graphs)
     emit(rec, "fp8.jsonl", out_dir)
     return rec
 
@@ -309,10 +314,14 @@ def run(stages: tuple[str, ...] = ("load", "lora", "budget"), tmp: str = "/tmp",
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", default="load,lora,budget",
                    help="comma list of load, lora, budget (budget: run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as a small card should)")
+    p.add_argument("--caps", default="24,16", help="budget stage: the GiB caps to plan for and run under, in order")
+    p.add_argument("--budget-graphs", choices=("on", "off"), default="on",
+                   help="budget stage: CUDA graphs under offload (default on, as a user gets them) or off")
     p.add_argument("--tmp", default="/tmp", help="folder for the temporary FP8 and LoRA files (~20 GB)")
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
 def run_from_args(a: argparse.Namespace) -> int:
-    run(tuple(s for s in a.stages.split(",") if s), a.tmp, results_dir(a.results))
+    caps = tuple(float(c) for c in a.caps.split(",") if c)
+    run(tuple(s for s in a.stages.split(",") if s), a.tmp, results_dir(a.results), caps, a.budget_graphs == "on")
     return 0

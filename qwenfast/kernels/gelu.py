@@ -46,7 +46,8 @@ from .fp8_rows import QuantizedRows, empty_rows, quantize_rows_ref_padded
 
 __all__ = ["linear_gelu_tanh", "linear_gelu_tanh_ref", "gelu_tanh_fp8", "gelu_tanh_fp8_ref"]
 
-MAX_N = 16384  # one program holds a whole row
+MAX_N = 65536  # longer rows take the unfused pair (the kernel itself walks any row in chunks)
+CONFIG = {"chunk": 2048, "warps": 8}  # the kernel's chunk of a row and its warps (module state: benchmark sweeps)
 
 if triton_available():
     import triton
@@ -54,7 +55,7 @@ if triton_available():
     from triton.language.extra import libdevice
 
     from .adaln import _cast, _round
-    from .fp8_rows import _quant_row
+    from .fp8_rows import _e4m3
 
     _EXP_TANH = tl.constexpr(1 if interpreting() else 0)  # the interpreter has no libdevice
 
@@ -67,19 +68,42 @@ if triton_available():
         return r
 
     @triton.jit
-    def _gelu_fp8_kernel(h_ptr, out_ptr, q_ptr, qs_ptr, N, s_h, s_o, BLOCK: tl.constexpr, DT: tl.constexpr,
+    def _gelu(x, DT: tl.constexpr):
+        """aten's GeluCUDAKernel (tanh) in fp32, rounded to DT as torch stores it."""
+        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))  # kBeta, kKappa
+        return _round(0.5 * x * (1.0 + _tanh(inner)), DT)
+
+    @triton.jit
+    def _gelu_fp8_kernel(h_ptr, g_ptr, q_ptr, qs_ptr, N, s_h, s_g, CH: tl.constexpr, DT: tl.constexpr,
                          STORE: tl.constexpr):  # fmt: skip
-        """One row: g = GELU_tanh(h) rounded to DT (as torch stores it), then its e4m3 row + scale;
-        STORE: g in DT too."""
+        """One row in chunks of CH. Pass 1 reads h only: its max. GELU rises monotonically above
+        x = -0.75 and |GELU| < 0.17 below, so when GELU(max h) >= 0.171 it is the row's amax (the
+        rounding to DT is monotonic too); otherwise (rare: rows with no value above ~0.3) pass 1b
+        takes the amax of GELU itself. Pass 2: GELU (tanh once per element), e4m3 (row stride N),
+        and with STORE g in DT."""
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        x = tl.load(h_ptr + row * s_h + cols, mask=mask, other=0.0).to(tl.float32)
-        inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))  # kBeta, kKappa of aten's GeluCUDAKernel
-        g = _round(0.5 * x * (1.0 + _tanh(inner)), DT)
-        if STORE:
-            tl.store(out_ptr + row * s_o + cols, _cast(g, DT), mask=mask)
-        _quant_row(g, cols, mask, q_ptr, qs_ptr, row, N)
+        offs = tl.arange(0, CH)
+        hi = tl.full([CH], float("-inf"), dtype=tl.float32)
+        for c in range(0, N, CH):
+            m = c + offs < N
+            hi = tl.maximum(hi, tl.load(h_ptr + row * s_h + c + offs, mask=m, other=float("-inf")).to(tl.float32))
+        amax = _gelu(tl.max(hi, axis=0), DT)
+        if amax < 0.171:
+            acc = tl.zeros([CH], dtype=tl.float32)
+            for c in range(0, N, CH):
+                m = c + offs < N
+                g = _gelu(tl.load(h_ptr + row * s_h + c + offs, mask=m, other=0.0).to(tl.float32), DT)
+                acc = tl.maximum(acc, tl.where(m, tl.abs(g), 0.0))
+            amax = tl.max(acc, axis=0)
+        scale = tl.maximum(amax / 448.0, 1e-12)
+        tl.store(qs_ptr + row, scale)
+        for c in range(0, N, CH):
+            m = c + offs < N
+            g = _gelu(tl.load(h_ptr + row * s_h + c + offs, mask=m, other=0.0).to(tl.float32), DT)
+            if STORE:
+                tl.store(g_ptr + row * s_g + c + offs, _cast(g, DT), mask=m)
+            q = tl.clamp(g / scale, -448.0, 448.0)
+            tl.store(q_ptr + row * N + c + offs, _e4m3(q), mask=m)
 
 
 def linear_gelu_tanh_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -113,7 +137,7 @@ def gelu_tanh_fp8_ref(h: torch.Tensor, keep: bool = False) -> QuantizedRows:
 
 def gelu_tanh_fp8(h: torch.Tensor, keep: bool = False,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedRows:  # fmt: skip
-    """GELU(tanh) of h (..., N) as `QuantizedRows` for the MLP's second `FP8Linear`, one pass; with
+    """GELU(tanh) of h (..., N) as `QuantizedRows` for the MLP's second `FP8Linear`, one kernel; with
     `keep`, the GELU output in h.dtype too (for a LoRA side GEMM). Rows longer than MAX_N, other
     layouts or devices run the unfused pair (`F.gelu`, then the quantisation pass). `out`: (q, scale)
     buffers (see `fp8_rows.empty_rows`)."""
@@ -127,9 +151,9 @@ def gelu_tanh_fp8(h: torch.Tensor, keep: bool = False,
         return quantize_activation(F.gelu(h, approximate="tanh"), keep, out)
     M = h2.shape[0]
     q, qs = empty_rows(M, N, h.device, out=out)
-    out = torch.empty(M, N, dtype=h.dtype, device=h.device) if keep else h2  # (h2: an unused dummy pointer)
-    block = triton.next_power_of_2(N)
+    g = torch.empty(M, N, dtype=h.dtype, device=h.device) if keep else h2  # (h2: an unused pointer)
+    ch = min(CONFIG["chunk"], triton.next_power_of_2(N))
     with _on_device(h):
-        _gelu_fp8_kernel[(M,)](h2, out, q, qs, N, h2.stride(0), out.stride(0), BLOCK=block, DT=_tl_dtype(h.dtype),
-                               STORE=keep, num_warps=max(4, min(16, block // 1024)))  # fmt: skip
-    return QuantizedRows(q, qs, h.shape, h.dtype, out.view(h.shape) if keep else None)
+        _gelu_fp8_kernel[(M,)](h2, g, q, qs, N, h2.stride(0), g.stride(0), CH=ch, DT=_tl_dtype(h.dtype),
+                               STORE=keep, num_warps=CONFIG["warps"])  # fmt: skip
+    return QuantizedRows(q, qs, h.shape, h.dtype, g.view(h.shape) if keep else None)

@@ -89,8 +89,6 @@ class PipelineBase:
         """
         old = self._options
         new = old.replace(**changes)
-        if new.offload == "blocks" and old.offload != "blocks":
-            new = new.replace(cuda_graphs=False)  # the block weights move every step
         check_transition(old, new)
         self._set_modulation_table(new.modulation_cache)  # before offload: it decides what streams
         if new.fp8 and not old.fp8:
@@ -119,8 +117,9 @@ class PipelineBase:
             self.transformer.block_runner = StepCacheRunner(policy) if policy is not None else BlockRunner()
         self.transformer.fused = new.fused
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
-        if new.changed(old) & {"fp8", "offload", "fused", "attention", "kernels", "cuda_graphs", "cache"}:
-            self._graphs.clear()  # captured with the old weights / kernels
+        if new.changed(old) & {"fp8", "offload", "offload_budget", "fused", "attention", "kernels", "cuda_graphs",
+                               "cache"}:  # fmt: skip
+            self._graphs.clear()  # captured with the old weights (addresses) / kernels
             self._clear_modulations()
         self._options = new
         return new

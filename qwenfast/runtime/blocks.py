@@ -82,6 +82,11 @@ class BlockRunner:
         """False when the runner re-points weights per call (a captured graph would read stale memory)."""
         return True
 
+    def can_graph(self, modulations: bool) -> bool:
+        """Whether a forward may be captured and replayed as a CUDA graph; `modulations`: the forward
+        gets its modulation rows from the table (it reads no modulation weights)."""
+        return self.graph_safe
+
     @property
     def every_block_resident(self) -> bool:
         """Every block runs at every step with its weights on the device: what computing per-block
@@ -97,7 +102,12 @@ class BlockRunner:
 
 class StreamingBlockRunner(BlockRunner):
     """Offload: each block's weights are brought in by a `BlockStreamer` (runtime/offload.py) just
-    before it runs and released after; the next block's copy overlaps this block's compute."""
+    before it runs and released after; the next block's copy overlaps this block's compute.
+
+    CUDA graphs replay only while no block streams (a budget that keeps them all: the planner then
+    left room for a graph's memory pool). Capturing the streamed copies too was built and measured
+    (H200, FP8, 16 GiB cap, session 8): the graph pool's reserved memory pushed the VAE decode into
+    its out-of-memory fallback, 2.63x the resident time against 1.76x eagerly, so it was removed."""
 
     def __init__(self, streamer):
         self.streamer = streamer
@@ -115,7 +125,14 @@ class StreamingBlockRunner(BlockRunner):
 
     @property
     def graph_safe(self) -> bool:
-        return False
+        """Only when no block streams: then every weight a forward reads stays at one address. The
+        modulation Linears kept in host memory are another matter: see `can_graph`."""
+        return not self.streamer.order and not self.streamer.held
+
+    def can_graph(self, modulations: bool) -> bool:
+        """Every block resident, and the modulation weights on the host unread (the rows come from
+        the table): the forward is the resident model's, and a graph of it replays exactly."""
+        return not self.streamer.order and (modulations or not self.streamer.held)
 
     @property
     def every_block_resident(self) -> bool:

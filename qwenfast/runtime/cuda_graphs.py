@@ -124,7 +124,7 @@ class CudaGraphRunner(_GraphCache):
         runner = getattr(self.model, "block_runner", None)
         res = None if block_residuals is None else tuple(block_residuals)
         mkw = {} if modulations is None else {"modulations": modulations}
-        if not (self.enabled and x.is_cuda) or (runner is not None and not runner.graph_safe):
+        if not (self.enabled and x.is_cuda) or (runner is not None and not runner.can_graph(modulations is not None)):
             return self.model(x, txt, mask, t, img_shapes, additional_t_cond, step=step, shard=shard,
                               block_residuals=res, **mkw)  # fmt: skip
         # one graph per block-runner variant: a runner whose steps compute different things (a step

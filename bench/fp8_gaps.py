@@ -1,0 +1,95 @@
+"""Where the FP8 forward's wall time goes beyond its kernels (GPU only, full size, random weights).
+
+Builds the 60-layer transformer, FP8 block Linears, the modulation table entry and a CUDA graph (what a
+denoising step runs), times the replay (CUDA events), then profiles one replay and reads the kernel
+timeline from the Chrome trace: kernel-time sum by category, the idle time between consecutive kernels
+(total, and by the pair of kernels around each gap), and the kernel count. Prints a table and a JSON line.
+`python bench/fp8_gaps.py [--size 1024] [--out DIR]`
+"""
+
+import argparse
+import collections
+import json
+import os
+import tempfile
+
+import torch
+
+from qwenfast.benchmarks import median_ms, versions
+from qwenfast.benchmarks.transformer import _fp8_modules, _swap, _table_fwd, build
+from qwenfast.runtime.cuda_graphs import CudaGraphRunner
+
+
+def cat(name: str) -> str:
+    n = name.lower()
+    for key, words in (("attention", ("sdpa", "flash", "fmha", "attention")),
+                       ("gemm", ("nvjet", "gemm", "cutlass", "xmma")), ("quant", ("quant",)),
+                       ("gelu", ("gelu",)), ("norm", ("residual", "layernorm", "rmsnorm")),
+                       ("qk_norm_rope", ("qk_norm",))):  # fmt: skip
+        if any(w in n for w in words):
+            return key
+    return "other"
+
+
+def timeline(fn) -> list[tuple[float, float, str]]:
+    """(start_us, end_us, name) of every GPU kernel in one call of fn, in start order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    ev = json.load(open(path))["traceEvents"]
+    ks = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in ev if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    return sorted(ks)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    model, _ = build(60, compare=False)
+    h = w = a.size // 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, h * w, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    txt = torch.randn(1, 128, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
+    t = torch.tensor([0.7], device="cuda")
+    _swap(model, _fp8_modules(model))
+    model.fused = True
+    fn = _table_fwd(model, CudaGraphRunner(model), x, txt, t, [(1, h, w)])
+    with torch.no_grad():
+        wall = median_ms(fn, 3, 20)
+        ks = timeline(fn)
+    busy = collections.Counter()
+    for s, e, n in ks:
+        busy[cat(n)] += e - s
+    gaps, pairs = [], collections.Counter()
+    for (_s0, e0, n0), (s1, _, n1) in zip(ks, ks[1:]):
+        gap = max(0.0, s1 - e0)
+        gaps.append(gap)
+        pairs[(cat(n0), cat(n1))] += gap
+    span = ks[-1][1] - ks[0][0]
+    res = {**versions(), "size": a.size, "wall_ms": round(wall, 2), "profiled_span_ms": round(span / 1e3, 2),
+           "kernels": len(ks), "kernel_ms": round(sum(busy.values()) / 1e3, 2),
+           "gap_ms": round(sum(gaps) / 1e3, 2), "gap_us_median": round(sorted(gaps)[len(gaps) // 2], 2),
+           "by_category_ms": {k: round(v / 1e3, 2) for k, v in busy.most_common()},
+           "gap_ms_by_pair": {f"{a}->{b}": round(v / 1e3, 2) for (a, b), v in pairs.most_common(12)}}  # fmt: skip
+    print(f"FP8 forward {a.size}²: wall {res['wall_ms']} ms (replay), profiled span {res['profiled_span_ms']} ms, "
+          f"{res['kernels']} kernels, kernel time {res['kernel_ms']} ms, idle between kernels {res['gap_ms']} ms "
+          f"(median gap {res['gap_us_median']} us)")  # fmt: skip
+    for k, v in res["by_category_ms"].items():
+        print(f"  {k:14} {v:8.2f} ms")
+    for k, v in res["gap_ms_by_pair"].items():
+        print(f"  gap {k:26} {v:8.2f} ms")
+    print(json.dumps(res))
+    if a.out:
+        with open(os.path.join(a.out, "fp8_gaps.jsonl"), "a") as f:
+            f.write(json.dumps(res) + "\n")
+
+
+if __name__ == "__main__":
+    main()
