@@ -23,16 +23,20 @@ reference bit for bit and the rest differ by one ulp (tested with the bf16 toler
 Measured on H200 (bf16, 4096 x 3072 -> 12288): 445 us vs 491 us for linear + gelu (1.1x).
 
 FP8 MLPs (`gelu_tanh_fp8`): `torch._scaled_mm` has no GELU epilogue, so the first FP8 GEMM writes
-its bf16 output h and a pass applies the GELU; that pass now also quantises the result per row for
-the second `FP8Linear` (`QuantizedRows`) instead of writing it in bf16 for a separate quantisation
-pass to read again: per 4096-token image, 100 MB read + 50 MB written instead of 100 + 100 (GELU)
-and 100 + 50 (quantisation). One program holds a whole row (up to MAX_N = 16384 columns) so the
-GELU is evaluated once per element. The GELU is torch's CUDA formula op for op (`0.5 * x * (1 +
+its bf16 output h and a pass applies the GELU; that pass also quantises the result per row for the
+second `FP8Linear` (`QuantizedRows`) instead of writing it in bf16 for a separate quantisation pass
+to read again. The row's scale needs its amax before any code is written: GELU rises monotonically
+above x = -0.75 and |GELU| < 0.17 below, so the amax is GELU(max h) whenever that is >= 0.171, and a
+first pass over the row needs only max(h) (loads, no tanh); rows whose maximum is smaller take a
+second pass over the GELU itself. The last pass evaluates the GELU once per element and writes the
+e4m3 codes. Rows go in chunks (any width). The GELU is torch's CUDA formula op for op (`0.5 * x * (1 +
 tanh(kBeta * (x + kKappa * x^3)))` in fp32, rounded to the activation dtype, tanh from libdevice like
 CUDA's `tanhf`), so the e4m3 bytes are those of `quantize_rows(F.gelu(h))` except where a last-bit
 fp32 difference (FMA contraction, or the interpreter's exp-based tanh) flips the bf16 rounding of a
 GELU value: that element then moves by at most one e4m3 step (or, if it was the row's amax, the
 scale moves by one bf16 ulp). `gelu_tanh_fp8_ref` is the unfused pair in torch.
+Measured on H200 (1024², session 8): the FP8 forward 85.52 -> 84.67 ms with it (an earlier kernel
+holding a whole row per program was slower than the two passes: 9.8 ms per forward); 0 codes differ.
 """
 
 from __future__ import annotations
