@@ -47,6 +47,47 @@ def timeline(fn) -> list[tuple[float, float, str]]:
     return sorted(ks)
 
 
+def _with_clocks(f):
+    """f() while `nvidia-smi` samples the SM clock every ~50 ms: (result, {min, median, max} MHz)."""
+    import subprocess
+    import threading
+
+    samples, stop = [], threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True).stdout.split()  # fmt: skip
+            samples.extend(int(v) for v in out[:1] if v.isdigit())
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    try:
+        r = f()
+    finally:
+        stop.set()
+        th.join()
+    s = sorted(samples) or [0]
+    return r, {"min": s[0], "median": s[len(s) // 2], "max": s[-1], "n": len(samples)}
+
+
+def _spaced_ms(fn, n: int = 8) -> float:
+    """Median of n single forwards, each after 0.3 s idle (clocks back up, as in the profiled run)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(n):
+        time.sleep(0.3)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size", type=int, default=1024)
@@ -62,7 +103,8 @@ def main() -> None:
     model.fused = True
     fn = _table_fwd(model, CudaGraphRunner(model), x, txt, t, [(1, h, w)])
     with torch.no_grad():
-        wall = median_ms(fn, 3, 20)
+        wall, clocks = _with_clocks(lambda: median_ms(fn, 3, 40))
+        spaced = _spaced_ms(fn)
         ks = timeline(fn)
     busy = collections.Counter()
     for s, e, n in ks:
@@ -73,11 +115,13 @@ def main() -> None:
         gaps.append(gap)
         pairs[(cat(n0), cat(n1))] += gap
     span = ks[-1][1] - ks[0][0]
-    res = {**versions(), "size": a.size, "wall_ms": round(wall, 2), "profiled_span_ms": round(span / 1e3, 2),
+    res = {**versions(), "size": a.size, "wall_ms": round(wall, 2), "spaced_ms": round(spaced, 2),
+           "sm_clock_mhz_in_loop": clocks, "profiled_span_ms": round(span / 1e3, 2),
            "kernels": len(ks), "kernel_ms": round(sum(busy.values()) / 1e3, 2),
            "gap_ms": round(sum(gaps) / 1e3, 2), "gap_us_median": round(sorted(gaps)[len(gaps) // 2], 2),
            "by_category_ms": {k: round(v / 1e3, 2) for k, v in busy.most_common()},
            "gap_ms_by_pair": {f"{a}->{b}": round(v / 1e3, 2) for (a, b), v in pairs.most_common(12)}}  # fmt: skip
+    print(f"back to back: {res['wall_ms']} ms, SM clock {clocks}; after 0.3 s idle each: {res['spaced_ms']} ms")
     print(f"FP8 forward {a.size}²: wall {res['wall_ms']} ms (replay), profiled span {res['profiled_span_ms']} ms, "
           f"{res['kernels']} kernels, kernel time {res['kernel_ms']} ms, idle between kernels {res['gap_ms']} ms "
           f"(median gap {res['gap_us_median']} us)")  # fmt: skip
