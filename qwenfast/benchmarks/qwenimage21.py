@@ -59,6 +59,29 @@ def _profile(fn, label: str, top: int = 12) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=70))
 
 
+def _diffusers_compiled(ref, ref_fwd, rc, want) -> dict:
+    """diffusers' own regional compile of its 2.1 model (`compile_repeated_blocks`, fullgraph where it
+    compiles, else with graph breaks): prefill and cached-step ms, rel. err vs its eager output."""
+    import torch._dynamo
+
+    for fullgraph in (True, False):
+        torch._dynamo.reset()
+        try:
+            ref.compile_repeated_blocks(fullgraph=fullgraph)
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                got = ref_fwd(rc, "cached").float()
+                _sync()
+                setup = time.perf_counter() - t0
+                return {"diffusers_compile_fullgraph": fullgraph, "diffusers_compile_setup_s": round(setup, 1),
+                        "diffusers_compile_prefill_ms": round(_time(lambda: ref_fwd()), 2),
+                        "diffusers_compile_cached_ms": round(_time(lambda: ref_fwd(rc, "cached")), 2),
+                        "diffusers_compile_rel_err": _rel(got, want)}  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - the record says what happened
+            err = f"{type(e).__name__}: {e}"[:300]
+    return {"diffusers_compile_error": err}
+
+
 def main(argv=None) -> list[dict]:
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
@@ -74,6 +97,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a cached step")
     p.add_argument("--layers", type=int, default=32, help="fewer for a smoke run")
+    p.add_argument("--compile", action="store_true",
+                   help="also diffusers' regional compile (compile_repeated_blocks) of its model, timed last")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (timings meaningless)")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.bfloat16
@@ -163,6 +188,13 @@ def main(argv=None) -> list[dict]:
                              "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"})  # fmt: skip
             del oc
             graphs.clear()
+    if a.compile and dev.type == "cuda":
+        comp = _diffusers_compiled(ref, ref_fwd, rc, want)
+        for r in rows:
+            r.update(comp)
+            if "diffusers_compile_cached_ms" in comp:
+                r["speedup_cached_vs_diffusers_compile"] = round(comp["diffusers_compile_cached_ms"] / r["ours_cached_graph_ms"], 3)
+        print(f"diffusers regional compile: {comp}")
     print(f"{'dtype':>5} {'steps':>5} {'ref pre':>8} {'ref cached':>10} {'ours pre':>8} {'eager':>7} {'graph':>7} "
           f"{'err pre':>8} {'err cached':>10} {'err old':>8} {'loop x':>6}")  # fmt: skip
     for r in rows:
