@@ -104,6 +104,28 @@ def _assert_within_one_step(a: QuantizedRows, b: QuantizedRows, frac: float, dty
     assert ((ca[diff] - cb[diff]).abs() == 1).all() and ((ca[diff] ^ cb[diff]) & 0x80 == 0).all()
 
 
+def _assert_matches_plain(got: QuantizedRows, plain: torch.Tensor, device: str, keep: bool):
+    """A fused producer vs the plain kernel's output `plain` quantised by the separate pass.
+
+    Under the interpreter (one arithmetic for both): the same bytes, and `got.x` equal to `plain`. On
+    the GPU the two kernels are separate compilations, and the compiler may contract a multiply-add
+    into an FMA in one and not the other: measured on H200 (`bench/fp8_fused_diag.py`, 77 x 3072 rows)
+    the fp32 outputs differ in the last bits in ~10% of the elements (so ~10% of the rows' scales, by
+    <= 2e-7 relative), fp16/bf16 outputs in ~1e-5 of them by an ulp of an intermediate (up to 4 ulp
+    of a result that cancels). So there: the dequantised rows as `_assert_near_ref`, and `got.x` within
+    4 ulps of the row's largest value (fp16/bf16: at <= 1e-4 of the elements)."""
+    if device != "cuda":
+        _assert_same_bytes(got, quantize_activation(plain))
+        assert not keep or torch.equal(got.x, plain)
+        return
+    _assert_near_ref(got, quantize_activation(plain), frac=1e-3)
+    if keep:
+        d = (got.x.float() - plain.float()).abs()
+        amax = plain.float().abs().amax(dim=-1, keepdim=True)
+        assert (d <= 4 * torch.finfo(plain.dtype).eps * amax).all()
+        assert plain.dtype == torch.float32 or (d > 0).float().mean() < 1e-4
+
+
 def _assert_near_ref(a: QuantizedRows, b: QuantizedRows, frac: float = 0.02):
     """Rows quantised from a reference output that may differ by an ulp of an intermediate: codes equal
     but for <= frac of the elements; each dequantised value within one e4m3 step (2^-3 relative) of
@@ -149,10 +171,12 @@ def test_quantize_rows_kernel_is_bitwise_torch(device):
     assert torch.equal(s[:3], sr) and not q[3:].view(torch.uint8).any() and (s[3:] == 1).all()
     c, cr = q[:3].view(torch.uint8).int(), qr.view(torch.uint8).int()
     assert torch.equal(c[[0, 2]], cr[[0, 2]])  # scale 1 (amax 448) and the zero row: the cast alone
-    # row 1 divides by a scale: Triton's fp32 division on the GPU may differ from torch's in the last
-    # bit, which moves a value sitting on a tie by one step (exact under the interpreter)
+    # row 1 divides by a scale: Triton's fp32 `/` on the GPU is the approximate division (torch's is
+    # IEEE), which moves a value sitting on a tie by one step: 2.5% of this tie-heavy row on H200
+    # (`bench/fp8_fused_diag.py`; `tl.div_rn` would make it bitwise, at an unmeasured cost in the hot
+    # producer kernels). Exact under the interpreter.
     d = (c[1] - cr[1]).abs()
-    assert d.max() <= 1 and (d > 0).float().mean() < (2e-3 if device == "cuda" else 1e-9)
+    assert d.max() <= 1 and (d > 0).float().mean() < (0.05 if device == "cuda" else 1e-9)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,8 +195,8 @@ def test_layernorm_modulate_fp8(device, dtype, B, L, D, split):
         got = layernorm_modulate_fp8(x, shift, scale, split=split, keep=keep, out=_poisoned(B * L, D, dev))
         _check_layout(got, (B, L, D), dtype)
         y = layernorm_modulate(x, shift, scale, split=split)  # the kernel's own plain output
-        _assert_same_bytes(got, quantize_activation(y))  # == the unfused pair, byte for byte
-        assert (got.x is not None) == keep and (not keep or torch.equal(got.x, y))
+        assert (got.x is not None) == keep
+        _assert_matches_plain(got, y, device, keep)  # the unfused pair (byte for byte under the interpreter)
         _assert_close_to_ref(got, layernorm_modulate_fp8_ref(x, shift, scale, split=split, keep=True).x)
         # the torch reference quantises the reference output: codes may differ where that output differs
         # from the kernel's by an ulp of an intermediate (see kernels/adaln.py)
@@ -197,8 +221,8 @@ def test_gated_residual_layernorm_modulate_fp8(device, dtype, B, L, D, split):
                                                            keep=keep, out=_poisoned(B * L, D, dev))  # fmt: skip
         assert x_new.data_ptr() == out_x.data_ptr() and torch.equal(x_new, x_plain)
         _check_layout(got, (B, L, D), dtype)
-        _assert_same_bytes(got, quantize_activation(h_plain))
-        assert (got.x is not None) == keep and (not keep or torch.equal(got.x, h_plain))
+        assert (got.x is not None) == keep
+        _assert_matches_plain(got, h_plain, device, keep)
         _assert_close_to_ref(got, h_ref.x)
         _assert_near_ref(got, h_ref)
     assert rel_err(x_ref.float(), x_plain.float()) < 1e-2
