@@ -159,7 +159,7 @@ def run_size(model, fp8_mods: dict, size: int, args, head: dict, lora: bool) -> 
     bf16 = _swap(model, fp8_mods)
     variants = [("FP8 + CUDA graph, fusion off", False, False, False),
                 ("FP8 + CUDA graph, fusion on", True, False, False),  # the default: LayerNorm producers
-                ("FP8 + CUDA graph, fusion on + GELU", True, True, False)]  # QWENFAST_FP8_FUSE=all
+                ("FP8 + CUDA graph, fusion on + GELU", True, True, False)]  # the default since session 8 (QWENFAST_FP8_FUSE=norm: without the GELU)
     if lora:
         variants += [("FP8 + LoRA r64 + graph, fusion off", False, False, True),
                      ("FP8 + LoRA r64 + graph, fusion on", True, False, True)]  # fmt: skip
