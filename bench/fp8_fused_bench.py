@@ -158,8 +158,8 @@ def run_size(model, fp8_mods: dict, size: int, args, head: dict, lora: bool) -> 
     timed("bf16 fused + CUDA graph", CudaGraphRunner(model))
     bf16 = _swap(model, fp8_mods)
     variants = [("FP8 + CUDA graph, fusion off", False, False, False),
-                ("FP8 + CUDA graph, fusion on", True, False, False),  # the default: LayerNorm producers
-                ("FP8 + CUDA graph, fusion on + GELU", True, True, False)]  # the default since session 8 (QWENFAST_FP8_FUSE=norm: without the GELU)
+                ("FP8 + CUDA graph, fusion on", True, False, False),  # QWENFAST_FP8_FUSE=norm: LayerNorm producers only
+                ("FP8 + CUDA graph, fusion on + GELU", True, True, False)]  # the default since session 8
     if lora:
         variants += [("FP8 + LoRA r64 + graph, fusion off", False, False, True),
                      ("FP8 + LoRA r64 + graph, fusion on", True, False, True)]  # fmt: skip
