@@ -15,7 +15,7 @@ import tempfile
 
 import torch
 
-from qwenfast.benchmarks import median_ms, versions
+from qwenfast.benchmarks import emit, median_ms, versions
 from qwenfast.benchmarks.transformer import _fp8_modules, _swap, _table_fwd, build
 from qwenfast.runtime.cuda_graphs import CudaGraphRunner
 
@@ -71,21 +71,21 @@ def _with_clocks(f):
     return r, {"min": s[0], "median": s[len(s) // 2], "max": s[-1], "n": len(samples)}
 
 
-def _spaced_ms(fn, n: int = 8) -> float:
-    """Median of n single forwards, each after 0.3 s idle (clocks back up, as in the profiled run)."""
-    import statistics
-    import time
-
-    times = []
-    for _ in range(n):
-        time.sleep(0.3)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def fp8_forward(size: int = 1024, fp8: bool = True):
+    """The 60-block transformer (random bf16 weights) with FP8 block Linears (`fp8`), fused, and the
+    forward a denoising step replays: CUDA graph, modulation rows from a table entry. Returns (model,
+    forward, its inputs (x, txt, t, img_shapes))."""
+    model, _ = build(60, compare=False)
+    h = w = size // 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, h * w, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    txt = torch.randn(1, 128, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
+    t = torch.tensor([0.7], device="cuda")
+    if fp8:
+        _swap(model, _fp8_modules(model))
+    model.fused = True
+    inputs = (x, txt, t, [(1, h, w)])
+    return model, _table_fwd(model, CudaGraphRunner(model), x, txt, t, [(1, h, w)]), inputs
 
 
 def main() -> None:
@@ -93,18 +93,10 @@ def main() -> None:
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    model, _ = build(60, compare=False)
-    h = w = a.size // 16
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, h * w, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    txt = torch.randn(1, 128, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
-    t = torch.tensor([0.7], device="cuda")
-    _swap(model, _fp8_modules(model))
-    model.fused = True
-    fn = _table_fwd(model, CudaGraphRunner(model), x, txt, t, [(1, h, w)])
+    model, fn, _ = fp8_forward(a.size)
     with torch.no_grad():
         wall, clocks = _with_clocks(lambda: median_ms(fn, 3, 40))
-        spaced = _spaced_ms(fn)
+        spaced = median_ms(fn, 0, 8, pause_s=0.3)
         ks = timeline(fn)
     busy = collections.Counter()
     for s, e, n in ks:
@@ -129,10 +121,7 @@ def main() -> None:
         print(f"  {k:14} {v:8.2f} ms")
     for k, v in res["gap_ms_by_pair"].items():
         print(f"  gap {k:26} {v:8.2f} ms")
-    print(json.dumps(res))
-    if a.out:
-        with open(os.path.join(a.out, "fp8_gaps.jsonl"), "a") as f:
-            f.write(json.dumps(res) + "\n")
+    emit(res, "fp8_gaps.jsonl", a.out)
 
 
 if __name__ == "__main__":

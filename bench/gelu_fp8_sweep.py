@@ -9,13 +9,12 @@ Prints a table and JSON lines (`--out DIR`: appended to DIR/gelu_fp8.jsonl).
 """
 
 import argparse
-import json
 import os
 
 import torch
 import torch.nn.functional as F
 
-from qwenfast.benchmarks import median_ms, rel_err, versions
+from qwenfast.benchmarks import emit, median_ms, rel_err, versions
 from qwenfast.kernels import gelu as G
 from qwenfast.kernels.fp8_linear import quantize_activation
 from qwenfast.kernels.fp8_rows import set_fp8_fusion
@@ -44,25 +43,20 @@ def forward(best: dict) -> dict:
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from fp8_gaps import cat, timeline
+    from fp8_gaps import cat, fp8_forward, timeline
 
-    from qwenfast.benchmarks.transformer import _fp8_modules, _swap, _table_fwd, build
+    from qwenfast.benchmarks.transformer import _fp8_modules, _swap, _table_fwd
     from qwenfast.runtime.cuda_graphs import CudaGraphRunner
 
-    model, _ = build(60, compare=False)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(1, 4096, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    txt = torch.randn(1, 128, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
-    t = torch.tensor([0.7], device="cuda")
-    model.fused = True
+    model, _, (x, txt, t, shapes) = fp8_forward(1024, fp8=False)
     with torch.no_grad():
-        ref = model(x, txt, None, t, [(1, 64, 64)])
+        ref = model(x, txt, None, t, shapes)
     _swap(model, _fp8_modules(model))
     res = {}
     G.CONFIG.update(best)
     for name, gelu in (("FP8, GELU fusion off", False), ("FP8, GELU fusion on", True)):
         set_fp8_fusion(True, gelu=gelu)
-        fn = _table_fwd(model, CudaGraphRunner(model), x, txt, t, [(1, 64, 64)])
+        fn = _table_fwd(model, CudaGraphRunner(model), x, txt, t, shapes)
         with torch.no_grad():
             out = fn().clone()
             ms = median_ms(fn, 3, 20)
@@ -90,10 +84,7 @@ def main() -> None:
         print(f"  {k:22} img {img[k]['us']:7.1f} us  txt {ops[128][k]['us']:6.1f} us")
     fwd = forward({"chunk": int(ch), "warps": int(warps)})
     res = {**versions(), "op_us": ops, "best": best_key, "forward_1024": fwd}
-    print(json.dumps(res))
-    if a.out:
-        with open(os.path.join(a.out, "gelu_fp8.jsonl"), "a") as f:
-            f.write(json.dumps(res) + "\n")
+    emit(res, "gelu_fp8.jsonl", a.out)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,7 @@
 #     offload="blocks" planned for and capped at 24 GiB and 16 GiB (fresh prompt per timed call).
 # JSON lines -> $OUT/transformer.jsonl, $OUT/fp8.jsonl; log -> $OUT/gpu.log.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOG="$OUT/gpu.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
+source bench/gpu_env.sh
 timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_modulation_table.py tests/test_runtime_memory.py \
   -k "table or offload or resident or planner" 2>&1 | tail -4 | tee -a "$LOG"
 timeout 200 python3 -m qwenfast.cli bench transformer --size 1024 --compare diffusers --no-compile --iters 20 \

@@ -5,11 +5,7 @@
 #  3. `qwenfast bench fp8 --stages budget`: 24 and 16 GiB, CUDA graphs kept on (they replay when all
 #     blocks are resident).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOG="$OUT/gpu.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
+source bench/gpu_env.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_fused.py tests/test_modulation_table.py \
   -k "gelu or graph or offload" 2>&1 | tail -4 | tee -a "$LOG"
 timeout 200 python3 bench/gelu_fp8_sweep.py --out "$OUT" 2>&1 | grep -v '^{' | tail -30 | tee -a "$LOG"

@@ -5,11 +5,7 @@
 #  3. `qwenfast bench fp8 --stages budget`: 24 and 16 GiB with graphs (the streamed blocks' copies captured).
 #  4. Qwen-Image-2.1 transformer bench with --profile (where the bf16 cached step goes).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOG="$OUT/gpu.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
+source bench/gpu_env.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_fused.py tests/test_modulation_table.py \
   tests/test_runtime_memory.py -k "gelu or graph or offload or stream or bring" 2>&1 | tail -6 | tee -a "$LOG"
 timeout 150 python3 bench/gelu_fp8_sweep.py --out "$OUT" 2>&1 | grep -v '^{' | tail -16 | tee -a "$LOG"

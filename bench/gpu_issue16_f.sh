@@ -3,11 +3,7 @@
 # once with a budget): 16 GiB with CUDA graphs (streamed blocks' copies captured) and without, 24 GiB
 # with graphs; the FP8 forward with the GELU fusion on by default (bench/fp8_gaps.py); GPU tests.
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOG="$OUT/gpu.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
+source bench/gpu_env.sh
 timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_fused.py -k "transformer or gelu" 2>&1 | tail -3 | tee -a "$LOG"
 timeout 90 python3 bench/fp8_gaps.py --out "$OUT" 2>&1 | grep -v '^{' | tail -12 | tee -a "$LOG"
 for args in "--caps 16" "--caps 16 --budget-graphs off" "--caps 24"; do

@@ -3,11 +3,7 @@
 # offload, engine core); the demo quality gate over every code path (FP8 now with the GELU fusion), text
 # to image and edits; Qwen-Image-2.1 vs diffusers eager and diffusers' regional compile (+ profile).
 set -uo pipefail
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-LOG="$OUT/gpu.log"
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$LOG"
+source bench/gpu_env.sh
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fp8_fused.py tests/test_fp8.py tests/test_modulation_table.py \
   tests/test_engine_core.py tests/test_runtime_memory.py -k "not interpreter" 2>&1 | tail -3 | tee -a "$LOG"
 timeout 100 python3 -m qwenfast.cli bench quality --paths --results "$OUT" 2>&1 | grep -v '^{' | tail -12 | tee -a "$LOG"

@@ -65,9 +65,11 @@ def results_dir(value: str | None) -> Path | None:
 RESULTS_HELP = "append the JSON record to DIR/<bench>.jsonl (default: only print it)"
 
 
-def median_ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    """Median GPU time of `fn()` in ms over `iters` calls after `warmup` (CUDA events, synchronised per call)."""
+def median_ms(fn, warmup: int = 3, iters: int = 10, pause_s: float = 0.0) -> float:
+    """Median GPU time of `fn()` in ms over `iters` calls after `warmup` (CUDA events, synchronised per
+    call); `pause_s`: idle before each timed call (the GPU's clocks recover from sustained load)."""
     import statistics
+    import time
 
     import torch
 
@@ -76,6 +78,8 @@ def median_ms(fn, warmup: int = 3, iters: int = 10) -> float:
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if pause_s:
+            time.sleep(pause_s)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
