@@ -37,9 +37,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @torch.no_grad()
 def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too: bool, fp8: bool = True) -> dict:
     """Per size: one GPU vs Ulysses over `world` GPUs, each exchange (peer memory, the default on
-    CUDA; NCCL all-to-alls), bf16 and FP8 block GEMMs; each variant its own CUDA graphs."""
+    CUDA; NCCL all-to-alls), bf16 and FP8 block GEMMs; each variant its own CUDA graphs. Every forward
+    takes its modulation rows from a modulation-table entry, as the pipeline's denoising steps do."""
     from ..runtime.blocks import StepContext
     from ..runtime.cuda_graphs import CudaGraphRunner
+    from ..runtime.modulation import batch_rows
     from ..runtime.parallel import ParallelConfig, ParallelForward, ParallelGroups
     from .transformer import _fp8_modules, _swap, build
 
@@ -58,20 +60,23 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
         t = torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16)
         shapes = [(1, size // 16, size // 16)]
         step = StepContext(0, 1, 0.5)
+        mods = batch_rows(ours.modulation_entries([t[:1]])[0], 1)  # modulation Linears stay bf16 under FP8
         row = {}
         for prec in ("bf16", "fp8") if fp8 else ("bf16",):
             old = _swap(ours, fp8_mods) if prec == "fp8" else None
             tag = "" if prec == "bf16" else "_fp8"
             one_graphs = runners.setdefault(prec, CudaGraphRunner(ours))
-            one = one_graphs(x, txt, None, t, shapes, step=step)
+            one = one_graphs(x, txt, None, t, shapes, step=step, modulations=mods)
             if rank == 0:
-                row[f"qwenfast_1gpu{tag}_ms"] = _ms(lambda: one_graphs(x, txt, None, t, shapes, step=step))
+                row[f"qwenfast_1gpu{tag}_ms"] = _ms(lambda: one_graphs(x, txt, None, t, shapes, step=step,
+                                                                       modulations=mods))  # fmt: skip
             else:
                 dist.barrier()
             for exchange in ("peer", "collective") if prec == "bf16" else ("peer",):
                 graphs = runners.setdefault(f"{prec}:{exchange}", CudaGraphRunner(ours))
                 # the shard's forward as a CUDA graph, its exchanges captured with it
-                par = ParallelForward(lambda *a, shard=None, g=graphs: g(*a[:5], step=a[5], shard=shard), groups[exchange])
+                par = ParallelForward(lambda *a, shard=None, g=graphs: g(*a[:5], step=a[5], shard=shard, modulations=mods),
+                                      groups[exchange])  # fmt: skip
                 out = par(x, txt, None, t, shapes, step)
                 name = f"qwenfast_ulysses{world}{tag}" + ("" if exchange == "peer" else "_collective")
                 row[f"{name}_ms"] = _ms(lambda: par(x, txt, None, t, shapes, step))
