@@ -219,8 +219,8 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
 
 def budget_stage(pipe, caps: tuple[float, ...] = (24, 16), graphs: bool = True) -> dict:
     """FP8 1024² 4 steps resident (graphs, with and without the modulation table), then under
-    offload="blocks" planned for and capped at each of `caps` GiB; `graphs`: CUDA graphs kept on
-    under offload (they replay the streamed blocks' copies too) or off (eager)."""
+    offload="blocks" planned for and capped at each of `caps` GiB; `graphs`: CUDA graphs left on under
+    offload (as a user gets them: they replay while every block is resident) or turned off (eager)."""
     from ..runtime.memory import MemoryPlanner
 
     p = "a red bicycle leaning on a brick wall"

@@ -12,7 +12,9 @@ LayerNorm, the MLP's GELU) now also take the row's amax and write e4m3 + the fp3
 - `quantize_rows_ref`, the torch definition every kernel is checked against;
 - Triton helpers `_e4m3` (fp32 -> e4m3 as torch rounds, also under the CPU interpreter, whose own
   cast mis-rounds when the mantissa carries into the exponent: 31.97 -> 16 instead of 32 in
-  triton 3.7) and `_quant_row` (amax, scale, store of one row already in registers).
+  triton 3.7), `_row_scale` / `_codes` (the scale of an amax, the codes of values at a scale: the
+  one formula every quantising kernel uses) and `_quant_row` (amax, scale, store of one row already
+  in registers).
 
 The quantisation is `quantize_rows_ref`'s: scale = max(amax(|row|) / 448, 1e-12), q = e4m3(clamp(
 row / scale, ±448)), computed on the row *as the producer would have stored it* (rounded to the
@@ -173,13 +175,21 @@ if triton_available():
         return r
 
     @triton.jit
+    def _row_scale(amax):
+        """A row's scale from its amax, as `quantize_rows_ref`: max(amax / 448, 1e-12)."""
+        return tl.maximum(amax / 448.0, 1e-12)
+
+    @triton.jit
+    def _codes(v, scale):
+        """fp32 values of a row -> their e4m3 codes at the row's `scale`, as `quantize_rows_ref`."""
+        return _e4m3(tl.clamp(v / scale, -448.0, 448.0))
+
+    @triton.jit
     def _quant_row(y, cols, mask, q_ptr, s_ptr, row, K):
         """Quantise one fp32 row `y` (values already in the activation dtype; masked lanes ignored)
         into q_ptr[row, cols] (row stride K) and s_ptr[row], exactly as `quantize_rows`."""
-        amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
-        scale = tl.maximum(amax / 448.0, 1e-12)
-        q = tl.clamp(y / scale, -448.0, 448.0)
-        tl.store(q_ptr + row * K + cols, _e4m3(q), mask=mask)
+        scale = _row_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
+        tl.store(q_ptr + row * K + cols, _codes(y, scale), mask=mask)
         tl.store(s_ptr + row, scale)
 
     @triton.jit
@@ -192,10 +202,9 @@ if triton_available():
             m = k + offs < K
             v = tl.load(x_ptr + row * stride_x + k + offs, mask=m, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, axis=0) / 448.0, 1e-12)
+        scale = _row_scale(tl.max(amax, axis=0))
         tl.store(s_ptr + row, scale)
         for k in range(0, K, BLOCK):
             m = k + offs < K
             v = tl.load(x_ptr + row * stride_x + k + offs, mask=m, other=0.0).to(tl.float32)
-            q = tl.clamp(v / scale, -448.0, 448.0)
-            tl.store(q_ptr + row * stride_q + k + offs, _e4m3(q), mask=m)
+            tl.store(q_ptr + row * stride_q + k + offs, _codes(v, scale), mask=m)

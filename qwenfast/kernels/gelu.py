@@ -59,7 +59,7 @@ if triton_available():
     from triton.language.extra import libdevice
 
     from .adaln import _cast, _round
-    from .fp8_rows import _e4m3
+    from .fp8_rows import _codes, _row_scale
 
     _EXP_TANH = tl.constexpr(1 if interpreting() else 0)  # the interpreter has no libdevice
 
@@ -99,15 +99,14 @@ if triton_available():
                 g = _gelu(tl.load(h_ptr + row * s_h + c + offs, mask=m, other=0.0).to(tl.float32), DT)
                 acc = tl.maximum(acc, tl.where(m, tl.abs(g), 0.0))
             amax = tl.max(acc, axis=0)
-        scale = tl.maximum(amax / 448.0, 1e-12)
+        scale = _row_scale(amax)
         tl.store(qs_ptr + row, scale)
         for c in range(0, N, CH):
             m = c + offs < N
             g = _gelu(tl.load(h_ptr + row * s_h + c + offs, mask=m, other=0.0).to(tl.float32), DT)
             if STORE:
                 tl.store(g_ptr + row * s_g + c + offs, _cast(g, DT), mask=m)
-            q = tl.clamp(g / scale, -448.0, 448.0)
-            tl.store(q_ptr + row * N + c + offs, _e4m3(q), mask=m)
+            tl.store(q_ptr + row * N + c + offs, _codes(g, scale), mask=m)
 
 
 def linear_gelu_tanh_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

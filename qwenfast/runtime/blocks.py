@@ -125,9 +125,8 @@ class StreamingBlockRunner(BlockRunner):
 
     @property
     def graph_safe(self) -> bool:
-        """Only when no block streams: then every weight a forward reads stays at one address. The
-        modulation Linears kept in host memory are another matter: see `can_graph`."""
-        return not self.streamer.order and not self.streamer.held
+        """`can_graph` for a forward that computes its own modulation rows."""
+        return self.can_graph(False)
 
     def can_graph(self, modulations: bool) -> bool:
         """Every block resident, and the modulation weights on the host unread (the rows come from
