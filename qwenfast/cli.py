@@ -164,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--paths", action="store_true",
                     help="score every code path (fp32 reference, bf16, kernels, graphs, batched CFG, FP8) "
                          "and each one's gap to the reference")  # fmt: skip
+    bq.add_argument("--path", action="append", default=None, metavar="NAME",
+                    help="with --paths: only the paths whose name contains NAME (repeatable; the fp32 reference "
+                         "always runs first, as the gap's base), e.g. --path fp8")  # fmt: skip
     bq.add_argument("--cache", action="append", default=None, metavar="POLICY",
                     help="score the suite uncached and with each step-cache preset (repeatable: balanced, fast), "
                          "at --steps (default 50) with CFG: score, computed fraction, PSNR/SSIM vs uncached")  # fmt: skip
@@ -586,7 +589,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .benchmarks import emit, versions
 
         n = min(a.n or 120, 120)
-        rows = quality_paths(a.model, n=n, device=a.device)
+        from .demo.bench import PATHS
+
+        paths = [p for i, p in enumerate(PATHS) if i == 0 or not a.path or any(k in p[0] for k in a.path)]
+        if a.path and len(paths) == 1:
+            raise SystemExit(f"--path {a.path}: no code path matches; the paths are: "
+                             + ", ".join(p[0] for p in PATHS[1:]))  # fmt: skip
+        rows = quality_paths(a.model, n=n, device=a.device, paths=paths)
         record = {"bench": "quality_paths", "model": a.model or "demo-t2i", **versions(), "n": n, "rows": rows,
                   "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
         emit(record, "quality.jsonl", a.results)

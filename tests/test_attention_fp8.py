@@ -13,7 +13,7 @@ import qwenfast.kernels as K
 from qwenfast.kernels.attn_quant import FP8, FP8_MAX, MIN_DESCALE, dequantize, quantize_qkv, quantize_qkv_ref
 from qwenfast.options import EngineOptions
 from qwenfast.runtime import attention_fp8 as A8
-from qwenfast.runtime.attention import CHOICES, attention, use_attention
+from qwenfast.runtime.attention import CHOICES, attention, joint_attention, use_attention
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
 from .conftest import rel_err
@@ -201,3 +201,168 @@ def test_gpu_fp8_engine_vs_cudnn_bf16(engine):
     assert torch.isfinite(A8.run_engine(eng, qn, kn, vn)).all()
     z = torch.zeros_like(q)
     assert torch.isfinite(A8.run_engine(eng, z, z, z)).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# the fused joint path: Q and K written in e4m3 by the QK-norm + RoPE kernel, at the gains' bound
+
+
+def _streams(B=2, H=3, D=64, Lt=9, Li=50, seed=0, dtype=torch.float32):
+    """Two streams' fused QKV projections, norm gains in [0.5, 1.5) and rope tables, as a block hands
+    them to `joint_attention` ([text; image] order)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for L in (Lt, Li):
+        qkv = (torch.randn(B, L, 3 * H * D, generator=g) * 2).to(dtype)
+        wq, wk = ((torch.rand(D, generator=g) + 0.5).to(dtype) for _ in range(2))
+        ang = torch.randn(L, D // 2, generator=g) * 3
+        out.append((qkv, wq, wk, ang.cos(), ang.sin()))
+    return out
+
+
+def _exact_joint(streams, H, D, mask=None):
+    with use_attention("math"):
+        return joint_attention([tuple(t.double() if t.is_floating_point() else t for t in st) for st in streams],
+                               H, D, None if mask is None else mask)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_joint_fp8_path_is_the_fused_quantisation(dtype):
+    """On CPU the fused joint path runs the reference engine on exactly what the GPU path would feed
+    an FP8 kernel: e4m3 Q, K from the norm kernel at the bound descale, V by its amax."""
+    from qwenfast.kernels.attn_quant import quantize_heads_ref
+    from qwenfast.kernels.qk_norm_rope import qk_descale, qk_norm_rope_ref
+
+    H, D = 3, 64
+    streams = _streams(H=H, D=D, dtype=dtype)
+    before = A8.CALLS["cpu reference (joint)"]
+    with use_attention("fp8"):
+        got = joint_attention(streams, H, D, None)
+    assert A8.CALLS["cpu reference (joint)"] == before + 1
+    B, S = 2, sum(st[0].shape[1] for st in streams)
+    q8, k8 = (torch.empty(B, S, H, D, dtype=FP8).transpose(1, 2) for _ in "qk")
+    v = torch.empty(B, S, H, D, dtype=dtype).transpose(1, 2)
+    dq, dk = qk_descale([st[1] for st in streams], D), qk_descale([st[2] for st in streams], D)
+    off = 0
+    for qkv, wq, wk, cos, sin in streams:
+        qk_norm_rope_ref(qkv, wq, wk, cos, sin, q8, k8, v, offset=off, descale_q=dq, descale_k=dk)
+        off += qkv.shape[1]
+    v8, dv = quantize_heads_ref(v)
+    want = F.scaled_dot_product_attention(q8.float() * dq, k8.float() * dk, dequantize(v8, dv)).to(dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    exact = _exact_joint(streams, H, D)
+    err = rel_err(exact, got)
+    assert 1e-3 < err < TOL_FP8, err
+    # the fixed Q/K descale costs nothing against amax scaling of the same Q, K, V (measured 1.01x)
+    plain = [torch.empty(B, S, H, D, dtype=dtype).transpose(1, 2) for _ in "qkv"]
+    off = 0
+    for qkv, wq, wk, cos, sin in streams:
+        qk_norm_rope_ref(qkv, wq, wk, cos, sin, *plain, offset=off)
+        off += qkv.shape[1]
+    assert err < 1.1 * rel_err(exact, A8.fp8_attention_ref(*plain)) + 1e-3
+    # the inputs matter here: a different image stream moves the output far beyond the error
+    other = [streams[0], (streams[1][0].flip(1), *streams[1][1:])]
+    with use_attention("fp8"):
+        assert rel_err(got, joint_attention(other, H, D, None)) > 10 * err
+
+
+def test_cpu_joint_fp8_path_takes_a_padding_mask():
+    H, D = 3, 64
+    streams = _streams(H=H, D=D)
+    S = sum(st[0].shape[1] for st in streams)
+    mask = torch.ones(2, 1, 1, S, dtype=torch.bool)
+    mask[1, ..., 3:9] = False  # padded text of the second row
+    with use_attention("fp8"):
+        got = joint_attention(streams, H, D, mask)
+    exact = _exact_joint(streams, H, D, mask)
+    assert rel_err(exact, got) < TOL_FP8
+    assert rel_err(_exact_joint(streams, H, D)[1], exact[1]) > 5 * rel_err(exact[1], got[1])
+
+
+def test_joint_engine_failure_falls_back_to_bf16_once(monkeypatch):
+    """An engine that raises: this call runs the fallback on the dequantised Q, K (and V), says so once."""
+
+    class Broken:
+        name, per_head = "broken", True
+
+        def __call__(self, *a, **k):
+            raise RuntimeError("no kernel for this shape")
+
+    H, D = 3, 64
+    streams = _streams(H=H, D=D)
+    monkeypatch.setattr(A8, "joint_engine", lambda *a: Broken())
+    monkeypatch.setattr(A8, "_warned", set())
+    before = A8.CALLS["bf16 fallback: engine failed"]
+    with use_attention("fp8"), pytest.warns(RuntimeWarning, match="broken FP8 engine failed"):
+        got = joint_attention(streams, H, D, None)
+    assert A8.CALLS["bf16 fallback: engine failed"] == before + 1
+    assert ("broken", "joint") in A8._engine_errors
+    A8._engine_errors.pop(("broken", "joint"))
+    assert torch.isfinite(got).all() and rel_err(_exact_joint(streams, H, D), got) < TOL_FP8
+
+
+def test_qk_descale_cache_follows_the_gains():
+    """The bound descale is computed once per set of gains, and again after an in-place change."""
+    wq, wk = torch.full((64,), 0.5), torch.full((64,), 2.0)
+    a = A8._qk_descale_pair([wq], [wk], 64)
+    assert A8._qk_descale_pair([wq], [wk], 64) is a
+    assert torch.allclose(a, torch.tensor([0.5, 2.0]) * 8 * 1.02 / 448)
+    with torch.no_grad():
+        wq.mul_(4)  # e.g. a LoRA merged into the norm
+    b = A8._qk_descale_pair([wq], [wk], 64)
+    assert b is not a and torch.allclose(b[0], 4 * a[0]) and b[1] == a[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 attention (sm_90+)")
+@pytest.mark.parametrize("engine", ["cudnn", "fa3"])
+def test_gpu_joint_fp8_path_vs_unfused_and_in_a_cuda_graph(engine, monkeypatch):
+    """The fused joint path on an FP8 engine: as accurate as quantising the bf16 Q, K, V after the
+    fact (the `attention()` path), NaN-free, and the same output replayed from a CUDA graph."""
+    eng = A8.load_engine(engine)
+    if eng is None:
+        pytest.skip(f"{engine} FP8 engine unavailable on this GPU box: {A8.engine_error(engine)}")
+    monkeypatch.setenv(A8.ENV_VAR, engine)
+    H, D = 4, 128
+    streams = [tuple(t.cuda() for t in st) for st in _streams(B=1, H=H, D=D, Lt=37, Li=1000, dtype=torch.bfloat16)]
+    exact = _exact_joint(streams, H, D).float()
+    before = A8.CALLS[f"{engine} (joint)"]
+    with torch.no_grad(), use_attention("fp8"):
+        try:
+            got = joint_attention(streams, H, D, None)
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"{engine}: {e}")
+        if A8.CALLS[f"{engine} (joint)"] == before:
+            pytest.skip(f"{engine} did not take the joint shape: {A8._engine_errors.get((engine, 'joint'))}")
+        with use_attention("cudnn"):
+            plain = joint_attention(streams, H, D, None)  # bf16 Q, K, V
+        unfused = A8.run_engine(eng, *_split_plain(streams, H, D))
+        assert torch.isfinite(got).all() and got.dtype == torch.bfloat16
+        err = rel_err(exact, got)
+        assert err < TOL_FP8_GPU and err < 1.2 * rel_err(exact, unfused) + 1e-3, (err, rel_err(exact, unfused))
+        assert rel_err(plain.float(), got.float()) < TOL_FP8_GPU
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            joint_attention(streams, H, D, None)  # warm (descales cached outside the capture)
+            with torch.cuda.graph(g, stream=s):
+                out = joint_attention(streams, H, D, None)
+        torch.cuda.current_stream().wait_stream(s)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, got)
+
+
+def _split_plain(streams, H, D):
+    """The bf16 Q, K, V (B, H, S, D) the plain path hands to `attention()`."""
+    from qwenfast.kernels.qk_norm_rope import qk_norm_rope
+
+    B, S = streams[0][0].shape[0], sum(st[0].shape[1] for st in streams)
+    q, k, v = (torch.empty(B, S, H, D, dtype=streams[0][0].dtype, device=streams[0][0].device).transpose(1, 2)
+               for _ in "qkv")  # fmt: skip
+    off = 0
+    for qkv, wq, wk, cos, sin in streams:
+        qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=off)
+        off += qkv.shape[1]
+    return q, k, v

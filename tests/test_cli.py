@@ -256,3 +256,20 @@ def test_doctor_checks_every_shard_of_an_index(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"{shard}: cannot read safetensors file" in out and "describes" in out
     assert "cannot read safetensors file" in check_safetensors(shard)
+
+
+def test_quality_path_filter_keeps_the_reference_first(monkeypatch):
+    import qwenfast.demo.bench as demo_bench
+
+    seen = {}
+
+    def fake(model, n, device, paths):
+        seen["names"] = [p[0] for p in paths]
+        return [{"path": p[0], "score": 90.0, "gap": 0.0} for p in paths]
+
+    monkeypatch.setattr(demo_bench, "quality_paths", fake)
+    assert main(["bench", "quality", "--paths", "--path", "fp8", "--n", "2"]) == 0
+    assert seen["names"][0] == "reference fp32" and len(seen["names"]) == 2 and "fp8" in seen["names"][1]
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "quality", "--paths", "--path", "no-such-path"])
+    assert "no code path matches" in str(e.value) and "bf16 + kernels" in str(e.value)

@@ -31,7 +31,8 @@ import torch
 
 from . import _on_device, triton_available, use_triton
 
-__all__ = ["quantize_qkv", "quantize_qkv_ref", "dequantize", "FP8", "FP8_MAX", "MIN_DESCALE"]
+__all__ = ["quantize_qkv", "quantize_qkv_ref", "quantize_heads", "quantize_heads_ref", "dequantize", "FP8", "FP8_MAX",
+           "MIN_DESCALE"]  # fmt: skip
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -50,18 +51,20 @@ def _bshd_empty(x: torch.Tensor) -> torch.Tensor:
     return torch.empty(B, S, H, D, dtype=FP8, device=x.device).transpose(1, 2)
 
 
+def quantize_heads_ref(x: torch.Tensor, per_head: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """One (B, H, S, D) tensor in plain torch: e4m3 (B, H, S, D) BSHD-strided, descale fp32 (B, H)."""
+    d = (_amax_ref(x, per_head) / FP8_MAX).clamp_min(MIN_DESCALE)  # (B, H)
+    y = _bshd_empty(x)
+    y.copy_((x.float() / d[:, :, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+    return y, d
+
+
 def quantize_qkv_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_head: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The quantisation in plain torch: (q8, k8, v8) e4m3 (B, H, S, D) BSHD-strided, descales fp32 (3, B, H)."""
-    outs, descales = [], []
-    for x in (q, k, v):
-        d = (_amax_ref(x, per_head) / FP8_MAX).clamp_min(MIN_DESCALE)  # (B, H)
-        y = _bshd_empty(x)
-        y.copy_((x.float() / d[:, :, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8))
-        outs.append(y)
-        descales.append(d)
-    return outs[0], outs[1], outs[2], torch.stack(descales)
+    (q8, dq), (k8, dk), (v8, dv) = (quantize_heads_ref(x, per_head) for x in (q, k, v))
+    return q8, k8, v8, torch.stack([dq, dk, dv])
 
 
 def dequantize(x8: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
@@ -135,32 +138,49 @@ def _supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def quantize_qkv(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_head: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(B, H, S, D) q, k, v -> (q8, k8, v8, descales (3, B, H)) with x ≈ x8 * descale.
+def _descales(n: int, B: int, H: int, device) -> torch.Tensor:
+    """fp32 (n, B*H) descale rows, each padded to 16 bytes: a tensor's descale may be handed on as a
+    (1, 1, 1, 1) scalar pointer (cuDNN's FP8 SDPA wants it aligned)."""
+    return torch.empty(n, -(-B * H // 4) * 4, dtype=torch.float32, device=device)[:, : B * H]
 
-    Two Triton passes on CUDA (amax, then quantise), no host sync; the reference elsewhere (CPU,
-    backend "torch", layouts the kernels do not take). `per_head=False`: one descale per tensor
-    (repeated over (B, H)), what cuDNN's FP8 SDPA takes.
-    """
-    if not (_supported(q, k, v) and use_triton(q, k, v)):
-        return quantize_qkv_ref(q, k, v, per_head)
-    B, H, S, D = q.shape
-    amax = torch.zeros(3, B * H, dtype=torch.float32, device=q.device)
-    # rows padded to 16 bytes: each tensor's descale may be handed on as a (1, 1, 1, 1) scalar pointer
-    desc = torch.empty(3, -(-B * H // 4) * 4, dtype=torch.float32, device=q.device)[:, : B * H]
-    outs = [_bshd_empty(q) for _ in range(3)]
+
+def quantize_heads(
+    x: torch.Tensor, per_head: bool = False, desc: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, S, D) x -> (x8, descale (B, H)) with x ≈ x8 * descale; `desc`: a (B*H,) fp32 row to
+    write the descales into (else a fresh aligned one). Two Triton passes on CUDA (amax, then
+    quantise), no host sync; the reference elsewhere. `per_head=False`: one descale per tensor."""
+    B, H, S, D = x.shape
+    if not (_supported(x, x, x) and use_triton(x)):
+        x8, d = quantize_heads_ref(x, per_head)
+        if desc is None:
+            return x8, d
+        desc.copy_(d.reshape(-1))
+        return x8, desc.view(B, H)
+    desc = _descales(1, B, H, x.device)[0] if desc is None else desc
+    amax = torch.zeros(B * H, dtype=torch.float32, device=x.device)
+    y = _bshd_empty(x)
     block_d = triton.next_power_of_2(D)
     block_s = max(1, min(64, 8192 // block_d))
     grid = (triton.cdiv(S, block_s), B * H)
-    with _on_device(q):
-        for i, x in enumerate((q, k, v)):
-            _amax_kernel[grid](x, amax[i], S, D, H, x.stride(0), x.stride(1), x.stride(2),
-                               BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)  # fmt: skip
-        for i, (x, y) in enumerate(zip((q, k, v), outs)):
-            _quant_kernel[grid](x, y, amax[i], desc[i], S, D, H, B * H,
-                                x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-                                PER_HEAD=per_head, BLOCK_S=block_s, BLOCK_D=block_d,
-                                BLOCK_BH=triton.next_power_of_2(B * H), num_warps=4)  # fmt: skip
+    with _on_device(x):
+        _amax_kernel[grid](x, amax, S, D, H, x.stride(0), x.stride(1), x.stride(2),
+                           BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)  # fmt: skip
+        _quant_kernel[grid](x, y, amax, desc, S, D, H, B * H,
+                            x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
+                            PER_HEAD=per_head, BLOCK_S=block_s, BLOCK_D=block_d,
+                            BLOCK_BH=triton.next_power_of_2(B * H), num_warps=4)  # fmt: skip
+    return y, desc.view(B, H)
+
+
+def quantize_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, per_head: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, H, S, D) q, k, v -> (q8, k8, v8, descales (3, B, H)) with x ≈ x8 * descale: `quantize_heads`
+    of each (`per_head=False`: one descale per tensor, repeated over (B, H), what cuDNN's FP8 SDPA takes)."""
+    if not (_supported(q, k, v) and use_triton(q, k, v)):
+        return quantize_qkv_ref(q, k, v, per_head)
+    B, H = q.shape[:2]
+    desc = _descales(3, B, H, q.device)
+    outs = [quantize_heads(x, per_head, desc[i])[0] for i, x in enumerate((q, k, v))]
     return outs[0], outs[1], outs[2], desc.view(3, B, H)

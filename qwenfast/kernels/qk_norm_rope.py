@@ -23,6 +23,15 @@ Layout: one program per token handles all H heads of Q, K and V ([H, Dh] tiles).
 buffers may be any (B, H, S, Dh) strided views with a contiguous last dim: a contiguous
 (B, H, S, Dh) tensor, or `torch.empty(B, S, H, Dh).transpose(1, 2)` (the layout the model's
 `cat(...).transpose(1, 2)` produced, where each token's write is one contiguous H*Dh run).
+
+FP8 outputs (the 8-bit attention backend): `out_q` / `out_k` may be e4m3 buffers, given their fp32
+descale (a one-element device tensor): the kernel then writes e4m3(clamp(y / descale, ±448)) of the
+value it would have stored, so Q and K never exist in bf16. The descale needs no pass over the data:
+RMSNorm bounds every element of a normalised head vector by sqrt(Dh) (its squares sum to Dh), the
+gain by max|w|, and RoPE rotates pairs (a pair's norm, so each element, keeps that bound), so
+`qk_descale(gains, Dh)` = max|w| * sqrt(Dh) * 1.02 / 448 can never overflow (1.02: the three half
+roundings). e4m3 is a float format, so the fixed scale costs nothing in relative precision for any
+element within 2^15 of the bound (the amax scale would differ only in where that window sits).
 """
 
 from __future__ import annotations
@@ -31,15 +40,32 @@ import torch
 
 from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, triton_available, use_triton
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_groups", "group_row", "qk_norm_rope_ref", "rms_norm_ref", "apply_rope_ref"]
+__all__ = ["qk_norm_rope", "qk_norm_rope_groups", "group_row", "qk_norm_rope_ref", "rms_norm_ref", "apply_rope_ref",
+           "qk_descale"]  # fmt: skip
 
 EPS = 1e-6
+FP8 = torch.float8_e4m3fn
+QK_MARGIN = 1.02  # the bound's slack for the half-precision roundings between the norm and the store
+
+
+def qk_descale(gains: list[torch.Tensor], head_dim: int) -> torch.Tensor:
+    """fp32 (1,) descale for e4m3 Q or K written by this kernel with RMSNorm gains `gains` (a joint
+    buffer's streams): max|w| * sqrt(head_dim) * QK_MARGIN / 448, never below 1e-12. On the gains'
+    device, no host sync (CUDA-graph safe)."""
+    amax = torch.stack([w.detach().abs().amax().float() for w in gains]).amax()
+    return (amax * (head_dim**0.5 * QK_MARGIN / 448.0)).clamp_min(1e-12).reshape(1)
+
+
+def fp8_codes_ref(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x / descale, ±448)) in torch: the codes the kernel stores (x already in its dtype)."""
+    return (x.float() / descale.float().reshape(())).clamp(-448.0, 448.0).to(FP8)
 
 if triton_available():
     import triton
     import triton.language as tl
 
     from .adaln import _cast, _round
+    from .fp8_rows import _codes
 
     @triton.jit
     def _norm_rope(x, w_ptr, ds, dmask, c, s, Dh, eps,
@@ -59,13 +85,14 @@ if triton_available():
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, table_ptr,
+        qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, table_ptr, dq_ptr, dk_ptr,
         L, H, Dh, offset, h0, HQ,
         s_b, s_l, s_cos, s_sin,
         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
         eps,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, YDT: tl.constexpr, W_HALF: tl.constexpr,
         QDT: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr, TABLE: tl.constexpr,
+        Q8: tl.constexpr, K8: tl.constexpr,
     ):  # fmt: skip
         if TABLE:  # head group program_id(1): its q, k, v addresses and first head from a table row
             rt = table_ptr + tl.program_id(1).to(tl.int64) * 4
@@ -90,12 +117,18 @@ if triton_available():
         q = tl.load(src, mask=m2, other=0.0).to(tl.float32)
         q = _norm_rope(q, wq_ptr, ds, dmask, c, s, Dh, eps, BLOCK_H, BLOCK_D, YDT, W_HALF)
         dq = oq_ptr + b * sq_b + hs[:, None] * sq_h + seq * sq_s + ds[None, :]
-        tl.store(dq, _cast(q, QDT), mask=m2)
+        if Q8:  # e4m3 at the bound's descale (no amax pass: see the module docstring)
+            tl.store(dq, _codes(q, tl.load(dq_ptr)), mask=m2)
+        else:
+            tl.store(dq, _cast(q, QDT), mask=m2)
 
         k = tl.load(src + HQ * Dh, mask=m2, other=0.0).to(tl.float32)
         k = _norm_rope(k, wk_ptr, ds, dmask, c, s, Dh, eps, BLOCK_H, BLOCK_D, YDT, W_HALF)
         dk = ok_ptr + b * sk_b + hs[:, None] * sk_h + seq * sk_s + ds[None, :]
-        tl.store(dk, _cast(k, KDT), mask=m2)
+        if K8:
+            tl.store(dk, _codes(k, tl.load(dk_ptr)), mask=m2)
+        else:
+            tl.store(dk, _cast(k, KDT), mask=m2)
 
         v = tl.load(src + 2 * HQ * Dh, mask=m2, other=0.0).to(tl.float32)  # exact
         dv = ov_ptr + b * sv_b + hs[:, None] * sv_h + seq * sv_s + ds[None, :]
@@ -123,22 +156,33 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 def qk_norm_rope_ref(
     qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, offset: int = 0, eps: float = EPS,
-    head0: int = 0,
+    head0: int = 0, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Plain torch: norm_q/norm_k + apply_rope of heads head0.. (as many as out_q has), then copy
-    into out_*[:, :, offset:offset+L]."""
+    into out_*[:, :, offset:offset+L] (e4m3 out_q / out_k: the codes at descale_q / descale_k)."""
     B, L, _ = qkv.shape
     H, Dh = out_q.shape[1], out_q.shape[3]
     HQ = qkv.shape[-1] // (3 * Dh)
     q, k, v = (x[:, :, head0 : head0 + H] for x in qkv.unflatten(-1, (3, HQ, Dh)).unbind(2))  # (B, L, H, Dh)
     q = apply_rope_ref(rms_norm_ref(q, wq, eps), cos, sin)
     k = apply_rope_ref(rms_norm_ref(k, wk, eps), cos, sin)
-    for dst, src in ((out_q, q), (out_k, k), (out_v, v)):
+    for dst, src, d in ((out_q, q, descale_q), (out_k, k, descale_k), (out_v, v, None)):
+        if dst.dtype == FP8:
+            if d is None:
+                raise ValueError("an e4m3 output buffer needs its descale (qk_descale)")
+            src = fp8_codes_ref(src, d)
         dst[:, :, offset : offset + L].copy_(src.transpose(1, 2))
     return out_q, out_k, out_v
 
 
-def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, head0=0) -> bool:
+def _fp8_ok(o: torch.Tensor, d: torch.Tensor | None) -> bool:
+    """An output buffer's dtype the kernel writes: a float type, or e4m3 with its fp32 descale."""
+    if o.dtype != FP8:
+        return o.dtype in FLOAT_DTYPES
+    return d is not None and d.dtype == torch.float32 and d.numel() == 1 and d.device == o.device
+
+
+def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, head0=0, dq=None, dk=None) -> bool:
     if qkv.dim() != 3 or qkv.dtype not in FLOAT_DTYPES or qkv.stride(-1) != 1 or qkv.numel() == 0:
         return False
     B, L, _ = qkv.shape
@@ -150,9 +194,10 @@ def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, head0=0) -> b
         and head0 + H <= qkv.shape[-1] // (3 * Dh) and H * Dh <= 65536 and 0 <= offset
         and all(
             o.shape[0] == B and o.shape[1] == H and o.shape[3] == Dh and o.shape[2] >= offset + L
-            and o.dtype in FLOAT_DTYPES and o.stride(-1) == 1
+            and o.stride(-1) == 1
             for o in (out_q, out_k, out_v)
         )
+        and _fp8_ok(out_q, dq) and _fp8_ok(out_k, dk) and out_v.dtype in FLOAT_DTYPES
         and all(w.shape == (Dh,) and w.stride(0) == 1 for w in (wq, wk))
         and wq.dtype == wk.dtype and wq.dtype in FLOAT_DTYPES
         and all(t.dtype == torch.float32 and t.shape == (L, Dh // 2) and t.stride(-1) == 1 for t in (cos, sin))
@@ -162,7 +207,7 @@ def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, head0=0) -> b
 def qk_norm_rope(
     qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, offset: int = 0, eps: float = EPS,
-    head0: int = 0,
+    head0: int = 0, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """RMSNorm(q; wq), RMSNorm(k; wk), RoPE on both, and q, k, v -> out_*[:, :, offset:offset+L].
 
@@ -172,12 +217,13 @@ def qk_norm_rope(
     wq, wk: (Dh,) RMSNorm gains. cos, sin: (L, Dh/2) fp32 tables of this stream.
     out_q, out_k, out_v: (B, H, S, Dh) buffers (S >= offset + L), last dim contiguous; only
     positions [offset, offset + L) are written. Returns (out_q, out_k, out_v).
+    descale_q / descale_k: fp32 (1,) descales, required where out_q / out_k is e4m3 (`qk_descale`).
     Unsupported layouts/devices run `qk_norm_rope_ref` (same result, no error).
     """
     args = (qkv, wq, wk, cos, sin, out_q, out_k, out_v)
-    if not (_supported(*args, offset, head0) and use_triton(*args)):
-        return qk_norm_rope_ref(*args, offset, eps, head0)
-    _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, eps, head0=head0)
+    if not (_supported(*args, offset, head0, descale_q, descale_k) and use_triton(*args)):
+        return qk_norm_rope_ref(*args, offset, eps, head0, descale_q, descale_k)
+    _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, eps, head0=head0, dq=descale_q, dk=descale_k)
     return out_q, out_k, out_v
 
 
@@ -210,7 +256,7 @@ def qk_norm_rope_groups(
 
 
 def _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset: int, eps: float, head0: int = 0,
-            table: torch.Tensor | None = None, groups: int = 1) -> None:  # fmt: skip
+            table: torch.Tensor | None = None, groups: int = 1, dq=None, dk=None) -> None:  # fmt: skip
     """The kernel over B*L tokens (x `groups` head groups from `table`, else into out_* from head0)."""
     B, L, _ = qkv.shape
     H, Dh = out_q.shape[1], out_q.shape[3]
@@ -221,6 +267,7 @@ def _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset: int, eps: float,
     with _on_device(qkv):
         _qk_norm_rope_kernel[(B * L, groups)](
             qkv, wq, wk, cos, sin, out_q, out_k, out_v, qkv if table is None else table,
+            qkv if dq is None else dq, qkv if dk is None else dk,
             L, H, Dh, offset, head0, qkv.shape[-1] // (3 * Dh),
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
             out_q.stride(0), out_q.stride(1), out_q.stride(2),
@@ -228,6 +275,7 @@ def _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset: int, eps: float,
             out_v.stride(0), out_v.stride(1), out_v.stride(2),
             eps,
             BLOCK_H=block_h, BLOCK_D=block_d, YDT=_tl_dtype(wq.dtype) if w_half else tl.float32, W_HALF=w_half,
-            QDT=_tl_dtype(out_q.dtype), KDT=_tl_dtype(out_k.dtype), VDT=_tl_dtype(out_v.dtype),
-            TABLE=table is not None, num_warps=_num_warps(block_h * block_d),
+            QDT=_tl_dtype(out_q.dtype) or tl.float8e4nv, KDT=_tl_dtype(out_k.dtype) or tl.float8e4nv,
+            VDT=_tl_dtype(out_v.dtype), TABLE=table is not None, Q8=out_q.dtype == FP8, K8=out_k.dtype == FP8,
+            num_warps=_num_warps(block_h * block_d),
         )  # fmt: skip

@@ -144,6 +144,12 @@ def joint_attention(streams: list[JointStream], heads: int, head_dim: int, mask:
         return _wrappers[0].joint(streams, heads, head_dim, mask, _attention)
     from ..kernels.qk_norm_rope import qk_norm_rope
 
+    if attention_backend() == "fp8" and not _wrappers:  # Q, K written in e4m3 by the norm kernel (when an engine runs)
+        from .attention_fp8 import fp8_joint_attention
+
+        out = fp8_joint_attention(streams, heads, head_dim, mask, fallback=_cudnn_bf16)
+        if out is not None:
+            return out
     qkv0 = streams[0][0]
     S = sum(st[0].shape[1] for st in streams)
     q, k, v = (torch.empty(qkv0.shape[0], S, heads, head_dim, dtype=qkv0.dtype, device=qkv0.device).transpose(1, 2)
