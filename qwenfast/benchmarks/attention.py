@@ -318,7 +318,7 @@ README_REF = {"demo-t2i": 92.5, "edit": 88.3}  # fp32 reference scores at n=120 
 
 def quality(out_dir: Path | None, model: str | None, n: int, device: str = "cuda") -> dict:
     """The gate at batch 1: bf16 and FP8 GEMMs with attention "fp8" first (what a timeout must not cut),
-    then the fp32 reference (attention "cudnn", i.e. exact); gaps to the reference."""
+    then the fp32 reference (exact attention); gaps to the reference."""
     from ..demo.bench import PATHS, quality_paths
     from ..runtime.attention import use_attention
     from ..runtime.attention_fp8 import CALLS
@@ -332,10 +332,10 @@ def quality(out_dir: Path | None, model: str | None, n: int, device: str = "cuda
         r["attention"] = "fp8"
         _say("quality_row", model=name, path=repr(r["path"]), attention="fp8", score=r.get("score"),
              skipped=repr(r.get("skipped")))  # fmt: skip
-    with use_attention("cudnn"):
+    with use_attention("auto"):  # exact attention in fp32 (cuDNN has no fp32 kernel: "cudnn" would refuse)
         ref_rows = quality_paths(model, n=n, device=device, batch=1, paths=(PATHS[0],))
     ref = ref_rows[0].get("score")
-    ref_rows[0]["attention"] = "cudnn"
+    ref_rows[0]["attention"] = "auto (exact, fp32)"
     for r in fp8_rows:
         if "score" in r and ref is not None:
             r["gap"] = round(r["score"] - ref, 2)
