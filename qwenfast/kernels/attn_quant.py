@@ -31,8 +31,8 @@ import torch
 
 from . import _on_device, triton_available, use_triton
 
-__all__ = ["quantize_qkv", "quantize_qkv_ref", "quantize_heads", "quantize_heads_ref", "dequantize", "FP8", "FP8_MAX",
-           "MIN_DESCALE"]  # fmt: skip
+__all__ = ["quantize_qkv", "quantize_qkv_ref", "quantize_heads", "quantize_heads_ref", "dequantize", "descale_rows",
+           "FP8", "FP8_MAX", "MIN_DESCALE"]  # fmt: skip
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -138,7 +138,7 @@ def _supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def _descales(n: int, B: int, H: int, device) -> torch.Tensor:
+def descale_rows(n: int, B: int, H: int, device) -> torch.Tensor:
     """fp32 (n, B*H) descale rows, each padded to 16 bytes: a tensor's descale may be handed on as a
     (1, 1, 1, 1) scalar pointer (cuDNN's FP8 SDPA wants it aligned)."""
     return torch.empty(n, -(-B * H // 4) * 4, dtype=torch.float32, device=device)[:, : B * H]
@@ -157,7 +157,7 @@ def quantize_heads(
             return x8, d
         desc.copy_(d.reshape(-1))
         return x8, desc.view(B, H)
-    desc = _descales(1, B, H, x.device)[0] if desc is None else desc
+    desc = descale_rows(1, B, H, x.device)[0] if desc is None else desc
     amax = torch.zeros(B * H, dtype=torch.float32, device=x.device)
     y = _bshd_empty(x)
     block_d = triton.next_power_of_2(D)
@@ -181,6 +181,6 @@ def quantize_qkv(
     if not (_supported(q, k, v) and use_triton(q, k, v)):
         return quantize_qkv_ref(q, k, v, per_head)
     B, H = q.shape[:2]
-    desc = _descales(3, B, H, q.device)
+    desc = descale_rows(3, B, H, q.device)
     outs = [quantize_heads(x, per_head, desc[i])[0] for i, x in enumerate((q, k, v))]
     return outs[0], outs[1], outs[2], desc.view(3, B, H)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..kernels.attn_quant import FP8, _descales, dequantize, quantize_heads, quantize_qkv, quantize_qkv_ref
+from ..kernels.attn_quant import FP8, dequantize, descale_rows, quantize_heads, quantize_qkv, quantize_qkv_ref
 
 ENGINES = ("auto", "cudnn", "fa3")
 ENGINE_ORDER = ("cudnn", "fa3")  # auto: the first that loads and takes the shape
@@ -397,7 +397,7 @@ def fp8_joint_attention(streams: list[tuple], heads: int, head_dim: int, mask: t
     q8, k8 = (torch.empty(B, S, H, D, dtype=FP8, device=dev).transpose(1, 2) for _ in range(2))  # (B, H, S, D)
     v = torch.empty(B, S, H, D, dtype=qkv0.dtype, device=dev).transpose(1, 2)
     dqk = _qk_descale_pair([st[1] for st in streams], [st[2] for st in streams], D)  # (2,)
-    desc = _descales(3, B, H, dev)  # (3, B*H): Q, K (the bounds), V (its amax)
+    desc = descale_rows(3, B, H, dev)  # (3, B*H): Q, K (the bounds), V (its amax)
     desc[:2] = dqk[:, None]
     offset = 0
     for qkv, wq, wk, cos, sin in streams:
