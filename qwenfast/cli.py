@@ -529,6 +529,25 @@ def save_pngs(images: list, output: Path, meta: dict[str, str]) -> list[Path]:
     return paths
 
 
+def _attention_libraries() -> str:
+    """Which optional attention libraries are installed (found, not imported): what `attention="fa3"`
+    and the 8-bit `attention="fp8"` engines can use (README: 8-bit attention)."""
+    import importlib.util
+
+    def found(mod: str) -> bool:
+        try:
+            return importlib.util.find_spec(mod) is not None
+        except (ImportError, ValueError):
+            return False
+
+    fa3 = [m for m in ("flash_attn_interface", "fa3_fwd_interface") if found(m)]
+    parts = [f"FA3 {'(' + ', '.join(fa3) + ')' if fa3 else 'not installed (pip install fa3-fwd)'}",
+             f"cuDNN frontend {'installed' if found('cudnn') else 'not installed'}"]  # fmt: skip
+    engines = (["fa3"] if fa3 else []) + (["cudnn"] if found("cudnn") else [])
+    parts.append(f"8-bit engines: {', '.join(engines) if engines else 'none (attention=fp8 runs cuDNN bf16)'}")
+    return "; ".join(parts)
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     import torch
 
@@ -557,6 +576,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
             print(f"  cuda:{i}     {p.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} free), sm_{p.major}{p.minor}")
     else:
         print("cuda         not available (CPU only)")
+    print(f"attention    {_attention_libraries()}")
     path = Path(a.model) if a.model else DEFAULT_MODEL
     kind, problems = inspect_folder(path)
     if problems:

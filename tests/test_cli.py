@@ -68,6 +68,7 @@ def test_doctor(tmp_path, capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "torch" in out and "complete (text-to-image)" in out
+    assert "attention    FA3" in out and "8-bit engines:" in out
     broken = tmp_path / "m"
     shutil.copytree(DEFAULT_MODEL, broken)
     (broken / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
