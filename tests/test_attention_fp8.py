@@ -311,6 +311,11 @@ def test_qk_descale_cache_follows_the_gains():
         wq.mul_(4)  # e.g. a LoRA merged into the norm
     b = A8._qk_descale_pair([wq], [wk], 64)
     assert b is not a and torch.allclose(b[0], 4 * a[0]) and b[1] == a[1]
+    assert A8._qk_descale_pair([wq], [wk], 64) is b and len(A8._qk_descales[wq]) == 1  # the stale one dropped
+    if CUDA:  # the same parameters on another device: a descale there, the CPU one kept
+        wq.data, wk.data = wq.data.cuda(), wk.data.cuda()
+        c = A8._qk_descale_pair([wq], [wk], 64)
+        assert c.is_cuda and torch.equal(c.cpu(), b) and len(A8._qk_descales[wq]) == 2
 
 
 @pytest.mark.gpu

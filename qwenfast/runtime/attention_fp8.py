@@ -353,13 +353,15 @@ def _qk_descale_pair(q_gains: list[torch.Tensor], k_gains: list[torch.Tensor], h
     def compute() -> torch.Tensor:
         return torch.cat([qk_descale(q_gains, head_dim), qk_descale(k_gains, head_dim)])
 
-    key = tuple((id(w), w._version) for w in q_gains + k_gains) + (head_dim,)
+    # the device too: a block moved (or streamed) to another device keeps its parameter objects
+    key = tuple((id(w), w._version) for w in q_gains + k_gains) + (head_dim, q_gains[0].device)
     if q_gains[0].is_cuda and torch.cuda.is_current_stream_capturing():
         entry = _qk_descales.get(q_gains[0], {}).get(key)
         return entry if entry is not None else compute()
     entries = _qk_descales.setdefault(q_gains[0], {})
     if key not in entries:
-        entries.clear()  # the gains changed: the old value is stale
+        for k in [k for k in entries if k[-1] == key[-1]]:
+            del entries[k]  # the gains changed on this device: the old value is stale
         entries[key] = compute()
     return entries[key]
 
