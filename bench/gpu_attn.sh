@@ -43,7 +43,7 @@ for m in ("cudnn", "fa3_fwd_interface", "flash_attn_interface"):
 PY
 
 say "== 1. micro =="
-timeout 150 python3 -m qwenfast.benchmarks.attention micro --results "$OUT" 2>&1 | grep -v '^{' | tee -a "$LOG"
+timeout 150 python3 -m qwenfast.cli bench attention micro --results "$OUT" 2>&1 | grep -v '^{' | tee -a "$LOG"
 say "ATTN step micro rc=${PIPESTATUS[0]} t=$((SECONDS - T0))s"
 WINNER=$(cat "$OUT/attn_winner.txt" 2>/dev/null || echo none)
 if [ "$WINNER" = "none" ] || [ -z "$WINNER" ]; then
@@ -55,16 +55,16 @@ fi
 say "ATTN engine QWENFAST_FP8_ATTENTION=$QWENFAST_FP8_ATTENTION"
 
 say "== 2. transformer 1024² =="
-timeout 150 python3 -m qwenfast.benchmarks.attention transformer --results "$OUT" 2>&1 | grep -v '^{' | tee -a "$LOG"
+timeout 150 python3 -m qwenfast.cli bench attention transformer --results "$OUT" 2>&1 | grep -v '^{' | tee -a "$LOG"
 say "ATTN step transformer rc=${PIPESTATUS[0]} t=$((SECONDS - T0))s"
 
 say "== 3. quality gate (batch 1) =="
 LEFT=$((390 - (SECONDS - T0)))
 if [ $LEFT -lt 60 ]; then LEFT=60; fi
-timeout $((LEFT * 55 / 100)) python3 -m qwenfast.benchmarks.attention quality --n 120 --results "$OUT" 2>&1 | grep -v '^{' | tee -a "$LOG"
+timeout $((LEFT * 55 / 100)) python3 -m qwenfast.cli bench attention quality --n 120 --results "$OUT" 2>&1 | grep -v '^{' | tee -a "$LOG"
 say "ATTN step quality-t2i rc=${PIPESTATUS[0]} t=$((SECONDS - T0))s"
 LEFT=$((400 - (SECONDS - T0)))
 if [ $LEFT -lt 45 ]; then LEFT=45; fi
-timeout $LEFT python3 -m qwenfast.benchmarks.attention quality --model edit --n 120 --results "$OUT" 2>&1 | grep -v '^{' | tee -a "$LOG"
+timeout $LEFT python3 -m qwenfast.cli bench attention quality --model edit --n 120 --results "$OUT" 2>&1 | grep -v '^{' | tee -a "$LOG"
 say "ATTN step quality-edit rc=${PIPESTATUS[0]} t=$((SECONDS - T0))s"
 say "done in $((SECONDS - T0))s"

@@ -7,7 +7,7 @@ set -uo pipefail
 source bench/gpu_env.sh
 export QWENFAST_FP8_ATTENTION=fa3
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_attention_fp8.py tests/test_kernels.py -k "not interpreter and (qk_norm_rope or fp8 or joint)" 2>&1 | tail -4 | tee -a "$LOG"
-timeout 150 python3 -m qwenfast.benchmarks.attention transformer --results "$OUT" 2>&1 | grep -v '^{' | grep -v Warn | tail -8 | tee -a "$LOG"
-timeout 120 python3 -m qwenfast.benchmarks.attention quality --n 120 --results "$OUT" 2>&1 | grep "ATTN quality\b\|ATTN quality_summary\|fp8_calls" | tee -a "$LOG"
-timeout 150 python3 -m qwenfast.benchmarks.attention quality --model edit --n 120 --results "$OUT" 2>&1 | grep "ATTN quality\b\|ATTN quality_summary\|fp8_calls" | tee -a "$LOG"
+timeout 150 python3 -m qwenfast.cli bench attention transformer --results "$OUT" 2>&1 | grep -v '^{' | grep -v Warn | tail -8 | tee -a "$LOG"
+timeout 120 python3 -m qwenfast.cli bench attention quality --n 120 --results "$OUT" 2>&1 | grep "ATTN quality\b\|ATTN quality_summary\|fp8_calls" | tee -a "$LOG"
+timeout 150 python3 -m qwenfast.cli bench attention quality --model edit --n 120 --results "$OUT" 2>&1 | grep "ATTN quality\b\|ATTN quality_summary\|fp8_calls" | tee -a "$LOG"
 echo done | tee -a "$LOG"

@@ -5,6 +5,6 @@ set -uo pipefail
 source bench/gpu_env.sh
 export QWENFAST_FP8_ATTENTION=fa3
 timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_attention_fp8.py -k "gpu" --tb=long 2>&1 | grep -v "^SKIPPED" | tail -40 | tee -a "$LOG"
-timeout 200 python3 -m qwenfast.benchmarks.attention quality --n 120 --results "$OUT" 2>&1 | grep "^ATTN quality \|quality_summary\|Error" | tee -a "$LOG"
-timeout 200 python3 -m qwenfast.benchmarks.attention quality --model edit --n 120 --results "$OUT" 2>&1 | grep "^ATTN quality \|quality_summary\|Error" | tee -a "$LOG"
+timeout 200 python3 -m qwenfast.cli bench attention quality --n 120 --results "$OUT" 2>&1 | grep "^ATTN quality \|quality_summary\|Error" | tee -a "$LOG"
+timeout 200 python3 -m qwenfast.cli bench attention quality --model edit --n 120 --results "$OUT" 2>&1 | grep "^ATTN quality \|quality_summary\|Error" | tee -a "$LOG"
 echo done | tee -a "$LOG"

@@ -144,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_fp8_arguments(bsub.add_parser(
         "fp8", help="FP8 from files (load peak), LoRA on an FP8 base (switch, quality), FP8 under a memory budget"))  # fmt: skip
 
+    from .benchmarks.attention import add_arguments as add_bench_attention_arguments
+
+    add_bench_attention_arguments(bsub.add_parser(
+        "attention", help="8-bit attention: FP8 engines per layer, in the FP8 forward, and the quality gate"))  # fmt: skip
+
     add_bench_parallel_arguments(bsub.add_parser(
         "parallel", help="one image over several GPUs (ulysses, cfg) vs one GPU, and diffusers' own Ulysses"))  # fmt: skip
 
@@ -624,6 +629,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .benchmarks.fp8 import run_from_args as run_fp8
 
         return run_fp8(a)
+    if a.what == "attention":
+        from .benchmarks.attention import run_from_args as run_attention
+
+        return run_attention(a)
     if a.what == "parallel" and torch.cuda.is_available():
         from .benchmarks.parallel import run_from_args as run_parallel
 

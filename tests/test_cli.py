@@ -274,3 +274,16 @@ def test_quality_path_filter_keeps_the_reference_first(monkeypatch):
     with pytest.raises(SystemExit) as e:
         main(["bench", "quality", "--paths", "--path", "no-such-path"])
     assert "no code path matches" in str(e.value) and "bf16 + kernels" in str(e.value)
+
+
+def test_bench_attention_quality_dry_run_on_cpu(capsys):
+    """`qwenfast bench attention quality --device cpu`: the gate's code path with 8-bit attention (the
+    CPU runs the joint path's torch engine), scored against the fp32 reference."""
+    import torch
+
+    assert main(["bench", "attention", "quality", "--n", "1", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "quality_summary model=demo-t2i" in out and "attention=fp8" in out
+    if not torch.cuda.is_available():
+        assert main(["bench", "attention", "micro"]) == 1
+        assert "needs a CUDA GPU" in capsys.readouterr().out

@@ -352,23 +352,33 @@ def quality(out_dir: Path | None, model: str | None, n: int, device: str = "cuda
     return rec
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwenfast.benchmarks.attention", description=__doc__.split("\n")[0])
-    p.add_argument("what", choices=["micro", "transformer", "quality"])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`qwenfast bench attention ...` and `python -m qwenfast.benchmarks.attention ...` take the same."""
+    p.add_argument("part", choices=["micro", "transformer", "quality"],
+                   help="micro: kernels per layer; transformer: the 60-layer FP8 forward, cudnn vs fp8; "
+                        "quality: the demo gate with fp8 attention")  # fmt: skip
     p.add_argument("--results", default=None, metavar="DIR", help="append JSON lines to DIR/attention.jsonl")
     p.add_argument("--model", default=None, help="quality: demo model (default text-to-image; 'edit')")
     p.add_argument("--n", type=int, default=120, help="quality: suite items")
     p.add_argument("--device", default="cuda", help="quality: device (cpu: a dry run of the code path)")
-    a = p.parse_args(argv)
+
+
+def run_from_args(a: argparse.Namespace) -> int:
     out = Path(a.results) if a.results else None
-    if a.what == "quality":
+    if a.part == "quality":
         quality(out, a.model, a.n, a.device)
         return 0
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
-    micro(out) if a.what == "micro" else transformer(out)
+    micro(out) if a.part == "micro" else transformer(out)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qwenfast.benchmarks.attention", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run_from_args(p.parse_args(argv))
 
 
 if __name__ == "__main__":
