@@ -361,13 +361,6 @@ def test_gpu_joint_fp8_path_vs_unfused_and_in_a_cuda_graph(engine, monkeypatch):
 
 def _split_plain(streams, H, D):
     """The bf16 Q, K, V (B, H, S, D) the plain path hands to `attention()`."""
-    from qwenfast.kernels.qk_norm_rope import qk_norm_rope
+    from qwenfast.runtime.attention import joint_qkv
 
-    B, S = streams[0][0].shape[0], sum(st[0].shape[1] for st in streams)
-    q, k, v = (torch.empty(B, S, H, D, dtype=streams[0][0].dtype, device=streams[0][0].device).transpose(1, 2)
-               for _ in "qkv")  # fmt: skip
-    off = 0
-    for qkv, wq, wk, cos, sin in streams:
-        qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=off)
-        off += qkv.shape[1]
-    return q, k, v
+    return joint_qkv(streams, H, D)

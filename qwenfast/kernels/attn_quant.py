@@ -32,12 +32,11 @@ from __future__ import annotations
 import torch
 
 from . import _on_device, triton_available, use_triton
+from .fp8_rows import FP8, FP8_MAX, codes_ref
 
 __all__ = ["quantize_qkv", "quantize_qkv_ref", "quantize_heads", "quantize_heads_ref", "dequantize", "descale_rows",
            "FP8", "FP8_MAX", "MIN_DESCALE"]  # fmt: skip
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
 MIN_DESCALE = 1e-12  # an all-zero tensor: a tiny descale, never a division by zero
 
 
@@ -57,7 +56,7 @@ def quantize_heads_ref(x: torch.Tensor, per_head: bool = False) -> tuple[torch.T
     """One (B, H, S, D) tensor in plain torch: e4m3 (B, H, S, D) BSHD-strided, descale fp32 (B, H)."""
     d = (_amax_ref(x, per_head) / FP8_MAX).clamp_min(MIN_DESCALE)  # (B, H)
     y = _bshd_empty(x)
-    y.copy_((x.float() / d[:, :, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+    y.copy_(codes_ref(x, d[:, :, None, None]))
     return y, d
 
 

@@ -131,11 +131,17 @@ class QuantizedRows(NamedTuple):
         return n
 
 
+def codes_ref(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3(clamp(x / scale, ±448)) in fp32 arithmetic, `scale` broadcast against x: the codes of
+    values at a scale, the torch side of `_codes` (every quantising reference uses it)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (e4m3 (M, K), fp32 scale (M, 1)) with x ≈ q * scale, per row."""
     xf = x.float()
     scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return codes_ref(xf, scale), scale
 
 
 def quantize_rows_ref_padded(x: torch.Tensor, keep: bool = False) -> QuantizedRows:

@@ -39,12 +39,12 @@ from __future__ import annotations
 import torch
 
 from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, triton_available, use_triton
+from .fp8_rows import FP8, codes_ref
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_groups", "group_row", "qk_norm_rope_ref", "rms_norm_ref", "apply_rope_ref",
            "qk_descale"]  # fmt: skip
 
 EPS = 1e-6
-FP8 = torch.float8_e4m3fn
 QK_MARGIN = 1.02  # the bound's slack for the half-precision roundings between the norm and the store
 
 
@@ -55,10 +55,6 @@ def qk_descale(gains: list[torch.Tensor], head_dim: int) -> torch.Tensor:
     amax = torch.stack([w.detach().abs().amax().float() for w in gains]).amax()
     return (amax * (head_dim**0.5 * QK_MARGIN / 448.0)).clamp_min(1e-12).reshape(1)
 
-
-def fp8_codes_ref(x: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    """e4m3(clamp(x / descale, ±448)) in torch: the codes the kernel stores (x already in its dtype)."""
-    return (x.float() / descale.float().reshape(())).clamp(-448.0, 448.0).to(FP8)
 
 if triton_available():
     import triton
@@ -170,7 +166,7 @@ def qk_norm_rope_ref(
         if dst.dtype == FP8:
             if d is None:
                 raise ValueError("an e4m3 output buffer needs its descale (qk_descale)")
-            src = fp8_codes_ref(src, d)
+            src = codes_ref(src, d.float().reshape(()))  # the codes the kernel stores
         dst[:, :, offset : offset + L].copy_(src.transpose(1, 2))
     return out_q, out_k, out_v
 

@@ -271,6 +271,12 @@ def engine_error(name: str) -> str | None:
     return _engine_errors.get(name)
 
 
+def engine_names() -> tuple[str, ...]:
+    """The engines to try, in order: `ENGINE_ORDER` for auto, else the one chosen."""
+    choice = engine_choice()
+    return ENGINE_ORDER if choice == "auto" else (choice,)
+
+
 def engine_choice() -> str:
     name = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if name not in ENGINES:
@@ -314,8 +320,8 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         CALLS["bf16 fallback: " + why] += 1
         _warn_once(why, f"attention='fp8': {why}; running cuDNN bf16 attention for these calls")
         return fallback(q, k, v, mask)
-    choice = engine_choice()
-    for name in ENGINE_ORDER if choice == "auto" else (choice,):
+    names = engine_names()
+    for name in names:
         eng = load_engine(name)
         if eng is None:
             continue
@@ -332,7 +338,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
             _engine_errors[key] = f"{type(e).__name__}: {e}"
             _warn_once(str(key), f"attention='fp8': the {name} FP8 engine failed on {tuple(q.shape)}: {e}")
     reasons = "; ".join(f"{n}: {engine_error(n) or 'failed on this shape'}"
-                        for n in (ENGINE_ORDER if choice == "auto" else (choice,)))  # fmt: skip
+                        for n in names)  # fmt: skip
     CALLS["bf16 fallback: no engine"] += 1
     _warn_once("none:" + reasons, f"attention='fp8': no FP8 attention engine ({reasons}); running cuDNN bf16 attention")
     return fallback(q, k, v, mask)
@@ -374,8 +380,7 @@ def joint_engine(x: torch.Tensor, head_dim: int, mask: torch.Tensor | None):
         return REFERENCE
     if _why_not_meta(x.dtype, x.device, head_dim, mask) is not None:
         return None
-    choice = engine_choice()
-    for name in ENGINE_ORDER if choice == "auto" else (choice,):
+    for name in engine_names():
         eng = load_engine(name)
         if eng is not None and (name, "joint") not in _engine_errors:
             return eng
@@ -388,23 +393,18 @@ def fp8_joint_attention(streams: list[tuple], heads: int, head_dim: int, mask: t
     their bound descales, V in the model's dtype then `quantize_heads`, one FP8 engine call -> (B, H,
     S, D). None where no engine takes it (the caller then runs the plain path). An engine that fails
     is not asked again; this call then runs `fallback` (cuDNN bf16) on the dequantised Q, K."""
-    from ..kernels.qk_norm_rope import qk_norm_rope
+    from .attention import joint_qkv
 
     qkv0 = streams[0][0]
     eng = joint_engine(qkv0, head_dim, mask)
     if eng is None:
         return None
-    B, H, D, dev = qkv0.shape[0], heads, head_dim, qkv0.device
-    S = sum(st[0].shape[1] for st in streams)
-    q8, k8 = (torch.empty(B, S, H, D, dtype=FP8, device=dev).transpose(1, 2) for _ in range(2))  # (B, H, S, D)
-    v = torch.empty(B, S, H, D, dtype=qkv0.dtype, device=dev).transpose(1, 2)
+    B, H, D = qkv0.shape[0], heads, head_dim
     dqk = _qk_descale_pair([st[1] for st in streams], [st[2] for st in streams], D)  # (2,)
-    desc = descale_rows(3, B, H, dev)  # (3, B*H): Q, K (the bounds), V (its amax)
+    q8, k8, v = joint_qkv(streams, H, D, qk_dtype=FP8, descale_qk=dqk)  # (B, H, S, D); v in the model's dtype
+    S = q8.shape[2]
+    desc = descale_rows(3, B, H, qkv0.device)  # (3, B*H): Q, K (the bounds), V (its amax)
     desc[:2] = dqk[:, None]
-    offset = 0
-    for qkv, wq, wk, cos, sin in streams:
-        qk_norm_rope(qkv, wq, wk, cos, sin, q8, k8, v, offset=offset, descale_q=dqk[0:1], descale_k=dqk[1:2])
-        offset += qkv.shape[1]
     v8, _ = quantize_heads(v, eng.per_head, desc[2])
     desc = desc.view(3, B, H)
     if eng is REFERENCE:
