@@ -361,6 +361,6 @@ def test_gpu_joint_fp8_path_vs_unfused_and_in_a_cuda_graph(engine, monkeypatch):
 
 def _split_plain(streams, H, D):
     """The bf16 Q, K, V (B, H, S, D) the plain path hands to `attention()`."""
-    from qwenfast.runtime.attention import joint_qkv
+    from qwenfast.kernels.qk_norm_rope import joint_qkv
 
     return joint_qkv(streams, H, D)

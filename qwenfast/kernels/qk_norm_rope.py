@@ -42,7 +42,7 @@ from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, triton_available,
 from .fp8_rows import FP8, codes_ref
 
 __all__ = ["qk_norm_rope", "qk_norm_rope_groups", "group_row", "qk_norm_rope_ref", "rms_norm_ref", "apply_rope_ref",
-           "qk_descale"]  # fmt: skip
+           "qk_descale", "joint_qkv"]  # fmt: skip
 
 EPS = 1e-6
 QK_MARGIN = 1.02  # the bound's slack for the half-precision roundings between the norm and the store
@@ -221,6 +221,25 @@ def qk_norm_rope(
         return qk_norm_rope_ref(*args, offset, eps, head0, descale_q, descale_k)
     _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, eps, head0=head0, dq=descale_q, dk=descale_k)
     return out_q, out_k, out_v
+
+
+def joint_qkv(streams: list[tuple], heads: int, head_dim: int, qk_dtype: torch.dtype | None = None,
+              descale_qk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The joint Q, K, V (B, H, S, D), views of fresh (B, S, H, D) buffers, each stream written at its
+    offset by `qk_norm_rope`; streams: (qkv, q gain, k gain, cos, sin) each, in sequence order, as
+    `runtime.attention.joint_attention` takes them. qk_dtype: Q's and K's (default the projections'
+    dtype; e4m3 with `descale_qk`, fp32 (2,) = their descales); V keeps the projections' dtype."""
+    qkv0 = streams[0][0]
+    B, S, dev = qkv0.shape[0], sum(st[0].shape[1] for st in streams), qkv0.device
+    q, k = (torch.empty(B, S, heads, head_dim, dtype=qk_dtype or qkv0.dtype, device=dev).transpose(1, 2)
+            for _ in range(2))  # fmt: skip
+    v = torch.empty(B, S, heads, head_dim, dtype=qkv0.dtype, device=dev).transpose(1, 2)
+    dq, dk = (None, None) if descale_qk is None else (descale_qk[0:1], descale_qk[1:2])
+    offset = 0
+    for qkv, wq, wk, cos, sin in streams:
+        qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
+        offset += qkv.shape[1]
+    return q, k, v
 
 
 def group_row(out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, head0: int) -> list[int]:

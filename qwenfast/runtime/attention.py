@@ -148,27 +148,9 @@ def joint_attention(streams: list[JointStream], heads: int, head_dim: int, mask:
         out = fp8_joint_attention(streams, heads, head_dim, mask, fallback=_cudnn_bf16)
         if out is not None:
             return out
+    from ..kernels.qk_norm_rope import joint_qkv
+
     return attention(*joint_qkv(streams, heads, head_dim), mask)
-
-
-def joint_qkv(streams: list[JointStream], heads: int, head_dim: int, qk_dtype: torch.dtype | None = None,
-              descale_qk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The joint Q, K, V (B, H, S, D), views of fresh (B, S, H, D) buffers, each stream written at its
-    offset by `qk_norm_rope`. qk_dtype: Q's and K's (default the projections' dtype; e4m3 with
-    `descale_qk`, fp32 (2,) = their descales); V keeps the projections' dtype."""
-    from ..kernels.qk_norm_rope import qk_norm_rope
-
-    qkv0 = streams[0][0]
-    B, S, dev = qkv0.shape[0], sum(st[0].shape[1] for st in streams), qkv0.device
-    q, k = (torch.empty(B, S, heads, head_dim, dtype=qk_dtype or qkv0.dtype, device=dev).transpose(1, 2)
-            for _ in range(2))  # fmt: skip
-    v = torch.empty(B, S, heads, head_dim, dtype=qkv0.dtype, device=dev).transpose(1, 2)
-    dq, dk = (None, None) if descale_qk is None else (descale_qk[0:1], descale_qk[1:2])
-    offset = 0
-    for qkv, wq, wk, cos, sin in streams:
-        qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
-        offset += qkv.shape[1]
-    return q, k, v
 
 
 def _bind(wrapper, inner: AttentionFn) -> AttentionFn:

@@ -393,7 +393,7 @@ def fp8_joint_attention(streams: list[tuple], heads: int, head_dim: int, mask: t
     their bound descales, V in the model's dtype then `quantize_heads`, one FP8 engine call -> (B, H,
     S, D). None where no engine takes it (the caller then runs the plain path). An engine that fails
     is not asked again; this call then runs `fallback` (cuDNN bf16) on the dequantised Q, K."""
-    from .attention import joint_qkv
+    from ..kernels.qk_norm_rope import joint_qkv
 
     qkv0 = streams[0][0]
     eng = joint_engine(qkv0, head_dim, mask)
