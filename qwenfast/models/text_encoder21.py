@@ -149,7 +149,9 @@ class TextEncoder21:
         hook = self._lm.norm.register_forward_hook(lambda module, args, output: args[0])  # skip the final norm
         try:
             with self.resident():
-                out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, **kwargs)
+                # logits of one position only: the LM head over every token (151k x 4096) is never read
+                out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1,
+                                 **kwargs)  # fmt: skip
         finally:
             hook.remove()
         hidden = out.hidden_states[-1]  # (B, T, D), before the final norm

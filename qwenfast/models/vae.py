@@ -130,18 +130,33 @@ class Resample(nn.Module):
         """Upsamplers: four 2x2 convs on the low-res input (`qwenfast.kernels.upsample_conv`), no 4x tensor."""
         if not self.mode.startswith("upsample"):
             return self.resample(x)
-        conv = self.resample[1]
-        w = conv.weight
-        # inference tensors (weights loaded under torch.inference_mode, as ComfyUI runs nodes) have no
-        # version counter; they cannot be changed in place outside inference mode anyway
-        key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, w.device)
-        cached = self.__dict__.get("_subpixel")
-        if cached is None or cached[0] != key:  # built once after loading (weights never change after)
-            w4 = subpixel_weights(w.detach())
-            if x.is_contiguous(memory_format=torch.channels_last) and x.is_cuda:
-                w4 = w4.to(memory_format=torch.channels_last)
-            cached = self.__dict__["_subpixel"] = (key, w4)
-        return upsample_conv(x, cached[1], conv.bias)
+        return subpixel_upsample(self, self.resample[1], x)
+
+
+def subpixel_upsample(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """`conv(nearest2x(x))` for a 3x3 `conv` with padding 1, as `upsample_conv` on x, with the
+    sub-pixel weights cached on `owner` (built once after loading; rebuilt if the weight changes)."""
+    w = conv.weight
+    # inference tensors (weights loaded under torch.inference_mode, as ComfyUI runs nodes) have no
+    # version counter; they cannot be changed in place outside inference mode anyway
+    key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, w.device)
+    cached = owner.__dict__.get("_subpixel")
+    if cached is None or cached[0] != key:
+        w4 = subpixel_weights(w.detach())
+        if x.is_contiguous(memory_format=torch.channels_last) and x.is_cuda:
+            w4 = w4.to(memory_format=torch.channels_last)
+        cached = owner.__dict__["_subpixel"] = (key, w4)
+    return upsample_conv(x, cached[1], conv.bias)
+
+
+def channels_last_input(model: nn.Module, t: torch.Tensor) -> torch.Tensor:
+    """The fast VAE paths on CUDA: channels-last weights (converted once) and input."""
+    if not (model.fast and t.is_cuda):
+        return t
+    if not getattr(model, "_channels_last", False):
+        model.to(memory_format=torch.channels_last)
+        model._channels_last = True
+    return t.contiguous(memory_format=torch.channels_last)
 
 
 class MidBlock(nn.Module):
@@ -322,13 +337,7 @@ class QwenImageVAE(nn.Module):
 
     # ------------------------------------------------------------ fast path and tiling
     def _prepare(self, t: torch.Tensor) -> torch.Tensor:
-        """Fast path on CUDA: channels-last weights (once) and input."""
-        if not (self.fast and t.is_cuda):
-            return t
-        if not getattr(self, "_channels_last", False):
-            self.to(memory_format=torch.channels_last)
-            self._channels_last = True
-        return t.contiguous(memory_format=torch.channels_last)
+        return channels_last_input(self, t)
 
     def _encode_tile(self, x: torch.Tensor) -> torch.Tensor:  # (B, 3, H, W) -> (B, 2z, H/8, W/8), contiguous
         x = self._prepare(x)

@@ -18,6 +18,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from .vae import MidBlock, channels_last_input, subpixel_upsample
+from .vae import ResidualBlock as ResBlock
+from .vae import RMSNorm as RMSNorm2d
 
 
 @dataclass(frozen=True)
@@ -64,61 +67,6 @@ class VAE21Config:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
 
 
-class RMSNorm2d(nn.Module):
-    """Channel RMS norm (F.normalize over C, fp32 for half inputs) * sqrt(C) * gamma."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.scale = dim**0.5
-        self.gamma = nn.Parameter(torch.ones(dim, 1, 1))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xn = F.normalize(x.float() if x.dtype in (torch.float16, torch.bfloat16) else x, dim=1).to(x.dtype)
-        return xn * self.scale * self.gamma
-
-
-class ResBlock(nn.Module):
-    def __init__(self, cin: int, cout: int):
-        super().__init__()
-        self.norm1 = RMSNorm2d(cin)
-        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
-        self.norm2 = RMSNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
-        self.conv_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv_shortcut(x)
-        x = self.conv1(F.silu(self.norm1(x)))
-        return self.conv2(F.silu(self.norm2(x))) + h
-
-
-class AttnBlock(nn.Module):
-    """Single-head self-attention over all pixels (the mid blocks)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.norm = RMSNorm2d(dim)
-        self.to_qkv = nn.Conv2d(dim, 3 * dim, 1)
-        self.proj = nn.Conv2d(dim, dim, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, C, H, W = x.shape
-        qkv = self.to_qkv(self.norm(x)).reshape(B, 1, 3 * C, H * W).permute(0, 1, 3, 2).contiguous()
-        q, k, v = qkv.chunk(3, dim=-1)  # (B, 1, HW, C)
-        o = F.scaled_dot_product_attention(q, k, v).squeeze(1).permute(0, 2, 1).reshape(B, C, H, W)
-        return self.proj(o) + x
-
-
-class MidBlock(nn.Module):
-    def __init__(self, dim: int):
-        super().__init__()
-        self.resnets = nn.ModuleList([ResBlock(dim, dim), ResBlock(dim, dim)])
-        self.attentions = nn.ModuleList([AttnBlock(dim)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
-
-
 def avg_down(x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
     """diffusers' AvgDown3D on one frame: (ft - 1) zero frames in front, then the channel-group mean."""
     x = F.pad(x.unsqueeze(2), (0, 0, 0, 0, ft - 1, 0))  # (B, C, ft, H, W)
@@ -127,12 +75,41 @@ def avg_down(x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
     return x.view(B, cout, C * ft * fs * fs // cout, 1, H // fs, W // fs).mean(dim=2).squeeze(2)
 
 
+def avg_down_fast(x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
+    """`avg_down` in any memory format: pixel_unshuffle puts each (fs x fs) cell's values in the
+    channel order (c, i, j) the reference flattens; a zero frame joins each channel's run for ft = 2.
+    The same values averaged in the same order. (B, C, H, W) -> (B, cout, H/fs, W/fs)."""
+    y = F.pixel_unshuffle(x, fs) if fs > 1 else x  # (B, C fs fs, h, w)
+    if ft > 1:
+        y5 = y.unflatten(1, (x.shape[1], fs * fs))  # (B, C, fs fs, h, w)
+        B, C, s, h, w = y5.shape
+        y = torch.cat([y5.new_zeros(()).expand(B, C, (ft - 1) * s, h, w), y5], 2).flatten(1, 2)
+    return y.unflatten(1, (cout, y.shape[1] // cout)).mean(dim=2)
+
+
 def dup_up(x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
     """diffusers' DupUp3D on the first chunk: channel duplication to space (and time), last frame kept."""
     B, C, H, W = x.shape
     x = x.repeat_interleave(cout * ft * fs * fs // C, dim=1).view(B, cout, ft, fs, fs, 1, H, W)
     x = x.permute(0, 1, 5, 2, 6, 3, 7, 4).contiguous().view(B, cout, ft, H * fs, W * fs)
     return x[:, :, ft - 1]
+
+
+def _dup_index(C: int, cout: int, ft: int, fs: int) -> torch.Tensor:
+    """Source channel of output channel c, phase (i, j) of `dup_up`, in pixel_shuffle's order c fs fs + i fs + j."""
+    s = fs * fs
+    rep = cout * ft * s // C
+    flat = (torch.arange(cout)[:, None] * ft + ft - 1) * s + torch.arange(s)[None]  # (cout, s), last frame
+    return (flat // rep).flatten()
+
+
+def dup_up_fast(owner: nn.Module, x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
+    """`dup_up` as one channel gather + pixel_shuffle (no ft-times tensor); the index cached on `owner`."""
+    key = (x.shape[1], cout, ft, fs, x.device)
+    cached = owner.__dict__.get("_dup_index")
+    if cached is None or cached[0] != key:
+        cached = owner.__dict__["_dup_index"] = (key, _dup_index(*key[:4]).to(x.device))
+    return F.pixel_shuffle(x.index_select(1, cached[1]), fs)
 
 
 class Resample(nn.Module):
@@ -153,6 +130,10 @@ class Resample(nn.Module):
             x = F.pad(x, (0, 1, 0, 1))
         return self.resample[1](x)
 
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        """Upsamplers as sub-pixel convs on the low-res input (nearest-exact 2x = nearest 2x)."""
+        return subpixel_upsample(self, self.resample[1], x) if self.mode == "up" else self(x)
+
 
 class DownBlock(nn.Module):
     def __init__(self, cin: int, cout: int, n: int, temporal: bool, down: bool):
@@ -169,6 +150,14 @@ class DownBlock(nn.Module):
             x = self.downsampler(x)
         return x + shortcut
 
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = avg_down_fast(x, self.cout, self.ft, self.fs)
+        for r in self.resnets:
+            x = r.forward_fast(x)
+        if self.downsampler is not None:
+            x = self.downsampler.forward_fast(x)
+        return x.add_(shortcut)  # a fresh conv output: add in place
+
 
 class UpBlock(nn.Module):
     def __init__(self, cin: int, cout: int, n: int, temporal: bool, up: bool):
@@ -184,6 +173,14 @@ class UpBlock(nn.Module):
         if self.upsampler is not None:
             x = self.upsampler(x)
         return x if shortcut is None else x + shortcut
+
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = dup_up_fast(self, x, self.cout, self.ft, 2) if self.up else None
+        for r in self.resnets:
+            x = r.forward_fast(x)
+        if self.upsampler is not None:
+            x = self.upsampler.forward_fast(x)
+        return x if shortcut is None else x.add_(shortcut)
 
 
 class Encoder(nn.Module):
@@ -205,6 +202,12 @@ class Encoder(nn.Module):
         for b in self.down_blocks:
             x = b(x)
         return self.conv_out(F.silu(self.norm_out(self.mid_block(x))))
+
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.conv_in(x)
+        for b in self.down_blocks:
+            x = b.forward_fast(x)
+        return self.conv_out(self.norm_out.forward_fast(self.mid_block.forward_fast(x), silu=True))
 
 
 class Decoder(nn.Module):
@@ -229,9 +232,22 @@ class Decoder(nn.Module):
             x = b(x)
         return self.conv_out(F.silu(self.norm_out(x)))
 
+    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.mid_block.forward_fast(self.conv_in(x))
+        for b in self.up_blocks:
+            x = b.forward_fast(x)
+        return self.conv_out(self.norm_out.forward_fast(x, silu=True))
+
 
 class QwenImage21VAE(nn.Module):
-    """encode: (B, 4, H, W) in [-1, 1] -> posterior mean (B, z, H/16, W/16); decode: the inverse, clamped."""
+    """encode: (B, 4, H, W) in [-1, 1] -> posterior mean (B, z, H/16, W/16); decode: the inverse, clamped.
+
+    `fast` (default True), as for Qwen-Image's VAE (`models/vae.py`, whose resnet, norm and mid
+    blocks this one shares): fused RMSNorm+SiLU kernels, sub-pixel upsampling convs, the block
+    shortcuts as pixel (un)shuffles, and on CUDA channels-last activations and weights. False = the
+    reference modules, op for op as diffusers."""
+
+    fast: bool = True
 
     def __init__(self, cfg: VAE21Config):
         super().__init__()
@@ -244,11 +260,15 @@ class QwenImage21VAE(nn.Module):
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, logvar) of the posterior, (B, z, h, w) each."""
-        mean, logvar = self.quant_conv(self.encoder(x)).chunk(2, dim=1)
+        x = channels_last_input(self, x)
+        h = self.encoder.forward_fast(x) if self.fast else self.encoder(x)
+        mean, logvar = self.quant_conv(h).contiguous().chunk(2, dim=1)
         return mean, logvar
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.post_quant_conv(z)).clamp(-1.0, 1.0)
+        z = channels_last_input(self, self.post_quant_conv(z))
+        x = self.decoder.forward_fast(z) if self.fast else self.decoder(z)
+        return x.contiguous().clamp(-1.0, 1.0)
 
 
 def convert_vae21_key(key: str, t: torch.Tensor):
