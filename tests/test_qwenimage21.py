@@ -214,3 +214,52 @@ def test_cli_generate_and_edit(pipes, tmp_path):
                  "-o", str(out2), "--steps", "1", "--quiet"]) == 0  # fmt: skip
     with Image.open(out2) as im:
         assert im.mode == "RGBA" and im.size[0] > im.size[1]  # follows the (landscape) input
+
+
+@torch.no_grad()
+def test_text_encoder_graph_path_equals_the_left_padded_call(pipes, monkeypatch):
+    """The CUDA-graph path of 2.1's prompt encode (ids right-padded to a bucket, no mask, the final
+    norm's input read through a hook) gives the states of diffusers' left-padded masked call; run
+    eagerly on CPU (the graph replays the same kernels). Prompts of different lengths: padding."""
+    from qwenfast.runtime.cuda_graphs import TextEncoderGraphs
+
+    _, qf, _ = pipes
+    te = qf.text_encoder
+    prompts = ["a red fox", "a large blue star at the top left of a green field, soft light", " "]
+    want = te.encode(prompts)
+    runner = TextEncoderGraphs(te._lm, te.tokenizer.pad_token_id, bucket=16, pre_norm=True)
+    monkeypatch.setattr(te, "_graph_runner", lambda: runner)
+    got = te.encode(prompts)
+    assert want[1] is not None and torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+    m = want[1].bool()
+    assert torch.allclose(got[0][m], want[0][m], atol=1e-5, rtol=1e-5)
+    other = te.encode(["a red fox", prompts[1].replace("blue", "pink"), " "])[0]
+    assert (other[1] - got[0][1]).abs().max() > 1e-3  # one word moves the states far beyond the tolerance
+    # the hook is gone after the call: the plain language model output is normed again
+    ids = te.tokenizer(["a red fox"], return_tensors="pt").input_ids
+    normed = te._lm(input_ids=ids, use_cache=False).last_hidden_state
+    assert not torch.allclose(normed, runner.eager(ids), atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@torch.no_grad()
+def test_text_encoder_cuda_graph_on_gpu(pipes):
+    import copy
+
+    from qwenfast.models.text_encoder21 import TextEncoder21
+
+    _, qf, _ = pipes
+    src = qf.text_encoder
+    model = copy.deepcopy(src.model).cuda().to(torch.bfloat16)
+    te = TextEncoder21(model, src.tokenizer, src.image_processor)
+    te.drop_idx = src.drop_idx
+    prompts = ["a red fox", "a large blue star at the top left of a green field, soft light"]
+    te.cuda_graphs = False
+    want = te.encode(prompts)
+    te.cuda_graphs = True
+    for _ in range(2):  # capture, then replay
+        got = te.encode(prompts)
+        assert te._graphs and te._graphs.enabled and len(te._graphs.graphs) == 1
+        assert torch.equal(got[1], want[1]) and torch.isfinite(got[0]).all()
+        m = want[1].bool()
+        assert ((got[0][m].float() - want[0][m].float()).norm() / want[0][m].float().norm()).item() < 1e-2

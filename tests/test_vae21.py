@@ -28,9 +28,10 @@ def test_avg_down_fast_equals_reference(C, cout, ft, fs, channels_last):
     assert torch.equal(avg_down_fast(x.contiguous(memory_format=fmt), cout, ft, fs), avg_down(x, cout, ft, fs))
 
 
-@pytest.mark.parametrize("C,cout,ft", [(16, 8, 1), (16, 16, 2), (24, 12, 2), (12, 12, 1)])
+@pytest.mark.parametrize("C,cout,ft", [(16, 8, 1), (16, 16, 2), (24, 12, 2), (12, 12, 1), (12, 9, 1)])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_dup_up_fast_equals_reference(C, cout, ft, channels_last):
+    """The phase planes (strided views where the duplication is regular; (12, 9) gathers)."""
     x = torch.randn(2, C, 5, 7, generator=torch.Generator().manual_seed(C + cout + ft))
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     owner = nn.Module()

@@ -121,6 +121,27 @@ def test_upsample_conv_equals_interpolate_conv(hw, channels_last):
     assert (nob - upsample_conv_ref(x, w, None)).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("hw", [(5, 7), (8, 3)])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_upsample_conv_adds_phase_planes(hw, channels_last):
+    """`add`: four (B, Cout, H, W) planes (here strided channel views, as 2.1's VAE passes them)
+    added to output pixels (2i+a, 2j+b) while the phases interleave."""
+    g = torch.Generator().manual_seed(hw[0] + 17 * hw[1])
+    x = torch.randn(2, 6, *hw, generator=g)
+    r = torch.randn(2, 10, *hw, generator=g)
+    w, b = torch.randn(5, 6, 3, 3, generator=g), torch.randn(5, generator=g)
+    if channels_last:
+        x, r = x.contiguous(memory_format=torch.channels_last), r.contiguous(memory_format=torch.channels_last)
+    add = [r[:, 0::2], r[:, 1::2], r[:, 0::2], r[:, :5]]
+    want = upsample_conv_ref(x, w, b, add)
+    got = upsample_conv(x, subpixel_weights(w), b, add)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    moved = (want - upsample_conv_ref(x, w, b)).abs().max()
+    assert moved > 100 * 1e-5 * want.abs().max()  # the planes really were added (far beyond the tolerance)
+    # phase (0, 1) of the output is conv's phase plus plane 1
+    assert torch.allclose(got[:, :, 0::2, 1::2] - upsample_conv_ref(x, w, b)[:, :, 0::2, 1::2], add[1], atol=1e-5)
+
+
 def test_subpixel_weights_rejects_other_kernels():
     with pytest.raises(ValueError, match="3, 3"):
         subpixel_weights(torch.zeros(4, 4, 5, 5))

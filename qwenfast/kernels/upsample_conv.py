@@ -40,15 +40,25 @@ def subpixel_weights(w: torch.Tensor) -> torch.Tensor:
     return k.reshape(4 * w.shape[0], w.shape[1], 2, 2).to(w.dtype)
 
 
-def upsample_conv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Plain torch: `conv2d(interpolate(x, 2, nearest), w, bias, padding=1)`; (B,Cin,H,W) -> (B,Cout,2H,2W)."""
-    return F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), w, bias, padding=1)
+def upsample_conv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                      add: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """Plain torch: `conv2d(interpolate(x, 2, nearest), w, bias, padding=1)`; (B,Cin,H,W) -> (B,Cout,2H,2W);
+    plus `add`'s four (B, Cout, H, W) phase planes interleaved (`pixel_shuffle`) when given."""
+    y = F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), w, bias, padding=1)
+    if add is None:
+        return y
+    return y + F.pixel_shuffle(torch.stack(add, dim=2).flatten(1, 2), 2)
 
 
-def upsample_conv(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The same as `upsample_conv_ref(x, w, bias)` given `w4 = subpixel_weights(w)`; no upsampled tensor.
+def upsample_conv(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None,
+                  add: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """The same as `upsample_conv_ref(x, w, bias, add)` given `w4 = subpixel_weights(w)`; no upsampled tensor.
 
-    x: (B, Cin, H, W) in any memory format -> (B, Cout, 2H, 2W) in x's memory format.
+    x: (B, Cin, H, W) in any memory format -> (B, Cout, 2H, 2W) in x's memory format. `add`: four
+    (B, Cout, H, W) tensors (any strides), the values added to phase (a, b) = 00, 01, 10, 11, i.e.
+    to output pixel (2i+a, 2j+b): a residual that is a nearest/duplicating upsample of a low-res
+    tensor (2.1's VAE shortcut) joins the interleaving copies instead of costing a 4x tensor and an
+    add pass of its own. Each output value is rounded once, as in `conv(...) + shortcut`.
     """
     B, _, H, W = x.shape
     co = w4.shape[0] // 4
@@ -60,5 +70,9 @@ def upsample_conv(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None) 
     o6 = out.unflatten(3, (W, 2)).unflatten(2, (H, 2))  # (B, Co, H, 2, W, 2), a view
     for a in (0, 1):
         for b in (0, 1):
-            o6[:, :, :, a, :, b].copy_(y[:, 2 * a + b, :, a : a + H, b : b + W])
+            src, dst = y[:, 2 * a + b, :, a : a + H, b : b + W], o6[:, :, :, a, :, b]
+            if add is None:
+                dst.copy_(src)
+            else:
+                torch.add(src, add[2 * a + b], out=dst)
     return out

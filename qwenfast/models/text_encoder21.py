@@ -61,7 +61,8 @@ class TextEncoder21:
         self.model = model
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        self.cuda_graphs = False  # set by the pipeline's options; encodes run eagerly
+        self.cuda_graphs = True  # text-only encodes replay a CUDA graph on CUDA (set by the pipeline's options)
+        self._graphs = None
         self.offloader = None
         self.layer_streamer = None
         self._lm = _language_model(model)
@@ -139,8 +140,14 @@ class TextEncoder21:
                     raise ValueError(f"the prompt {p!r} itself contains {IMAGE_PAD}; remove it")
                 texts.append(parts[0] + "".join(IMAGE_PAD * counts[k + i] + rest for i, rest in enumerate(parts[1:])))
                 k += len(images)
-        tok = self.tokenizer(texts, padding=True, padding_side="left", return_tensors="pt")
+        graphs = self._graph_runner() if vis is None else None
+        # diffusers left-pads a batch; a graph needs real tokens first (causal attention: a pad after
+        # them never reaches them, and positions count from 0 either way)
+        side = "right" if graphs is not None else "left"
+        tok = self.tokenizer(texts, padding=True, padding_side=side, return_tensors="pt")
         ids, attn = tok.input_ids.to(self.device), tok.attention_mask.to(self.device)
+        if graphs is not None:
+            return self._gather(graphs(ids, attn), ids, attn)
         kwargs = {}
         if vis is not None:
             kwargs = {"pixel_values": vis["pixel_values"].to(self.device, self.model.dtype),
@@ -154,7 +161,24 @@ class TextEncoder21:
                                  **kwargs)  # fmt: skip
         finally:
             hook.remove()
-        hidden = out.hidden_states[-1]  # (B, T, D), before the final norm
+        return self._gather(out.hidden_states[-1], ids, attn)  # (B, T, D), before the final norm
+
+    def _graph_runner(self):
+        """The language model's CUDA-graph runner for text-only encodes, or None (off, not on CUDA,
+        offloaded, or no pad token)."""
+        if not self.cuda_graphs or self.offloader is not None or self.layer_streamer is not None:
+            return None
+        if self.device.type != "cuda":
+            return None
+        if self._graphs is None:
+            from ..runtime.cuda_graphs import TextEncoderGraphs
+
+            pad = self.tokenizer.pad_token_id
+            self._graphs = False if pad is None else TextEncoderGraphs(self._lm, pad, pre_norm=True)
+        return self._graphs or None
+
+    def _gather(self, hidden: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each prompt's real tokens (system turn dropped), right-padded again with a key mask."""
         m = attn.bool()
         seqs = [h[r][self.drop_idx :] for h, r in zip(hidden, m)]
         slots = [(i[r] == self.image_token_id)[self.drop_idx :] for i, r in zip(ids, m)]

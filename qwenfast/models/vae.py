@@ -133,9 +133,11 @@ class Resample(nn.Module):
         return subpixel_upsample(self, self.resample[1], x)
 
 
-def subpixel_upsample(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    """`conv(nearest2x(x))` for a 3x3 `conv` with padding 1, as `upsample_conv` on x, with the
-    sub-pixel weights cached on `owner` (built once after loading; rebuilt if the weight changes)."""
+def subpixel_upsample(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor,
+                      add: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """`conv(nearest2x(x))` for a 3x3 `conv` with padding 1, as `upsample_conv` on x (plus its `add`
+    phase planes), with the sub-pixel weights cached on `owner` (built once after loading; rebuilt
+    if the weight changes)."""
     w = conv.weight
     # inference tensors (weights loaded under torch.inference_mode, as ComfyUI runs nodes) have no
     # version counter; they cannot be changed in place outside inference mode anyway
@@ -146,7 +148,7 @@ def subpixel_upsample(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor) -> tor
         if x.is_contiguous(memory_format=torch.channels_last) and x.is_cuda:
             w4 = w4.to(memory_format=torch.channels_last)
         cached = owner.__dict__["_subpixel"] = (key, w4)
-    return upsample_conv(x, cached[1], conv.bias)
+    return upsample_conv(x, cached[1], conv.bias, add)
 
 
 def channels_last_input(model: nn.Module, t: torch.Tensor) -> torch.Tensor:

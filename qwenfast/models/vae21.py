@@ -103,13 +103,28 @@ def _dup_index(C: int, cout: int, ft: int, fs: int) -> torch.Tensor:
     return (flat // rep).flatten()
 
 
-def dup_up_fast(owner: nn.Module, x: torch.Tensor, cout: int, ft: int, fs: int) -> torch.Tensor:
-    """`dup_up` as one channel gather + pixel_shuffle (no ft-times tensor); the index cached on `owner`."""
-    key = (x.shape[1], cout, ft, fs, x.device)
-    cached = owner.__dict__.get("_dup_index")
+def dup_up_phases(owner: nn.Module, x: torch.Tensor, cout: int, ft: int) -> list[torch.Tensor]:
+    """`dup_up(x, cout, ft, 2)` as its four phase planes (B, cout, H, W), phase (a, b) holding output
+    pixels (2i+a, 2j+b) (what `upsample_conv`'s `add` takes). 2.1's blocks duplicate channels
+    regularly, so each plane is a channel-strided view of x (no copy); other layouts gather. The
+    plan (start, step or an index per phase) is cached on `owner`."""
+    key = (x.shape[1], cout, ft, x.device)
+    cached = owner.__dict__.get("_dup_plan")
     if cached is None or cached[0] != key:
-        cached = owner.__dict__["_dup_index"] = (key, _dup_index(*key[:4]).to(x.device))
-    return F.pixel_shuffle(x.index_select(1, cached[1]), fs)
+        plan = []
+        for col in _dup_index(x.shape[1], cout, ft, 2).view(cout, 4).unbind(1):  # (cout,) per phase
+            start, step = int(col[0]), int(col[1] - col[0]) if cout > 1 else 1
+            regular = step > 0 and torch.equal(col, start + step * torch.arange(cout))
+            plan.append((start, step) if regular else col.to(x.device))
+        cached = owner.__dict__["_dup_plan"] = (key, plan)
+    return [x[:, p[0] :: p[1]][:, :cout] if isinstance(p, tuple) else x.index_select(1, p) for p in cached[1]]
+
+
+def dup_up_fast(owner: nn.Module, x: torch.Tensor, cout: int, ft: int, fs: int = 2) -> torch.Tensor:
+    """`dup_up` assembled from `dup_up_phases` (pixel_shuffle order): the reference check of the planes."""
+    if fs != 2:
+        raise ValueError("dup_up_fast handles the 2x upsamplers only")
+    return F.pixel_shuffle(torch.stack(dup_up_phases(owner, x, cout, ft), dim=2).flatten(1, 2), 2)
 
 
 class Resample(nn.Module):
@@ -130,9 +145,12 @@ class Resample(nn.Module):
             x = F.pad(x, (0, 1, 0, 1))
         return self.resample[1](x)
 
-    def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
-        """Upsamplers as sub-pixel convs on the low-res input (nearest-exact 2x = nearest 2x)."""
-        return subpixel_upsample(self, self.resample[1], x) if self.mode == "up" else self(x)
+    def forward_fast(self, x: torch.Tensor, add: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Upsamplers as sub-pixel convs on the low-res input (nearest-exact 2x = nearest 2x), with
+        `add`'s phase planes (the block shortcut) joined in."""
+        if self.mode == "up":
+            return subpixel_upsample(self, self.resample[1], x, add)
+        return self(x)
 
 
 class DownBlock(nn.Module):
@@ -175,12 +193,13 @@ class UpBlock(nn.Module):
         return x if shortcut is None else x + shortcut
 
     def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
-        shortcut = dup_up_fast(self, x, self.cout, self.ft, 2) if self.up else None
+        x0 = x
         for r in self.resnets:
             x = r.forward_fast(x)
-        if self.upsampler is not None:
-            x = self.upsampler.forward_fast(x)
-        return x if shortcut is None else x.add_(shortcut)
+        if self.upsampler is None:
+            return x
+        # the shortcut (x0 duplicated to 2x) is added while the upsampler interleaves its phases
+        return self.upsampler.forward_fast(x, add=dup_up_phases(self, x0, self.cout, self.ft))
 
 
 class Encoder(nn.Module):

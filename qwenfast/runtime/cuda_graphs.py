@@ -160,11 +160,12 @@ class TextEncoderGraphs(_GraphCache):
     what = "text encoder CUDA graph"
 
     def __init__(self, language_model: torch.nn.Module, pad_id: int, bucket: int = 64, max_graphs: int = 8,
-                 warmup: int = 2):  # fmt: skip
+                 warmup: int = 2, pre_norm: bool = False):  # fmt: skip
         super().__init__(max_graphs, warmup)
         self.lm = language_model
         self.pad_id = pad_id
         self.bucket = bucket
+        self.pre_norm = pre_norm  # the last layer's output before the final norm (Qwen-Image-2.1's conditioning)
         self._where = None
 
     def padded(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -176,7 +177,14 @@ class TextEncoderGraphs(_GraphCache):
         return out
 
     def eager(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=ids, use_cache=False).last_hidden_state
+        if not self.pre_norm:
+            return self.lm(input_ids=ids, use_cache=False).last_hidden_state
+        # the final norm's input stands in for its output (what diffusers' 2.1 pipeline reads)
+        hook = self.lm.norm.register_forward_hook(lambda module, args, output: args[0])
+        try:
+            return self.lm(input_ids=ids, use_cache=False).last_hidden_state
+        finally:
+            hook.remove()
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states (B, T, D) of right-padded `ids` (B, T); rows past each mask are garbage."""
