@@ -68,6 +68,17 @@ def main() -> None:
         e_ref = ref.encode_prompt(PROMPT, device=dev)[0]
         e_ours = ours.text_encoder.encode([PROMPT])[0]
         row["te_rel_err"] = rel(e_ours, e_ref)
+        # the bf16 noise floor: both encodes against diffusers' encode with the text encoder in fp32
+        import copy
+
+        te_bf16 = ref.text_encoder
+        ref.text_encoder = copy.deepcopy(te_bf16).float()
+        e32 = ref.encode_prompt(PROMPT, device=dev)[0]
+        ref.text_encoder = te_bf16
+        row["te_diffusers_vs_fp32_rel_err"], row["te_ours_vs_fp32_rel_err"] = rel(e_ref, e32), rel(e_ours, e32)
+        del e32
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         row["te_tokens"] = int(e_ours.shape[1])
         if dev.type == "cuda":
             _profile(lambda: ours.text_encoder.encode([PROMPT]), "ours prompt encoding", top=10)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import qwenfast.kernels as K
+from qwenfast.kernels.bias_residual import bias_residual, bias_residual_ref
 from qwenfast.kernels.rmsnorm_silu import rmsnorm_silu, rmsnorm_silu_ref
 from qwenfast.kernels.upsample_conv import subpixel_weights, upsample_conv, upsample_conv_ref
 from qwenfast.models.vae import RMSNorm
@@ -91,10 +92,78 @@ def test_rmsnorm_silu_nan_propagates():
     assert torch.isnan(y[0, :, 1, 1]).all() and torch.isfinite(y[0, :, 0, 0]).all()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_rmsnorm_silu_bias_kernel(device, dtype, channels_last):
+    """The previous conv's bias added (and the sum rounded) before the norm."""
+    dev = "cpu" if device == "interp" else device
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(2, 130, 5, 7, generator=g) * 2).to(dev, dtype)
+    gamma = (0.5 + torch.rand(130, 1, 1, generator=g)).to(dev, dtype)
+    bias = torch.randn(130, generator=g).to(dev, dtype)
+    x = x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    out = torch.full_like(x, float("nan"))
+    with K.use_backend("triton"):
+        got = rmsnorm_silu(x, gamma, 130**0.5, out=out, bias=bias)
+    want = rmsnorm_silu_ref(x, gamma, 130**0.5, bias=bias)
+    assert torch.equal(want, rmsnorm_silu_ref(x + bias.view(1, -1, 1, 1), gamma, 130**0.5))
+    _close(got, want, dtype)
+    assert (want - rmsnorm_silu_ref(x, gamma, 130**0.5)).abs().max() > 10 * TOL[dtype]  # the bias matters
+
+
+BIAS_CASES = ["bias", "bias+res", "bias+res+res_bias", "res(other layout)+res_bias"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", BIAS_CASES)
+def test_bias_residual_kernel(device, dtype, case):
+    """(y + bias) + (r + r_bias) with torch's roundings: bit for bit the reference, in place."""
+    dev = "cpu" if device == "interp" else device
+    g = torch.Generator().manual_seed(len(case))
+    shape = (2, 37, 4, 3) if "other" in case else (1, 144, 3, 5)
+    cl = torch.channels_last
+    y = (torch.randn(*shape, generator=g) * 3).to(dev, dtype).contiguous(memory_format=cl)
+    r = (torch.randn(*shape, generator=g) * 3).to(dev, dtype)
+    r = r.contiguous() if "other" in case else r.contiguous(memory_format=cl)
+    b = torch.randn(shape[1], generator=g).to(dev, dtype)
+    rb = torch.randn(shape[1], generator=g).to(dev, dtype)
+    args = {"bias": (b, None, None), "bias+res": (b, r, None), "bias+res+res_bias": (b, r, rb),
+            "res(other layout)+res_bias": (None, r, rb)}[case]  # fmt: skip
+    want = bias_residual_ref(y, *args)
+    out = torch.full_like(y, float("nan"))
+    with K.use_backend("triton"):
+        got = bias_residual(y, *args, out=out)
+        assert got is out and torch.isfinite(got).all()
+        assert torch.equal(got, want)
+        inplace = y.clone()
+        assert bias_residual(inplace, *args, out=inplace) is inplace and torch.equal(inplace, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_resblock_fast_path_folds_the_conv_biases(dtype):
+    """The resnet's fast path (convs without bias, biases in the norm / residual passes) equals the
+    module (CPU: the launchers' references; CUDA runs the kernels in the VAE tests)."""
+    from qwenfast.models.vae import ResidualBlock
+
+    torch.manual_seed(0)
+    for cin, cout in ((12, 12), (12, 20)):
+        blk = ResidualBlock(cin, cout).to(dtype)
+        with torch.no_grad():
+            for m in blk.modules():
+                if isinstance(m, torch.nn.Conv2d):
+                    m.bias.normal_()
+        x = torch.randn(2, cin, 5, 7).to(dtype)
+        with torch.no_grad():
+            _close(blk.forward_fast(x), blk(x), dtype)
+
+
 @pytest.mark.skipif(not TRITON or INTERP, reason="needs triton; this is the outer process")
 def test_interpreter_subprocess():
-    run_interpreter_cases(__file__, at_least=len(DTYPES) * len(SHAPES) * 4, exactly=True, timeout=600,
-                          select="interp and kernel", allow_skipped=True)
+    n = len(DTYPES) * (len(SHAPES) * 4 + 2 + len(BIAS_CASES))
+    run_interpreter_cases(__file__, at_least=n, exactly=True, timeout=600, select="interp and kernel",
+                          allow_skipped=True)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- sub-pixel conv

@@ -22,6 +22,8 @@ Ops:
   into the joint (B, H, S, Dh) attention buffers, one pass over the fused QKV projection.
 - `gelu.linear_gelu_tanh`: the MLP's first Linear with GELU(tanh) in the cuBLASLt epilogue.
 - `attn_quant.quantize_qkv`: Q, K, V -> e4m3 + descales (amax on the GPU) for 8-bit attention.
+- `rmsnorm_silu.rmsnorm_silu` (VAE): channel RMSNorm (+ the previous conv's bias) and SiLU, one pass.
+- `bias_residual.bias_residual` (VAE): a conv's bias plus the residual (and its bias), one pass.
 """
 
 from __future__ import annotations

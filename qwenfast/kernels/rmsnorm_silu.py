@@ -37,10 +37,11 @@ if triton_available():
 
     @triton.jit
     def _rmsnorm_silu_kernel(
-        x_ptr, g_ptr, out_ptr,
+        x_ptr, g_ptr, bias_ptr, out_ptr,
         P, C, scale,
         sx_b, sx_c, sx_p, so_b, so_c, so_p,
-        SILU: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, DT: tl.constexpr,
+        SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        DT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(1).to(tl.int64)
         p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # (BLOCK_P,)
@@ -48,6 +49,9 @@ if triton_available():
         mask = (p < P)[:, None] & (c < C)[None, :]  # (BLOCK_P, BLOCK_C)
         offs = b * sx_b + p[:, None] * sx_p + c[None, :] * sx_c
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_BIAS:  # the previous conv's bias: its stored (rounded) output is what gets normalised
+            x = _round(x + tl.load(bias_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :], DT)
+            x = tl.where(mask, x, 0.0)
         g = tl.load(g_ptr + c, mask=c < C, other=0.0).to(tl.float32)  # (BLOCK_C,)
         norm = tl.sqrt(tl.sum(x * x, axis=1))  # (BLOCK_P,)
         n = _round(x / tl.maximum(norm, 1e-12)[:, None], DT)  # F.normalize (fp32), cast to x.dtype
@@ -60,11 +64,15 @@ if triton_available():
         tl.store(out_ptr + o, _cast(y, DT), mask=mask)
 
 
-def rmsnorm_silu_ref(x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool = True) -> torch.Tensor:
+def rmsnorm_silu_ref(x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool = True,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Plain torch, op for op `qwenfast.models.vae.RMSNorm.forward` (then `F.silu` when `silu`).
 
-    x: (B, C, H, W); gamma: (C, 1, 1) or (C,); scale = sqrt(C).
+    x: (B, C, H, W); gamma: (C, 1, 1) or (C,); scale = sqrt(C); bias: (C,) added to x first (the
+    bias of the conv that produced x, run without it).
     """
+    if bias is not None:
+        x = x + bias.reshape(1, -1, 1, 1)
     g = gamma.reshape(-1, 1, 1)
     if x.element_size() < 4:
         y = F.normalize(x.float(), dim=1).to(x.dtype) * scale * g
@@ -83,22 +91,24 @@ def _pixel_stride(t: torch.Tensor) -> int | None:
 
 
 def rmsnorm_silu(
-    x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool = True, out: torch.Tensor | None = None
+    x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool = True, out: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`silu(RMSNorm_C(x) * gamma)` (or without SiLU), one fused pass on CUDA; same layout out as in.
+    """`silu(RMSNorm_C(x [+ bias]) * gamma)` (or without SiLU), one fused pass on CUDA; same layout out as in.
 
     x: (B, C, H, W) fp32/bf16/fp16, contiguous or channels-last (any layout where H and W merge);
-    gamma: C elements, same dtype; out: optional buffer like x (tests poison it). Anything else, CPU
-    tensors, or backend "torch" -> the reference (copied into `out` when given).
+    gamma (and bias): C elements, same dtype; out: optional buffer like x (tests poison it). Anything
+    else, CPU tensors, or backend "torch" -> the reference (copied into `out` when given).
     """
     ok = (
         x.dim() == 4 and x.dtype in FLOAT_DTYPES and gamma.dtype == x.dtype and gamma.numel() == x.shape[1]
         and 0 < x.shape[1] <= MAX_C and x.numel() > 0 and _pixel_stride(x) is not None and use_triton(x, gamma)
+        and (bias is None or (bias.dtype == x.dtype and bias.numel() == x.shape[1] and bias.device == x.device))
     )  # fmt: skip
     if out is not None:
         ok = ok and out.shape == x.shape and out.dtype == x.dtype and _pixel_stride(out) is not None
     if not ok:
-        y = rmsnorm_silu_ref(x, gamma, scale, silu)
+        y = rmsnorm_silu_ref(x, gamma, scale, silu, bias)
         return y if out is None else out.copy_(y)
     B, C, H, W = x.shape
     if out is None:
@@ -112,8 +122,9 @@ def rmsnorm_silu(
     P = H * W
     with _on_device(x):
         _rmsnorm_silu_kernel[(triton.cdiv(P, block_p), B)](
-            x, g, out, P, C, float(scale),
+            x, g, g if bias is None else bias.reshape(-1).contiguous(), out, P, C, float(scale),
             x.stride(0), x.stride(1), _pixel_stride(x), out.stride(0), out.stride(1), sp_out,
-            SILU=silu, BLOCK_P=block_p, BLOCK_C=block_c, DT=_tl_dtype(x.dtype), num_warps=4,
+            SILU=silu, HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_C=block_c, DT=_tl_dtype(x.dtype),
+            num_warps=4,
         )  # fmt: skip
     return out

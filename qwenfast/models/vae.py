@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from qwenfast.config import VAEConfig
+from qwenfast.kernels.bias_residual import bias_residual
 from qwenfast.kernels.rmsnorm_silu import rmsnorm_silu
 from qwenfast.kernels.upsample_conv import subpixel_weights, upsample_conv
 
@@ -46,9 +47,10 @@ class RMSNorm(nn.Module):
             return F.normalize(x.float(), dim=1).to(x.dtype) * self.scale * self.gamma
         return F.normalize(x, dim=1) * self.scale * self.gamma
 
-    def forward_fast(self, x: torch.Tensor, silu: bool) -> torch.Tensor:
-        """`silu(self(x))` (or `self(x)`) in one fused pass (`qwenfast.kernels.rmsnorm_silu`)."""
-        return rmsnorm_silu(x, self.gamma, self.scale, silu=silu)
+    def forward_fast(self, x: torch.Tensor, silu: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`silu(self(x + bias))` (or without SiLU) in one fused pass (`qwenfast.kernels.rmsnorm_silu`);
+        `bias`: the bias of the conv that made x, run without it."""
+        return rmsnorm_silu(x, self.gamma, self.scale, silu=silu, bias=bias)
 
 
 class ResidualBlock(nn.Module):
@@ -70,10 +72,18 @@ class ResidualBlock(nn.Module):
         return x + h
 
     def forward_fast(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.conv_shortcut(x)
-        x = self.conv1(self.norm1.forward_fast(x, silu=True))
-        x = self.conv2(self.norm2.forward_fast(x, silu=True))
-        return x.add_(h)  # conv2's output is a fresh tensor: add in place, one activation less
+        """The convs run without their biases; each bias joins the pass that reads the conv's output
+        (the next norm, or the residual sum: `kernels/bias_residual.py`), with the same roundings."""
+        sc = self.conv_shortcut
+        h, hb = (x, None) if isinstance(sc, nn.Identity) else (conv_nobias(sc, x), sc.bias)
+        y = conv_nobias(self.conv1, self.norm1.forward_fast(x, silu=True))
+        y = conv_nobias(self.conv2, self.norm2.forward_fast(y, silu=True, bias=self.conv1.bias))
+        return bias_residual(y, self.conv2.bias, h, hb, out=y)  # y is a fresh tensor: sum in place
+
+
+def conv_nobias(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """`conv(x)` without its bias (cuDNN adds a bias in a separate pass anyway)."""
+    return F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 
 class AttentionBlock(nn.Module):

@@ -255,7 +255,28 @@ class Decoder(nn.Module):
         x = self.mid_block.forward_fast(self.conv_in(x))
         for b in self.up_blocks:
             x = b.forward_fast(x)
-        return self.conv_out(self.norm_out.forward_fast(x, silu=True))
+        return narrow_conv(self, self.conv_out, self.norm_out.forward_fast(x, silu=True))
+
+
+def narrow_conv(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor, pad_to: int = 32) -> torch.Tensor:
+    """`conv(x)` for a conv with very few output channels (the RGBA output conv), on channels-last
+    CUDA input with the output channels zero-padded to `pad_to` (cached on `owner`), then sliced:
+    cuDNN picks a far better kernel (H200, 1024², 144 -> 4 channels: 0.6 ms instead of 4.3 ms).
+    The same sums; only the accumulation order (rounding) may differ. Elsewhere: `conv(x)`."""
+    co = conv.out_channels
+    if not (x.is_cuda and co < 8 and x.is_contiguous(memory_format=torch.channels_last)):
+        return conv(x)
+    w = conv.weight
+    key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, w.device)
+    cached = owner.__dict__.get("_narrow")
+    if cached is None or cached[0] != key:
+        wp = w.new_zeros((pad_to, *w.shape[1:])).contiguous(memory_format=torch.channels_last)
+        wp[:co] = w.detach()
+        bp = w.new_zeros(pad_to)
+        if conv.bias is not None:
+            bp[:co] = conv.bias.detach()
+        cached = owner.__dict__["_narrow"] = (key, wp, bp)
+    return F.conv2d(x, cached[1], cached[2], conv.stride, conv.padding, conv.dilation, conv.groups)[:, :co]
 
 
 class QwenImage21VAE(nn.Module):
