@@ -124,6 +124,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default=None)
     p.add_argument("--layers", type=int, default=32, help="fewer for a smoke run")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (timings meaningless)")
+    p.add_argument("--fp8", action="store_true", help="also our FP8 pipeline (40 steps and turbo-4), last")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.bfloat16
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
@@ -157,16 +158,27 @@ def main(argv=None) -> list[dict]:
         rows.append({"what": "qwen-image-2.1 e2e turbo-4", "steps": 4, "diffusers_s": round(ref_s, 3),
                      "ours_s": round(our_s, 3), "speedup": round(ref_s / our_s, 3),
                      "mean_abs_diff_vs_diffusers": float(f"{np.abs(our_img - ref_img).mean():.3e}"), **common})  # fmt: skip
-        ref_40, _ = timed(lambda: run(ref, a.steps), 1)
+        ref_40, ref_img40 = timed(lambda: run(ref, a.steps), 1)
         off = rows[0]["ours_s"]
         rows.append({"what": "qwen-image-2.1 e2e diffusers", "steps": a.steps, "diffusers_s": round(ref_40, 3),
                      "ours_s_cache_off": off, "speedup_cache_off": round(ref_40 / off, 3),
                      "speedup_balanced": round(ref_40 / rows[1]["ours_s"], 3),
-                     "speedup_fast": round(ref_40 / rows[2]["ours_s"], 3), **common})  # fmt: skip
+                     "speedup_fast": round(ref_40 / rows[2]["ours_s"], 3),
+                     "mean_abs_diff_vs_diffusers": float(f"{np.abs(base - ref_img40).mean():.3e}"), **common})  # fmt: skip
+        if a.fp8:  # FP8 block GEMMs (one-way: after every bf16 row), against the same run's diffusers bf16
+            ours.configure(fp8=True)
+            for steps, sigmas, ref_s_, ref_im in ((a.steps, None, ref_40, ref_img40), (4, sig, ref_s, ref_img)):
+                run(ours, steps, sigmas)
+                s8, img8 = timed(lambda steps=steps, sigmas=sigmas: run(ours, steps, sigmas), a.runs)
+                rows.append({"what": "qwen-image-2.1 e2e fp8", "steps": steps, "schedule": "turbo-4" if sigmas else "default",
+                             "diffusers_s": round(ref_s_, 3), "ours_s": round(s8, 3), "speedup": round(ref_s_ / s8, 3),
+                             "mean_abs_diff_vs_diffusers_bf16": float(f"{np.abs(img8 - ref_im).mean():.3e}"),
+                             **common, "dtype": "fp8"})  # fmt: skip
     print(f"{'row':<32} {'ours s':>8} {'diffusers s':>11} {'mean |d|':>10}")
     for r in rows:
         label = r["what"].replace("qwen-image-2.1 e2e ", "") + (f" {r['cache']}" if "cache" in r else "")
-        d = r.get("mean_abs_diff_vs_off", r.get("mean_abs_diff_vs_diffusers", ""))
+        label += f" {r['steps']} steps" if r["what"].endswith("fp8") else ""
+        d = r.get("mean_abs_diff_vs_off", r.get("mean_abs_diff_vs_diffusers", r.get("mean_abs_diff_vs_diffusers_bf16", "")))
         print(f"{label:<32} {r.get('ours_s', r.get('ours_s_cache_off', '')):>8} {r.get('diffusers_s', ''):>11} {d!s:>10}")
     from . import emit_lines
 

@@ -318,8 +318,10 @@ class Attention21(nn.Module):
 def block_causal_attention(q, k, v, segments, prefix: int, key_valid: torch.Tensor | None) -> torch.Tensor:
     """The prefill's block-causal attention as diffusers' SDPA processor runs it: each prefix run
     attends to everything up to its own end (text runs causally inside), the target to all keys.
-    q, k, v (B, H, S, Dh); key_valid (B, S) bool or None -> (B, H, S, Dh)."""
-    outs = []
+    q, k, v (B, H, S, Dh); key_valid (B, S) bool or None -> (B, H, S, Dh), stored token-major (each
+    piece is written into its rows: no concatenation, and the out projection reads it as a view)."""
+    B, H, S, Dh = q.shape
+    o = qkv_buffer(B, H, S, Dh, q.dtype, q.device)
     for start, end, is_text in segments:
         mask = None
         if is_text:
@@ -329,9 +331,9 @@ def block_causal_attention(q, k, v, segments, prefix: int, key_valid: torch.Tens
         if key_valid is not None:
             kv = key_valid[:, None, None, :end]
             mask = kv if mask is None else mask & kv
-        outs.append(attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask))
-    outs.append(attention(q[:, :, prefix:], k, v, None if key_valid is None else key_valid[:, None, None, :]))
-    return torch.cat(outs, dim=2)
+        o[:, :, start:end] = attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask)
+    o[:, :, prefix:] = attention(q[:, :, prefix:], k, v, None if key_valid is None else key_valid[:, None, None, :])
+    return o
 
 
 class Block21(nn.Module):
