@@ -15,18 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from qwenfast.benchmarks import median_ms
+
 
 def ms(fn, n: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return round(a.elapsed_time(b) / n, 3)
+    return round(median_ms(fn, warmup=2, iters=n), 3)
 
 
 @torch.no_grad()

@@ -10,14 +10,11 @@ import torch.nn as nn
 
 from qwenfast.models.vae21 import avg_down, avg_down_fast, dup_up, dup_up_fast
 
+from .test_vae_fast import _err  # max |a - b| / max |b|, both finite
+
 diffusers = pytest.importorskip("diffusers")
 
 TOL = 1e-5  # fp32, relative to the output's largest magnitude
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    assert a.shape == b.shape and torch.isfinite(a).all() and torch.isfinite(b).all()
-    return ((a - b).abs().max() / b.abs().max()).item()
 
 
 @pytest.mark.parametrize("C,cout,ft,fs", [(8, 8, 1, 2), (8, 16, 2, 2), (12, 24, 1, 2), (6, 12, 2, 2), (8, 16, 2, 1)])
