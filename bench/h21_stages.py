@@ -10,35 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from qwenfast.benchmarks.harness import PROMPT
+from qwenfast.benchmarks.pipeline_stages import _median_ms as med_ms  # wall clock, synchronised, CPU too
 from qwenfast.benchmarks.qwenimage21 import _profile
 from qwenfast.benchmarks.qwenimage21_e2e import build
 from qwenfast.config import TURBO_SIGMAS
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def med_ms(fn, n: int = 5) -> float:
-    fn()
-    _sync()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        _sync()
-        ts.append(1e3 * (time.perf_counter() - t))
-    return round(statistics.median(ts), 2)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-from qwenfast.models.vae21 import avg_down, avg_down_fast, dup_up, dup_up_fast
+from qwenfast.models.vae21 import avg_down, avg_down_fast, dup_up, dup_up_phases
 
 from .test_vae_fast import _err  # max |a - b| / max |b|, both finite
 
@@ -27,13 +28,14 @@ def test_avg_down_fast_equals_reference(C, cout, ft, fs, channels_last):
 
 @pytest.mark.parametrize("C,cout,ft", [(16, 8, 1), (16, 16, 2), (24, 12, 2), (12, 12, 1), (12, 9, 1)])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_dup_up_fast_equals_reference(C, cout, ft, channels_last):
+def test_dup_up_phases_equal_reference(C, cout, ft, channels_last):
     """The phase planes (strided views where the duplication is regular; (12, 9) gathers)."""
     x = torch.randn(2, C, 5, 7, generator=torch.Generator().manual_seed(C + cout + ft))
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     owner = nn.Module()
-    for _ in range(2):  # the second call reuses the cached index
-        assert torch.equal(dup_up_fast(owner, x.contiguous(memory_format=fmt), cout, ft, 2), dup_up(x, cout, ft, 2))
+    for _ in range(2):  # the second call reuses the cached plan
+        planes = dup_up_phases(owner, x.contiguous(memory_format=fmt), cout, ft)  # phases 00, 01, 10, 11
+        assert torch.equal(F.pixel_shuffle(torch.stack(planes, dim=2).flatten(1, 2), 2), dup_up(x, cout, ft, 2))
 
 
 @pytest.fixture(scope="module")

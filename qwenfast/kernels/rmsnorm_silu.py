@@ -51,7 +51,6 @@ if triton_available():
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:  # the previous conv's bias: its stored (rounded) output is what gets normalised
             x = _round(x + tl.load(bias_ptr + c, mask=c < C, other=0.0).to(tl.float32)[None, :], DT)
-            x = tl.where(mask, x, 0.0)
         g = tl.load(g_ptr + c, mask=c < C, other=0.0).to(tl.float32)  # (BLOCK_C,)
         norm = tl.sqrt(tl.sum(x * x, axis=1))  # (BLOCK_P,)
         n = _round(x / tl.maximum(norm, 1e-12)[:, None], DT)  # F.normalize (fp32), cast to x.dtype

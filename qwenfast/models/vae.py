@@ -149,9 +149,7 @@ def subpixel_upsample(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor,
     phase planes), with the sub-pixel weights cached on `owner` (built once after loading; rebuilt
     if the weight changes)."""
     w = conv.weight
-    # inference tensors (weights loaded under torch.inference_mode, as ComfyUI runs nodes) have no
-    # version counter; they cannot be changed in place outside inference mode anyway
-    key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, w.device)
+    key = weight_key(w)
     cached = owner.__dict__.get("_subpixel")
     if cached is None or cached[0] != key:
         w4 = subpixel_weights(w.detach())
@@ -159,6 +157,13 @@ def subpixel_upsample(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor,
             w4 = w4.to(memory_format=torch.channels_last)
         cached = owner.__dict__["_subpixel"] = (key, w4)
     return upsample_conv(x, cached[1], conv.bias, add)
+
+
+def weight_key(w: torch.Tensor) -> tuple:
+    """What identifies a weight's current values for a cache derived from it (rebuilt when it moves
+    or changes in place). Inference tensors (weights loaded under torch.inference_mode, as ComfyUI
+    runs nodes) have no version counter; they cannot be changed in place outside inference mode."""
+    return (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, w.device)
 
 
 def channels_last_input(model: nn.Module, t: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .vae import MidBlock, channels_last_input, subpixel_upsample
+from .vae import MidBlock, channels_last_input, subpixel_upsample, weight_key
 from .vae import ResidualBlock as ResBlock
 from .vae import RMSNorm as RMSNorm2d
 
@@ -118,13 +118,6 @@ def dup_up_phases(owner: nn.Module, x: torch.Tensor, cout: int, ft: int) -> list
             plan.append((start, step) if regular else col.to(x.device))
         cached = owner.__dict__["_dup_plan"] = (key, plan)
     return [x[:, p[0] :: p[1]][:, :cout] if isinstance(p, tuple) else x.index_select(1, p) for p in cached[1]]
-
-
-def dup_up_fast(owner: nn.Module, x: torch.Tensor, cout: int, ft: int, fs: int = 2) -> torch.Tensor:
-    """`dup_up` assembled from `dup_up_phases` (pixel_shuffle order): the reference check of the planes."""
-    if fs != 2:
-        raise ValueError("dup_up_fast handles the 2x upsamplers only")
-    return F.pixel_shuffle(torch.stack(dup_up_phases(owner, x, cout, ft), dim=2).flatten(1, 2), 2)
 
 
 class Resample(nn.Module):
@@ -267,7 +260,7 @@ def narrow_conv(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor, pad_to: int 
     if not (x.is_cuda and co < 8 and x.is_contiguous(memory_format=torch.channels_last)):
         return conv(x)
     w = conv.weight
-    key = (w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, w.device)
+    key = weight_key(w)
     cached = owner.__dict__.get("_narrow")
     if cached is None or cached[0] != key:
         wp = w.new_zeros((pad_to, *w.shape[1:])).contiguous(memory_format=torch.channels_last)
