@@ -43,11 +43,12 @@ if triton_available():
 
     @triton.jit
     def _head_scatter_kernel(
-        s0, s1, s2, table, ss_b, ss_t, ss_h, NH, D,
+        s0, s1, s2, table, ss_b, ss_t, ss_h, NH, D, E,
         NC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr,
     ):  # fmt: skip
-        t = tl.program_id(0)
-        row = table + tl.program_id(1).to(tl.int64) * 9
+        pid = tl.program_id(0)
+        t = pid // E  # the E entries of one token are neighbouring programs: every SM mixes local and
+        row = table + (pid % E).to(tl.int64) * 9  # remote (NVLink) writes, not one phase after the other
         count = tl.load(row + 8)
         if t < count:
             b = tl.program_id(2).to(tl.int64)
@@ -90,7 +91,7 @@ def head_scatter(srcs: list[torch.Tensor], table: torch.Tensor, rows: list[list[
     s = srcs * 3 if len(srcs) == 1 else srcs
     bh, bd = triton.next_power_of_2(NH), triton.next_power_of_2(D)
     with _on_device(srcs[0]):
-        _head_scatter_kernel[(max_count, len(rows), B)](
-            s[0], s[1], s[2], table, srcs[0].stride(0), srcs[0].stride(1), srcs[0].stride(2), NH, D,
+        _head_scatter_kernel[(max_count * len(rows), 1, B)](
+            s[0], s[1], s[2], table, srcs[0].stride(0), srcs[0].stride(1), srcs[0].stride(2), NH, D, len(rows),
             NC=len(srcs), BLOCK_H=bh, BLOCK_D=bd, DT=dt, num_warps=4 if bh * bd >= 1024 else 1,
         )  # fmt: skip

@@ -82,7 +82,7 @@ if triton_available():
     @triton.jit
     def _qk_norm_rope_kernel(
         qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, table_ptr, dq_ptr, dk_ptr,
-        L, H, Dh, offset, h0, HQ,
+        L, H, Dh, offset, h0, HQ, NG,
         s_b, s_l, s_cos, s_sin,
         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
         eps,
@@ -90,13 +90,14 @@ if triton_available():
         QDT: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr, TABLE: tl.constexpr,
         Q8: tl.constexpr, K8: tl.constexpr,
     ):  # fmt: skip
-        if TABLE:  # head group program_id(1): its q, k, v addresses and first head from a table row
-            rt = table_ptr + tl.program_id(1).to(tl.int64) * 4
+        pid = tl.program_id(0).to(tl.int64)
+        row = pid // NG  # token; the NG head groups of one token are neighbouring programs, so every
+        if TABLE:  # SM mixes local and remote (NVLink) writes instead of one phase after the other
+            rt = table_ptr + (pid % NG) * 4  # the group's q, k, v addresses and first head
             oq_ptr = tl.load(rt).to(tl.pointer_type(QDT))
             ok_ptr = tl.load(rt + 1).to(tl.pointer_type(QDT))
             ov_ptr = tl.load(rt + 2).to(tl.pointer_type(QDT))
             h0 = tl.load(rt + 3)
-        row = tl.program_id(0).to(tl.int64)
         b = row // L
         tok = row % L
         seq = tok + offset
@@ -280,10 +281,10 @@ def _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset: int, eps: float,
     # same fp32 reduction order, as the all-heads call (a head group's rows are then bit for bit its)
     block_h, block_d = triton.next_power_of_2(qkv.shape[-1] // (3 * Dh)), triton.next_power_of_2(Dh)
     with _on_device(qkv):
-        _qk_norm_rope_kernel[(B * L, groups)](
+        _qk_norm_rope_kernel[(B * L * groups,)](
             qkv, wq, wk, cos, sin, out_q, out_k, out_v, qkv if table is None else table,
             qkv if dq is None else dq, qkv if dk is None else dk,
-            L, H, Dh, offset, head0, qkv.shape[-1] // (3 * Dh),
+            L, H, Dh, offset, head0, qkv.shape[-1] // (3 * Dh), groups,
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
             out_q.stride(0), out_q.stride(1), out_q.stride(2),
             out_k.stride(0), out_k.stride(1), out_k.stride(2),
