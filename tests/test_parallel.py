@@ -56,6 +56,27 @@ def test_layouts_and_splits():
     assert split_sizes(6889, 2) == [3445, 3444] and sum(split_sizes(13, 3)) == 13
 
 
+def test_cfg_rank_trims_its_text_once_per_mask():
+    """cfg=2 gives each rank its rows without the shared right padding; the mask is read on the host
+    once per mask tensor (not once per step), and a new or changed mask is read again."""
+    from qwenfast.runtime.parallel import ParallelForward
+
+    par = ParallelForward(lambda *a, **k: None, groups=None)
+    emb = torch.randn(2, 6, 4)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
+    e, m = par._trim(emb, mask, slice(0, 1))
+    assert e.shape == (1, 3, 4) and m is None and torch.equal(e, emb[:1, :3])
+    e, m = par._trim(emb, mask, slice(1, 2))
+    assert e.shape == (1, 5, 4) and m is None
+    both, bm = par._trim(emb, mask, slice(0, 2))
+    assert both.shape == (2, 5, 4) and torch.equal(bm, mask[:, :5])
+    mask[1, 5] = 1  # in place: a new version, read again
+    assert par._trim(emb, mask, slice(1, 2))[0].shape == (1, 6, 4)
+    other = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+    assert par._trim(emb, other, slice(0, 1))[0].shape == (1, 2, 4)
+    assert par._trim(emb, None, slice(1, 2))[0].shape == (1, 6, 4)
+
+
 @pytest.mark.parametrize("layout,world,size", [
     ("ulysses=2", 2, (64, 48)),     # 4 x 3 = 12 image tokens: even
     ("ulysses=3", 3, (80, 48)),     # 5 x 3 = 15 over 3

@@ -220,6 +220,19 @@ class ParallelForward:
 
     def __init__(self, fn: Callable[..., torch.Tensor], groups: ParallelGroups):
         self.fn, self.g = fn, groups
+        self._trimmed: tuple | None = None  # (mask, its version, rows, text length kept, mask kept?)
+
+    def _trim(self, emb: torch.Tensor, mask: torch.Tensor | None, rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`attention.trim_padding` of rows `rows`, its host read of the mask done once per mask: the
+        denoise core hands every step the same mask tensor, and a read per step would stall the GPU
+        queue (~0.3 ms idle per step on an H200)."""
+        if mask is None:
+            return emb[rows], None
+        c = self._trimmed
+        if c is None or c[0] is not mask or c[1] != mask._version or c[2] != rows:
+            e, m = trim_padding(emb[rows], mask[rows])
+            c = self._trimmed = (mask, mask._version, rows, e.shape[1], m is not None)
+        return emb[rows, : c[3]], (mask[rows, : c[3]] if c[4] else None)
 
     def __call__(self, x: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor,
                  img_shapes: list, step: StepContext | None = None) -> torch.Tensor:  # fmt: skip
@@ -230,7 +243,7 @@ class ParallelForward:
                                    "has no CFG (use ulysses alone, or true_cfg_scale > 1 with a negative prompt)")  # fmt: skip
             half = x.shape[0] // 2
             rows = slice(0, half) if g.cfg_rank == 0 else slice(half, None)
-            e, m = trim_padding(emb[rows], None if mask is None else mask[rows])
+            e, m = self._trim(emb, mask, rows)
             branch = "cond" if g.cfg_rank == 0 else "uncond"
             step = StepContext(step.step, step.steps, step.sigma, branch)
             out = self._sequence(x[rows], e, m, t[rows], img_shapes, step)
