@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from qwenfast.benchmarks.parallel import generate, init_worker
 
 
 def _timeline(prof) -> dict:
@@ -41,24 +41,16 @@ def _timeline(prof) -> dict:
 
 @torch.no_grad()
 def worker(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(minutes=5),
-                            device_id=torch.device("cuda", rank))  # fmt: skip
+    init_worker(rank, world, port)
     from torch.profiler import ProfilerActivity, profile
 
-    from qwenfast.benchmarks.harness import PROMPT
     from qwenfast.benchmarks.pipeline import build
 
     ours, _ = build(False, diffusers_transformer=False)
     ours.set_progress_bar_config(disable=True)
 
     def call(steps, cfg):
-        kw = dict(height=1024, width=1024, num_inference_steps=steps, true_cfg_scale=4.0 if cfg else 1.0,
-                  generator=torch.Generator("cpu").manual_seed(0), output_type="np")  # fmt: skip
-        if cfg:
-            kw["negative_prompt"] = " "
-        return ours(PROMPT, **kw).images
+        return generate(ours, steps, cfg)
 
     for layout, cfg in ((None, True), ("cfg=2", True), (None, False), ("ulysses=2", False)):
         ours.configure(parallel=layout, cuda_graphs=True, batched_cfg="auto")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections import defaultdict
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from qwenfast.benchmarks.parallel import forward_inputs, init_worker
 
 REPLAYS = 3
 
@@ -45,27 +45,15 @@ def _kernels(fn) -> tuple[dict[str, float], float]:
 
 @torch.no_grad()
 def worker(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(minutes=5),
-                            device_id=torch.device("cuda", rank))  # fmt: skip
+    init_worker(rank, world, port)
     from qwenfast.benchmarks.transformer import build
-    from qwenfast.runtime.blocks import StepContext
     from qwenfast.runtime.cuda_graphs import CudaGraphRunner
-    from qwenfast.runtime.modulation import batch_rows
     from qwenfast.runtime.parallel import ParallelConfig, ParallelForward, ParallelGroups
 
     ours, _ = build(a.layers, compare=False)
     groups = ParallelGroups(ParallelConfig(ulysses=world), exchange="peer")
     for size in a.size:
-        g = torch.Generator(device="cuda").manual_seed(size)
-        n = (size // 16) ** 2
-        x = torch.randn(1, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        txt = torch.randn(1, 128, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
-        t = torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16)
-        shapes = [(1, size // 16, size // 16)]
-        step = StepContext(0, 1, 0.5)
-        mods = batch_rows(ours.modulation_entries([t[:1]])[0], 1)
+        x, txt, t, shapes, step, mods = forward_inputs(ours, size)
         one_graphs = CudaGraphRunner(ours)
         one = {}
         if rank == 0:
@@ -73,6 +61,9 @@ def worker(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
         dist.barrier()
         graphs = CudaGraphRunner(ours)
         par = ParallelForward(lambda *a_, shard=None: graphs(*a_[:5], step=a_[5], shard=shard, modulations=mods), groups)  # noqa: B023
+        par(x, txt, None, t, shapes, step)  # both ranks capture their graphs before either profiles:
+        torch.cuda.synchronize()  # otherwise rank 0's first barrier waits out rank 1's capture
+        dist.barrier()
         two, two_wall = _kernels(lambda: par(x, txt, None, t, shapes, step))  # noqa: B023
         if rank == 0:
             names = set(one) | set(two)

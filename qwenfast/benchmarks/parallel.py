@@ -34,14 +34,47 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def init_worker(rank: int, world: int, port: int) -> None:
+    """This process's GPU and its NCCL group (one process per GPU, spawned on one machine)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(minutes=10),
+                            device_id=torch.device("cuda", rank))  # fmt: skip
+
+
+def forward_inputs(model, size: int) -> tuple:
+    """(x, txt, t, img_shapes, step, modulations) of one forward at size² with 128 text tokens, the
+    same on every rank (seeded by the size); modulation rows from a modulation-table entry, as the
+    pipeline's denoising steps take them."""
+    from ..runtime.blocks import StepContext
+    from ..runtime.modulation import batch_rows
+
+    g = torch.Generator(device="cuda").manual_seed(size)
+    n = (size // 16) ** 2
+    x = torch.randn(1, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    txt = torch.randn(1, 128, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
+    t = torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16)
+    mods = batch_rows(model.modulation_entries([t[:1]])[0], 1)  # modulation Linears stay bf16 under FP8
+    return x, txt, t, [(1, size // 16, size // 16)], StepContext(0, 1, 0.5), mods
+
+
+def generate(pipe, steps: int, cfg: bool):
+    """The end-to-end call: 1024², the harness prompt, true CFG 4 with a " " negative prompt or none."""
+    from .harness import PROMPT
+
+    kw = dict(height=1024, width=1024, num_inference_steps=steps, true_cfg_scale=4.0 if cfg else 1.0,
+              generator=torch.Generator("cpu").manual_seed(0), output_type="np")  # fmt: skip
+    if cfg:
+        kw["negative_prompt"] = " "
+    return pipe(PROMPT, **kw).images
+
+
 @torch.no_grad()
 def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too: bool, fp8: bool = True) -> dict:
     """Per size: one GPU vs Ulysses over `world` GPUs, each exchange (peer memory, the default on
     CUDA; NCCL all-to-alls), bf16 and FP8 block GEMMs; each variant its own CUDA graphs. Every forward
     takes its modulation rows from a modulation-table entry, as the pipeline's denoising steps do."""
-    from ..runtime.blocks import StepContext
     from ..runtime.cuda_graphs import CudaGraphRunner
-    from ..runtime.modulation import batch_rows
     from ..runtime.parallel import ParallelConfig, ParallelForward, ParallelGroups
     from .transformer import _fp8_modules, _swap, build
 
@@ -53,14 +86,7 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
     runners: dict[str, CudaGraphRunner] = {}
     rows = {}
     for size in sizes:
-        g = torch.Generator(device="cuda").manual_seed(size)
-        n = (size // 16) ** 2
-        x = torch.randn(1, n, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-        txt = torch.randn(1, 128, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
-        t = torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16)
-        shapes = [(1, size // 16, size // 16)]
-        step = StepContext(0, 1, 0.5)
-        mods = batch_rows(ours.modulation_entries([t[:1]])[0], 1)  # modulation Linears stay bf16 under FP8
+        x, txt, t, shapes, step, mods = forward_inputs(ours, size)
         row = {}
         for prec in ("bf16", "fp8") if fp8 else ("bf16",):
             old = _swap(ours, fp8_mods) if prec == "fp8" else None
@@ -122,7 +148,6 @@ def _diffusers_rows(ref, x, txt, t, size: int, world: int, rank: int) -> dict:
 def end_to_end_rows(world: int) -> dict:
     import numpy as np
 
-    from .harness import PROMPT
     from .pipeline import build
 
     rank = dist.get_rank()
@@ -133,11 +158,7 @@ def end_to_end_rows(world: int) -> dict:
              ("1024:4:nocfg", 4, False, f"ulysses={world}")]  # fmt: skip
 
     def call(steps, cfg):
-        kw = dict(height=1024, width=1024, num_inference_steps=steps, true_cfg_scale=4.0 if cfg else 1.0,
-                  generator=torch.Generator("cpu").manual_seed(0), output_type="np")  # fmt: skip
-        if cfg:
-            kw["negative_prompt"] = " "
-        return ours(PROMPT, **kw).images
+        return generate(ours, steps, cfg)
 
     def timed(steps, cfg, together: bool = True):
         """Median wall time of 3 calls (1 for long ones), each encoding its prompt afresh."""
@@ -171,10 +192,7 @@ def end_to_end_rows(world: int) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(minutes=10),
-                            device_id=torch.device("cuda", rank))  # fmt: skip
+    init_worker(rank, world, port)
     try:
         from . import emit, versions
 
