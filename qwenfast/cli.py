@@ -553,6 +553,21 @@ def _attention_libraries() -> str:
     return "; ".join(parts)
 
 
+def _parallel_line() -> str:
+    """What `--parallel` can use here: the GPU count, the Ulysses layouts 24 heads allow, and whether
+    every GPU reaches the others' memory (P2P / NVLink: the fast peer exchange) or the exchange falls
+    back to NCCL all-to-alls (README: Several GPUs)."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        return f"{n} GPU{'s' if n != 1 else ''}: one-GPU runs only (--parallel ... --device cpu runs CPU processes)"
+    layouts = ["cfg=2"] + [f"ulysses={g}" for g in (2, 3, 4, 6, 8) if g <= n] + (["cfg=2,ulysses=2"] if n >= 4 else [])
+    p2p = all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
+    exchange = "peer memory (P2P/NVLink)" if p2p else "NCCL all-to-alls (no P2P between all GPUs: slower)"
+    return f"{n} GPUs: {', '.join(layouts)}; Ulysses exchange: {exchange}"
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     import torch
 
@@ -582,6 +597,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     else:
         print("cuda         not available (CPU only)")
     print(f"attention    {_attention_libraries()}")
+    print(f"parallel     {_parallel_line()}")
     path = Path(a.model) if a.model else DEFAULT_MODEL
     kind, problems = inspect_folder(path)
     if problems:

@@ -69,12 +69,29 @@ def test_doctor(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "torch" in out and "complete (text-to-image)" in out
     assert "attention    FA3" in out and "8-bit engines:" in out
+    assert "\nparallel     " in out and "GPU" in out.split("\nparallel     ")[1].splitlines()[0]
     broken = tmp_path / "m"
     shutil.copytree(DEFAULT_MODEL, broken)
     (broken / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
     assert main(["doctor", "--model", str(broken)]) == 1
     out = capsys.readouterr().out
     assert "INCOMPLETE" in out and "diffusion_pytorch_model.safetensors" in out
+
+
+def test_doctor_says_what_parallel_can_use(monkeypatch):
+    import torch
+
+    from qwenfast.cli import _parallel_line
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _parallel_line().startswith("0 GPUs: one-GPU runs only")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: True)
+    line = _parallel_line()
+    assert line.startswith("4 GPUs: cfg=2, ulysses=2, ulysses=3, ulysses=4, cfg=2,ulysses=2;") and "peer memory" in line
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda i, j: {i, j} != {1, 3})
+    assert "NCCL all-to-alls (no P2P" in _parallel_line()
 
 
 def test_console_script_entry_point():
