@@ -31,9 +31,7 @@ def rank() -> int:
 def run(cmd: Callable[[argparse.Namespace], int], a: argparse.Namespace) -> int:
     """Run `cmd(a)` on every rank of `a.parallel`'s layout; returns rank 0's exit status."""
     import torch
-    import torch.multiprocessing as mp
 
-    from .errors import ParallelError
     from .runtime.parallel import ParallelConfig
 
     layout = ParallelConfig.parse(a.parallel)
@@ -45,15 +43,39 @@ def run(cmd: Callable[[argparse.Namespace], int], a: argparse.Namespace) -> int:
                          f"{torch.cuda.device_count()} (use fewer ranks, or --device cpu to test on CPU processes)")  # fmt: skip
     from .testing.parallel import free_port
 
-    port = free_port()
-    try:
-        mp.spawn(_spawned, args=(layout.world, port, cpu, cmd, a), nprocs=layout.world, join=True)
-    except mp.ProcessRaisedException as e:
-        last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
-        raise ParallelError(f"--parallel {layout}: process {e.error_index} failed: {last}") from None
-    except mp.ProcessExitedException as e:
-        raise ParallelError(f"--parallel {layout}: process {e.error_index} exited with code {e.exit_code}") from None
+    spawn(_spawned, (layout.world, free_port(), cpu, cmd, a), layout.world, f"--parallel {layout}")
     return 0
+
+
+def spawn(fn: Callable, args: tuple, nprocs: int, what: str) -> None:
+    """`torch.multiprocessing.spawn(fn, args, nprocs)`; a failure becomes one `ParallelError` naming
+    the rank that caused it. A rank killed by a signal (OOM killer, `kill -9`) is named as the cause
+    even when a survivor reports first: the others then fail in a collective ("connection reset"), and
+    that message alone would blame the wrong rank."""
+    import signal
+
+    import torch.multiprocessing as mp
+
+    from .errors import ParallelError
+
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    try:
+        while not ctx.join():
+            pass
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        killed = [(i, p.exitcode) for i, p in enumerate(ctx.processes)
+                  if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGTERM]  # fmt: skip
+        if isinstance(e, mp.ProcessRaisedException):
+            last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
+            msg = f"process {e.error_index} failed: {last}"
+        else:
+            msg = f"process {e.error_index} exited with code {e.exit_code}"
+        if killed and killed[0][0] != e.error_index:
+            i, code = killed[0]
+            msg = f"process {i} was killed by {signal.Signals(-code).name}; then {msg}"
+        elif killed:
+            msg = f"process {e.error_index} was killed by {signal.Signals(-killed[0][1]).name}"
+        raise ParallelError(f"{what}: {msg}") from None
 
 
 def _spawned(r: int, world: int, port: int, cpu: bool, cmd, a: argparse.Namespace) -> None:

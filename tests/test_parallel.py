@@ -171,6 +171,20 @@ def test_a_failing_rank_ends_the_run(six_heads, tmp_path):
     assert time.monotonic() - t0 < 90  # the other rank was ended, not left waiting in a collective
 
 
+def test_a_killed_rank_ends_the_run(six_heads, tmp_path):
+    """A rank SIGKILLed mid-denoise (the others waiting in its collective) ends the run with one error
+    naming the signal, within the test's timeout."""
+    import time
+
+    call = dict(T2I_CFG, height=32, width=32)
+    t0 = time.monotonic()
+    from qwenfast.errors import ParallelError
+
+    with pytest.raises(ParallelError, match="process 1 was killed by SIGKILL"):
+        run_parallel(six_heads, "ulysses=2", call, tmp_path / "o.npy", 2, fail_rank=1, fail_how="kill")
+    assert time.monotonic() - t0 < 90
+
+
 def test_cli_parallel_writes_the_one_process_image(tmp_path, capsys):
     """`qwenfast generate --device cpu --parallel ...` starts the ranks itself; rank 0 writes the PNG."""
     from PIL import Image

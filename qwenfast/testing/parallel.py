@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 
 def free_port() -> int:
@@ -23,7 +22,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dict, out: str, fail_rank: int,
-            options: dict | None = None) -> None:  # fmt: skip
+            options: dict | None = None, fail_how: str = "raise") -> None:  # fmt: skip
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -31,9 +30,20 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
         from qwenfast.options import EngineOptions
         from qwenfast.pipeline.auto import from_pretrained
 
-        if rank == fail_rank:
+        if rank == fail_rank and fail_how == "raise":
             raise RuntimeError(f"rank {rank} failed on purpose (test)")
         pipe = from_pretrained(model, device="cpu", dtype=torch.float32, options=EngineOptions(parallel=layout, **(options or {})))
+        if rank == fail_rank:  # "kill": SIGKILL in the second denoising step, the other ranks mid-collective
+            import signal
+
+            calls = []
+
+            def kill_in_second_forward(*_):
+                calls.append(1)
+                if len(calls) == 2:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            pipe.transformer.register_forward_pre_hook(kill_in_second_forward)
         pipe.set_progress_bar_config(disable=True)
         modulated: set[int] = set()  # which blocks' img_mod this rank ran (split_over_ranks)
         blocks = getattr(pipe.transformer, "transformer_blocks", [])
@@ -59,9 +69,12 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
 
 
 def run_parallel(model: str | Path, layout: str, call: dict[str, Any], out: str | Path, world: int,
-                 fail_rank: int = -1, options: dict[str, Any] | None = None) -> np.ndarray:  # fmt: skip
+                 fail_rank: int = -1, options: dict[str, Any] | None = None, fail_how: str = "raise") -> np.ndarray:  # fmt: skip
     """`call` (pipeline kwargs; `seeds` instead of generators) on `world` gloo processes -> rank 0's images.
-    `options`: further EngineOptions fields for every rank (e.g. a step cache)."""
-    mp.spawn(_worker, args=(world, free_port(), str(model), layout, call, str(out), fail_rank, options),
-             nprocs=world, join=True)  # fmt: skip
+    `options`: further EngineOptions fields for every rank (e.g. a step cache). fail_rank (tests): that
+    rank raises before loading (`fail_how="raise"`) or is SIGKILLed in its second forward ("kill")."""
+    from ..launch import spawn
+
+    spawn(_worker, (world, free_port(), str(model), layout, call, str(out), fail_rank, options, fail_how), world,
+          f"parallel {layout}")  # fmt: skip
     return np.load(out)
