@@ -3,7 +3,10 @@
 Why not let PyTorch pick: on H100/H200 PyTorch's default SDPA order prefers FlashAttention-2, but
 cuDNN's fused attention measured 659 TFLOP/s against FA2's 355 at Qwen-Image shapes (B=1, 24 heads,
 4224 tokens, d=128), and FA2 refuses boolean masks entirely. So on CUDA we ask for cuDNN first and
-keep the exact fallbacks behind it; FA3 (`flash_attn_interface`) is used when its wheel is present.
+keep the exact fallbacks behind it. FlashAttention-3 goes first where it is installed (the full
+`flash_attn_interface` build, or the forward-only `fa3-fwd` wheel for bf16) and the GPU is a Hopper
+(sm_90, the only architecture its kernels are built for): on an H200 it measured 0.314 vs 0.329 ms per
+layer at 4224 tokens and 0.893 vs 1.067 ms at 7017 (`bench/attn_layout.py`); layouts do not matter.
 
 `QWENFAST_ATTENTION` = auto | cudnn | flash | efficient | math | fa3 | fp8 (read once), or
 `set_attention()`. All backends but "fp8" are exact attention (no approximation); they differ in
@@ -42,12 +45,21 @@ except Exception:
     _FA3 = None
 
 
-_FA3_FWD = None  # the forward-only `fa3-fwd` wheel: only for an explicit "fa3" (auto's order is unchanged)
+_FA3_FWD = None  # the forward-only `fa3-fwd` wheel (bf16 kernels only), imported on first use
+_HOPPER: dict[int, bool] = {}  # device index -> sm_90
 
 
-def _fa3(explicit: bool = False):
+def _hopper(device: torch.device) -> bool:
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _HOPPER:
+        _HOPPER[i] = torch.cuda.get_device_capability(i)[0] == 9
+    return _HOPPER[i]
+
+
+def _fa3(allow_fwd: bool = False):
+    """FA3's module: `flash_attn_interface`, else (allow_fwd: bf16 inputs) `fa3_fwd_interface`, else None."""
     global _FA3_FWD
-    if _FA3 is not None or not explicit:
+    if _FA3 is not None or not allow_fwd:
         return _FA3
     if _FA3_FWD is None:
         try:
@@ -165,8 +177,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         return fp8_attention(q, k, v, mask, fallback=_cudnn_bf16)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if choice in ("fa3", "auto") and mask is None and q.dtype in (torch.bfloat16, torch.float16):
-        fa3 = _fa3(explicit=choice == "fa3" and q.dtype == torch.bfloat16)  # fa3-fwd ships no fp16 kernels
+    if (choice in ("fa3", "auto") and mask is None and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and _hopper(q.device)):  # fmt: skip
+        fa3 = _fa3(allow_fwd=q.dtype == torch.bfloat16)  # fa3-fwd ships no fp16 kernels
         if fa3 is not None:
             out = fa3.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             out = out[0] if isinstance(out, tuple) else out
