@@ -31,8 +31,24 @@ def test_backends_match_the_fp32_reference(B, H, S, D):
         assert err < 1e-2, (name, err)
         outs[name] = o
     assert torch.equal(outs["auto"], outs["fa3"] if _fa3_expected() else outs["cudnn"])
-    if _fa3_expected():  # FA3 really ran: it rounds differently from cuDNN
-        assert not torch.equal(outs["auto"], outs["cudnn"])
+
+
+def test_auto_calls_fa3_on_hopper_when_installed(monkeypatch):
+    if not _fa3_expected():
+        pytest.skip("FA3 not installed or not a Hopper GPU: auto runs cuDNN (checked above)")
+    mod, calls = A._fa3(allow_fwd=True), []
+
+    class Spy:
+        def flash_attn_func(self, *a, **k):
+            calls.append(a[0].shape)
+            return mod.flash_attn_func(*a, **k)
+
+    monkeypatch.setattr(A, "_fa3", lambda allow_fwd=False: Spy())
+    q = torch.randn(1, 4, 33, 128, device="cuda", dtype=torch.bfloat16)
+    with A.use_attention("auto"):
+        A.attention(q, q, q)
+        A.attention(q.float(), q.float(), q.float())  # fp32: not FA3's
+    assert calls == [(1, 33, 4, 128)]
 
 
 def test_a_mask_never_goes_to_fa3():
