@@ -150,6 +150,36 @@ def test_transformer21_matches_diffusers(device, backend, fused, dtype):
     assert rel_err(want["cached"], moved) > 10 * tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_each_block_normalises_the_next_blocks_input(monkeypatch, dtype):
+    """The fused blocks hand the next block its LayerNorm + scale1 from the MLP residual's pass (one
+    LayerNorm launch per forward instead of one per block); a runner that does not hand x on untouched
+    gets it recomputed. Both give the same bits."""
+    import qwenfast.models.transformer21 as T
+    from qwenfast.runtime.blocks import BlockRunner
+
+    _, ours = _models("cpu", dtype)
+    inp = _inputs("cpu", dtype, seed=3)
+    calls = []
+    real = T.layernorm_modulate
+    monkeypatch.setattr(T, "layernorm_modulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    class Copying(BlockRunner):  # hands each block a copy of x (as a cache adding residuals would)
+        def run(self, blocks, call, img, txt, step):
+            for i, block in enumerate(blocks):
+                img, txt = call(i, block, img.clone(), txt)
+            return img, txt
+
+    with torch.no_grad():
+        handed = _ours(ours, inp, inp["t"])
+        assert len(calls) == 1
+        calls.clear()
+        ours.block_runner = Copying()
+        copied = _ours(ours, inp, inp["t"])
+        assert len(calls) == len(ours.transformer_blocks)
+    assert torch.equal(handed, copied)
+
+
 def test_oracle_is_what_from_pretrained_loads(tmp_path):
     """`diffusers_transformer21(dtype=bf16)` is bit for bit diffusers' model saved and loaded with
     `from_pretrained(torch_dtype=bf16)`; `model.to(bf16)` (the benchmark's old oracle) is not, and the
