@@ -81,7 +81,7 @@ def worker(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
 
 
 if __name__ == "__main__":
-    from qwenfast.testing.parallel import free_port
+    from qwenfast.launch import free_port
 
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6)

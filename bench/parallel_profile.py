@@ -49,6 +49,6 @@ def worker(rank: int, world: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    from qwenfast.testing.parallel import free_port
+    from qwenfast.launch import free_port
 
     mp.spawn(worker, args=(2, free_port()), nprocs=2, join=True)

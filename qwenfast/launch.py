@@ -41,10 +41,17 @@ def run(cmd: Callable[[argparse.Namespace], int], a: argparse.Namespace) -> int:
     if not cpu and torch.cuda.device_count() < layout.world:
         raise ValueError(f"--parallel {layout} needs {layout.world} GPUs; this machine has "
                          f"{torch.cuda.device_count()} (use fewer ranks, or --device cpu to test on CPU processes)")  # fmt: skip
-    from .testing.parallel import free_port
-
     spawn(_spawned, (layout.world, free_port(), cpu, cmd, a), layout.world, f"--parallel {layout}")
     return 0
+
+
+def free_port() -> int:
+    """A free TCP port on this machine for the process group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def spawn(fn: Callable, args: tuple, nprocs: int, what: str) -> None:

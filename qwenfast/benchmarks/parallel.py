@@ -227,7 +227,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_from_args(a: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
-    from ..testing.parallel import free_port
+    from ..launch import free_port
 
     world = a.gpus or torch.cuda.device_count()
     if world < 2:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,11 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ..launch import free_port, spawn  # free_port: re-exported for the tests and benchmarks
 
 
 def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dict, out: str, fail_rank: int,
@@ -73,8 +68,6 @@ def run_parallel(model: str | Path, layout: str, call: dict[str, Any], out: str 
     """`call` (pipeline kwargs; `seeds` instead of generators) on `world` gloo processes -> rank 0's images.
     `options`: further EngineOptions fields for every rank (e.g. a step cache). fail_rank (tests): that
     rank raises before loading (`fail_how="raise"`) or is SIGKILLed in its second forward ("kill")."""
-    from ..launch import spawn
-
     spawn(_worker, (world, free_port(), str(model), layout, call, str(out), fail_rank, options, fail_how), world,
           f"parallel {layout}")  # fmt: skip
     return np.load(out)
