@@ -56,18 +56,24 @@ def test_layouts_and_splits():
     assert split_sizes(6889, 2) == [3445, 3444] and sum(split_sizes(13, 3)) == 13
 
 
-def test_cfg_rank_trims_its_text_once_per_mask():
+def test_cfg_rank_trims_its_text_once_per_mask(monkeypatch):
     """cfg=2 gives each rank its rows without the shared right padding; the mask is read on the host
     once per mask tensor (not once per step), and a new or changed mask is read again."""
+    import qwenfast.runtime.attention as A
     from qwenfast.runtime.parallel import ParallelForward
 
     par = ParallelForward(lambda *a, **k: None, groups=None)
+    reads, real = [], A.trim_padding
+    monkeypatch.setattr(A, "trim_padding", lambda *a: reads.append(1) or real(*a))
     emb = torch.randn(2, 6, 4)
     mask = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
     e, m = par._trim(emb, mask, slice(0, 1))
     assert e.shape == (1, 3, 4) and m is None and torch.equal(e, emb[:1, :3])
     e, m = par._trim(emb, mask, slice(1, 2))
     assert e.shape == (1, 5, 4) and m is None
+    for _ in range(3):  # the next steps: same mask, same rows, no host read
+        assert par._trim(emb, mask, slice(1, 2))[0].shape == (1, 5, 4)
+    assert len(reads) == 2
     both, bm = par._trim(emb, mask, slice(0, 2))
     assert both.shape == (2, 5, 4) and torch.equal(bm, mask[:, :5])
     mask[1, 5] = 1  # in place: a new version, read again

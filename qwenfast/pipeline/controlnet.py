@@ -29,7 +29,7 @@ import torch
 
 from ..models.controlnet import ControlNets, QwenImageControlNetModel, QwenImageMultiControlNetModel
 from ..options import EngineOptions
-from ..runtime.attention import trim_padding
+from ..runtime.attention import RowTrim
 from ..runtime.blocks import StepContext
 from . import sampling as S
 from .common import (
@@ -136,6 +136,7 @@ class ControlForward:
     def __init__(self, forward, net: ControlNets, conds: list[torch.Tensor], scales: list[list[float]]):
         self.inner, self.net, self.conds, self.scales = forward, net, conds, scales
         self._last: tuple[int, list[torch.Tensor] | None] | None = None  # (step, residuals) of the cond pass
+        self._trim = RowTrim()  # batched CFG: the cond rows' text, trimmed once per mask
 
     def residuals(self, x, emb, mask, t, img_shapes, step: int) -> list[torch.Tensor] | None:
         scales = self.scales[step]
@@ -163,7 +164,7 @@ class ControlForward:
             res = self._last[1]
         elif branch == "both":  # batched CFG: cond rows first; the ControlNet sees the cond prompt only
             B = x.shape[0] // 2
-            e, m = trim_padding(emb[:B], None if mask is None else mask[:B])
+            e, m = self._trim(emb, mask, slice(0, B))
             res = self.residuals(x[:B], e, m, t[:B], img_shapes, i)
             res = None if res is None else [torch.cat([r, r]) for r in res]
         else:
