@@ -70,18 +70,15 @@ def spawn(fn: Callable, args: tuple, nprocs: int, what: str) -> None:
         while not ctx.join():
             pass
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        killed = [(i, p.exitcode) for i, p in enumerate(ctx.processes)
-                  if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGTERM]  # fmt: skip
         if isinstance(e, mp.ProcessRaisedException):
-            last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
-            msg = f"process {e.error_index} failed: {last}"
+            msg = f"process {e.error_index} failed: " + [ln for ln in str(e).splitlines() if ln.strip()][-1]
         else:
             msg = f"process {e.error_index} exited with code {e.exit_code}"
-        if killed and killed[0][0] != e.error_index:
-            i, code = killed[0]
-            msg = f"process {i} was killed by {signal.Signals(-code).name}; then {msg}"
-        elif killed:
-            msg = f"process {e.error_index} was killed by {signal.Signals(-killed[0][1]).name}"
+        killed = next(((i, p.exitcode) for i, p in enumerate(ctx.processes)  # (not by the clean-up's SIGTERM)
+                       if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGTERM), None)  # fmt: skip
+        if killed is not None:
+            i, code = killed
+            msg = f"process {i} was killed by {signal.Signals(-code).name}" + ("" if i == e.error_index else f"; then {msg}")
         raise ParallelError(f"{what}: {msg}") from None
 
 
