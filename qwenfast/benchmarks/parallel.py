@@ -225,12 +225,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_from_args(a: argparse.Namespace) -> int:
-    import torch.multiprocessing as mp
-
-    from ..launch import free_port
+    from ..launch import free_port, spawn
 
     world = a.gpus or torch.cuda.device_count()
     if world < 2:
         raise ValueError(f"`qwenfast bench parallel` needs at least 2 GPUs; {torch.cuda.device_count()} visible")
-    mp.spawn(_worker, args=(world, free_port(), a), nprocs=world, join=True)
+    spawn(_worker, (world, free_port(), a), world, "bench parallel")  # one error naming the failing rank
     return 0
