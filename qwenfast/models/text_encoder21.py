@@ -153,14 +153,12 @@ class TextEncoder21:
             kwargs = {"pixel_values": vis["pixel_values"].to(self.device, self.model.dtype),
                       "image_grid_thw": vis["image_grid_thw"].to(self.device),
                       "mm_token_type_ids": (ids == self.image_token_id).to(torch.int32)}  # fmt: skip
-        hook = self._lm.norm.register_forward_hook(lambda module, args, output: args[0])  # skip the final norm
-        try:
-            with self.resident():
-                # logits of one position only: the LM head over every token (151k x 4096) is never read
-                out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1,
-                                 **kwargs)  # fmt: skip
-        finally:
-            hook.remove()
+        from ..runtime.cuda_graphs import final_norm_input
+
+        with final_norm_input(self._lm), self.resident():
+            # logits of one position only: the LM head over every token (151k x 4096) is never read
+            out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1,
+                             **kwargs)  # fmt: skip
         return self._gather(out.hidden_states[-1], ids, attn)  # (B, T, D), before the final norm
 
     def _graph_runner(self):

@@ -9,6 +9,7 @@ fails (an op that cannot be captured, or no CUDA), the runner warns once and run
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import OrderedDict
 from typing import Any
@@ -146,6 +147,17 @@ class CudaGraphRunner(_GraphCache):
         return self._run(key, fn, (x, txt, mask, t, additional_t_cond, modulations, *(res or ())))
 
 
+@contextlib.contextmanager
+def final_norm_input(language_model: torch.nn.Module):
+    """Inside: the language model's final norm returns its input, so its last hidden state is the last
+    layer's output before that norm (what Qwen-Image-2.1's pipeline conditions on)."""
+    hook = language_model.norm.register_forward_hook(lambda module, args, output: args[0])
+    try:
+        yield
+    finally:
+        hook.remove()
+
+
 class TextEncoderGraphs(_GraphCache):
     """CUDA graphs for the text-only prompt encode (Qwen2.5-VL's language model).
 
@@ -179,12 +191,8 @@ class TextEncoderGraphs(_GraphCache):
     def eager(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.pre_norm:
             return self.lm(input_ids=ids, use_cache=False).last_hidden_state
-        # the final norm's input stands in for its output (what diffusers' 2.1 pipeline reads)
-        hook = self.lm.norm.register_forward_hook(lambda module, args, output: args[0])
-        try:
+        with final_norm_input(self.lm):
             return self.lm(input_ids=ids, use_cache=False).last_hidden_state
-        finally:
-            hook.remove()
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Last hidden states (B, T, D) of right-padded `ids` (B, T); rows past each mask are garbage."""
