@@ -403,6 +403,31 @@ def test_kernel_qk_norm_rope(device, dtype, Dh, layout, w_dtype, triton_backend)
 
 @pytest.mark.parametrize("device", KERNEL_DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_qk_norm_rope_without_v(device, dtype, triton_backend):
+    """A Q|K-only projection (out_v None: the V GEMM wrote its buffer itself): Q and K exactly those
+    of the Q|K|V call on the same rows, nothing else of the buffers touched (V stays poisoned)."""
+    dev = _dev(device)
+    B, H, Dh, P, L = 2, 3, 64, 7, 41
+    S = P + L
+    qkv = _randn(B, L, 3 * H * Dh, dtype=dtype, device=dev, seed=50, scale=2.0)
+    qk = qkv[..., : 2 * H * Dh].clone()
+    w = [(torch.rand(Dh, generator=_gen(51 + i)) + 0.5).to(device=dev, dtype=dtype) for i in range(2)]
+    cos, sin = (t.to(dev) for t in _rope(L, Dh, 53))
+    full, got = _joint_buffers(B, H, S, Dh, dtype, dev, "bshd"), _joint_buffers(B, H, S, Dh, dtype, dev, "bshd")
+    qk_norm_rope(qkv, *w, cos, sin, *full, offset=P)
+    qk_norm_rope(qk, *w, cos, sin, got[0], got[1], None, offset=P)
+    want = _joint_buffers(B, H, S, Dh, dtype, dev, "bshd")
+    qk_norm_rope_ref(qk, *w, cos, sin, want[0], want[1], None, offset=P)
+    for a, b, c in zip(got[:2], full[:2], want[:2]):
+        assert torch.equal(a[:, :, P:], b[:, :, P:])  # the same program on the same Q/K values
+        assert_match(a[:, :, P:], c[:, :, P:], dtype)
+        assert torch.isnan(a[:, :, :P]).all()
+    assert torch.isnan(got[2]).all() and torch.isnan(want[2]).all()
+    assert torch.isfinite(full[2][:, :, P:]).all()
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_qk_norm_rope_fp8_outputs(device, dtype, triton_backend):
     """e4m3 Q and K at the gains' bound descale (the 8-bit attention's inputs): the reference's codes
     (interpreter: every byte; CUDA, a separate compilation: all but <= 0.1% within one e4m3 step), never

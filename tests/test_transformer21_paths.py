@@ -180,6 +180,42 @@ def test_each_block_normalises_the_next_blocks_input(monkeypatch, dtype):
     assert torch.equal(handed, copied)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_v_projection_writes_the_cache_in_place(dtype):
+    """`project_qkv`: a plain Linear's V rows go straight into the token-major V buffer at [offset,
+    offset + L) of every batch row (nothing else written) and only Q|K come back; a wrapped Linear (as
+    FP8's) or a head-major buffer gets the whole Q|K|V projection and the buffer to fill."""
+    from qwenfast.models.transformer21 import project_qkv, qkv_buffer
+
+    g = torch.Generator().manual_seed(5)
+    B, L, P, H, Dh, D = 2, 13, 5, 3, 8, 20
+    lin = torch.nn.Linear(D, 3 * H * Dh, bias=False).to(dtype)
+    h = torch.randn(B, L, D, generator=g).to(dtype)
+    want = lin(h)
+    vb = qkv_buffer(B, H, P + L, Dh, dtype, "cpu").fill_(float("nan"))
+    with torch.no_grad():
+        qk, v_out = project_qkv(lin, h, vb, P)
+    assert v_out is None and qk.shape == (B, L, 2 * H * Dh)
+    assert rel_err(qk, want[..., : 2 * H * Dh]) <= TOL[dtype]
+    got_v = vb.transpose(1, 2)[:, P:].flatten(2)  # (B, L, H Dh)
+    assert rel_err(got_v, want[..., 2 * H * Dh :]) <= TOL[dtype]
+    assert torch.isnan(vb[:, :, :P]).all()
+
+    class Wrapped(torch.nn.Module):  # not a plain Linear (FP8, a LoRA side GEMM): one GEMM, V to copy
+        def forward(self, x):
+            return lin(x)
+
+    head_major = torch.full((B, H, P + L, Dh), float("nan"), dtype=dtype)
+    for module, buf in ((Wrapped(), vb), (lin, head_major)):
+        with torch.no_grad():
+            qkv, v_out = project_qkv(module, h, buf, P)
+        assert v_out is buf and torch.equal(qkv, want)
+    with torch.enable_grad():  # autograd cannot record `out=`: the whole projection
+        lin.weight.requires_grad_(True)
+        qkv, v_out = project_qkv(lin, h, vb, P)
+        assert v_out is vb and qkv.requires_grad
+
+
 def test_oracle_is_what_from_pretrained_loads(tmp_path):
     """`diffusers_transformer21(dtype=bf16)` is bit for bit diffusers' model saved and loaded with
     `from_pretrained(torch_dtype=bf16)`; `model.to(bf16)` (the benchmark's old oracle) is not, and the

@@ -88,7 +88,7 @@ if triton_available():
         eps,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, YDT: tl.constexpr, W_HALF: tl.constexpr,
         QDT: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr, TABLE: tl.constexpr,
-        Q8: tl.constexpr, K8: tl.constexpr,
+        Q8: tl.constexpr, K8: tl.constexpr, HAS_V: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0).to(tl.int64)
         row = pid // NG  # token; the NG head groups of one token are neighbouring programs, so every
@@ -127,9 +127,10 @@ if triton_available():
         else:
             tl.store(dk, _cast(k, KDT), mask=m2)
 
-        v = tl.load(src + 2 * HQ * Dh, mask=m2, other=0.0).to(tl.float32)  # exact
-        dv = ov_ptr + b * sv_b + hs[:, None] * sv_h + seq * sv_s + ds[None, :]
-        tl.store(dv, _cast(v, VDT), mask=m2)
+        if HAS_V:  # (else the projection wrote V into its buffer itself)
+            v = tl.load(src + 2 * HQ * Dh, mask=m2, other=0.0).to(tl.float32)  # exact
+            dv = ov_ptr + b * sv_b + hs[:, None] * sv_h + seq * sv_s + ds[None, :]
+            tl.store(dv, _cast(v, VDT), mask=m2)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> torch.Tensor:
@@ -152,18 +153,23 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def qk_norm_rope_ref(
     qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, offset: int = 0, eps: float = EPS,
+    out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor | None, offset: int = 0, eps: float = EPS,
     head0: int = 0, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Plain torch: norm_q/norm_k + apply_rope of heads head0.. (as many as out_q has), then copy
-    into out_*[:, :, offset:offset+L] (e4m3 out_q / out_k: the codes at descale_q / descale_k)."""
+    into out_*[:, :, offset:offset+L] (e4m3 out_q / out_k: the codes at descale_q / descale_k).
+    out_v None: qkv is Q|K only (its V went elsewhere)."""
     B, L, _ = qkv.shape
     H, Dh = out_q.shape[1], out_q.shape[3]
-    HQ = qkv.shape[-1] // (3 * Dh)
-    q, k, v = (x[:, :, head0 : head0 + H] for x in qkv.unflatten(-1, (3, HQ, Dh)).unbind(2))  # (B, L, H, Dh)
+    parts = 2 if out_v is None else 3
+    HQ = qkv.shape[-1] // (parts * Dh)
+    qkv = (x[:, :, head0 : head0 + H] for x in qkv.unflatten(-1, (parts, HQ, Dh)).unbind(2))  # (B, L, H, Dh)
+    q, k, v = (*qkv, None)[:3]
     q = apply_rope_ref(rms_norm_ref(q, wq, eps), cos, sin)
     k = apply_rope_ref(rms_norm_ref(k, wk, eps), cos, sin)
     for dst, src, d in ((out_q, q, descale_q), (out_k, k, descale_k), (out_v, v, None)):
+        if dst is None:
+            continue
         if dst.dtype == FP8:
             if d is None:
                 raise ValueError("an e4m3 output buffer needs its descale (qk_descale)")
@@ -183,18 +189,19 @@ def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, head0=0, dq=N
     if qkv.dim() != 3 or qkv.dtype not in FLOAT_DTYPES or qkv.stride(-1) != 1 or qkv.numel() == 0:
         return False
     B, L, _ = qkv.shape
-    if any(o.dim() != 4 for o in (out_q, out_k, out_v)):
+    outs = [o for o in (out_q, out_k, out_v) if o is not None]
+    if any(o.dim() != 4 for o in outs):
         return False
-    H, Dh = out_q.shape[1], out_q.shape[3]
+    H, Dh, parts = out_q.shape[1], out_q.shape[3], len(outs)
     return (
-        Dh % 2 == 0 and qkv.shape[-1] % (3 * Dh) == 0 and 0 <= head0
-        and head0 + H <= qkv.shape[-1] // (3 * Dh) and H * Dh <= 65536 and 0 <= offset
+        Dh % 2 == 0 and qkv.shape[-1] % (parts * Dh) == 0 and 0 <= head0
+        and head0 + H <= qkv.shape[-1] // (parts * Dh) and H * Dh <= 65536 and 0 <= offset
         and all(
             o.shape[0] == B and o.shape[1] == H and o.shape[3] == Dh and o.shape[2] >= offset + L
             and o.stride(-1) == 1
-            for o in (out_q, out_k, out_v)
+            for o in outs
         )
-        and _fp8_ok(out_q, dq) and _fp8_ok(out_k, dk) and out_v.dtype in FLOAT_DTYPES
+        and _fp8_ok(out_q, dq) and _fp8_ok(out_k, dk) and (out_v is None or out_v.dtype in FLOAT_DTYPES)
         and all(w.shape == (Dh,) and w.stride(0) == 1 for w in (wq, wk))
         and wq.dtype == wk.dtype and wq.dtype in FLOAT_DTYPES
         and all(t.dtype == torch.float32 and t.shape == (L, Dh // 2) and t.stride(-1) == 1 for t in (cos, sin))
@@ -203,12 +210,15 @@ def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, head0=0, dq=N
 
 def qk_norm_rope(
     qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, offset: int = 0, eps: float = EPS,
+    out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor | None, offset: int = 0, eps: float = EPS,
     head0: int = 0, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """RMSNorm(q; wq), RMSNorm(k; wk), RoPE on both, and q, k, v -> out_*[:, :, offset:offset+L].
 
-    qkv: (B, L, 3*HQ*Dh) fused projection (Q|K|V, heads contiguous), last dim contiguous.
+    qkv: (B, L, 3*HQ*Dh) fused projection (Q|K|V, heads contiguous), last dim contiguous; or
+    (B, L, 2*HQ*Dh) = Q|K with out_v None, when the V projection wrote its buffer itself (a GEMM
+    can write the token-major V rows in place; Q and K must pass through the norm anyway): the
+    kernel then moves 2/3 of the bytes.
     head0: the first of the H = out_q.shape[1] heads to take (HQ >= head0 + H): a sequence-parallel
     exchange writes each rank's head group straight into that rank's buffer, one call per group.
     wq, wk: (Dh,) RMSNorm gains. cos, sin: (L, Dh/2) fp32 tables of this stream.
@@ -218,7 +228,7 @@ def qk_norm_rope(
     Unsupported layouts/devices run `qk_norm_rope_ref` (same result, no error).
     """
     args = (qkv, wq, wk, cos, sin, out_q, out_k, out_v)
-    if not (_supported(*args, offset, head0, descale_q, descale_k) and use_triton(*args)):
+    if not (_supported(*args, offset, head0, descale_q, descale_k) and use_triton(*(t for t in args if t is not None))):
         return qk_norm_rope_ref(*args, offset, eps, head0, descale_q, descale_k)
     _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, eps, head0=head0, dq=descale_q, dk=descale_k)
     return out_q, out_k, out_v
@@ -279,19 +289,23 @@ def _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset: int, eps: float,
     w_half = wq.dtype in (torch.float16, torch.bfloat16)
     # the tile of all HQ heads even when writing a group of H of them: the same thread layout, so the
     # same fp32 reduction order, as the all-heads call (a head group's rows are then bit for bit its)
-    block_h, block_d = triton.next_power_of_2(qkv.shape[-1] // (3 * Dh)), triton.next_power_of_2(Dh)
+    parts = 2 if out_v is None else 3
+    hq = qkv.shape[-1] // (parts * Dh)
+    block_h, block_d = triton.next_power_of_2(hq), triton.next_power_of_2(Dh)
+    ov = out_k if out_v is None else out_v  # (an unused pointer and strides when there is no V)
     with _on_device(qkv):
         _qk_norm_rope_kernel[(B * L * groups,)](
-            qkv, wq, wk, cos, sin, out_q, out_k, out_v, qkv if table is None else table,
+            qkv, wq, wk, cos, sin, out_q, out_k, ov, qkv if table is None else table,
             qkv if dq is None else dq, qkv if dk is None else dk,
-            L, H, Dh, offset, head0, qkv.shape[-1] // (3 * Dh), groups,
+            L, H, Dh, offset, head0, hq, groups,
             qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
             out_q.stride(0), out_q.stride(1), out_q.stride(2),
             out_k.stride(0), out_k.stride(1), out_k.stride(2),
-            out_v.stride(0), out_v.stride(1), out_v.stride(2),
+            ov.stride(0), ov.stride(1), ov.stride(2),
             eps,
             BLOCK_H=block_h, BLOCK_D=block_d, YDT=_tl_dtype(wq.dtype) if w_half else tl.float32, W_HALF=w_half,
             QDT=_tl_dtype(out_q.dtype) or tl.float8e4nv, KDT=_tl_dtype(out_k.dtype) or tl.float8e4nv,
-            VDT=_tl_dtype(out_v.dtype), TABLE=table is not None, Q8=out_q.dtype == FP8, K8=out_k.dtype == FP8,
+            VDT=_tl_dtype(ov.dtype) or tl.float8e4nv, TABLE=table is not None, Q8=out_q.dtype == FP8,
+            K8=out_k.dtype == FP8, HAS_V=out_v is not None,
             num_warps=_num_warps(block_h * block_d),
         )  # fmt: skip
