@@ -35,7 +35,7 @@ def main() -> None:
     dev, dt, M, D, F = "cuda", torch.bfloat16, 4096, 4096, 12288
     x = torch.randn(M, D, device=dev, dtype=dt)
     xd = torch.randn(M, F, device=dev, dtype=dt)
-    graphs, flops = {}, {}
+    graphs, flops, keep = {}, {}, []  # keep: the graphs read these weights and outputs
     for name, widths in LAYOUTS.items():
         ws = [[torch.randn(D, F, device=dev, dtype=dt) * F**-0.5 if n == "down"
                else torch.randn(n, D, device=dev, dtype=dt) * D**-0.5 for n in widths]
@@ -54,7 +54,7 @@ def main() -> None:
             seq()
         graphs[name] = g
         flops[name] = sum(2 * M * w.shape[0] * w.shape[1] for w in ws[0]) * a.layers
-        del ws
+        keep.append((ws, outs))
     res = {k: {"ms": [], "mhz": []} for k in graphs}
     for _ in range(a.rounds):
         for name, g in graphs.items():
