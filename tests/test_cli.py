@@ -304,3 +304,35 @@ def test_bench_attention_quality_dry_run_on_cpu(capsys):
     if not torch.cuda.is_available():
         assert main(["bench", "attention", "micro"]) == 1
         assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_bench_parallel_gpu_counts(monkeypatch):
+    """`qwenfast bench parallel --gpus 2,4`: each count spawned in turn over GPUs 0..N-1 (a 4-GPU
+    machine measures 1, 2 and 4 GPUs in one command); counts the machine cannot run are refused
+    before anything starts."""
+    import argparse
+
+    import torch
+
+    import qwenfast.benchmarks.parallel as P
+    import qwenfast.launch as launch
+
+    p = argparse.ArgumentParser()
+    P.add_arguments(p)
+    assert p.parse_args(["--gpus", "2,4"]).gpus == [2, 4] and p.parse_args([]).gpus is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["--gpus", "two"])
+    spawned = []
+    monkeypatch.setattr(launch, "spawn", lambda fn, args, n, what: spawned.append((n, args[0])))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert P.run_from_args(p.parse_args(["--gpus", "2,4"])) == 0
+    assert spawned == [(2, 2), (4, 4)]
+    spawned.clear()
+    assert P.run_from_args(p.parse_args([])) == 0 and spawned == [(4, 4)]
+    for bad in ("1,4", "8"):
+        with pytest.raises(ValueError, match="takes counts from 2 to the 4 visible GPUs"):
+            P.run_from_args(p.parse_args(["--gpus", bad]))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match="needs at least 2 GPUs; 1 visible"):
+        P.run_from_args(p.parse_args([]))
+    assert spawned == [(4, 4)]  # nothing started by the refused calls

@@ -215,7 +215,9 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
+    p.add_argument("--gpus", type=_gpu_counts, default=None, metavar="N[,N...]",
+                   help="GPU counts to run, one after the other, each against its own one-GPU baseline "
+                        "(e.g. 2,4; default: all visible)")  # fmt: skip
     p.add_argument("--size", type=int, action="append", help="forward sizes (default 1024 and 1328)")
     p.add_argument("--layers", type=int, default=60)
     p.add_argument("--no-forward", action="store_true")
@@ -227,8 +229,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run_from_args(a: argparse.Namespace) -> int:
     from ..launch import free_port, spawn
 
-    world = a.gpus or torch.cuda.device_count()
-    if world < 2:
-        raise ValueError(f"`qwenfast bench parallel` needs at least 2 GPUs; {torch.cuda.device_count()} visible")
-    spawn(_worker, (world, free_port(), a), world, "bench parallel")  # one error naming the failing rank
+    visible = torch.cuda.device_count()
+    worlds = a.gpus or [visible]
+    if visible < 2:
+        raise ValueError(f"`qwenfast bench parallel` needs at least 2 GPUs; {visible} visible")
+    if min(worlds) < 2 or max(worlds) > visible:
+        raise ValueError(f"`qwenfast bench parallel --gpus` takes counts from 2 to the {visible} visible GPUs, "
+                         f"got {','.join(map(str, worlds))}")  # fmt: skip
+    for world in worlds:  # each its own process group over GPUs 0..world-1
+        spawn(_worker, (world, free_port(), a), world, "bench parallel")  # one error naming the failing rank
     return 0
+
+
+def _gpu_counts(text: str) -> list[int]:
+    """"2,4" -> [2, 4] (argparse type of --gpus)."""
+    try:
+        counts = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus takes GPU counts like 4 or 2,4, got {text!r}") from None
+    return counts
