@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import sys
 import time
@@ -534,150 +533,6 @@ def save_pngs(images: list, output: Path, meta: dict[str, str]) -> list[Path]:
     return paths
 
 
-def _attention_libraries() -> str:
-    """Which optional attention libraries are installed (found, not imported): what `attention="fa3"`
-    and the 8-bit `attention="fp8"` engines can use (README: 8-bit attention)."""
-    import importlib.util
-
-    def found(mod: str) -> bool:
-        try:
-            return importlib.util.find_spec(mod) is not None
-        except (ImportError, ValueError):
-            return False
-
-    fa3 = [m for m in ("flash_attn_interface", "fa3_fwd_interface") if found(m)]
-    parts = [f"FA3 {'(' + ', '.join(fa3) + ')' if fa3 else 'not installed (pip install fa3-fwd)'}",
-             f"cuDNN frontend {'installed' if found('cudnn') else 'not installed'}"]  # fmt: skip
-    engines = (["fa3"] if fa3 else []) + (["cudnn"] if found("cudnn") else [])
-    parts.append(f"8-bit engines: {', '.join(engines) if engines else 'none (attention=fp8 runs cuDNN bf16)'}")
-    return "; ".join(parts)
-
-
-def _parallel_line() -> str:
-    """What `--parallel` can use here: the GPU count, the Ulysses layouts 24 heads allow, and whether
-    every GPU reaches the others' memory (P2P / NVLink: the fast peer exchange) or the exchange falls
-    back to NCCL all-to-alls (README: Several GPUs)."""
-    import torch
-
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n < 2:
-        return f"{n} GPU{'s' if n != 1 else ''}: one-GPU runs only (--parallel ... --device cpu runs CPU processes)"
-    layouts = ["cfg=2"] + [f"ulysses={g}" for g in (2, 3, 4, 6, 8) if g <= n] + (["cfg=2,ulysses=2"] if n >= 4 else [])
-    p2p = all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
-    exchange = "peer memory (P2P/NVLink)" if p2p else "NCCL all-to-alls (no P2P between all GPUs: slower)"
-    return f"{n} GPUs: {', '.join(layouts)}; Ulysses exchange: {exchange}"
-
-
-def cmd_doctor(a: argparse.Namespace) -> int:
-    import torch
-
-    from .loading.diffusers_folder import inspect_folder
-    from .pipeline.text_to_image import DEFAULT_MODEL
-
-    print(f"python       {platform.python_version()} ({sys.executable})")
-    print(f"torch        {torch.__version__}")
-    try:
-        import triton
-
-        print(f"triton       {triton.__version__}")
-    except ImportError:
-        print("triton       not installed (GPU kernels fall back to torch)")
-    for name in ("transformers", "safetensors", "diffusers"):
-        try:
-            mod = __import__(name)
-            print(f"{name:<12} {mod.__version__}")
-        except ImportError:
-            print(f"{name:<12} not installed")
-    if torch.cuda.is_available():
-        print(f"cuda         {torch.version.cuda}, {torch.cuda.device_count()} device(s)")
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            free, total = torch.cuda.mem_get_info(i)
-            print(f"  cuda:{i}     {p.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} free), sm_{p.major}{p.minor}")
-    else:
-        print("cuda         not available (CPU only)")
-    print(f"attention    {_attention_libraries()}")
-    print(f"parallel     {_parallel_line()}")
-    path = Path(a.model) if a.model else DEFAULT_MODEL
-    kind, problems = inspect_folder(path)
-    if problems:
-        print(f"model        {path}: INCOMPLETE")
-        for pr in problems:
-            print(f"  - {pr}")
-        return 1
-    print(f"model        {path}: complete ({kind})")
-    return 0
-
-
-def cmd_bench(a: argparse.Namespace) -> int:
-    import torch
-
-    if a.what == "quality":  # the demo model's quality gate; CPU or GPU
-        from .demo.bench import quality, quality_paths
-
-        if a.cache:
-            from .benchmarks import emit, versions
-            from .demo.bench import quality_cache
-
-            rows = quality_cache(a.model, tuple(a.cache), n=a.n, device=a.device, dtype=a.dtype,
-                                 steps=a.steps or 50, cfg=a.cfg)  # fmt: skip
-            emit({"bench": "quality_cache", "model": a.model or "demo-t2i", **versions(), "steps": a.steps or 50,
-                  "rows": rows}, "quality.jsonl", a.results)  # fmt: skip
-            return 0
-        if not a.paths:
-            quality(a.model, n=a.n, device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg, verbose=a.verbose)
-            return 0
-        from .benchmarks import emit, versions
-
-        n = min(a.n or 120, 120)
-        from .demo.bench import PATHS
-
-        paths = [p for i, p in enumerate(PATHS) if i == 0 or not a.path or any(k in p[0] for k in a.path)]
-        if a.path and len(paths) == 1:
-            raise SystemExit(f"--path {a.path}: no code path matches; the paths are: "
-                             + ", ".join(p[0] for p in PATHS[1:]))  # fmt: skip
-        rows = quality_paths(a.model, n=n, device=a.device, paths=paths)
-        record = {"bench": "quality_paths", "model": a.model or "demo-t2i", **versions(), "n": n, "rows": rows,
-                  "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
-        emit(record, "quality.jsonl", a.results)
-        return 0
-    if a.what == "fp8":
-        from .benchmarks.fp8 import run_from_args as run_fp8
-
-        return run_fp8(a)
-    if a.what == "attention":
-        from .benchmarks.attention import run_from_args as run_attention
-
-        return run_attention(a)
-    if a.what == "parallel" and torch.cuda.is_available():
-        from .benchmarks.parallel import run_from_args as run_parallel
-
-        return run_parallel(a)
-    if a.what == "serve":  # runs on CPU too (smoke test on the embedded model)
-        from .benchmarks.serve import run_from_args
-
-        return run_from_args(a)
-    if a.what == "pipeline" and a.task and (a.smoke or torch.cuda.is_available()):  # img2img / inpaint rows
-        from .benchmarks import results_dir
-        from .benchmarks.tasks_inpaint import run_tasks
-
-        run_tasks(a.task, smoke=a.smoke, steps=a.steps, out_dir=results_dir(a.results))
-        return 0
-    if a.what == "pipeline" and (a.smoke or torch.cuda.is_available()):  # --smoke: tiny model on the CPU
-        from .benchmarks.pipeline import run_from_args as run_pipeline
-
-        return run_pipeline(a)
-    if not torch.cuda.is_available():
-        print("error: `qwenfast bench` measures GPU speed and needs a CUDA device (pipeline: --smoke runs on CPU)",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    from .benchmarks.transformer import run
-
-    run(sizes=tuple(a.size or [1024]), compare=a.compare == "diffusers", num_layers=a.layers, txt_len=a.txt,
-        iters=a.iters, compile_=not a.no_compile, out_dir=a.results, fp8=not a.no_fp8)  # fmt: skip
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .config import ConfigError
@@ -693,8 +548,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "layers":
             return cmd_layers(args)
         if args.cmd == "doctor":
+            from .cli_tools import cmd_doctor
+
             return cmd_doctor(args)
         if args.cmd == "bench":
+            from .cli_tools import cmd_bench
+
             return cmd_bench(args)
         if args.cmd == "export":
             from .export.cli_export import run as cmd_export

@@ -22,7 +22,7 @@ LAYER_OF = {  # top-level name under qwenfast/ -> layer
     "server": 4, "demo": 4, "testing": 4, "export": 4,
     "benchmarks": 5,
     "launch": 4,  # process spawning for --parallel: the CLI and `serve --parallel` use it
-    "cli": 6, "cli_tasks": 6, "__init__": 6, "__main__": 6, "assets": 0,
+    "cli": 6, "cli_tasks": 6, "cli_tools": 6, "__init__": 6, "__main__": 6, "assets": 0,
 }  # fmt: skip
 NAMES = {0: "config/options/errors/validation/kernels/runtime", 1: "models", 2: "loading", 3: "pipeline",
          4: "server/demo/testing/export/launch", 5: "benchmarks", 6: "cli"}  # fmt: skip

@@ -81,7 +81,7 @@ def test_doctor(tmp_path, capsys):
 def test_doctor_says_what_parallel_can_use(monkeypatch):
     import torch
 
-    from qwenfast.cli import _parallel_line
+    from qwenfast.cli_tools import _parallel_line
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _parallel_line().startswith("0 GPUs: one-GPU runs only")
