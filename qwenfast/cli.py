@@ -126,13 +126,17 @@ def build_parser() -> argparse.ArgumentParser:
     bt = bsub.add_parser("transformer", help="full-size transformer forward, random bf16 weights")
     bt.add_argument("--size", type=int, action="append", help="image side in pixels (repeatable; default 1024)")
     bt.add_argument("--compare", choices=["diffusers", "none"], default="none")
-    bt.add_argument("--layers", type=_positive, default=60)
+    bt.add_argument("--layers", type=_positive, default=None, help="transformer blocks (default: the model's, 60 / 32)")
     bt.add_argument("--txt", type=_positive, default=128, help="text tokens")
     bt.add_argument("--iters", type=_positive, default=10)
     bt.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     bt.add_argument("--no-fp8", action="store_true", help="skip the FP8 variant")
     bt.add_argument("--results", default=None, metavar="DIR",
                     help="append the JSON record to DIR/transformer.jsonl (default: only print it)")  # fmt: skip
+    bt.add_argument("--model-type", choices=["qwen-image", "2.1"], default="qwen-image",
+                    help="2.1: Qwen-Image-2.1's transformer (prefill and cached step, bf16 and FP8) vs diffusers' "
+                         "QwenImage21Transformer2DModel, records to DIR/qwenimage21.jsonl")  # fmt: skip
+    bt.add_argument("--device", default="cuda", help="with --model-type 2.1: cpu runs the code (timings meaningless)")
     from .benchmarks.serve import add_arguments as add_bench_serve_arguments
 
     add_bench_serve_arguments(bsub.add_parser("serve", help="server throughput and p50/p95 latency vs concurrency"))

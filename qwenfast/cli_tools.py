@@ -132,6 +132,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .benchmarks.serve import run_from_args
 
         return run_from_args(a)
+    if a.what in ("transformer", "pipeline") and a.model_type == "2.1":
+        return _bench21(a, on_cpu=(a.device == "cpu") if a.what == "transformer" else a.smoke)
     if a.what == "pipeline" and a.task and (a.smoke or torch.cuda.is_available()):  # img2img / inpaint rows
         from .benchmarks import results_dir
         from .benchmarks.tasks_inpaint import run_tasks
@@ -148,6 +150,36 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return 2
     from .benchmarks.transformer import run
 
-    run(sizes=tuple(a.size or [1024]), compare=a.compare == "diffusers", num_layers=a.layers, txt_len=a.txt,
+    run(sizes=tuple(a.size or [1024]), compare=a.compare == "diffusers", num_layers=a.layers or 60, txt_len=a.txt,
         iters=a.iters, compile_=not a.no_compile, out_dir=a.results, fp8=not a.no_fp8)  # fmt: skip
+    return 0
+
+
+def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
+    """`bench transformer|pipeline --model-type 2.1`: the Qwen-Image-2.1 benchmarks (benchmarks/qwenimage21.py,
+    qwenimage21_e2e.py) with this command's arguments; on the CPU a tiny size and one block check the code."""
+    import torch
+
+    if not on_cpu and not torch.cuda.is_available():
+        print("error: the Qwen-Image-2.1 benchmarks measure GPU speed and need a CUDA device "
+              "(--device cpu / --smoke run the code on the CPU)", file=sys.stderr)  # fmt: skip
+        return 2
+    small = ["--device", "cpu", "--layers", "1", "--size", "64"] if on_cpu else []
+    if a.what == "transformer":
+        from .benchmarks.qwenimage21 import main as bench
+
+        argv = ["--text", str(8 if on_cpu else a.txt)] + (["--size", str(a.size[0])] if a.size and not on_cpu else [])
+        argv += ["--layers", str(a.layers)] if a.layers and not on_cpu else []
+        argv += [] if a.no_compile or on_cpu else ["--compile"]
+        name = "qwenimage21.jsonl"
+    else:
+        from .benchmarks.qwenimage21_e2e import main as bench
+
+        argv = (["--fp8"] if a.fp8 else []) + (["--steps", str(a.steps)] if a.steps else [])
+        argv += ["--text-encoder", "tiny", "--runs", "1"] + ([] if a.steps else ["--steps", "2"]) if on_cpu else []
+        name = "qwenimage21_e2e.jsonl"
+    if a.results:
+        Path(a.results).mkdir(parents=True, exist_ok=True)
+        argv += ["--out", str(Path(a.results) / name)]
+    bench(small + argv)
     return 0

@@ -336,3 +336,23 @@ def test_bench_parallel_gpu_counts(monkeypatch):
     with pytest.raises(ValueError, match="needs at least 2 GPUs; 1 visible"):
         P.run_from_args(p.parse_args([]))
     assert spawned == [(4, 4)]  # nothing started by the refused calls
+
+
+@pytest.mark.parametrize("what", ["transformer", "pipeline"])
+def test_bench_21_from_the_cli_on_cpu(tmp_path, what):
+    """`qwenfast bench transformer|pipeline --model-type 2.1` run the Qwen-Image-2.1 benchmarks against
+    diffusers (here their code on the CPU: one full-width block, a 64² image) and append their records."""
+    import json
+
+    cpu = ["--device", "cpu"] if what == "transformer" else ["--smoke"]
+    assert main(["bench", what, "--model-type", "2.1", *cpu, "--results", str(tmp_path)]) == 0
+    name = "qwenimage21.jsonl" if what == "transformer" else "qwenimage21_e2e.jsonl"
+    rows = [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+    if what == "transformer":
+        assert {r["dtype"] for r in rows} == {"bf16", "fp8"}
+        bf16 = next(r for r in rows if r["dtype"] == "bf16")
+        assert bf16["rel_err_cached"] <= 1e-2 and bf16["diffusers_cached_ms"] > 0 and bf16["ours_cached_graph_ms"] > 0
+    else:
+        turbo = next(r for r in rows if r["what"].endswith("turbo-4"))
+        assert turbo["diffusers_s"] > 0 and turbo["ours_s"] > 0 and turbo["mean_abs_diff_vs_diffusers"] < 0.05
+        assert {r.get("cache") for r in rows if "cache" in r} == {"off", "balanced", "fast"}

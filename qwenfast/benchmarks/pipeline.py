@@ -305,6 +305,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", action="append", choices=["img2img", "inpaint", "edit-inpaint"],
                    help="instead: one row per task vs diffusers' pipeline of that task (benchmarks/tasks_inpaint.py, run by the CLI)")
     p.add_argument("--steps", type=int, default=None, help="with --task: steps of the timed call (default 30)")
+    p.add_argument("--model-type", choices=["qwen-image", "2.1"], default="qwen-image",
+                   help="2.1: Qwen-Image-2.1 end to end vs diffusers' QwenImage21Pipeline (40 steps, step cache "
+                        "presets, turbo-4; --fp8 adds FP8 rows; --steps; records to DIR/qwenimage21_e2e.jsonl)")  # fmt: skip
 
 
 def run_from_args(a: argparse.Namespace) -> int:
