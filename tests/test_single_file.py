@@ -24,6 +24,7 @@ from qwenfast.cli import main
 from qwenfast.config import QWEN_IMAGE, QWEN_IMAGE_EDIT_2511, VAEConfig
 from qwenfast.loading import fp8 as F
 from qwenfast.loading import single_file as S
+from qwenfast.loading import wan_vae_keys as WK
 from qwenfast.loading import weights as W
 from qwenfast.loading.diffusers_folder import load_transformer, load_vae
 from qwenfast.loading.weights import CheckpointError
@@ -350,8 +351,8 @@ def test_fp8_streams_one_tensor_at_a_time(tiny, capsys):
 
 def test_vae_wan_and_diffusers_names_load_the_folder_weights(tiny):
     ref, path, tmp, _, vsd, _ = tiny
-    wan_names = S.diffusers_to_wan_vae_keys(list(vsd))
-    back, unknown = S.wan_to_diffusers_vae_keys(list(wan_names.values()))
+    wan_names = WK.diffusers_to_wan_vae_keys(list(vsd))
+    back, unknown = WK.wan_to_diffusers_vae_keys(list(wan_names.values()))
     assert not unknown and all(back[wan_names[k]] == k for k in vsd)  # both directions round-trip
     assert wan_names["decoder.mid_block.resnets.0.norm1.gamma"] == "decoder.middle.0.residual.0.gamma"
     assert wan_names["decoder.conv_in.weight"] == "decoder.conv1.weight"
@@ -379,7 +380,7 @@ def test_wan_map_matches_diffusers_converter():
     with torch.device("meta"):
         vae = AutoencoderKLQwenImage()
     keys = list(vae.state_dict())
-    wan = S.diffusers_to_wan_vae_keys(keys)
+    wan = WK.diffusers_to_wan_vae_keys(keys)
     assert set(convert_wan_vae_to_diffusers({w: 0 for w in wan.values()})) == set(keys)
     # spot checks from musubi-tuner's convert_comfyui_state_dict table
     assert wan["decoder.up_blocks.1.resnets.0.conv_shortcut.weight"] == "decoder.upsamples.4.shortcut.weight"
@@ -463,7 +464,7 @@ def test_text_encoder_config_is_7b_or_must_be_given(tiny):
 def comfy_files(tiny):
     """ComfyUI-style split files of the tiny model: prefixed transformer, Wan VAE, ComfyUI-named TE."""
     _, _, tmp, sd, vsd, tsd = tiny
-    wan = S.diffusers_to_wan_vae_keys(list(vsd))
+    wan = WK.diffusers_to_wan_vae_keys(list(vsd))
     return (_save(tmp, "c-transformer.safetensors", {"model.diffusion_model." + k: v for k, v in sd.items()}),
             _save(tmp, "c-vae.safetensors", {wan[k]: v for k, v in vsd.items()}),
             _save(tmp, "c-te.safetensors", _legacy_te(tsd)))  # fmt: skip
