@@ -206,7 +206,8 @@ def test_v_projection_writes_the_cache_in_place(dtype):
             return lin(x)
 
     head_major = torch.full((B, H, P + L, Dh), float("nan"), dtype=dtype)
-    for module, buf in ((Wrapped(), vb), (lin, head_major)):
+    other_dtype = qkv_buffer(B, H, P + L, Dh, torch.float16, "cpu")
+    for module, buf in ((Wrapped(), vb), (lin, head_major), (lin, other_dtype)):
         with torch.no_grad():
             qkv, v_out = project_qkv(module, h, buf, P)
         assert v_out is buf and torch.equal(qkv, want)

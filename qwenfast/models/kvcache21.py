@@ -64,10 +64,13 @@ def project_qkv(lin: nn.Module, h: torch.Tensor, vb: torch.Tensor, offset: int) 
     which then moves 2/3 of the bytes: one (L, H*Dh) read and write fewer per block. FP8 and other
     wrapped Linears (and autograd, which `out=` cannot record) project all three as one GEMM.
     """
-    w, (B, L, _) = getattr(lin, "weight", None), h.shape
+    w = getattr(lin, "weight", None)
+    if (type(lin) is not nn.Linear or lin.bias is not None or h.dim() != 3 or not w.dtype == vb.dtype == h.dtype
+            or (torch.is_grad_enabled() and w.requires_grad)):  # fmt: skip
+        return lin(h), vb
+    B, L, _ = h.shape
     rows = vb.transpose(1, 2)[:, offset : offset + L]  # (B, L, H, Dh)
-    if (type(lin) is not nn.Linear or lin.bias is not None or w.dtype != h.dtype or h.dim() != 3
-            or not rows[0].is_contiguous() or (torch.is_grad_enabled() and w.requires_grad)):  # fmt: skip
+    if not rows[0].is_contiguous():  # a head-major buffer
         return lin(h), vb
     hd = w.shape[0] // 3
     wv = w[2 * hd :].t()
