@@ -164,22 +164,25 @@ def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
         print("error: the Qwen-Image-2.1 benchmarks measure GPU speed and need a CUDA device "
               "(--device cpu / --smoke run the code on the CPU)", file=sys.stderr)  # fmt: skip
         return 2
-    small = ["--device", "cpu", "--layers", "1", "--size", "64"] if on_cpu else []
     if a.what == "transformer":
         from .benchmarks.qwenimage21 import main as bench
 
-        argv = ["--text", str(8 if on_cpu else a.txt)] + (["--size", str(a.size[0])] if a.size and not on_cpu else [])
-        argv += ["--layers", str(a.layers)] if a.layers and not on_cpu else []
-        argv += [] if a.no_compile or on_cpu else ["--compile"]
         name = "qwenimage21.jsonl"
+        if on_cpu:  # one full-width block, a 64² image, 8 prompt tokens
+            argv = ["--device", "cpu", "--layers", "1", "--size", "64", "--text", "8"]
+        else:
+            argv = ["--text", str(a.txt), *(["--size", str(a.size[0])] if a.size else []),
+                    *(["--layers", str(a.layers)] if a.layers else []), *([] if a.no_compile else ["--compile"])]  # fmt: skip
     else:
         from .benchmarks.qwenimage21_e2e import main as bench
 
-        argv = (["--fp8"] if a.fp8 else []) + (["--steps", str(a.steps)] if a.steps else [])
-        argv += ["--text-encoder", "tiny", "--runs", "1"] + ([] if a.steps else ["--steps", "2"]) if on_cpu else []
         name = "qwenimage21_e2e.jsonl"
+        argv = ["--fp8"] if a.fp8 else []
+        argv += ["--steps", str(a.steps or (2 if on_cpu else 40))]
+        if on_cpu:  # one full-width block, a 64² image, a 2-layer text encoder, one timed call per row
+            argv += ["--device", "cpu", "--layers", "1", "--size", "64", "--text-encoder", "tiny", "--runs", "1"]
     if a.results:
         Path(a.results).mkdir(parents=True, exist_ok=True)
         argv += ["--out", str(Path(a.results) / name)]
-    bench(small + argv)
+    bench(argv)
     return 0
