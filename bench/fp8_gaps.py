@@ -47,6 +47,18 @@ def timeline(fn) -> list[tuple[float, float, str]]:
     return sorted(ks)
 
 
+def kernel_summary(ks: list[tuple[float, float, str]]) -> tuple[collections.Counter, list[float], collections.Counter]:
+    """Of a `timeline`: (kernel us by category, each idle gap between consecutive kernels in us,
+    idle us by the (category before, category after) pair)."""
+    busy, gaps, pairs = collections.Counter(), [], collections.Counter()
+    for s, e, n in ks:
+        busy[cat(n)] += e - s
+    for (_s0, e0, n0), (s1, _, n1) in zip(ks, ks[1:]):
+        gaps.append(max(0.0, s1 - e0))
+        pairs[(cat(n0), cat(n1))] += gaps[-1]
+    return busy, gaps, pairs
+
+
 def _with_clocks(f):
     """f() while `nvidia-smi` samples the SM clock every ~50 ms: (result, {min, median, max} MHz)."""
     import subprocess
@@ -98,14 +110,7 @@ def main() -> None:
         wall, clocks = _with_clocks(lambda: median_ms(fn, 3, 40))
         spaced = median_ms(fn, 0, 8, pause_s=0.3)
         ks = timeline(fn)
-    busy = collections.Counter()
-    for s, e, n in ks:
-        busy[cat(n)] += e - s
-    gaps, pairs = [], collections.Counter()
-    for (_s0, e0, n0), (s1, _, n1) in zip(ks, ks[1:]):
-        gap = max(0.0, s1 - e0)
-        gaps.append(gap)
-        pairs[(cat(n0), cat(n1))] += gap
+    busy, gaps, pairs = kernel_summary(ks)
     span = ks[-1][1] - ks[0][0]
     res = {**versions(), "size": a.size, "wall_ms": round(wall, 2), "spaced_ms": round(spaced, 2),
            "sm_clock_mhz_in_loop": clocks, "profiled_span_ms": round(span / 1e3, 2),

@@ -14,59 +14,29 @@ while each runs for ~2 s. Prints a table and a JSON line.  `python bench/h21_ab.
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
-from fp8_gaps import _with_clocks, cat, timeline
+from fp8_gaps import _with_clocks, kernel_summary, timeline
 
 import qwenfast.models.transformer21 as T
 from qwenfast.benchmarks import versions
 from qwenfast.runtime import attention as A
 
 
-def ms(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / iters * 1000
-
-
 def main() -> None:
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-    from qwenfast.loading.qwenimage21 import Fuser21
-    from qwenfast.loading.weights import load_streaming
+    from qwenfast.benchmarks.qwenimage21 import _time, setup
     from qwenfast.runtime.cuda_graphs import CudaGraphRunner
-    from qwenfast.testing.tiny21 import diffusers_transformer21
 
     p = argparse.ArgumentParser()
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    ref = diffusers_transformer21(dtype=dt, device=dev, seed=0, num_layers=a.layers)
-    cfg = T.Transformer21Config(num_layers=a.layers)
-    with torch.device("meta"):
-        ours = T.QwenImage21Transformer(cfg)
-    items = ((k, v.detach().clone(), Path("memory")) for k, v in ref.state_dict().items())
-    ours = load_streaming(ours, items, dtype=dt, where="memory", convert=Fuser21())
-    h = w = 64
-    N, L = h * w, 128
-    g = torch.Generator(dev).manual_seed(1)
-    emb = torch.randn(1, L, 4096, device=dev, dtype=dt, generator=g)
-    x = torch.randn(1, N, 64, device=dev, dtype=dt, generator=g)
-    t = torch.full((1,), 0.5, device=dev, dtype=dt)
-    vl = torch.cat([torch.zeros(L, dtype=torch.bool), torch.ones(N // 4, dtype=torch.bool)])
-    shapes = [(1, h, w)]
-
-    def ref_fwd(cache, mode):
-        return ref(hidden_states=x, encoder_hidden_states=emb, timestep=t, img_shapes=[shapes], img_mask=vl.to(dev)[None],
-                   kv_cache=cache, kv_cache_mode=mode, return_dict=False)[0][:, -N:]  # fmt: skip
+    ref, ours, (x, emb, t, shapes, vl), ref_fwd = setup(1024, 128, a.layers, torch.device("cuda"))
+    cfg = ours.cfg
 
     rec = {"what": "2.1 cached step variants", "gpu": torch.cuda.get_device_name(), **versions()}
     with torch.no_grad():
@@ -97,20 +67,17 @@ def main() -> None:
 
         runs = {k: [] for k in ("diffusers eager", *variants)}
         for _ in range(a.rounds):
-            runs["diffusers eager"].append(ms(lambda: ref_fwd(rc, "cached"), 5))
+            runs["diffusers eager"].append(_time(lambda: ref_fwd(rc, "cached"), 1, 5))
             for name, fn in variants.items():
-                runs[name].append(ms(fn, 10))
+                runs[name].append(_time(fn, 1, 10))
         rec["ms"] = {k: round(statistics.median(v), 2) for k, v in runs.items()}
         rec["ms_rounds"] = {k: [round(x, 2) for x in v] for k, v in runs.items()}
         rec["speedup_vs_diffusers_eager"] = {k: round(rec["ms"]["diffusers eager"] / v, 3) for k, v in rec["ms"].items()}
 
         ks = timeline(variants["v in place"])
-        by = {}
-        for s, e, n in ks:
-            by[cat(n)] = by.get(cat(n), 0.0) + (e - s) / 1000
-        gaps = [b[0] - a_[1] for a_, b in zip(ks, ks[1:]) if b[0] > a_[1]]
+        busy, gaps, _ = kernel_summary(ks)
         rec["timeline_v_in_place"] = {"span_ms": round((ks[-1][1] - ks[0][0]) / 1000, 2), "kernels": len(ks),
-                                      "busy_ms": {k: round(v, 2) for k, v in sorted(by.items(), key=lambda i: -i[1])},
+                                      "busy_ms": {k: round(v / 1000, 2) for k, v in busy.most_common()},
                                       "idle_ms": round(sum(gaps) / 1000, 2)}  # fmt: skip
         top = {}
         for s, e, n in ks:

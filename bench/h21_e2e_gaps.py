@@ -5,14 +5,13 @@ pairs around the largest gaps) against its wall time. `python bench/h21_e2e_gaps
 """
 
 import argparse
-import collections
 import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from fp8_gaps import cat, timeline
+from fp8_gaps import kernel_summary, timeline
 
 from qwenfast.benchmarks.qwenimage21_e2e import PROMPT, build
 
@@ -40,20 +39,13 @@ def main() -> None:
             torch.cuda.synchronize()
             walls.append(time.perf_counter() - t0)
         ks = timeline(call)
-    busy = collections.Counter()
-    for s, e, n in ks:
-        busy[cat(n)] += (e - s) / 1000
-    gaps = collections.Counter()
-    big = []
-    for (_, e0, n0), (s1, _, n1) in zip(ks, ks[1:]):
-        if s1 > e0:
-            gaps[(cat(n0), cat(n1))] += (s1 - e0) / 1000
-            big.append((round((s1 - e0) / 1000, 3), n0[:50], n1[:50]))
+    busy, gaps, pairs = kernel_summary(ks)
+    big = sorted(((g, k0[2][:50], k1[2][:50]) for g, k0, k1 in zip(gaps, ks, ks[1:])), reverse=True)[:12]
     rec = {"what": "2.1 e2e timeline", "steps": a.steps, "wall_s": [round(w, 3) for w in walls],
            "span_ms": round((ks[-1][1] - ks[0][0]) / 1000, 1), "kernels": len(ks),
-           "busy_ms": {k: round(v, 1) for k, v in busy.most_common()}, "idle_ms": round(sum(gaps.values()), 1),
-           "idle_by_pair_ms": {f"{a_}->{b}": round(v, 1) for (a_, b), v in gaps.most_common(8)},
-           "largest_gaps_ms": sorted(big, reverse=True)[:12]}  # fmt: skip
+           "busy_ms": {k: round(v / 1000, 1) for k, v in busy.most_common()}, "idle_ms": round(sum(gaps) / 1000, 1),
+           "idle_by_pair_ms": {f"{a_}->{b}": round(v / 1000, 1) for (a_, b), v in pairs.most_common(8)},
+           "largest_gaps_ms": [(round(g / 1000, 3), n0, n1) for g, n0, n1 in big]}  # fmt: skip
     print(json.dumps(rec))
 
 

@@ -82,14 +82,42 @@ def _diffusers_compiled(ref, ref_fwd, rc, want) -> dict:
     return {"diffusers_compile_error": err}
 
 
+def setup(size: int, text: int, layers: int, dev: torch.device):
+    """diffusers' full-width 2.1 transformer (random weights, bf16) and ours loaded from it, the inputs of
+    one forward at size² with `text` prompt tokens, and diffusers' forward on them:
+    -> (ref, ours, (x, emb, t, img_shapes, vl), ref_fwd(cache=None, mode=None) -> its target tokens)."""
+    from ..loading.qwenimage21 import Fuser21
+    from ..loading.weights import load_streaming
+    from ..models.transformer21 import QwenImage21Transformer, Transformer21Config
+    from ..testing.tiny21 import diffusers_transformer21
+
+    dt = torch.bfloat16
+    ref = diffusers_transformer21(dtype=dt, device=dev, seed=0, num_layers=layers)
+    with torch.device("meta"):
+        ours = QwenImage21Transformer(Transformer21Config(num_layers=layers))
+    items = ((k, v.detach().clone(), Path("memory")) for k, v in ref.state_dict().items())
+    ours = load_streaming(ours, items, dtype=dt, where="memory", convert=Fuser21())
+    h = w = size // 16
+    N = h * w
+    g = torch.Generator(dev).manual_seed(1)
+    emb = torch.randn(1, text, 4096, device=dev, dtype=dt, generator=g)
+    x = torch.randn(1, N, 64, device=dev, dtype=dt, generator=g)
+    t = torch.full((1,), 0.5, device=dev, dtype=dt)
+    vl = torch.cat([torch.zeros(text, dtype=torch.bool), torch.ones(N // 4, dtype=torch.bool)])  # host-side layout
+    shapes = [(1, h, w)]
+
+    def ref_fwd(cache=None, mode=None):
+        return ref(hidden_states=x, encoder_hidden_states=emb, timestep=t, img_shapes=[shapes],
+                   img_mask=vl.to(dev)[None], kv_cache=cache, kv_cache_mode=mode, return_dict=False)[0][:, -N:]  # fmt: skip
+
+    return ref, ours, (x, emb, t, shapes, vl), ref_fwd
+
+
 def main(argv=None) -> list[dict]:
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-    from ..loading.qwenimage21 import Fuser21
-    from ..loading.weights import load_streaming
-    from ..models.transformer21 import PrefixKVCache, QwenImage21Transformer, Transformer21Config
+    from ..models.transformer21 import PrefixKVCache
     from ..runtime.cuda_graphs import CudaGraphRunner
-    from ..testing.tiny21 import diffusers_transformer21
 
     p = argparse.ArgumentParser()
     p.add_argument("--size", type=int, default=1024)
@@ -102,25 +130,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (timings meaningless)")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.bfloat16
-    ref = diffusers_transformer21(dtype=dt, device=dev, seed=0, num_layers=a.layers)
-    cfg = Transformer21Config(num_layers=a.layers)
-    with torch.device("meta"):
-        ours = QwenImage21Transformer(cfg)
-    items = ((k, v.detach().clone(), Path("memory")) for k, v in ref.state_dict().items())
-    ours = load_streaming(ours, items, dtype=dt, where="memory", convert=Fuser21())
-    h = w = a.size // 16
-    N, L = h * w, a.text
-    g = torch.Generator(dev).manual_seed(1)
-    emb = torch.randn(1, L, 4096, device=dev, dtype=dt, generator=g)
-    x = torch.randn(1, N, 64, device=dev, dtype=dt, generator=g)
-    t = torch.full((1,), 0.5, device=dev, dtype=dt)
-    vl = torch.cat([torch.zeros(L, dtype=torch.bool), torch.ones(N // 4, dtype=torch.bool)])  # host-side layout
-    shapes = [(1, h, w)]
+    ref, ours, (x, emb, t, shapes, vl), ref_fwd = setup(a.size, a.text, a.layers, dev)
+    cfg, N = ours.cfg, x.shape[1]
     rows: list[dict] = []
-
-    def ref_fwd(cache=None, mode=None):
-        return ref(hidden_states=x, encoder_hidden_states=emb, timestep=t, img_shapes=[shapes],
-                   img_mask=vl.to(dev)[None], kv_cache=cache, kv_cache_mode=mode, return_dict=False)[0][:, -N:]  # fmt: skip
 
     with torch.no_grad():
         rc = QwenImage21KVCache(cfg.num_layers)
