@@ -1,5 +1,6 @@
 """Choose the step-cache presets: score candidate policies on the demo model's held-out suites at 50
 steps with CFG (text-to-image 120 prompts, edits 36), against the uncached images of the same seeds.
+Runs on any device (CPU: about 40 minutes; one H100 / H200: about 5).
 
     python bench/cache_sweep.py [--device cuda] [--results DIR]
 

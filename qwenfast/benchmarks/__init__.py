@@ -1,13 +1,29 @@
-"""Benchmarks behind `qwenfast bench ...`; each prints a table and a final JSON line."""
+"""Benchmarks behind `qwenfast bench ...`; each prints a table and a final JSON line.
+
+Every record says where it comes from (`provenance()`): date, commit, GPU, versions, the command that
+made it, the engine switches set in the environment and a run id shared by the records of one process.
+`qwenfast bench report` renders the published tables from these records (`benchmarks/report.py`).
+"""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import subprocess
+import sys
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+# Environment switches that change what a benchmark measures (recorded with every record). Only these:
+# never the whole environment (QWENFAST_API_KEY and the like must not end up in a results file).
+ENGINE_ENV = ("QWENFAST_KERNELS", "QWENFAST_ATTENTION", "QWENFAST_CUDA_GRAPHS", "QWENFAST_OFFLOAD",
+              "QWENFAST_FP8_ATTENTION", "QWENFAST_FP8_FUSE", "QWENFAST_ULYSSES_EXCHANGE",
+              "QWENFAST_ULYSSES_CHUNKS", "PYTORCH_CUDA_ALLOC_CONF")  # fmt: skip
 
 
 def versions() -> dict:
@@ -24,12 +40,71 @@ def versions() -> dict:
     return {"gpu": gpu, "torch": torch.__version__, "triton": triton_v}
 
 
+@cache
+def _commit() -> str:
+    """The checkout's commit (short), `+dirty` when the package has uncommitted changes; `QWENFAST_COMMIT`
+    wins (a GPU machine gets a copy of the tree without `.git`: the caller passes the commit)."""
+    if os.environ.get("QWENFAST_COMMIT"):
+        return os.environ["QWENFAST_COMMIT"]
+    root = Path(__file__).resolve().parents[2]
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "qwenfast"], cwd=root,
+                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        from .. import __version__
+
+        return f"v{__version__}"
+    return sha + ("+dirty" if dirty else "")
+
+
+@cache
+def _run_id() -> str:
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%S}-{os.getpid()}"
+
+
+def _command() -> str:
+    args = [a for a in sys.argv[1:]]
+    prog = Path(sys.argv[0]).name if sys.argv else "python"
+    if prog in ("qwenfast", "cli.py", "__main__.py") or prog.endswith("qwenfast"):
+        return " ".join(["qwenfast", *args])
+    return " ".join(["python", prog, *args])
+
+
+def _version(dist: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def provenance() -> dict:
+    """Where a record comes from: date (UTC), commit, command, run id, engine switches, versions."""
+    from .. import __version__
+
+    env = {k: os.environ[k] for k in ENGINE_ENV if os.environ.get(k)}
+    return {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}", "commit": _commit(),
+            "command": _command(), "run": _run_id(), "env": env, "python": sys.version.split()[0],
+            "qwenfast": __version__, "diffusers": _version("diffusers")}  # fmt: skip
+
+
+def stamp(record: dict) -> dict:
+    """`record` with the provenance fields and versions it lacks filled in (the record's own win)."""
+    missing = {k: v for k, v in {**provenance(), **versions()}.items() if k not in record}
+    if "device" in record and "gpu" in missing:  # older benchmarks name the GPU "device"
+        missing["gpu"] = record["device"]
+    return {**record, **missing}
+
+
 def save_record(record: dict, path: Path) -> None:
-    """Append one JSON line to `path` (folders created)."""
+    """Append one JSON line to `path` (folders created), stamped with its provenance."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json.dumps(stamp(record)) + "\n")
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -43,6 +118,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def emit(record: dict, name: str, out_dir: Path | str | None) -> None:
     """Print the record as the final JSON line; append it to <out_dir>/<name> only when `out_dir` is
     given (`--results DIR`): a benchmark run from any folder leaves no files behind unless asked to."""
+    record = stamp(record)
     print(json.dumps(record))
     if out_dir is not None:
         save_record(record, Path(out_dir) / name)
@@ -50,6 +126,7 @@ def emit(record: dict, name: str, out_dir: Path | str | None) -> None:
 
 def emit_lines(records: list[dict], path: Path | str | None) -> None:
     """Print each record as a JSON line; append them to the file `path` when given (`--out FILE`)."""
+    records = [stamp(r) for r in records]
     for r in records:
         print(json.dumps(r))
     if path is not None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import RESULTS_HELP, results_dir, save_record
+from . import RESULTS_HELP, results_dir, save_record, stamp
 from .harness import PROMPT, GiB, StageTimer, _call, _device_name, _free, _peak, _reset_peak, _sync
 
 if TYPE_CHECKING:
@@ -285,6 +285,7 @@ def run(cases: Iterable[str] = tuple(CASES), smoke: bool = False, vae: bool = Fa
         save("memory", memory_calibration(ours, smoke, out_dir))
     if offload:
         save("offload", offload_bench(ours, smoke))
+    record = stamp(record)
     print(json.dumps(record))
     return record
 

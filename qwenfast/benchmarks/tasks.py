@@ -263,7 +263,7 @@ def run(smoke: bool = False, out_dir=None) -> dict:
             return ours(**{**k, **ours_kw})
 
     rows.append(_row("layered", _Ours(), ref, {**kw, "resolution": 640}, n, flat=True))
-    record = {"bench": "tasks_19b", **versions(), "smoke": smoke, "steps": n,
+    record = {"bench": "tasks_control", **versions(), "smoke": smoke, "steps": n,
               "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}  # fmt: skip
     print("\ncase            diffusers_s  qwenfast_s  speedup  mean|Δ|")
     for r in record["rows"]:

@@ -73,7 +73,7 @@ def run_tasks(tasks: list[str], smoke: bool = False, steps: int | None = None, s
               out_dir: Path | None = None) -> dict:  # fmt: skip
     import diffusers
 
-    from . import save_record, versions
+    from . import save_record, stamp, versions
     from .harness import PROMPT, GiB, _device_name, _free, _peak, _reset_peak, _sync
     from .pipeline import build
 
@@ -82,7 +82,7 @@ def run_tasks(tasks: list[str], smoke: bool = False, steps: int | None = None, s
     t0 = time.perf_counter()
     ours, ref = build(smoke)
     ours.set_progress_bar_config(disable=True)
-    record = {"bench": "pipeline_tasks", "device": _device_name(), "torch": torch.__version__,
+    record = {"bench": "tasks_inpaint", "device": _device_name(), "torch": torch.__version__,
               "triton": versions()["triton"], "smoke": smoke, "steps": steps, "size": size,
               "build_s": round(time.perf_counter() - t0, 1), "rows": {}}  # fmt: skip
     print(f"built in {record['build_s']} s on {record['device']}", flush=True)
@@ -119,7 +119,8 @@ def run_tasks(tasks: list[str], smoke: bool = False, steps: int | None = None, s
     for task, r in record["rows"].items():
         print(f"{task:14s} {r['diffusers']['total_s']:12.2f} {r['qwenfast']['total_s']:11.2f} {r['speedup']:8.2f} "
               f"{r['mean_abs_diff_images']:10.2e}")  # fmt: skip
+    record = stamp(record)
     print(json.dumps(record))
     if out_dir is not None:
-        save_record(record, Path(out_dir) / "pipeline.jsonl")
+        save_record(record, Path(out_dir) / "tasks.jsonl")
     return record
