@@ -36,9 +36,32 @@ def test_size_not_multiple_of_16_is_floored_like_diffusers(qf_t2i):
     assert out.images.shape == (1, 32, 48, 3)
 
 
-def test_single_negative_prompt_is_broadcast(qf_t2i):
-    out = qf_t2i(["a", "b"], negative_prompt="bad", **{**BASE, "true_cfg_scale": 3.0})
-    assert out.images.shape[0] == 2
+def test_single_negative_prompt_is_broadcast(qf_t2i, monkeypatch):
+    """One negative prompt for two prompts: every row of the negative conditioning is that prompt's
+    embedding encoded alone, and each image is the one its prompt gives alone with that negative."""
+    import numpy as np
+
+    kw = {**BASE, "true_cfg_scale": 3.0, "num_inference_steps": 2}
+    seen = []
+    real = qf_t2i._generate
+    monkeypatch.setattr(qf_t2i, "_generate", lambda **k: seen.append(k) or real(**k))
+    out = qf_t2i(["a red circle", "b"], negative_prompt="bad", generator=[torch.Generator().manual_seed(s) for s in (1, 2)],
+                 **kw).images  # fmt: skip
+    monkeypatch.undo()
+    alone_emb, alone_mask = qf_t2i.encode_prompt(["bad"])
+    uncond = seen[0]["uncond"]
+    assert uncond.emb.shape[0] == 2 and torch.isfinite(uncond.emb).all()
+    for row in range(2):
+        L = alone_emb.shape[1]
+        torch.testing.assert_close(uncond.emb[row, :L], alone_emb[0], rtol=0, atol=0)
+        assert uncond.mask is None or bool(uncond.mask[row, :L].all()) and not uncond.mask[row, L:].any()
+    assert alone_mask is None or bool(alone_mask.all())
+    assert out.shape[0] == 2 and np.isfinite(out).all()
+    for i, (p, s) in enumerate((("a red circle", 1), ("b", 2))):
+        one = qf_t2i([p], negative_prompt="bad", generator=[torch.Generator().manual_seed(s)], **kw).images[0]
+        other = qf_t2i([p], negative_prompt="a blue square", generator=[torch.Generator().manual_seed(s)], **kw).images[0]
+        d = np.abs(out[i] - one).max()
+        assert d < 1e-5 and np.abs(other - one).max() > 100 * 1e-5, (i, d)  # the negative matters here
 
 
 def test_bad_device_and_dtype():

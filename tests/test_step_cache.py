@@ -122,6 +122,106 @@ def test_a_cached_step_is_its_definition(demo_transformer, taylor, first, last):
     assert cache.stats == {"full": 2, "cached": 1}
 
 
+class CacheByDefinition(BlockRunner):
+    """A step cache written out from its definition, independently of runtime/cache.py: on the steps in
+    `full` every block runs and the middle residual (blocks first..len-last) is recorded per (branch,
+    shapes); on any other step the middle is replaced by the residual r_k of the last full step k,
+    plus (taylor) (r_k - r_j) * (s - k) / (k - j), j the full step before k. `factors` logs (s, factor)."""
+
+    def __init__(self, first: int, last: int, full: set[int], taylor: bool):
+        self.first, self.last, self.full, self.taylor = first, last, full, taylor
+        self.history: dict[tuple, list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.factors: list[tuple[int, float]] = []
+
+    def run(self, blocks, call, img, txt, step):
+        if step is None:  # not a denoising step of the cache's run (2.1's KV-cache extract step)
+            return super().run(blocks, call, img, txt, step)
+        n = len(blocks)
+        for i in range(self.first):
+            img, txt = call(i, blocks[i], img, txt)
+        hist = self.history.setdefault((step.branch, tuple(img.shape), tuple(txt.shape)), [])
+        if step.step == 0:
+            hist.clear()
+        if step.step in self.full:
+            i0, t0 = img, txt
+            for i in range(self.first, n - self.last):
+                img, txt = call(i, blocks[i], img, txt)
+            hist.append((step.step, (img - i0, txt - t0)))
+        else:
+            (k, rk), (j, rj) = hist[-1], hist[-2]
+            f = (step.step - k) / (k - j)
+            self.factors.append((step.step, f))
+            r = tuple(a + (a - b) * f for a, b in zip(rk, rj)) if self.taylor else rk
+            img, txt = img + r[0], txt + r[1]
+        for i in range(n - self.last, n):
+            img, txt = call(i, blocks[i], img, txt)
+        return img, txt
+
+
+# (policy, steps, its full steps written out by hand). Static: the first `warmup`, the last `tail`, and
+# every `every`-th from `warmup` on. Adaptive with an unreachable threshold: warm-up, then `max_skips`
+# cached steps between full ones, the tail. The gaps between full steps are 3 and 4, so the Taylor
+# factors (s - k) / (k - j) are 1/4, 1/3, 1/2, 2/3, 3/4, 2, 3 as well as 1.
+GAPPED = {
+    "fast": (PRESETS["fast"], 12, {0, 1, 2, 6, 10, 11}),
+    "balanced": (PRESETS["balanced"], 12, {0, 1, 2, 5, 8, 11}),
+    "every-3-last-1": (CachePolicy(kind="static", first=1, last=1, warmup=2, tail=1, every=3, taylor=1), 12,
+                       {0, 1, 2, 5, 8, 11}),  # fmt: skip
+    "every-4-reuse": (CachePolicy(kind="static", warmup=2, tail=1, every=4, taylor=0), 12, {0, 1, 2, 6, 10, 11}),
+    "adaptive-taylor": (CachePolicy(kind="adaptive", warmup=2, tail=1, threshold=1e9, max_skips=2, taylor=1), 12,
+                        {0, 1, 4, 7, 10, 11}),  # fmt: skip
+}
+
+
+def assert_gapped_run_is_its_definition(pipe, run, name: str, run_steps: int) -> None:
+    """`run(runner_or_None)` -> images: the pipeline with the policy of GAPPED[name] equals the same
+    pipeline with `CacheByDefinition` in place of the step cache (fp32: 1e-5), and the cached steps
+    differ from full ones."""
+    policy, steps, full = GAPPED[name]
+    assert steps == run_steps
+    assert {s for s in range(steps) if policy.kind == "adaptive" or policy.static_full(s, steps)} >= full
+    pipe.configure(cache=policy)
+    got = run(None)
+    stats = dict(pipe.block_runner.stats)
+    definition = CacheByDefinition(policy.first, policy.last, full, bool(policy.taylor))
+    pipe.transformer.block_runner = definition
+    want = run(definition)
+    pipe.configure(cache=None)
+    uncached = run(None)
+    assert np.isfinite(got).all() and np.isfinite(want).all()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, equal_nan=False)
+    assert np.abs(got - uncached).max() > 1e-3  # the cached steps are not full ones
+    # the definition replaced the same steps (once per branch; adaptive stats count batch rows)
+    assert {s for s, _ in definition.factors} == set(range(steps)) - full
+    assert stats["cached"] > 0 and stats["cached"] % len(definition.factors) == 0
+    if policy.taylor:  # this run did extrapolate by factors other than 1
+        assert {round(f, 6) for _, f in definition.factors} - {1.0}
+
+
+@pytest.fixture(scope="module")
+def demo_pipe():
+    """The demo model's pipeline: 5 blocks, so that a policy with `last` > 0 still has a middle."""
+    from qwenfast.pipeline.common import DEFAULT_MODEL
+
+    p = QwenImagePipeline.from_pretrained(DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    p.set_progress_bar_config(disable=True)
+    yield p
+    p.configure(cache=None, batched_cfg="auto")
+
+
+@pytest.mark.parametrize("name", list(GAPPED))
+def test_a_cached_step_is_its_definition_with_gaps_over_1(request, name):
+    """The whole pipeline (CFG, two prompts, 12 steps) with the presets' gaps between full steps."""
+    pipe = request.getfixturevalue("demo_pipe" if GAPPED[name][0].last else "fresh")
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **{**KW, "num_inference_steps": 12})
+    pipe.configure(batched_cfg=name != "balanced")  # "balanced": cond and uncond in one forward ("both")
+
+    def run(_):
+        return pipe(["a red circle", "two blue stars"], generator=[_gen(4), _gen(5)], **kw).images
+
+    assert_gapped_run_is_its_definition(pipe, run, name, 12)
+
+
 @pytest.mark.parametrize("policy", [PRESETS["fast"], CachePolicy(kind="adaptive", threshold=1.1, taylor=1)])
 def test_rows_branches_and_requests_never_share_a_cache(fresh, policy):
     """A batch of two prompts equals each alone with the same policy; an earlier request changes nothing."""

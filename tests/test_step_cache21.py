@@ -17,6 +17,8 @@ import torch
 from qwenfast.runtime.blocks import BlockRunner
 from qwenfast.runtime.cache import PRESETS, CachePolicy, StepCacheRunner
 
+from .test_step_cache import assert_gapped_run_is_its_definition
+
 pytest.importorskip("diffusers")
 
 LAYERS = 4
@@ -136,6 +138,20 @@ def test_a_cached_step_is_its_definition(fresh, taylor, kv):
     want = _run(fresh, call, num_inference_steps=steps, use_kv_cache=kv)
     np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
     assert np.abs(got - full).max() > 1e-3  # the cached step is not a full one
+
+
+@pytest.mark.parametrize("name,kv,call", [("fast", True, "t2i-cfg"), ("fast", False, "edit"), ("balanced", False, "t2i-cfg"),
+                                          ("every-3-last-1", True, "t2i-cfg"), ("every-4-reuse", True, "edit"),
+                                          ("adaptive-taylor", True, "t2i-cfg")])  # fmt: skip
+def test_a_cached_step_is_its_definition_with_gaps_over_1(fresh, name, kv, call):
+    """12 steps of the cache's run (13 denoising steps with the KV cache: its extract step comes first),
+    the presets' gaps between full steps: the step cache equals `CacheByDefinition` (test_step_cache.py)."""
+    steps = 13 if kv else 12
+
+    def run(_):
+        return _run(fresh, CALLS[call], num_inference_steps=steps, use_kv_cache=kv)
+
+    assert_gapped_run_is_its_definition(fresh, run, name, 12)
 
 
 @pytest.mark.parametrize("preset", ["balanced", "fast"])
