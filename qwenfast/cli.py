@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_pipeline_arguments(bsub.add_parser(
         "pipeline", help="end to end vs diffusers (random full-size weights), VAE, memory planner, offload"))  # fmt: skip
+    from .benchmarks.report import add_arguments as add_bench_report_arguments
+
+    add_bench_report_arguments(bsub.add_parser(
+        "report", help="render the published tables of README.md and docs/ from bench/results (CPU)"))  # fmt: skip
     bq = bsub.add_parser("quality", help="prompt-adherence score of the held-out demo suite (CPU or GPU)")
     bq.add_argument("--model", default=None,
                     help="demo model folder, text-to-image or edit (default: the embedded text-to-image demo; "

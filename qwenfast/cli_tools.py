@@ -85,6 +85,10 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if a.what == "report":  # records -> the published tables; no torch
+        from .benchmarks.report import run_from_args as run_report
+
+        return run_report(a)
     import torch
 
     if a.what == "quality":  # the demo model's quality gate; CPU or GPU
@@ -176,7 +180,7 @@ def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
     else:
         from .benchmarks.qwenimage21_e2e import main as bench
 
-        name = "qwenimage21_e2e.jsonl"
+        name = "qwenimage21.jsonl"  # one file for the 2.1 records: the transformer and the end-to-end rows
         argv = ["--fp8"] if a.fp8 else []
         argv += ["--steps", str(a.steps or (2 if on_cpu else 40))]
         if on_cpu:  # one full-width block, a 64² image, a 2-layer text encoder, one timed call per row

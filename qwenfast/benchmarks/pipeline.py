@@ -308,7 +308,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=None, help="with --task: steps of the timed call (default 30)")
     p.add_argument("--model-type", choices=["qwen-image", "2.1"], default="qwen-image",
                    help="2.1: Qwen-Image-2.1 end to end vs diffusers' QwenImage21Pipeline (40 steps, step cache "
-                        "presets, turbo-4; --fp8 adds FP8 rows; --steps; records to DIR/qwenimage21_e2e.jsonl)")  # fmt: skip
+                        "presets, turbo-4; --fp8 adds FP8 rows; --steps; records to DIR/qwenimage21.jsonl)")  # fmt: skip
 
 
 def run_from_args(a: argparse.Namespace) -> int:
