@@ -20,7 +20,8 @@ __version__ = "0.1.0"
 __all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImageControlNetPipeline",
            "QwenImageControlNetInpaintPipeline", "QwenImageLayeredPipeline", "QwenImageControlNetModel",
            "QwenImageMultiControlNetModel", "QwenImage21Pipeline",
-           "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditInpaintPipeline", "EngineOptions", "from_pretrained", "__version__"]
+           "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditInpaintPipeline", "EngineOptions", "from_pretrained", "__version__",
+           "DEMO_MODEL", "DEMO_EDIT_MODEL"]
 # public name -> module that defines it (imported on first use, so `qwenfast --help` does not import torch)
 _LAZY = {
     "QwenImagePipeline": ".pipeline.text_to_image",
@@ -36,6 +37,8 @@ _LAZY = {
     "QwenImageEditInpaintPipeline": ".pipeline.inpaint",
     "EngineOptions": ".options",
 }
+# the embedded demo models (str paths; computed here without torch): `from_pretrained(qwenfast.DEMO_MODEL)`
+_DEMO = {"DEMO_MODEL": "demo-t2i", "DEMO_EDIT_MODEL": "demo-edit"}
 
 
 def from_pretrained(
@@ -57,6 +60,10 @@ def from_pretrained(
 
 
 def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch
+    if name in _DEMO:  # the 128x128 shapes model (text-to-image) and its edit variant, inside the package
+        import os
+
+        return os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", _DEMO[name])
     if name in _LAZY:
         import importlib
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
 
+from . import cli_common as C
 from . import validation as V
 from .options import add_engine_arguments, engine_options_from_args
 from .options import positive_int as _positive
@@ -23,11 +23,35 @@ def _size(s: str) -> tuple[int, int]:
         w, h = (int(v) for v in s.lower().split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must look like 1024x768 (WIDTHxHEIGHT), got {s!r}") from None
-    try:  # any size in range; the command rounds it down to the model's multiple and says so
-        V.check_size(w, h, min_side=V.MIN_SIDE, max_side=8192, name="size")
+    try:  # the server's rule (validation.check_size): refused, never rounded; 2.1 models check 32 after loading
+        V.check_size(w, h, name="--size")
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return w, h
+
+
+class _Help(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        h = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or "default" in h or action.default is None
+                or action.default == [] or action.default is argparse.SUPPRESS):  # fmt: skip
+            return h
+        return h + " (default: %(default)s)"
+
+    def _split_lines(self, text: str, width: int) -> list[str]:  # never "Qwen-\nImage", "--max-\nsize"
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False, break_long_words=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with `_Help` in every subcommand (subparsers are made with the parent's class)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
 
 
 SINGLE_FILES = ("transformer", "vae", "text_encoder", "tokenizer")
@@ -72,9 +96,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, size_help: str) -> None:
     p.add_argument("--cfg", type=float, default=None,
                    help=f"true CFG scale, 0..{V.MAX_CFG:g}; 1 or less disables CFG (default: the model's own, e.g. 2 "
                         "for the embedded demo, 4 for Qwen-Image)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=None, help="random seed, 0..2**63-1 (default: random, printed)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed, 0..2**63-1; image i of --n uses SEED+i (default: random, printed)")  # fmt: skip
     p.add_argument("--size", type=_size, default=None, help=size_help)
-    p.add_argument("--n", type=_positive, default=1, help="number of images (default 1)")
+    p.add_argument("--n", type=_positive, default=1, help="number of images, seeds SEED, SEED+1, ... (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--lora", type=V.path_and_number, action="append", default=[], metavar="PATH[:STRENGTH]",
                    help="fuse a LoRA (.safetensors; diffusers, kohya, ComfyUI names) at STRENGTH (default 1); repeatable")
@@ -82,7 +107,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, size_help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qwenfast", description="Fast Qwen-Image inference.")
+    from . import __version__
+
+    p = _Parser(prog="qwenfast", description="Fast Qwen-Image inference.")
+    p.add_argument("--version", action="version", version=f"qwenfast {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="text-to-image")
@@ -98,9 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --image: 0..1, how much of the schedule runs (1 = ignore the picture's content there); "
                         "default 0.6 for img2img, 1.0 with --mask")  # fmt: skip
     add_single_file_args(g)
-    _add_sampling_args(g, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the model's own size, "
-                                    "e.g. 128x128 for the embedded demo, 1024x1024 for Qwen-Image; with --image, "
-                                    "the picture's size)")  # fmt: skip
+    _add_sampling_args(g, size_help=f"WIDTHxHEIGHT, multiples of 16 (32 for Qwen-Image-2.1), sides up to {V.MAX_SIDE} "
+                                    "(default: the model's own size, e.g. 128x128 for the embedded demo, 1024x1024 for "
+                                    "Qwen-Image; with --image, the picture's size rounded down to multiples of 16)")  # fmt: skip
     from .cli_tasks import add_control_args, add_layers_parser
 
     add_control_args(g)  # --control IMG --controlnet PATH[:SCALE]
@@ -115,20 +143,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--strength", type=float, default=None, metavar="S",
                    help="with --mask: 0..1, how much of the schedule runs (default 1.0)")  # fmt: skip
     add_single_file_args(e)
-    _add_sampling_args(e, size_help="WIDTHxHEIGHT, rounded down to multiples of 16 (default: the last image's "
-                                    "aspect at the model's own area, e.g. ~128x128 for the embedded demo, ~1024x1024 "
-                                    "for Qwen-Image-Edit)")  # fmt: skip
+    _add_sampling_args(e, size_help=f"WIDTHxHEIGHT, multiples of 16 (32 for Qwen-Image-2.1), sides up to {V.MAX_SIDE} "
+                                    "(default: the last image's aspect at the model's own area, e.g. ~128x128 for the "
+                                    "embedded demo, ~1024x1024 for Qwen-Image-Edit)")  # fmt: skip
 
     add_layers_parser(sub)  # qwenfast layers IMG -o DIR --layers N
 
-    b = sub.add_parser("bench", help="benchmarks (GPU)")
+    b = sub.add_parser("bench", help="benchmarks: GPU speed (transformer, pipeline, fp8, attention, parallel); "
+                                     "quality and serve also run on the CPU")  # fmt: skip
     bsub = b.add_subparsers(dest="what", required=True)
-    bt = bsub.add_parser("transformer", help="full-size transformer forward, random bf16 weights")
+    bt = bsub.add_parser("transformer", help="full-size transformer forward, random bf16 weights (GPU; "
+                                             "--model-type 2.1 --device cpu checks the code on the CPU)")  # fmt: skip
     bt.add_argument("--size", type=int, action="append", help="image side in pixels (repeatable; default 1024)")
-    bt.add_argument("--compare", choices=["diffusers", "none"], default="none")
+    bt.add_argument("--compare", choices=["diffusers", "none"], default="none", help="also time diffusers' forward")
     bt.add_argument("--layers", type=_positive, default=None, help="transformer blocks (default: the model's, 60 / 32)")
     bt.add_argument("--txt", type=_positive, default=128, help="text tokens")
-    bt.add_argument("--iters", type=_positive, default=10)
+    bt.add_argument("--iters", type=_positive, default=10, help="timed forwards per variant")
     bt.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     bt.add_argument("--no-fp8", action="store_true", help="skip the FP8 variant")
     bt.add_argument("--results", default=None, metavar="DIR",
@@ -139,7 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--device", default="cuda", help="with --model-type 2.1: cpu runs the code (timings meaningless)")
     from .benchmarks.serve import add_arguments as add_bench_serve_arguments
 
-    add_bench_serve_arguments(bsub.add_parser("serve", help="server throughput and p50/p95 latency vs concurrency"))
+    add_bench_serve_arguments(bsub.add_parser(
+        "serve", help="server throughput and p50/p95 latency vs concurrency (CPU or GPU)"))  # fmt: skip
     from .benchmarks.fp8 import add_arguments as add_bench_fp8_arguments
     from .benchmarks.parallel import add_arguments as add_bench_parallel_arguments
     from .benchmarks.pipeline import add_arguments as add_bench_pipeline_arguments
@@ -198,137 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _setup(pipe, a) -> list[dict]:
-    """Progress bar, preset, LoRAs (FP8 is an option of the load: engine_options_from_args)."""
-    pipe.set_progress_bar_config(disable=a.quiet)
-    if a.preset:
-        pipe.apply_preset(a.preset)
-    return [{"name": pipe.load_lora(p, s), "path": p, "strength": s} for p, s in a.lora]
-
-
-def check_values(a: argparse.Namespace) -> None:
-    """The server's value rules (qwenfast/validation.py) for --steps, --cfg and --seed; ValueError names the flag.
-    --size is checked by its parser and rounded down to the model's multiple (`_pipe_size`), not refused."""
-    V.check_steps(a.steps, name="--steps")
-    V.check_cfg(a.cfg, name="--cfg")
-    V.check_seed(a.seed, name="--seed")
-
-
-def check_model_kind(model: str | None, want: str) -> None:
-    """`--model` of the wrong kind: say which command runs it (the loader's advice is for Python users)."""
-    if model is None:
-        return
-    from .loading.diffusers_folder import inspect_folder
-
-    kind, problems = inspect_folder(Path(model))
-    if kind is None or problems:
-        return  # the loader reports what is missing
-    if want == "edit" and kind == "text-to-image":
-        raise ValueError(f"{model} is a text-to-image model (Qwen-Image layout); `qwenfast edit` needs an edit model "
-                         f"(Qwen-Image-Edit, -2509, -2511). To make an image from a prompt with it: "
-                         f"qwenfast generate \"PROMPT\" --model {model}")  # fmt: skip
-    if want == "text-to-image" and kind == "layered":
-        raise ValueError(f"{model} is a Qwen-Image-Layered model; split a picture into layers with: "
-                         f"qwenfast layers IMAGE.png -o DIR --model {model}")  # fmt: skip
-    if want == "text-to-image" and kind not in ("text-to-image", "controlnet", "controlnet-inpaint"):
-        raise ValueError(f"{model} is a Qwen-Image edit model ({kind}); `qwenfast generate` needs a text-to-image "
-                         f"model (Qwen-Image, -2512). To edit pictures with it: "
-                         f"qwenfast edit IMAGE.png --prompt \"INSTRUCTION\" --model {model}")  # fmt: skip
-
-
-def _pipe_size(pipe, a) -> tuple[int, int] | None:
-    """--size rounded down to the pipeline's multiple, saying so in --size order (the pipeline would floor it
-    with a Python warning). None when --size is not given."""
-    if not a.size:
-        return None
-    w, h = a.size
-    mult = pipe.vae_scale_factor * 2
-    rw, rh = V.round_size(w, h, mult)
-    if (rw, rh) != (w, h):
-        print(f"note: --size {w}x{h} rounded down to {rw}x{rh} (multiples of {mult})", file=sys.stderr)
-    return rw, rh
-
-
-def _size_note(pipe, w: int, h: int) -> None:
-    note = pipe.size_note(w, h)
-    if note:
-        print(note, file=sys.stderr)
-
-
-def _sampling(d: dict, a) -> tuple[int, float, str | None, int]:
-    """(steps, cfg, negative prompt, seed) from the flags over the model's defaults."""
-    steps = a.steps or d["num_inference_steps"]
-    cfg = d["true_cfg_scale"] if a.cfg is None else a.cfg
-    negative = a.negative if a.negative is not None else (" " if cfg > 1 else None)
-    seed = a.seed if a.seed is not None else random.randrange(2**31)
-    return steps, cfg, negative, seed
-
-
-def _meta_extras(meta: dict, a, loras: list[dict]) -> None:
-
-    if loras:
-        meta["loras"] = json.dumps(loras)
-    if a.preset:
-        meta["preset"] = a.preset
-    if a.fp8:
-        meta["fp8"] = "e4m3 rowwise (transformer blocks)"
-    if a.cache not in (None, "off"):
-        meta["cache"] = a.cache
-
-
-def _is_21(model: str | None) -> bool:
-    """Whether --model is a Qwen-Image-2.1 folder (model_index.json names QwenImage21Pipeline)."""
-    f = Path(model) / "model_index.json" if model else None
-    if f is None or not f.is_file():
-        return False
-    try:
-        return json.loads(f.read_text()).get("_class_name") == "QwenImage21Pipeline"
-    except (ValueError, OSError):
-        return False
-
-
-def _run21(a: argparse.Namespace, images: list | None, again=None) -> int:
-    """generate / edit with a Qwen-Image-2.1 folder (one pipeline for both; 1-10 images, RGBA PNGs).
-    `again`: the command, which with --parallel every rank runs again (rank 0 writes)."""
-    import torch
-
-    from . import launch
-    from .pipeline.qwenimage21 import QwenImage21Pipeline
-
-    if a.parallel and not launch.is_worker():
-        return launch.run(again, a)
-    t0 = time.perf_counter()
-    pipe = QwenImage21Pipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
-                                               options=engine_options_from_args(a))  # fmt: skip
-    loras = _setup(pipe, a)
-    t_load = time.perf_counter() - t0
-    w, h = _pipe_size(pipe, a) or (None, None)
-    steps, cfg, negative, seed = _sampling(pipe.defaults, a)
-    t1 = time.perf_counter()
-    out = pipe(a.prompt, image=images, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
-               true_cfg_scale=cfg, generator=torch.Generator("cpu").manual_seed(seed), num_images_per_prompt=a.n)  # fmt: skip
-    t_gen = time.perf_counter() - t1
-    ow, oh = out.images[0].size
-    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
-            "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
-    if images:
-        meta["inputs"] = json.dumps([str(p) for p in a.image])
-    _meta_extras(meta, a, loras)
-    if launch.rank() != 0:
-        return 0
-    if a.parallel:
-        meta["parallel"] = a.parallel
-    paths = save_pngs(out.images, Path(a.output), meta)
-    print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {ow}x{oh}, Qwen-Image-2.1; "
-          f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
-    return 0
-
-
 def _start_inputs(a: argparse.Namespace, task: str) -> tuple[tuple | None, float | None]:
     """((image, mask or None), strength) of `generate --image [--mask]` / `edit --mask`, loaded and checked
     before the model is; (None, None) without them. Default strength: 0.6 for img2img, 1.0 to inpaint."""
     from .pipeline.edit import load_images
-    from .pipeline.img2img import check_strength, load_masks
+    from .pipeline.img2img import load_masks
 
     image = getattr(a, "image", None)
     if a.mask and task != "edit-inpaint" and image is None:
@@ -342,24 +247,35 @@ def _start_inputs(a: argparse.Namespace, task: str) -> tuple[tuple | None, float
             raise ValueError("--strength needs --mask (edit inpainting)")
         return None, None
     strength = a.strength if a.strength is not None else (0.6 if task == "img2img" else 1.0)
-    check_strength(strength, a.steps or 1_000_000)  # the step count is checked again with the model's default
+    V.check_strength(strength, a.steps, name="--strength", steps_name="--steps")  # again with the model's steps
     img = load_images(image)[0] if task != "edit-inpaint" else None  # edit loads its own images
     mask = load_masks(a.mask)[0] if a.mask else None
     return (img, mask), strength
 
 
+def _before_launch(a: argparse.Namespace) -> None:
+    """Checks and notes of the launching process (with --parallel the ranks run the command again)."""
+    from . import launch
+
+    if not launch.is_worker():
+        C.check_parallel_args(a)
+        C.engine_notes(a)
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from . import launch
 
-    if _is_21(a.model):
-        return _run21(a, None, cmd_generate)
+    _before_launch(a)
+    if C.is_21(a.model):
+        from .cli_tasks import run21
+
+        return run21(a, None, cmd_generate)
     if a.parallel and not launch.is_worker():
         return launch.run(cmd_generate, a)  # every rank runs this function again, rank 0 writes
-    import torch
-
+    from . import DEMO_MODEL
     from .cli_tasks import check_control_args, control_pipeline
     from .pipeline.common import EMBEDDED_NOTE
-    from .pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
+    from .pipeline.text_to_image import QwenImagePipeline
 
     check_control_args(a)
     start, strength = _start_inputs(a, "inpaint" if a.mask else "img2img")  # bad inputs fail before loading
@@ -368,9 +284,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
                          "inpainting use --control-mask")  # fmt: skip
     single = single_file_kwargs(a)
     if single is None:
-        check_model_kind(a.model, "text-to-image")
-    if a.model is None and single is None:
-        print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
+        C.check_model_kind(a.model, "text-to-image")
+    if a.model is None and single is None and launch.rank() == 0:
+        print(EMBEDDED_NOTE.format(path=DEMO_MODEL), file=sys.stderr)
     t0 = time.perf_counter()
     opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
     control: dict = {}
@@ -382,40 +298,44 @@ def cmd_generate(a: argparse.Namespace) -> int:
         pipe = QwenImagePipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
     else:
         pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, options=opts)
-    loras = _setup(pipe, a)
+    loras = C.setup_pipe(pipe, a)
     t_load = time.perf_counter() - t0
     d = pipe.defaults
     control_size = (control.pop("width", d["width"]), control.pop("height", d["height"]))  # the control image's
-    w, h = _pipe_size(pipe, a) or (V.round_size(*start[0].size, 2 * pipe.vae_scale_factor) if start else None) \
+    w, h = C.model_size(pipe, a) or (V.round_size(*start[0].size, 2 * pipe.vae_scale_factor) if start else None) \
         or control_size  # fmt: skip
-    _size_note(pipe, w, h)
-    steps, cfg, negative, seed = _sampling(d, a)
-    gen = torch.Generator("cpu").manual_seed(seed)
+    C.size_note(pipe, w, h)
+    steps, cfg, negative, seed = C.sampling(d, a)
     extra, task = {}, None
     if start is not None:  # img2img / inpainting: the same loaded model under that task's pipeline class
         from .pipeline.auto import for_task
 
+        V.check_strength(strength, steps, name="--strength", steps_name="--steps")
         task = "inpaint" if a.mask else "img2img"
         pipe = for_task(pipe, task)
         extra = {"image": start[0], "strength": strength, **({"mask_image": start[1]} if a.mask else {})}
     t1 = time.perf_counter()
-    out = pipe(a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
-               true_cfg_scale=cfg, generator=gen, num_images_per_prompt=a.n, **control, **extra)  # fmt: skip
+    kw = dict(negative_prompt=negative, height=h, width=w, num_inference_steps=steps, true_cfg_scale=cfg,
+              **control, **extra)  # fmt: skip
+    if start is not None or a.controlnet:  # these draw the picture's / control latents from the generator too
+        images = C.one_by_one(lambda **k: pipe(a.prompt, **k), seed, a.n, **kw)
+    else:
+        images = pipe(a.prompt, generator=C.generators(seed, a.n), num_images_per_prompt=a.n, **kw).images
     t_gen = time.perf_counter() - t1
-    w, h = out.images[0].size  # the size actually made
-    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
+    w, h = images[0].size  # the size actually made
+    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "steps": str(steps),
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
     if a.controlnet:
         meta["controlnet"] = json.dumps({"nets": a.controlnet, "control": a.control, "mask": a.control_mask})
     if task is not None:
         meta.update(task=task, input=str(a.image), strength=str(strength), **({"mask": str(a.mask)} if a.mask else {}))
-    _meta_extras(meta, a, loras)
+    C.meta_extras(meta, a, loras)
     if launch.rank() != 0:
         return 0
     if a.parallel:
         meta["parallel"] = a.parallel
-    paths = save_pngs(out.images, Path(a.output), meta)
-    print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
+    paths = C.save_pngs(images, Path(a.output), meta, seed)
+    print(f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {w}x{h}; "
           f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
     return 0
 
@@ -423,16 +343,17 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_edit(a: argparse.Namespace) -> int:
     from . import launch
 
-    if _is_21(a.model):
+    _before_launch(a)
+    if C.is_21(a.model):
+        from .cli_tasks import run21
         from .pipeline.qwenimage21 import load_condition_images
 
-        return _run21(a, load_condition_images(list(a.image)), cmd_edit)
+        return run21(a, load_condition_images(list(a.image)), cmd_edit)
     if a.parallel and not launch.is_worker():
         return launch.run(cmd_edit, a)
 
-    import torch
-
-    from .pipeline.edit import DEFAULT_EDIT_MODEL, QwenImageEditPipeline, load_images
+    from . import DEMO_EDIT_MODEL
+    from .pipeline.edit import QwenImageEditPipeline, load_images
 
     images = load_images(a.image)  # unreadable input fails before the model loads
     if a.mask and len(images) != 1:
@@ -440,105 +361,52 @@ def cmd_edit(a: argparse.Namespace) -> int:
     start, strength = _start_inputs(a, "edit-inpaint")
     single = single_file_kwargs(a)
     if single is None:
-        check_model_kind(a.model, "edit")
+        C.check_model_kind(a.model, "edit")
     if a.model is None and single is None:
-        if not DEFAULT_EDIT_MODEL.is_dir():
+        if not Path(DEMO_EDIT_MODEL).is_dir():
             raise ValueError("no embedded edit model in this install; pass --model /path/to/Qwen-Image-Edit-2509 "
                              "(or --transformer/--vae/--text-encoder/--tokenizer single files)")  # fmt: skip
-        print(f"note: no --model given, using the embedded demo edit model ({DEFAULT_EDIT_MODEL})", file=sys.stderr)
+        if launch.rank() == 0:
+            C.note(f"no --model given, using the embedded demo edit model ({DEMO_EDIT_MODEL})")
     t0 = time.perf_counter()
     opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
     if single is not None:  # Edit-2509/2511 preprocessing (Edit v1 files: from_single_files(..., mode="edit"))
         pipe = QwenImageEditPipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
     else:
         pipe = QwenImageEditPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, options=opts)
-    loras = _setup(pipe, a)
+    loras = C.setup_pipe(pipe, a)
     t_load = time.perf_counter() - t0
-    d = pipe.defaults
-    w, h = _pipe_size(pipe, a) or (None, None)
+    w, h = C.model_size(pipe, a) or (None, None)
     if w is not None:
-        _size_note(pipe, w, h)
-    steps, cfg, negative, seed = _sampling(d, a)
-    extra = {}
-    if start is not None:  # edit-inpainting: the same loaded model under that pipeline class
+        C.size_note(pipe, w, h)
+    steps, cfg, negative, seed = C.sampling(pipe.defaults, a)
+    kw = dict(negative_prompt=negative, height=h, width=w, num_inference_steps=steps, true_cfg_scale=cfg)
+    t1 = time.perf_counter()
+    if start is not None:  # edit-inpainting: the same loaded model under that pipeline class, one call per image
         from .pipeline.auto import for_task
 
-        pipe, extra = for_task(pipe, "edit-inpaint"), {"mask_image": start[1], "strength": strength}
+        V.check_strength(strength, steps, name="--strength", steps_name="--steps")
         if w is not None:
-            print("note: --size is ignored with --mask: edit inpainting follows the image's size", file=sys.stderr)
-    t1 = time.perf_counter()
-    out = pipe(images, a.prompt, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
-               true_cfg_scale=cfg, generator=torch.Generator("cpu").manual_seed(seed), num_images_per_prompt=a.n,
-               **extra)  # fmt: skip
+            C.note("--size is ignored with --mask: edit inpainting follows the image's size")
+        run = for_task(pipe, "edit-inpaint")
+        out = C.one_by_one(lambda **k: run(images, a.prompt, **k), seed, a.n, mask_image=start[1], strength=strength,
+                           **kw)  # fmt: skip
+    else:
+        out = pipe(images, a.prompt, generator=C.generators(seed, a.n), num_images_per_prompt=a.n, **kw).images
     t_gen = time.perf_counter() - t1
-    ow, oh = out.images[0].size
-    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "seed": str(seed), "steps": str(steps),
+    ow, oh = out[0].size
+    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "steps": str(steps),
             "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "mode": pipe.mode,
             "inputs": json.dumps([str(p) for p in a.image]), "generator": "qwenfast"}  # fmt: skip
     if start is not None:
         meta.update(task="edit-inpaint", mask=str(a.mask), strength=str(strength))
-    _meta_extras(meta, a, loras)
+    C.meta_extras(meta, a, loras)
     if launch.rank() != 0:
         return 0
-    paths = save_pngs(out.images, Path(a.output), meta)
-    print(f"saved {', '.join(map(str, paths))}  (seed {seed}, {steps} steps, cfg {cfg}, {ow}x{oh}, {pipe.mode}; "
-          f"load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+    paths = C.save_pngs(out, Path(a.output), meta, seed)
+    print(f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {ow}x{oh}, "
+          f"{pipe.mode}; load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})")  # fmt: skip
     return 0
-
-
-def cmd_layers(a: argparse.Namespace) -> int:
-    """`qwenfast layers IMG -o DIR`: one RGBA PNG per layer (parser in cli_tasks.py)."""
-    import torch
-
-    from .pipeline.layered import QwenImageLayeredPipeline
-
-    if a.parallel:
-        raise ValueError("`qwenfast layers` runs on one GPU (no --parallel)")
-    a.size = None
-    check_values(a)
-    if not Path(a.image).is_file():
-        raise ValueError(f"no such picture {a.image!r}")
-    t0 = time.perf_counter()
-    pipe = QwenImageLayeredPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
-                                                    options=engine_options_from_args(a))  # fmt: skip
-    loras = _setup(pipe, a)
-    t_load = time.perf_counter() - t0
-    steps, cfg, negative, seed = _sampling(pipe.defaults, a)
-    t1 = time.perf_counter()
-    out = pipe(a.image, a.prompt, negative_prompt=negative, true_cfg_scale=cfg, layers=a.layers,
-               num_inference_steps=steps, num_images_per_prompt=a.n, resolution=a.resolution,
-               generator=torch.Generator("cpu").manual_seed(seed))  # fmt: skip
-    t_gen = time.perf_counter() - t1
-    folder = Path(a.output)
-    meta = {"prompt": a.prompt or "(caption)", "seed": str(seed), "steps": str(steps), "cfg": str(cfg),
-            "layers": str(a.layers), "model": pipe.model_path, "input": str(a.image), "generator": "qwenfast"}  # fmt: skip
-    if loras:
-        meta["loras"] = str(loras)
-    paths = []
-    for b, layer_images in enumerate(out.images):
-        stem = "layer" if len(out.images) == 1 else f"image-{b}-layer"
-        for k, im in enumerate(layer_images):
-            paths += save_pngs([im], folder / f"{stem}-{k}.png", {**meta, "layer": str(k)})
-    w, h = out.images[0][0].size
-    print(f"saved {len(paths)} RGBA layers to {folder}/ (seed {seed}, {steps} steps, cfg {cfg}, {w}x{h}; "
-          f"load {t_load:.1f}s, decompose {t_gen:.2f}s on {pipe.device})")  # fmt: skip
-    return 0
-
-
-def save_pngs(images: list, output: Path, meta: dict[str, str]) -> list[Path]:
-    from PIL import PngImagePlugin
-
-    info = PngImagePlugin.PngInfo()
-    for k, v in meta.items():
-        info.add_itxt(k, v)  # iTXt: UTF-8, so any prompt survives
-    output.parent.mkdir(parents=True, exist_ok=True)
-    if len(images) == 1:
-        paths = [output]
-    else:
-        paths = [output.with_name(f"{output.stem}-{i}{output.suffix or '.png'}") for i in range(len(images))]
-    for img, p in zip(images, paths):
-        img.save(p, format="PNG", pnginfo=info)
-    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,12 +416,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.cmd in ("generate", "edit"):
-            check_values(args)
+            C.check_values(args)
         if args.cmd == "generate":
             return cmd_generate(args)
         if args.cmd == "edit":
             return cmd_edit(args)
         if args.cmd == "layers":
+            from .cli_tasks import cmd_layers
+
             return cmd_layers(args)
         if args.cmd == "doctor":
             from .cli_tools import cmd_doctor
@@ -571,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
             from .server.run import serve
 
             return serve(args)
+    except V.MissingExtra as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (CheckpointError, ConfigError, ValueError, RuntimeError, OSError) as e:
         from .errors import ParallelError
 

@@ -10,11 +10,22 @@
 from __future__ import annotations
 
 import argparse
+import json
+import time
 from pathlib import Path
 
-from .options import add_engine_arguments
+from . import cli_common as C
+from .options import add_engine_arguments, engine_options_from_args
 from .options import positive_int as _positive
 from .validation import path_and_number
+
+LAYERED_HINT = ("get Qwen-Image-Layered from Hugging Face (Qwen/Qwen-Image-Layered; there is no embedded demo of it): "
+                "hf download Qwen/Qwen-Image-Layered --local-dir /models/Qwen-Image-Layered, then pass "
+                "--model /models/Qwen-Image-Layered")  # fmt: skip
+CONTROLNET_HINT = ("ControlNets for Qwen-Image are on Hugging Face: InstantX/Qwen-Image-ControlNet-Union (canny, depth, "
+                   "pose, ... pictures) and InstantX/Qwen-Image-ControlNet-Inpainting (with --control-mask), e.g. "
+                   "hf download InstantX/Qwen-Image-ControlNet-Union --local-dir /models/Qwen-Image-ControlNet-Union, "
+                   "then --controlnet /models/Qwen-Image-ControlNet-Union")  # fmt: skip
 
 
 def _fraction(s: str) -> float:
@@ -45,8 +56,13 @@ def check_control_args(a: argparse.Namespace) -> None:
         if a.control_mask:
             raise ValueError("--control-mask needs --control IMG and --controlnet PATH (an inpainting ControlNet)")
         return
-    if not a.control or not a.controlnet:
-        raise ValueError("--control IMG and --controlnet PATH[:SCALE] go together")
+    if not a.control:
+        raise ValueError("--controlnet PATH[:SCALE] needs --control IMG (the canny / depth / pose picture)")
+    if not a.controlnet:
+        raise ValueError(f"--control IMG needs --controlnet PATH[:SCALE] (a ControlNet folder or file); {CONTROLNET_HINT}")
+    for net, _ in a.controlnet:
+        if not Path(net).exists():
+            raise ValueError(f"no ControlNet at {net!r}; {CONTROLNET_HINT}")
     if len(a.controlnet) > 1 and len(a.controlnet) != len(a.control):
         raise ValueError(f"{len(a.controlnet)} --controlnet for {len(a.control)} --control: give one ControlNet "
                          "(used for every picture) or one per picture")  # fmt: skip
@@ -93,16 +109,111 @@ def add_layers_parser(sub) -> None:
     p = sub.add_parser("layers", help="split a picture into RGBA layers (Qwen-Image-Layered)")
     p.add_argument("image", help="the picture to decompose")
     p.add_argument("-o", "--output", default="layers", help="folder for the layer PNGs (default ./layers)")
-    p.add_argument("--model", required=True, help="Qwen-Image-Layered diffusers folder")
+    p.add_argument("--model", default=None, help="Qwen-Image-Layered diffusers folder (required; Hugging Face: "
+                   "Qwen/Qwen-Image-Layered)")  # fmt: skip
     p.add_argument("--layers", type=_positive, default=4, help="number of RGBA layers (default 4)")
     p.add_argument("--prompt", default=None, help="what the picture shows (default: the model captions it)")
     p.add_argument("--negative", default=None, help="negative prompt (default ' ' when --cfg > 1)")
     p.add_argument("--resolution", type=int, default=640, help="640 (recommended) or 1024: the layer size bucket")
     p.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: the model's, 50)")
     p.add_argument("--cfg", type=float, default=None, help="true CFG scale (default: the model's, 4)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (default: random, printed)")
-    p.add_argument("--n", type=_positive, default=1, help="decompositions to make (default 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed; decomposition i of --n uses SEED+i (default: random, printed)")  # fmt: skip
+    p.add_argument("--n", type=_positive, default=1, help="decompositions to make, seeds SEED, SEED+1, ... (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--lora", action="append", default=[], type=path_and_number, metavar="PATH[:STRENGTH]",
                    help="fuse a LoRA at STRENGTH (default 1); repeatable")  # fmt: skip
     add_engine_arguments(p)
+
+
+def check_layered_model(model: str | None) -> None:
+    """--model of `qwenfast layers`: given, a folder, and a Qwen-Image-Layered one; else say where to get it."""
+    if model is None:
+        raise ValueError(f"`qwenfast layers` needs --model, a Qwen-Image-Layered folder; {LAYERED_HINT}")
+    if not Path(model).is_dir():
+        raise ValueError(f"--model {model}: no such folder; {LAYERED_HINT}")
+    from .loading.diffusers_folder import inspect_folder
+
+    kind, problems = inspect_folder(Path(model))
+    if kind is not None and not problems and kind != "layered":
+        raise ValueError(f"{model} is a {kind} model, not Qwen-Image-Layered; {LAYERED_HINT}")
+
+
+def cmd_layers(a: argparse.Namespace) -> int:
+    """`qwenfast layers IMG -o DIR`: one RGBA PNG per layer (decomposition i of --n: seed + i)."""
+    from .pipeline.layered import QwenImageLayeredPipeline
+
+    if a.parallel:
+        raise ValueError("`qwenfast layers` runs on one GPU (no --parallel)")
+    a.size = None
+    C.check_values(a)
+    check_layered_model(a.model)
+    if not Path(a.image).is_file():
+        raise ValueError(f"no such picture {a.image!r}")
+    C.engine_notes(a)
+    t0 = time.perf_counter()
+    pipe = QwenImageLayeredPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
+                                                    options=engine_options_from_args(a))  # fmt: skip
+    loras = C.setup_pipe(pipe, a)
+    t_load = time.perf_counter() - t0
+    steps, cfg, negative, seed = C.sampling(pipe.defaults, a)
+    t1 = time.perf_counter()
+    out = pipe(a.image, a.prompt, negative_prompt=negative, true_cfg_scale=cfg, layers=a.layers,
+               num_inference_steps=steps, num_images_per_prompt=a.n, resolution=a.resolution,
+               generator=C.generators(seed, a.n))  # fmt: skip
+    t_gen = time.perf_counter() - t1
+    folder = Path(a.output)
+    meta = {"prompt": a.prompt or "(caption)", "steps": str(steps), "cfg": str(cfg),
+            "layers": str(a.layers), "model": pipe.model_path, "input": str(a.image), "generator": "qwenfast"}  # fmt: skip
+    if loras:
+        meta["loras"] = str(loras)
+    paths = []
+    for b, layer_images in enumerate(out.images):
+        stem = "layer" if len(out.images) == 1 else f"image-{b}-layer"
+        for k, im in enumerate(layer_images):
+            paths += C.save_pngs([im], folder / f"{stem}-{k}.png", {**meta, "layer": str(k)}, seed + b)
+    w, h = out.images[0][0].size
+    print(f"saved {len(paths)} RGBA layers to {folder}/ ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, "
+          f"{w}x{h}; load {t_load:.1f}s, decompose {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+    return 0
+
+
+# ------------------------------------------------------------------------------------ Qwen-Image-2.1
+
+
+def run21(a: argparse.Namespace, images: list | None, again=None) -> int:
+    """generate / edit with a Qwen-Image-2.1 folder (one pipeline for both; 1-10 images, RGBA PNGs).
+    `again`: the command, which with --parallel every rank runs again (rank 0 writes)."""
+    from . import launch
+    from . import validation as V
+    from .pipeline.qwenimage21 import QwenImage21Pipeline
+
+    if a.size:  # 2.1 makes multiples of 32 (VAE 16x): refuse others before loading
+        V.check_size(*a.size, multiple=32, name="--size")
+    if a.parallel and not launch.is_worker():
+        return launch.run(again, a)
+    t0 = time.perf_counter()
+    pipe = QwenImage21Pipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
+                                               options=engine_options_from_args(a))  # fmt: skip
+    loras = C.setup_pipe(pipe, a)
+    t_load = time.perf_counter() - t0
+    w, h = C.model_size(pipe, a) or (None, None)
+    steps, cfg, negative, seed = C.sampling(pipe.defaults, a)
+    t1 = time.perf_counter()
+    out = pipe(a.prompt, image=images, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
+               true_cfg_scale=cfg, generator=C.generators(seed, a.n), num_images_per_prompt=a.n)  # fmt: skip
+    t_gen = time.perf_counter() - t1
+    ow, oh = out.images[0].size
+    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "steps": str(steps),
+            "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
+    if images:
+        meta["inputs"] = json.dumps([str(p) for p in a.image])
+    C.meta_extras(meta, a, loras)
+    if launch.rank() != 0:
+        return 0
+    if a.parallel:
+        meta["parallel"] = a.parallel
+    paths = C.save_pngs(out.images, Path(a.output), meta, seed)
+    print(f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {ow}x{oh}, "
+          f"Qwen-Image-2.1; load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+    return 0

@@ -103,21 +103,13 @@ def test_console_script_entry_point():
 # issue 12: sizes, value rules shared with the server, wrong model kind, corrupt weights
 
 
-def test_size_rounded_down_is_reported_in_size_order_and_stored(tmp_path, capsys):
-    import warnings
-
+def test_size_off_the_multiple_is_refused_naming_the_nearest_sizes(tmp_path, capsys):
     out = tmp_path / "odd.png"
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert main(["generate", "a red circle", "-o", str(out), "--seed", "1", "--steps", "1", "--size", "17x33",
-                     "--quiet"]) == 0  # fmt: skip
-    im = Image.open(out)
-    assert im.size == (16, 32) and im.text["size"] == "16x32"  # WIDTHxHEIGHT, as --size
-    cap = capsys.readouterr()
-    assert "note: --size 17x33 rounded down to 16x32 (multiples of 16)" in cap.err
-    assert "16x32;" in cap.out and "17x33" not in cap.out
-    assert not [w for w in caught if "multiples" in str(w.message)], [str(w.message) for w in caught]
-    assert "Warning" not in cap.err
+    with pytest.raises(SystemExit) as e:  # refused, as the server refuses it (one rule: validation.check_size)
+        main(["generate", "a red circle", "-o", str(out), "--seed", "1", "--steps", "1", "--size", "17x33", "--quiet"])
+    assert e.value.code == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert "--size 17x33: width and height must be multiples of 16; nearest: 16x32 or 32x48" in err, err
 
 
 def test_size_far_from_the_trained_size_gets_one_note(tmp_path, capsys):

@@ -33,6 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import validation as V
 from ..validation import round_size
 from .batcher import Job, Scheduler
 from .capabilities import capabilities
@@ -91,7 +92,7 @@ class Guard:
                 try:
                     n = int(v)
                 except ValueError:
-                    return await _error_response(APIError(400, "bad Content-Length header"))(
+                    return await _error_response(APIError(400, "bad Content-Length header", code="invalid_request"))(
                         scope, receive, send
                     )
                 if n > limit:
@@ -214,7 +215,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e):
-        return _error_response(APIError(400, f"invalid request: {str(e)[:300]}"))
+        return _error_response(APIError(400, f"invalid request: {str(e)[:300]}", code="invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
@@ -225,7 +226,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     @app.exception_handler(Exception)
     async def _internal(request, e):
         log.exception("unhandled error on %s", request.url.path)
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}"))
+        return _error_response(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
 
     # ------------------------------------------------------------------ pages and status
     @app.get("/", include_in_schema=False)
@@ -348,9 +349,10 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
             except BodyTooLarge:
                 raise
             except StarletteHTTPException as e:
-                raise APIError(400, f"malformed multipart form: {e.detail}") from None
+                raise APIError(400, f"malformed multipart form: {e.detail}", code="invalid_request") from None
             except Exception as e:
-                raise APIError(400, f"malformed multipart form: {type(e).__name__}: {str(e)[:200]}") from None
+                raise APIError(400, f"malformed multipart form: {type(e).__name__}: {str(e)[:200]}",
+                               code="invalid_request") from None  # fmt: skip
             files, fields, mask = [], {}, None
             for k, v in form.multi_items():
                 if k == "mask":
@@ -361,15 +363,16 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 elif hasattr(v, "read"):
                     if k not in ("image", "image[]"):
                         raise APIError(400, f"unexpected file field `{k[:40]}`; send images as `image` or `image[]`",
-                                       param=k[:40])  # fmt: skip
+                                       param=k[:40], code="invalid_request")  # fmt: skip
                     files.append(v)
                 elif k in fields:
-                    raise APIError(400, f"`{k[:40]}` is given twice", param=k[:40])
+                    raise APIError(400, f"`{k[:40]}` is given twice", param=k[:40], code="invalid_request")
                 else:
                     fields[k] = v
             if not files:
                 n = "1 image" if max_images == 1 else f"1 to {max_images} images"
-                raise APIError(400, f"missing `image`: attach {n} as `image` or `image[]`", param="image")
+                raise APIError(400, f"missing `image`: attach {n} as `image` or `image[]`", param="image",
+                               code="missing_required_parameter")  # fmt: skip
             if len(files) > max_images:
                 who = caps.model_type if max_images == caps.max_images else "this server"
                 raise APIError(400, f"{len(files)} images attached; {who} takes at most {max_images} per request",
@@ -412,7 +415,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
             kind = "edit-inpaint" if masked else "edit"
             if kind == "edit" and p.strength is not None:
                 raise APIError(400, "`strength` applies to inpainting (with a `mask`) on an edit model",
-                               param="strength")  # fmt: skip
+                               param="strength", code="unsupported_parameter")  # fmt: skip
         elif masked or p.strength is not None:
             kind = "inpaint" if masked else "img2img"
         else:
@@ -423,7 +426,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
             raise APIError(400, "this server's pipeline cannot inpaint (it has no for_task)", param="mask",
                            code="unsupported_parameter")  # fmt: skip
         if kind != "edit" and n_images != 1:
-            raise APIError(400, f"{kind} takes exactly 1 image; got {n_images}", param="image")
+            raise APIError(400, f"{kind} takes exactly 1 image; got {n_images}", param="image", code="too_many_images")
         return kind
 
     def _within_limits(w: int, h: int, what: str) -> None:
@@ -449,13 +452,10 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         p.width, p.height, p.size_auto = w, h, False
         if p.strength is None:
             p.strength = 1.0  # a mask repaints its area from scratch (OpenAI's meaning)
-        from ..pipeline.img2img import check_strength
-
-        try:
-            check_strength(p.strength, p.steps)
+        try:  # the CLI's rule (validation.py), naming this API's fields
+            V.check_strength(p.strength, p.steps, name="`strength`", steps_name="`steps`")
         except ValueError as e:
-            raise APIError(400, str(e).replace("`num_inference_steps`", "`steps`"), param="strength",
-                           code="invalid_value") from None  # fmt: skip
+            raise APIError(400, str(e), param="strength", code="invalid_value") from None
 
     async def _respond(request: Request, job: Job, endpoint: str, t0: float):
         position = sched.submit(job)
@@ -539,7 +539,8 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 err = (
                     exc.body()["error"]
                     if isinstance(exc, APIError)  # anything else: its text may hold host paths
-                    else {"message": f"internal error: {type(exc).__name__}", "type": "server_error"}
+                    else {"message": f"internal error: {type(exc).__name__}", "type": "server_error", "param": None,
+                          "code": "internal_error"}  # fmt: skip
                 )
                 yield _event({"type": "error", "error": err})
                 return

@@ -163,7 +163,7 @@ class Scheduler:
                 self._run(batch)
             except BaseException as e:  # never let the worker die: that would hang every request
                 log.exception("worker: unexpected error")
-                err = APIError(500, f"internal error: {type(e).__name__} (see the server log)")  # no paths
+                err = APIError(500, f"internal error: {type(e).__name__} (see the server log)", code="internal_error")
                 for job in {it.job for it in batch}:
                     self._finish(job, err)
             finally:

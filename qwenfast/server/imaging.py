@@ -79,7 +79,7 @@ def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: in
         raise
     except UnidentifiedImageError:
         raise APIError(400, f"{what} is not a {', '.join(allowed)} image (checked from its bytes)", param="image",
-                       code="invalid_image_format") from None  # fmt: skip
+                       code="invalid_image") from None  # fmt: skip
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise APIError(
             400, f"{what} declares too many pixels", param="image", code="image_too_large"

@@ -10,16 +10,16 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from ..validation import MAX_CFG, MAX_STEPS
+from ..validation import MAX_CFG, MAX_PIXELS, MAX_SIDE, MAX_STEPS
 
 
 @dataclass
 class Limits:
     """What one request may ask for. Defaults suit one GPU serving Qwen-Image at up to 2048²."""
 
-    max_side: int = 2048  # pixels, each of width and height
+    max_side: int = MAX_SIDE  # pixels, each of width and height (the CLI's --size limit too)
     min_side: int = 16
-    max_pixels: int = 2048 * 2048  # width*height
+    max_pixels: int = MAX_PIXELS  # width*height
     max_n: int = 4  # images per request
     max_steps: int = MAX_STEPS  # the CLI checks --steps and --cfg against these defaults too
     max_prompt_chars: int = 4000
@@ -55,25 +55,26 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from ..options import positive_int as _positive
 
     d, lim = ServerConfig(), Limits()
-    p.add_argument(
-        "--model", default=None, help="diffusers-layout model folder (default: embedded tiny model)"
-    )
+    p.add_argument("--model", default=None,
+                   help="diffusers-layout model folder (default: the embedded 128x128 demo model)")  # fmt: skip
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/*; also read from $QWENFAST_API_KEY "
                         "(better: keeps the key out of `ps`)")  # fmt: skip
-    p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="waiting requests before 429")
+    p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="waiting requests before new ones get 429")
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="images per pipeline call")
     p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_s * 1e3,
                    help="how long a request may wait for batch-mates (default 20)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per request, queue included")
     p.add_argument("--lora-dir", default=None, help="folder of LoRA .safetensors files requests may name")
     add_engine_arguments(p, cuda_graphs_default=False)  # --device --dtype --offload --fp8 --preset ...
-    p.add_argument("--max-size", type=_positive, default=lim.max_side, help="largest width or height")
+    p.add_argument("--max-size", type=_positive, default=lim.max_side,
+                   help="largest width or height a request may ask for (also caps width*height at its square)")
     p.add_argument("--max-n", type=_positive, default=lim.max_n, help="most images per request")
-    p.add_argument("--max-steps", type=_positive, default=lim.max_steps)
-    p.add_argument("--max-prompt-chars", type=_positive, default=lim.max_prompt_chars)
+    p.add_argument("--max-steps", type=_positive, default=lim.max_steps, help="most denoising steps per request")
+    p.add_argument("--max-prompt-chars", type=_positive, default=lim.max_prompt_chars,
+                   help="longest prompt (and negative prompt), in characters")
     p.add_argument("--max-upload-mb", type=float, default=lim.max_upload_bytes / 2**20,
                    help="largest edit request (all images together)")  # fmt: skip
     p.add_argument(
@@ -82,7 +83,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=120.0,
                    help="on SIGTERM/Ctrl-C, seconds to let running and queued requests finish")  # fmt: skip
     p.add_argument("--model-name", default=None, help="model id shown in /v1/models (default: folder name)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
     r = p.add_argument_group("Ray Serve (many GPUs and machines; the [ray] extra)")
     r.add_argument("--ray", action="store_true", help="serve on a Ray Serve cluster: engine replicas behind one endpoint")
     r.add_argument("--replicas", type=_positive, default=None, help="engine replicas (default 1)")

@@ -225,7 +225,7 @@ class RemoteScheduler:
             pass
         except Exception as e:  # a bug, never the client's fault: answer 500 rather than hang
             log.exception("ray ingress: request %s failed", job.id)
-            job.finish(APIError(500, f"internal error: {type(e).__name__} (see the server log)"))
+            job.finish(APIError(500, f"internal error: {type(e).__name__} (see the server log)", code="internal_error"))
         finally:
             self.waiting.discard(job)
             self.running.discard(job)

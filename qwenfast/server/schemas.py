@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .. import validation as V
 from ..validation import MAX_SEED
+from .errors import ERRORS, default_code
 from .options import Limits
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
@@ -28,11 +29,15 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permi
 
 
 class APIError(Exception):
-    """An error answered to the client as OpenAI-shaped JSON with `status`."""
+    """An error answered to the client as OpenAI-shaped JSON with `status`; `code` is one of errors.ERRORS
+    (None: the table's code for `status`), never null in the answer."""
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):  # fmt: skip
         super().__init__(message)
+        code = code or default_code(status)
+        if code not in ERRORS:  # a bug: every code lives in qwenfast/server/errors.py (tested)
+            raise ValueError(f"error code {code!r} is not in qwenfast/server/errors.py's ERRORS table")
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
         self.headers = headers or {}
@@ -114,7 +119,8 @@ class Params:
 def parse_json_body(raw: bytes) -> dict:
     """JSON object or APIError(400). NaN/Infinity and absurd nesting are refused, not crashed on."""
     if not raw.strip():
-        raise APIError(400, 'the request body is empty; send a JSON object such as {"prompt": "a red fox"}')
+        raise APIError(400, 'the request body is empty; send a JSON object such as {"prompt": "a red fox"}',
+                       code="invalid_json")  # fmt: skip
 
     def no_constants(c):
         raise ValueError(f"{c} is not valid JSON")
@@ -122,7 +128,7 @@ def parse_json_body(raw: bytes) -> dict:
     try:
         body = json.loads(raw, parse_constant=no_constants)
     except UnicodeDecodeError:
-        raise APIError(400, "the request body is not UTF-8 text") from None
+        raise APIError(400, "the request body is not UTF-8 text", code="invalid_json") from None
     except json.JSONDecodeError as e:
         raise APIError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
                        code="invalid_json") from None  # fmt: skip
@@ -200,7 +206,8 @@ def _check_text(name: str, s: str, limit: int) -> None:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, f"`{name}` holds invalid Unicode (a lone surrogate)", param=name) from None
+        raise APIError(400, f"`{name}` holds invalid Unicode (a lone surrogate)", param=name,
+                       code="invalid_value") from None  # fmt: skip
 
 
 def _range(name: str, v, lo, hi, what: str = "") -> None:
@@ -225,10 +232,11 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
     except ValidationError as e:
         raise _validation_error(e) from None
     if not edit and r.input_fidelity is not None:
-        raise APIError(400, "`input_fidelity` applies to /v1/images/edits only", param="input_fidelity")
+        raise APIError(400, "`input_fidelity` applies to /v1/images/edits only", param="input_fidelity",
+                       code="unsupported_parameter")  # fmt: skip
     if not edit and r.strength is not None:
         raise APIError(400, "`strength` applies to /v1/images/edits only (img2img and inpainting of an uploaded "
-                            "image)", param="strength")  # fmt: skip
+                            "image)", param="strength", code="unsupported_parameter")  # fmt: skip
     _range("strength", r.strength, 0, 1)
     _check_text("prompt", r.prompt, limits.max_prompt_chars)
     if not r.prompt.strip():
@@ -248,8 +256,8 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
     _range("partial_images", r.partial_images, 0, 3)
     if r.output_compression is not None and r.output_format in (None, "png"):
         raise APIError(
-            400, "`output_compression` applies to jpeg and webp output only", param="output_compression"
-        )
+            400, "`output_compression` applies to jpeg and webp output only", param="output_compression",
+            code="unsupported_parameter")
 
     size_auto = False
     if r.size is None or r.size == "auto":
@@ -277,11 +285,12 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
         _range(f"lora[{i}].strength", ref.strength, -limits.max_lora_strength, limits.max_lora_strength)
         loras.append((ref.name, float(ref.strength)))
     if len(loras) > limits.max_loras:
-        raise APIError(400, f"`lora` names {len(loras)} LoRAs; the limit is {limits.max_loras}", param="lora")
+        raise APIError(400, f"`lora` names {len(loras)} LoRAs; the limit is {limits.max_loras}", param="lora",
+                       code="invalid_value")  # fmt: skip
     if len({n for n, _ in loras}) != len(loras):
         raise APIError(
-            400, "`lora` names the same LoRA twice; give each once with its strength", param="lora"
-        )
+            400, "`lora` names the same LoRA twice; give each once with its strength", param="lora",
+            code="invalid_value")
 
     cfg = float(defaults.get("true_cfg_scale", 1.0) if r.true_cfg_scale is None else r.true_cfg_scale)
     negative = r.negative_prompt if r.negative_prompt is not None else (" " if cfg > 1 else None)
