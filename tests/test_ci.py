@@ -100,15 +100,21 @@ def test_ci_machine_has_what_the_suite_needs():
     assert chromium_path() is not None, "no Chromium: .ci/run installs Debian's chromium"
 
 
-def test_readme_tells_real_users_where_the_models_are():
+def test_readme_and_docs_tell_real_users_where_the_models_are():
     readme = (ROOT / "README.md").read_text()
+    models = (ROOT / "docs" / "models.md").read_text()
     for repo in ("Qwen/Qwen-Image", "Qwen/Qwen-Image-2512", "Qwen/Qwen-Image-Edit", "Qwen/Qwen-Image-Edit-2509",
-                 "Qwen/Qwen-Image-Edit-2511", "lightx2v/Qwen-Image-Lightning", "lightx2v/Qwen-Image-2512-Lightning",
+                 "Qwen/Qwen-Image-Edit-2511", "Qwen/Qwen-Image-2.1", "Qwen/Qwen-Image-Layered",
+                 "InstantX/Qwen-Image-ControlNet-Union", "InstantX/Qwen-Image-ControlNet-Inpainting",
+                 "lightx2v/Qwen-Image-Lightning", "lightx2v/Qwen-Image-2512-Lightning",
                  "lightx2v/Qwen-Image-Edit-2511-Lightning", "Comfy-Org/Qwen-Image_ComfyUI"):  # fmt: skip
-        assert re.search(rf"`hf download {re.escape(repo)}[ `]", readme) or f"hf download {repo} " in readme, repo
+        assert f"`{repo}`" in readme, repo  # the README's model table names every repository
+        assert re.search(rf"hf download {re.escape(repo)}[ `]", models), repo  # docs/models.md: its download command
     assert "pip install torch --index-url https://download.pytorch.org/whl/cu130" in readme
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in readme  # PyPI's torch is CUDA
     assert 'pip install -e ".[gpu,server]"' in readme
-    assert "## Real models" in readme and "trained at 128×128" in readme
+    assert "trained on a synthetic world of coloured shapes at 128×128" in readme
+    assert "qwenfast serve" in readme and '"size": "128x128"' in readme  # a server example the demo can answer
 
 
 def test_interpreter_cases_are_deselected_when_their_subprocess_runs(pytester, monkeypatch):

@@ -100,7 +100,7 @@ def test_console_script_entry_point():
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 12: sizes, value rules shared with the server, wrong model kind, corrupt weights
+# sizes, value rules shared with the server, wrong model kind, corrupt weights
 
 
 def test_size_off_the_multiple_is_refused_naming_the_nearest_sizes(tmp_path, capsys):

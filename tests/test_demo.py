@@ -156,7 +156,7 @@ MIN_SCORE_16 = 75.0  # % of the first 16 held-out prompts passing every check (m
 @pytest.mark.skipif(not (DEMO / "transformer").is_dir(), reason="demo model not built")
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the fast paths need a GPU")
 def test_fast_paths_keep_the_score_on_gpu():
-    """Issue 5's gate: every fast path (bf16, kernels, CUDA graphs, batched CFG, FP8) scores within 2
+    """The quality gate: every fast path (bf16, kernels, CUDA graphs, batched CFG, FP8) scores within 2
     points of the fp32 reference path on the whole held-out suite (same seeds)."""
     from qwenfast.demo.bench import quality_paths
 

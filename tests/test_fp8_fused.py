@@ -109,7 +109,7 @@ def _assert_matches_plain(got: QuantizedRows, plain: torch.Tensor, device: str, 
 
     Under the interpreter (one arithmetic for both): the same bytes, and `got.x` equal to `plain`. On
     the GPU the two kernels are separate compilations, and the compiler may contract a multiply-add
-    into an FMA in one and not the other: measured on H200 (`bench/fp8_fused_diag.py`, 77 x 3072 rows)
+    into an FMA in one and not the other: measured on H200 (a diagnostic of both kernels on 77 x 3072 rows)
     the fp32 outputs differ in the last bits in ~10% of the elements (so ~10% of the rows' scales, by
     <= 2e-7 relative), fp16/bf16 outputs in ~1e-5 of them by an ulp of an intermediate (up to 4 ulp
     of a result that cancels). So there: the dequantised rows as `_assert_near_ref`, and `got.x` within
@@ -173,7 +173,7 @@ def test_quantize_rows_kernel_is_bitwise_torch(device):
     assert torch.equal(c[[0, 2]], cr[[0, 2]])  # scale 1 (amax 448) and the zero row: the cast alone
     # row 1 divides by a scale: Triton's fp32 `/` on the GPU is the approximate division (torch's is
     # IEEE), which moves a value sitting on a tie by one step: 2.5% of this tie-heavy row on H200
-    # (`bench/fp8_fused_diag.py`; `tl.div_rn` would make it bitwise, at an unmeasured cost in the hot
+    # (same diagnostic; `tl.div_rn` would make it bitwise, at an unmeasured cost in the hot
     # producer kernels). Exact under the interpreter.
     d = (c[1] - cr[1]).abs()
     assert d.max() <= 1 and (d > 0).float().mean() < (0.05 if device == "cuda" else 1e-9)

@@ -50,7 +50,7 @@ _FUSE = _MODE not in ("0", "false", "off")
 # The GELU pass as a producer (`gelu_tanh_fp8`): its first kernel (one program per row holding the
 # whole row) took 9.83 ms per forward against 3.70 + ~2.9 for torch's GELU and the separate pass; the
 # chunked kernel that takes the amax from max(h) (GELU is monotonic where it matters) measured
-# 84.67 vs 85.52 ms per FP8 forward at 1024² (H200, session 8), so it is on by default now.
+# 84.67 vs 85.52 ms per FP8 forward at 1024² (H200, bench/results/gelu_fp8.jsonl), so it is on by default.
 _FUSE_GELU = _MODE != "norm"
 
 

@@ -35,7 +35,7 @@ CUDA's `tanhf`), so the e4m3 bytes are those of `quantize_rows(F.gelu(h))` excep
 fp32 difference (FMA contraction, or the interpreter's exp-based tanh) flips the bf16 rounding of a
 GELU value: that element then moves by at most one e4m3 step (or, if it was the row's amax, the
 scale moves by one bf16 ulp). `gelu_tanh_fp8_ref` is the unfused pair in torch.
-Measured on H200 (1024², session 8): the FP8 forward 85.52 -> 84.67 ms with it (an earlier kernel
+Measured on H200 (1024², bench/results/gelu_fp8.jsonl): the FP8 forward 85.52 -> 84.67 ms with it (an earlier kernel
 holding a whole row per program was slower than the two passes: 9.8 ms per forward); 0 codes differ.
 """
 

@@ -5,8 +5,8 @@ cuDNN's fused attention measured 659 TFLOP/s against FA2's 355 at Qwen-Image sha
 4224 tokens, d=128), and FA2 refuses boolean masks entirely. So on CUDA we ask for cuDNN first and
 keep the exact fallbacks behind it. FlashAttention-3 goes first where it is installed (the full
 `flash_attn_interface` build, or the forward-only `fa3-fwd` wheel for bf16) and the GPU is a Hopper
-(sm_90, the only architecture its kernels are built for): on an H200 it measured 0.314 vs 0.329 ms per
-layer at 4224 tokens and 0.893 vs 1.067 ms at 7017 (`bench/attn_layout.py`); layouts do not matter.
+(sm_90, the only architecture its kernels are built for): on an H200 it is the faster kernel at 1328²'s
+7017 tokens (`qwenfast bench attention micro`, bench/results/attention.jsonl); Q/K/V layouts do not matter.
 
 `QWENFAST_ATTENTION` = auto | cudnn | flash | efficient | math | fa3 | fp8 (read once), or
 `set_attention()`. All backends but "fp8" are exact attention (no approximation); they differ in

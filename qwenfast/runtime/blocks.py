@@ -106,7 +106,7 @@ class StreamingBlockRunner(BlockRunner):
 
     CUDA graphs replay only while no block streams (a budget that keeps them all: the planner then
     left room for a graph's memory pool). Capturing the streamed copies too was built and measured
-    (H200, FP8, 16 GiB cap, session 8): the graph pool's reserved memory pushed the VAE decode into
+    (H200, FP8, 16 GiB cap, bench/results/fp8.jsonl): the graph pool's reserved memory pushed the VAE decode into
     its out-of-memory fallback, 2.63x the resident time against 1.76x eagerly, so it was removed."""
 
     def __init__(self, streamer):

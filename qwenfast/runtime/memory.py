@@ -13,7 +13,7 @@ phases, each = the weights resident on the device in that phase + the phase's ac
 
 Weights come from the real modules (`ModelSizes.from_pipeline`) or from configs. Activation
 coefficients are in `Calibration`; the defaults are estimates from tensor counts, and
-`bench/gpu_issue6.sh` fits them on an H200 (`qwenfast.benchmarks.pipeline --memory`) and writes
+`STAGE=memory bash bench/pipeline.sh` fits them on a GPU (`qwenfast bench pipeline --memory`) and writes
 `memory_calibration.json`, which `Calibration.load()` reads when it sits next to this file.
 All sizes are bytes.
 """
