@@ -13,7 +13,11 @@ Components and their graphs (inputs -> outputs; B, h, w, L dynamic where the mod
   to L with mask 0 and export one graph per size you serve. Batch is dynamic.
 - text-encoder: input_ids (B, S), attention_mask (B, S) -> last_hidden_state (B, S, D), the language
   model's final normed state (what the pipeline reads; tokenising with the prompt template and
-  dropping its 34 prefix tokens stay outside). Dynamic batch and length.
+  dropping its 34 prefix tokens stay outside). Dynamic batch and length. Traced with transformers'
+  "eager" attention (matmul, softmax in fp32, matmul: the same math as SDPA): the exporter's own SDPA
+  decomposition casts its scale constant to the graph dtype, and constant-folding that cast for bf16
+  makes a ComplexDouble constant the ONNX writer refuses ("ScalarType ComplexDouble is an unexpected
+  tensor scalar type"), so bf16 text encoders could not be exported.
 
 Graphs use the reference modules (no Triton kernels), the TorchScript-based exporter
 (`torch.onnx.export(..., dynamo=False)`, no onnxscript needed) at opset `OPSET`, and store weights
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,6 +106,21 @@ class Exported:
 
 
 @contextlib.contextmanager
+def _eager_attention(module: nn.Module):
+    """transformers' attention of every config under `module` set to "eager" while tracing (see the module
+    docstring: the SDPA decomposition cannot be exported in bf16)."""
+    configs = {id(m.config): m.config for m in module.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    old = {k: c._attn_implementation for k, c in configs.items()}
+    try:
+        for c in configs.values():
+            c._attn_implementation = "eager"
+        yield
+    finally:
+        for k, c in configs.items():
+            c._attn_implementation = old[k]
+
+
+@contextlib.contextmanager
 def _reference_modules(transformer=None):
     """The transformer's plain blocks and the default attention for the export (no Triton, no graphs)."""
     if transformer is None:
@@ -164,7 +184,12 @@ def export_onnx(pipe, component: str, output: str | Path, *, height: int = 1024,
 
     external: weights in `<output>.data` (None = when the weights exceed `EXTERNAL_ABOVE`).
     """
-    import onnx  # the [export] extra
+    from ..validation import MissingExtra
+
+    try:
+        import onnx  # the [export] extra
+    except ImportError:
+        raise MissingExtra("exporting to ONNX", "export", "onnx") from None
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +198,13 @@ def export_onnx(pipe, component: str, output: str | Path, *, height: int = 1024,
     external = weights > EXTERNAL_ABOVE if external is None else external
     t0 = time.perf_counter()
     tmp = output.with_suffix(".tmp.onnx")
-    with torch.no_grad(), _reference_modules(pipe.transformer if component == "transformer" else None):
+    eager = _eager_attention(module) if component == "text-encoder" else contextlib.nullcontext()
+    with torch.no_grad(), _reference_modules(pipe.transformer if component == "transformer" else None), eager, \
+            warnings.catch_warnings():  # fmt: skip
+        # expected and harmless here: shape checks traced as constants (the graphs' dynamic axes are tested),
+        # and the exporter's note on how it writes advanced indexing
+        warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
+        warnings.filterwarnings("ignore", message=".*advanced indexing.*")
         torch.onnx.export(module.eval(), args, str(tmp), input_names=inputs, output_names=outputs,
                           dynamic_axes=axes, opset_version=opset, do_constant_folding=True, dynamo=False)  # fmt: skip
     model = onnx.load(str(tmp), load_external_data=True)
