@@ -85,10 +85,14 @@ def provenance() -> dict:
     """Where a record comes from: date (UTC), commit, command, run id, engine switches, versions."""
     from .. import __version__
 
+    from importlib.util import find_spec
+
     env = {k: os.environ[k] for k in ENGINE_ENV if os.environ.get(k)}
+    # FlashAttention-3 becomes the default attention on Hopper where installed: say whether it was
+    fa3 = any(find_spec(m) is not None for m in ("flash_attn_interface", "fa3_fwd_interface"))
     return {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}", "commit": _commit(),
             "command": _command(), "run": _run_id(), "env": env, "python": sys.version.split()[0],
-            "qwenfast": __version__, "diffusers": _version("diffusers")}  # fmt: skip
+            "qwenfast": __version__, "diffusers": _version("diffusers"), "fa3_installed": fa3}  # fmt: skip
 
 
 def stamp(record: dict) -> dict:
