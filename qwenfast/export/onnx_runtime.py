@@ -23,7 +23,12 @@ class OnnxComponent:
     """
 
     def __init__(self, path: str | Path, providers: list[str] | None = None, threads: int | None = None):
-        import onnxruntime as ort  # the [export] extra
+        try:
+            import onnxruntime as ort  # the [export] extra
+        except ImportError:
+            from ..validation import MissingExtra
+
+            raise MissingExtra("running an exported graph", "export", "onnxruntime") from None
 
         opts = ort.SessionOptions()
         if threads is not None:

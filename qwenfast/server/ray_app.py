@@ -282,7 +282,9 @@ def serve_ray(a: argparse.Namespace) -> int:
     print("qwenfast serve --ray: draining (queued and running requests finish) ...", file=sys.stderr)
     t0 = time.monotonic()
     serve.delete(APP)  # Ray waits graceful_shutdown_timeout_s for each replica's ongoing requests
-    if not a.ray_address:  # our own local cluster; a joined cluster keeps Serve for its other apps
-        serve.shutdown()
+    if not a.ray_address:  # our own local cluster goes, and Serve with it; a joined cluster keeps Serve
+        # not serve.shutdown(): it kills the controller under the controller's own graceful_shutdown task,
+        # and Ray reports "Task ServeController.graceful_shutdown failed ... infinite retries remaining"
+        ray.shutdown()
     print(f"qwenfast serve --ray: stopped after {time.monotonic() - t0:.1f} s", file=sys.stderr)
     return 0

@@ -28,26 +28,24 @@ log = logging.getLogger("qwenfast.server")
 
 def serve(a: argparse.Namespace) -> int:
     from .. import launch
+    from .. import validation as V
 
     if getattr(a, "parallel", None) and getattr(a, "ray", False):
         print("error: --ray with --parallel (Ray replicas that each span several GPUs) is not available yet; use "
               "--ray with one GPU per replica, or --parallel without --ray", file=sys.stderr)  # fmt: skip
         return 2
+    # before any process starts or anything loads: the extras, the --parallel layout, flags that do nothing here
+    V.require_extra("`qwenfast serve`", "server", "fastapi", "uvicorn")
+    if getattr(a, "ray", False):
+        V.require_extra("`qwenfast serve --ray`", "ray", "ray")
+    if not launch.is_worker():
+        from ..cli_common import check_parallel_args, engine_notes
+
+        check_parallel_args(a)
+        engine_notes(a, loras=bool(a.lora_dir))
     if getattr(a, "parallel", None) and not launch.is_worker():
         return launch.run(serve, a)  # every rank runs serve(); rank 0 answers HTTP (server/parallel.py)
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        print(f"error: `qwenfast serve` needs the server extra ({e.name} is missing): "
-              "pip install 'qwenfast[server]'", file=sys.stderr)  # fmt: skip
-        return 2
     if getattr(a, "ray", False):
-        try:
-            import ray.serve  # noqa: F401
-        except ImportError:
-            print("error: `qwenfast serve --ray` needs the ray extra: pip install 'qwenfast[ray]'", file=sys.stderr)
-            return 2
         from .ray_app import serve_ray
 
         logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -55,14 +53,15 @@ def serve(a: argparse.Namespace) -> int:
     if getattr(a, "replicas", None) or getattr(a, "autoscale", None) or getattr(a, "ray_address", None):
         print("error: --replicas, --autoscale and --ray-address need --ray", file=sys.stderr)
         return 2
+    from .. import DEMO_MODEL
     from ..options import engine_options_from_args
-    from ..pipeline.common import DEFAULT_MODEL, EMBEDDED_NOTE
+    from ..pipeline.common import EMBEDDED_NOTE
     from .app import create_app
 
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = config_from_args(a)
     if a.model is None:
-        print(EMBEDDED_NOTE.format(path=DEFAULT_MODEL), file=sys.stderr)
+        print(EMBEDDED_NOTE.format(path=DEMO_MODEL), file=sys.stderr)
     if cfg.lora_dir:
         from .loras import LoraResolver
 
