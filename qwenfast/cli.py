@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="score the suite uncached and with each step-cache preset (repeatable: balanced, fast), "
                          "at --steps (default 50) with CFG: score, computed fraction, PSNR/SSIM vs uncached")  # fmt: skip
     bq.add_argument("--results", default=None, metavar="DIR",
-                    help="with --paths: append the record to DIR/quality.jsonl (default: only print it)")  # fmt: skip
+                    help="append the record to DIR/quality.jsonl (default: only print it)")  # fmt: skip
 
     from .server.options import add_serve_arguments
 

@@ -103,10 +103,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
             emit({"bench": "quality_cache", "model": a.model or "demo-t2i", **versions(), "steps": a.steps or 50,
                   "rows": rows}, "quality.jsonl", a.results)  # fmt: skip
             return 0
-        if not a.paths:
-            quality(a.model, n=a.n, device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg, verbose=a.verbose)
-            return 0
         from .benchmarks import emit, versions
+
+        if not a.paths:  # every bench ends with its record as one JSON line
+            emit(quality(a.model, n=a.n, device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg,
+                         verbose=a.verbose), "quality.jsonl", a.results)  # fmt: skip
+            return 0
 
         n = min(a.n or 120, 120)
         from .demo.bench import PATHS

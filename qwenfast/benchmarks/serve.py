@@ -10,7 +10,8 @@ per request, queue wait included. A warm-up round at each level is not counted.
 `--model random-full` builds Qwen-Image's full architecture with random weights on the GPU (60-layer
 transformer as `bench transformer` does, the 7B Qwen2.5-VL text model from its config, the VAE from
 its config; the embedded tokenizer): no checkpoint needed, same FLOPs as the real model. Without
-`--model`, the embedded tiny model runs anywhere, CPU included, as a smoke test.
+`--model`, the embedded demo model runs anywhere, CPU included, as a smoke test. Images are the
+model's own default size (128x128 for the demo, the size it was trained at) unless `--size` says.
 
 Prints a table and a final JSON line (GPU name, torch and triton versions); with `--results DIR` the
 line is also appended to DIR/serve.jsonl (the repo's records: `--results bench/results`).
@@ -45,25 +46,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model folder, or `random-full` for full-size random weights on the GPU (default: embedded "
                         "tiny model, for a CPU smoke test)")  # fmt: skip
-    p.add_argument(
-        "--size", type=int, default=None, help="image side in pixels (default 1024 for random-full, else 64)"
-    )
-    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--size", type=int, default=None,
+                   help="image side in pixels (default: the model's own size, 128 for the embedded demo; 1024 for "
+                        "random-full)")  # fmt: skip
+    p.add_argument("--steps", type=int, default=8, help="denoising steps per request")
     p.add_argument(
         "--cfg", type=float, default=1.0, help="true CFG scale (1 = off, as with Lightning-8 LoRAs)"
     )
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="client counts, one level each")
     p.add_argument(
         "--requests", type=int, default=None, help="measured requests per level (default max(8, 3*c))"
     )
-    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch")
     p.add_argument(
         "--no-baseline", action="store_true", help="skip the max-batch 1 run at the top concurrency"
     )
     p.add_argument("--layers", type=int, default=60, help="transformer layers for random-full")
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None)
-    p.add_argument("--cuda-graphs", action="store_true")
+    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--cuda-graphs", action="store_true", help="replay the transformer as CUDA graphs")
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
@@ -171,12 +172,12 @@ def run(model: str | None = None, size: int | None = None, steps: int = 8, cfg: 
         from ..options import EngineOptions
 
         pipe = load_pipeline(model, device, dtype, EngineOptions.from_env(cuda_graphs=cuda_graphs))
-    size = size or (1024 if model == "random-full" else 64)
+    size = size or pipe.defaults.get("width") or 1024  # the model's own size: no "far from trained" warnings
     build_s = time.perf_counter() - t0
     triton_v = versions()["triton"]
     gpu = torch.cuda.get_device_name() if pipe.device.type == "cuda" else None
     res = {"bench": "serve", "gpu": gpu, "torch": torch.__version__, "triton": triton_v, "device": str(pipe.device),
-           "dtype": str(pipe.dtype).replace("torch.", ""), "model": model or "embedded-tiny", "size": size,
+           "dtype": str(pipe.dtype).replace("torch.", ""), "model": model or "demo-t2i", "size": size,
            "steps": steps, "cfg": cfg, "max_batch": max_batch, "cuda_graphs": cuda_graphs,
            "build_s": round(build_s, 1), "levels": []}  # fmt: skip
     print(f"qwenfast bench serve: {res['model']} on {gpu or pipe.device} ({res['dtype']}), {size}x{size}, "

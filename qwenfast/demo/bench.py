@@ -6,6 +6,7 @@ it. Image i of the suite uses seed i, so runs are comparable across devices and 
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +21,14 @@ from . import score as S
 if TYPE_CHECKING:
     from ..pipeline.edit import QwenImageEditPipeline
     from ..pipeline.text_to_image import QwenImagePipeline
+
+
+def progress_bar(total: int, what: str):
+    """The suite's progress on stderr (images done of `total`), so a minute-long run is never silent
+    (stdout keeps the table and the final JSON line)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=what, unit="img", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
 def generate(
@@ -38,12 +47,14 @@ def generate(
     steps = d["num_inference_steps"] if steps is None else steps
     cfg = d["true_cfg_scale"] if cfg is None else cfg
     out = []
-    for s in range(0, len(prompts), batch):
-        chunk = prompts[s : s + batch]
-        gens = [torch.Generator("cpu").manual_seed(seed0 + s + i) for i in range(len(chunk))]
-        res = pipe(chunk, negative_prompt=negative if cfg > 1 else None, height=size, width=size,
-                   num_inference_steps=steps, true_cfg_scale=cfg, generator=gens, output_type="np")  # fmt: skip
-        out += [S.to_uint8(a) for a in res.images]
+    with progress_bar(len(prompts), "quality") as bar:
+        for s in range(0, len(prompts), batch):
+            chunk = prompts[s : s + batch]
+            gens = [torch.Generator("cpu").manual_seed(seed0 + s + i) for i in range(len(chunk))]
+            res = pipe(chunk, negative_prompt=negative if cfg > 1 else None, height=size, width=size,
+                       num_inference_steps=steps, true_cfg_scale=cfg, generator=gens, output_type="np")  # fmt: skip
+            out += [S.to_uint8(a) for a in res.images]
+            bar.update(len(chunk))
     return out
 
 
@@ -75,10 +86,13 @@ def run_edits(
     steps = d["num_inference_steps"] if steps is None else steps
     cfg = d["true_cfg_scale"] if cfg is None else cfg
     images = []
-    for i, (before, instruction, _) in enumerate(suite):
-        res = pipe(D.render(before), instruction, negative_prompt=" " if cfg > 1 else None, num_inference_steps=steps,
-                   true_cfg_scale=cfg, generator=torch.Generator("cpu").manual_seed(seed0 + i), output_type="np")  # fmt: skip
-        images.append(S.to_uint8(res.images[0]))
+    with progress_bar(len(suite), "quality (edits)") as bar:
+        for i, (before, instruction, _) in enumerate(suite):
+            res = pipe(D.render(before), instruction, negative_prompt=" " if cfg > 1 else None,
+                       num_inference_steps=steps, true_cfg_scale=cfg,
+                       generator=torch.Generator("cpu").manual_seed(seed0 + i), output_type="np")  # fmt: skip
+            images.append(S.to_uint8(res.images[0]))
+            bar.update(1)
     befores = [b for b, _, _ in suite]
     return S.score_edits(images, befores, [ins for _, ins, _ in suite]), images
 
@@ -90,11 +104,10 @@ def load(
 ) -> QwenImagePipeline:
     """The demo pipeline for a folder: text-to-image, or edit when the folder is an edit model
     (None = the embedded text-to-image demo; "edit" = the embedded edit demo)."""
+    from .. import DEMO_EDIT_MODEL, DEMO_MODEL
     from ..pipeline.auto import from_pretrained
-    from ..pipeline.edit import DEFAULT_EDIT_MODEL
-    from ..pipeline.text_to_image import DEFAULT_MODEL
 
-    path = DEFAULT_EDIT_MODEL if model == "edit" else DEFAULT_MODEL if model is None else model
+    path = DEMO_EDIT_MODEL if model == "edit" else DEMO_MODEL if model is None else model
     pipe = from_pretrained(path, device=device, dtype=dtype)  # picks the class from model_index.json
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -118,9 +131,10 @@ def run_suite(
 
 def quality(model: str | Path | None = None, n: int | None = None, device: torch.device | str | None = None,
             dtype: torch.dtype | str | None = None, steps: int | None = None, cfg: float | None = None,
-            batch: int = 16, verbose: bool = False) -> S.SuiteResult:  # fmt: skip
-    """Load a demo model folder (None = the embedded default, "edit" = the embedded edit model) and
-    print its held-out suite score (120 prompts, or 36 edit instructions)."""
+            batch: int = 16, verbose: bool = False) -> dict:  # fmt: skip
+    """Load a demo model folder (None = the embedded default, "edit" = the embedded edit model), print
+    its held-out suite score (120 prompts, or 36 edit instructions) and return the benchmark record
+    (`qwenfast bench quality` prints it as its final JSON line)."""
     pipe = load(model, device, dtype)
     cap = 36 if is_edit(pipe) else 120  # the held-out suites' sizes
     n = min(n or cap, cap)
@@ -140,7 +154,11 @@ def quality(model: str | Path | None = None, n: int | None = None, device: torch
             if not it["pass"]:
                 bad = [k for k, v in it["checks"].items() if not v]
                 print(f"  FAIL {it['prompt']!r}: {', '.join(bad)}")
-    return res
+    return {"bench": "quality", "model": "demo-t2i" if model is None else str(model), "n": n,
+            "steps": steps or d["num_inference_steps"], "cfg": cfg if cfg is not None else d["true_cfg_scale"],
+            "device": str(pipe.device), "dtype": str(pipe.dtype).replace("torch.", ""), "score": round(res.score, 2),
+            "attribute": round(res.attribute, 2), "per_check": {k: round(v, 2) for k, v in res.per_check.items()},
+            "seconds": round(dt, 1)}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ the gate per path
