@@ -38,6 +38,10 @@ def from_pretrained(path: str | Path, device: str | torch.device | None = None,
     """Load any Qwen-Image diffusers folder with the right pipeline class; `task` where one folder
     serves several (see `TASKS`); `kwargs` as the class's `from_pretrained` (`options=`, `offload=`,
     `fp8=`, `cuda_graphs=`, and `controlnet=` for the ControlNet pipelines)."""
+    from .diffusers_compat import HUB_ARGS, resolve_model_path
+
+    path = resolve_model_path(kwargs.pop("pretrained_model_name_or_path", path),
+                              {k: kwargs[k] for k in HUB_ARGS if k in kwargs})  # a hub repo id -> its folder
     cls = pipeline_class(path, task, controlnet=kwargs.get("controlnet") is not None)
     if kwargs.get("controlnet") is not None and "controlnet" not in cls.kind:
         raise ValueError(f"controlnet= was given but {cls.__name__} takes no ControlNet (task={task!r})")

@@ -39,12 +39,16 @@ from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module, spr
 from ..runtime.oom import run_in_chunks, vae_decode
 from . import sampling as S
 from .common import OUTPUT_TYPES, Generators, QwenImageOutput, postprocess, randn_tensor
+from .diffusers_compat import DiffusersMethods
+from .prompts import PromptConds
 
 log = logging.getLogger("qwenfast")
 
 
-class PipelineBase:
-    """Shared machinery; see the module docstring. Subclasses define `__call__` and the conditioning."""
+class PipelineBase(DiffusersMethods, PromptConds):
+    """Shared machinery; see the module docstring. Subclasses define `__call__` and the conditioning.
+    diffusers' pipeline methods (`.to()`, `enable_model_cpu_offload`, `interrupt`, ...) come from
+    `DiffusersMethods` (diffusers_compat.py), prompt conditioning from `PromptConds` (prompts.py)."""
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config: SchedulerConfig, *,
                  model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
@@ -189,10 +193,6 @@ class PipelineBase:
         measuring memory, say, or after changing `pipe.transformer`'s weights by hand)."""
         self._graphs.clear()
         self._clear_modulations()
-
-    def set_progress_bar_config(self, disable: bool = False) -> None:
-        """diffusers' switch for the per-call progress bar."""
-        self.progress_bar = not disable
 
     def _set_offload(self, old: str, new: str, device: torch.device, budget: float | None = None) -> None:
         ring, tr, te = getattr(self, "_ring", 2), self.transformer, self.text_encoder
@@ -447,7 +447,7 @@ class PipelineBase:
                   steps: int, generator, latents, output_type: str, sigmas, scheduler_overrides: dict | None,
                   callback: Callable | None, ref: tuple[torch.Tensor, list] | None = None,
                   forward_for: Callable[[Callable, int, int], Callable] | None = None,
-                  start: Callable | None = None) -> QwenImageOutput:  # fmt: skip
+                  start: Callable | None = None, step_end: S.StepEndHook | None = None) -> QwenImageOutput:  # fmt: skip
         """Noise for the whole batch, then the denoise core (split on OOM), then decode.
 
         h, w: latent grid (pixels / 8, even). ref: (packed reference latents (B, M, 64), their
@@ -455,7 +455,8 @@ class PipelineBase:
         i..j of the batch, for conditioning that lives beside the forward (ControlNet latents), so
         that a chunk of an OOM-split batch sees its own rows. start: img2img / inpainting,
         `start(noise (B, N, 64), sigmas) -> (first latents, the sigmas to run, blend or None)`; a blend
-        is a per-step hook of `denoise` with `rows(i, j)` giving the hook of batch rows i..j.
+        is a per-step hook of `denoise` with `rows(i, j)` giving the hook of batch rows i..j. step_end:
+        the denoise core's step-end hook for the whole batch (diffusers' `callback_on_step_end`).
         """
         par = self._options.parallel
         if par is not None and par.cfg == 2 and uncond is None:
@@ -472,7 +473,7 @@ class PipelineBase:
             self._fill_modulations(sig, x.dtype)
             x = self._denoise_batch(self._core_forward(), x, sig, img_shapes, cond, uncond, cfg_scale,
                                     None if ref is None else ref[0], callback, forward_for=forward_for,
-                                    blend=blend, events=events)  # fmt: skip
+                                    blend=blend, events=events, step_end=step_end)  # fmt: skip
             info = {"oom_backoff": events} if events else {}
             if output_type == "latent":
                 return QwenImageOutput(images=x, info=info)
@@ -481,26 +482,32 @@ class PipelineBase:
     def _denoise_batch(self, forward: Callable, x: torch.Tensor, sig: torch.Tensor, img_shapes: list,
                        cond: S.TextCond, uncond: S.TextCond | None, cfg_scale: float, ref_latents: torch.Tensor | None,
                        callback: Callable | None, *, forward_for: Callable | None = None, blend=None,
-                       guidance: Callable = S.true_cfg, events: list[str] | None = None) -> torch.Tensor:  # fmt: skip
-        """The denoise core over the batch x (B, N, 64), split into row chunks on CUDA OOM (the `oom`
+                       guidance: Callable = S.true_cfg, events: list[str] | None = None,
+                       step_end: S.StepEndHook | None = None, batched_cfg: bool | str | None = None) -> torch.Tensor:  # fmt: skip
+        """The denoise core over the batch x (B, N, C), split into row chunks on CUDA OOM (the `oom`
         option): each chunk gets its rows of the conditioning, of `forward_for(forward, i, j)` and of
-        `blend.rows(i, j)`, and a split batch's callbacks still see the whole batch. Call inside `_engine()`."""
+        `blend.rows(i, j)`, and a split batch's callbacks and step-end hook still see the whole batch
+        (the hook's changes go back to each chunk's rows). `batched_cfg`: None = the option's. Call
+        inside `_engine()`."""
         B = x.shape[0]
-        buf = x.clone() if callback is not None else None
+        buf = x.clone() if callback is not None or step_end is not None else None
 
         def chunk(i: int, j: int) -> torch.Tensor:
-            cb = callback
+            cb, hook = callback, step_end
             if callback is not None and (i, j) != (0, B):  # a split batch: callbacks see the whole batch
                 def cb(k, n, xc, _i=i, _j=j):  # noqa: E306
                     buf[_i:_j] = xc
                     callback(k, n, buf)
 
+            if step_end is not None and (i, j) != (0, B):
+                hook = _rows_hook(step_end, buf, cond, i, j)
             fwd = forward if forward_for is None else forward_for(forward, i, j)
             return S.denoise(fwd, x[i:j], sig, img_shapes, cond.rows(i, j),
                              None if uncond is None else uncond.rows(i, j), cfg_scale,
-                             None if ref_latents is None else ref_latents[i:j], self._options.batched_cfg, cb,
-                             progress=self.progress_bar, guidance=guidance,
-                             blend=None if blend is None else blend.rows(i, j))  # fmt: skip
+                             None if ref_latents is None else ref_latents[i:j],
+                             self._options.batched_cfg if batched_cfg is None else batched_cfg, cb,
+                             progress=self._progress(), guidance=guidance,
+                             blend=None if blend is None else blend.rows(i, j), step_end=hook)  # fmt: skip
 
         if self._options.oom != "backoff":  # per call: nothing stays switched on afterwards
             return chunk(0, B)
@@ -569,3 +576,21 @@ class PipelineBase:
         if not 1 <= max_sequence_length <= 1024:
             raise ValueError(f"`max_sequence_length` must be in 1..1024, got {max_sequence_length}")
         return S.latent_hw(height, width, self.vae_scale_factor)
+
+
+def _rows_hook(step_end: S.StepEndHook, buf: torch.Tensor, cond: S.TextCond, i: int, j: int) -> S.StepEndHook:
+    """The step-end hook of batch rows i..j of an OOM-split batch: the whole-batch hook sees `buf`
+    (the batch's latents, these rows current) and the whole batch's prompt conditioning; what it
+    returns goes back as these rows."""
+    whole = {"cond": cond}
+
+    def hook(k: int, n: int, t: torch.Tensor, state: S.StepEnd) -> S.StepEnd:
+        buf[i:j] = state.latents
+        out = step_end(k, n, t, S.StepEnd(buf, whole["cond"]))
+        rows = state.cond
+        if out.cond is not whole["cond"]:
+            whole["cond"] = out.cond
+            rows = out.cond.rows(i, j)
+        return S.StepEnd(out.latents[i:j], rows, out.stop)
+
+    return hook

@@ -22,9 +22,9 @@ repeatable inpainting, as with diffusers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..models.controlnet import ControlNets, QwenImageControlNetModel, QwenImageMultiControlNetModel
@@ -36,13 +36,13 @@ from .common import (
     Device,
     DType,
     QwenImageOutput,
-    as_prompt_list,
     engine_options,
     load_folder,
-    negative_prompts,
     randn_tensor,
 )
-from .sampling import StepCallback, TextCond
+from .diffusers_compat import DiffusersCall, loading_args
+from .images import IMAGE, MASK, ImageSpec, preprocess
+from .sampling import StepCallback
 from .text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
 __all__ = ["QwenImageControlNetPipeline", "QwenImageControlNetInpaintPipeline", "ControlForward", "load_controlnets"]
@@ -69,56 +69,21 @@ def load_controlnets(controlnet, device: torch.device, dtype: torch.dtype, axes_
     return one(controlnet)
 
 
-def _pil(image, where: str):
-    """A path / PIL image / HxWxC uint8 array -> PIL image in its own mode (diffusers resizes first)."""
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(image, (str, Path)):
-        try:
-            with Image.open(image) as f:
-                f.load()
-                return f.copy()
-        except FileNotFoundError:
-            raise ValueError(f"{where}: no such file {str(image)!r}") from None
-        except (UnidentifiedImageError, OSError) as e:
-            raise ValueError(f"{where}: {str(image)!r} is not a readable image ({e})") from None
-    if isinstance(image, np.ndarray):
-        if image.dtype != np.uint8 or image.ndim not in (2, 3):
-            raise ValueError(f"{where}: arrays must be HxW or HxWxC uint8, got {image.dtype} {image.shape}")
-        return Image.fromarray(image)
-    if isinstance(image, Image.Image):
-        return image
-    raise TypeError(f"{where} must be a PIL image, a path, a uint8 array or a tensor, got {type(image).__name__}")
-
-
-def image_batch(image, height: int, width: int, mult: int, where: str, mode: str = "RGB") -> torch.Tensor:
-    """diffusers' `VaeImageProcessor.preprocess`: images (one or a list) resized with Lanczos to
-    (height, width) floored to `mult` -> (n, C, H, W) float32, in [-1, 1] for "RGB" and [0, 1] for
-    "L" (masks are not normalised). A tensor passes through as it is, as diffusers' `prepare_image`
-    does (so it must already be in [-1, 1]). Images of another mode are converted after the resize
-    (diffusers would hand a grayscale or RGBA control image to the VAE as is and fail)."""
-    from PIL import Image
-
+def image_batch(image, height: int, width: int, mult: int, where: str, spec: ImageSpec = IMAGE) -> torch.Tensor:
+    """diffusers' `prepare_image`: a tensor passes through as it is (so it must already be what the
+    VAE takes, [-1, 1]; integer tensors are refused); anything else (one image or a list: PIL / path /
+    array) goes through diffusers' `VaeImageProcessor.preprocess` (`images.py`) -> (n, C, H, W)
+    float32, resized to (height, width) floored to `mult`, in [-1, 1] (masks: 0/1)."""
     if isinstance(image, torch.Tensor):
+        if not (image.is_floating_point() or spec.binarize):
+            raise ValueError(f"{where}: an integer ({image.dtype}) tensor would reach the VAE as 0..255 values; "
+                             "give floats in [-1, 1]")  # fmt: skip
         if image.ndim == 3:
             image = image[None]
         if image.ndim != 4:
             raise ValueError(f"{where}: a tensor must be (B, C, H, W), got {tuple(image.shape)}")
         return image
-    items = list(image) if isinstance(image, (list, tuple)) else [image]
-    if not items:
-        raise ValueError(f"{where} is empty")
-    h, w = height // mult * mult, width // mult * mult
-    arrs = []
-    for k, im in enumerate(items):
-        im = _pil(im, f"{where}[{k}]" if len(items) > 1 else where)
-        im = im.resize((w, h), resample=Image.LANCZOS)
-        if im.mode != mode:
-            im = im.convert(mode)
-        a = np.array(im).astype(np.float32) / 255.0
-        arrs.append(a[..., None] if a.ndim == 2 else a)
-    x = torch.from_numpy(np.stack(arrs)).permute(0, 3, 1, 2)  # (n, C, H, W)
-    return x * 2.0 - 1.0 if mode == "RGB" else x
+    return preprocess(image, height, width, spec, mult=mult, where=where)
 
 
 def _repeat_rows(x: torch.Tensor, batch: int, n: int) -> torch.Tensor:
@@ -206,10 +171,12 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, controlnet=None, device: Device = None,
                         dtype: DType = None, offload: str | None = None, *, options: EngineOptions | None = None,
-                        fp8: bool | None = None, cuda_graphs: bool | None = None, cache: object = None):  # fmt: skip
+                        fp8: bool | None = None, cuda_graphs: bool | None = None, cache: object = None, **kwargs):  # fmt: skip
         """A Qwen-Image text-to-image folder plus `controlnet=` (see the class docstring), or a saved
         diffusers ControlNet pipeline folder (its `controlnet/` is used when `controlnet` is None).
-        The ControlNet is loaded onto the compute device in the pipeline's dtype (also with offload)."""
+        The ControlNet is loaded onto the compute device in the pipeline's dtype (also with offload).
+        diffusers' keyword arguments (`torch_dtype=`, ...) as for `QwenImagePipeline.from_pretrained`."""
+        path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, opts.offload, KINDS,
                         f"{cls.__name__} runs Qwen-Image text-to-image checkpoints with a ControlNet")  # fmt: skip
@@ -245,10 +212,8 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         inv_std = 1.0 / torch.tensor(c.latents_std).view(1, -1, 1, 1).to(z.device)
         return (z - mean) * inv_std
 
-    def _control_latents(self, control_image, height: int, width: int, generator, batch: int, n: int):
-        """-> (list of packed control latents, output height, width). Output size follows the control
-        image(s) as in diffusers (PIL images are resized to the requested size; tensors set it)."""
-        mult = self.vae_scale_factor * 2
+    def _control_items(self, control_image) -> list:
+        """The control image entry of each condition (one for a single ControlNet)."""
         multi = isinstance(self.controlnet, QwenImageMultiControlNetModel)
         if control_image is None:
             raise ValueError("control_image is required (the picture the ControlNet follows: canny, depth, pose, ...)")
@@ -256,6 +221,13 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         if multi and len(self.controlnet.nets) > 1 and len(items) != len(self.controlnet.nets):
             raise ValueError(f"{len(self.controlnet.nets)} ControlNets need {len(items)} == "
                              f"{len(self.controlnet.nets)} control images")  # fmt: skip
+        return items
+
+    def _control_latents(self, items: list, height: int, width: int, generator, batch: int, n: int):
+        """-> (list of packed control latents, output height, width). Output size follows the control
+        image(s) as in diffusers (PIL images and arrays are resized to the requested size; tensors set it)."""
+        mult = self.vae_scale_factor * 2
+        multi = isinstance(self.controlnet, QwenImageMultiControlNetModel)
         conds = []
         for k, item in enumerate(items):
             px = image_batch(item, height, width, mult, f"control_image[{k}]" if multi else "control_image")
@@ -296,37 +268,47 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         return out
 
     # ---------------------------------------------------------------- generation
-    def _run(self, conds: list[torch.Tensor], h: int, w: int, prompt, negative_prompt, true_cfg_scale, steps,
-             generator, num_images_per_prompt, latents, output_type, max_sequence_length, sigmas,
-             scheduler_overrides, callback, scales_of) -> QwenImageOutput:  # fmt: skip
+    def _run(self, a: dict, make_conds: Callable, scales_of: Callable) -> QwenImageOutput | tuple:
+        """The shared body of both ControlNet calls (`a`: the call's arguments): prompts, then
+        `make_conds(B, n) -> (packed condition latents, height, width)` (VAE samples drawn before the
+        noise, as diffusers), then the denoise core with the ControlNet in its forward."""
         if self._parallel is not None:
             raise RuntimeError("ControlNet pipelines do not support parallel options yet; run on one GPU")
-        prompts = as_prompt_list(prompt, "prompt")
-        negs = negative_prompts(prompts, negative_prompt)
-        cfg_scale = true_cfg_scale
-        n = num_images_per_prompt
-        cond = TextCond(*self.encode_prompt(prompts, n, max_sequence_length))
-        uncond = TextCond(*self.encode_prompt(negs, n, max_sequence_length)) if cfg_scale > 1 and negs else None
-        N = (h // 2) * (w // 2)
-        for c in conds:
-            if c.shape[1] != N:
-                raise ValueError(f"control latents have {c.shape[1]} tokens, the output {N}: give control "
-                                 "images of the output size")  # fmt: skip
-        n_steps = len(sigmas) if sigmas is not None else steps
-        scales = scales_of(n_steps)
+        d = self.defaults
+        height = d["height"] if a["height"] is None else a["height"]
+        width = d["width"] if a["width"] is None else a["width"]
+        steps = d["num_inference_steps"] if a["num_inference_steps"] is None else a["num_inference_steps"]
+        cfg_scale = d["true_cfg_scale"] if a["true_cfg_scale"] is None else a["true_cfg_scale"]
+        n, sigmas = a["num_images_per_prompt"], a["sigmas"]
+        self._check(height, width, steps, n, a["output_type"], a["max_sequence_length"], sigmas)
+        scales_of(max(1, len(sigmas) if sigmas is not None else steps))  # bad values fail before the prompt encode
+        with DiffusersCall(self, a["guidance_scale"], a["attention_kwargs"], a["callback_on_step_end"],
+                           a["callback_on_step_end_tensor_inputs"], warn_guidance=self.kind == "controlnet") as call:  # fmt: skip
+            cond, uncond, k = self._prompt_conds(a["prompt"], a["negative_prompt"], cfg_scale, n,
+                                                 a["max_sequence_length"], a["prompt_embeds"], a["prompt_embeds_mask"],
+                                                 a["negative_prompt_embeds"], a["negative_prompt_embeds_mask"])  # fmt: skip
+            conds, height, width = make_conds(k * n, n, height, width)
+            h, w = S.latent_hw(height, width, self.vae_scale_factor)
+            N = (h // 2) * (w // 2)
+            for c in conds:
+                if c.shape[1] != N:
+                    raise ValueError(f"control latents have {c.shape[1]} tokens, the output {N}: give control "
+                                     "images of the output size")  # fmt: skip
+            scales = scales_of(len(sigmas) if sigmas is not None else steps)
 
-        def forward_for(fwd, i, j):
-            return ControlForward(fwd, self.controlnet, [c[i:j] for c in conds], scales)
+            def forward_for(fwd, i, j):
+                return ControlForward(fwd, self.controlnet, [c[i:j] for c in conds], scales)
 
-        return self._generate(B=len(prompts) * n, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale,
-                              steps=steps, generator=generator, latents=latents, output_type=output_type,
-                              sigmas=sigmas, scheduler_overrides=scheduler_overrides, callback=callback,
-                              forward_for=forward_for)  # fmt: skip
+            out = self._generate(B=k * n, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
+                                 generator=a["generator"], latents=a["latents"], output_type=a["output_type"],
+                                 sigmas=sigmas, scheduler_overrides=a["scheduler_overrides"], callback=a["callback"],
+                                 forward_for=forward_for, step_end=call.step_end)  # fmt: skip
+        return call.output(out, a["return_dict"])
 
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str | list[str],
+        prompt: str | list[str] | None = None,
         negative_prompt: str | list[str] | None = None,
         true_cfg_scale: float | None = None,
         height: int | None = None,
@@ -341,35 +323,35 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         num_images_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
         output_type: str = "pil",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
         max_sequence_length: int = 512,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
-    ) -> QwenImageOutput:
-        """diffusers' arguments. `control_image`: one image (or a per-prompt list) for one ControlNet;
-        a list with one entry per condition for a `QwenImageMultiControlNetModel` (each entry one image
-        or a per-prompt list), with per-condition `controlnet_conditioning_scale` and guidance windows.
-        `guidance_scale` is accepted and ignored (no released Qwen-Image is guidance-distilled)."""
-        d = self.defaults
-        height = d["height"] if height is None else height
-        width = d["width"] if width is None else width
-        steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
-        cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        prompts = as_prompt_list(prompt, "prompt")
-        self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
+    ) -> QwenImageOutput | tuple:
+        """diffusers' arguments, in its order. `control_image`: one image (or a per-prompt list) for one
+        ControlNet; a list with one entry per condition for a `QwenImageMultiControlNetModel` (each
+        entry one image or a per-prompt list), with per-condition `controlnet_conditioning_scale` and
+        guidance windows. Arrays and tensors mean what they mean in diffusers (`image_batch`)."""
+        a = {k: v for k, v in locals().items() if k != "self"}
         multi = isinstance(self.controlnet, QwenImageMultiControlNetModel)
-        B = len(prompts) * num_images_per_prompt
-        conds, height, width = self._control_latents(control_image, height, width, generator, B,
-                                                     num_images_per_prompt)  # fmt: skip
-        h, w = S.latent_hw(height, width, self.vae_scale_factor)
+        items = self._control_items(control_image)
+
+        def make_conds(B, n, height, width):
+            return self._control_latents(items, height, width, generator, B, n)
 
         def scales_of(n_steps):
-            return self._step_scales(n_steps, len(conds), controlnet_conditioning_scale, control_guidance_start,
+            return self._step_scales(n_steps, len(items), controlnet_conditioning_scale, control_guidance_start,
                                      control_guidance_end, multi)  # fmt: skip
 
-        scales_of(max(1, len(sigmas) if sigmas is not None else steps))  # bad values fail before the prompt encode
-        return self._run(conds, h, w, prompts, negative_prompt, cfg_scale, steps, generator, num_images_per_prompt,
-                         latents, output_type, max_sequence_length, sigmas, scheduler_overrides, callback, scales_of)  # fmt: skip
+        return self._run(a, make_conds, scales_of)
 
 
 class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
@@ -386,11 +368,10 @@ class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
         px = _repeat_rows(image_batch(image, height, width, mult, "control_image"), batch, n)
         if mask is None:
             raise ValueError("control_mask is required (white = repaint, black = keep)")
-        if isinstance(mask, torch.Tensor):
+        if isinstance(mask, torch.Tensor):  # as it is (diffusers does not binarise a tensor mask)
             m = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
-        else:  # PIL: resized, grayscale, binarized at 0.5 (diffusers' mask processor)
-            m = image_batch(mask, height, width, mult, "control_mask", mode="L")
-            m = (m >= 0.5).to(m.dtype)
+        else:  # resized, grayscale, binarised at 0.5 (diffusers' mask processor)
+            m = image_batch(mask, height, width, mult, "control_mask", MASK)
         m = _repeat_rows(m, batch, n).to(self.device, self.vae_dtype)  # (B, 1, H, W)
         if m.shape[-2:] != px.shape[-2:]:
             raise ValueError(f"control_mask is {tuple(m.shape[-2:])} pixels, control_image {tuple(px.shape[-2:])}: "
@@ -408,7 +389,7 @@ class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str | list[str],
+        prompt: str | list[str] | None = None,
         negative_prompt: str | list[str] | None = None,
         true_cfg_scale: float | None = None,
         height: int | None = None,
@@ -424,36 +405,37 @@ class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
         num_images_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
         output_type: str = "pil",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
         max_sequence_length: int = 512,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
-    ) -> QwenImageOutput:
-        """diffusers' arguments: `control_image` (the picture) and `control_mask` (white = repaint) are
-        resized to height x width; the output has that size. One inpainting ControlNet."""
+    ) -> QwenImageOutput | tuple:
+        """diffusers' arguments, in its order: `control_image` (the picture) and `control_mask` (white / 1
+        = repaint) are resized to height x width; the output has that size. One inpainting ControlNet.
+        `guidance_scale` is ignored silently, as diffusers does here."""
+        a = {k: v for k, v in locals().items() if k != "self"}
         if isinstance(self.controlnet, QwenImageMultiControlNetModel):
             raise ValueError("QwenImageControlNetInpaintPipeline takes one ControlNet (the inpainting one)")
         if self.controlnet.cfg.extra_condition_channels != 4:
             raise ValueError("this ControlNet is not an inpainting ControlNet (extra_condition_channels "
                              f"{self.controlnet.cfg.extra_condition_channels}, expected 4: InstantX "
                              "Qwen-Image-ControlNet-Inpainting); use QwenImageControlNetPipeline")  # fmt: skip
-        d = self.defaults
-        height = d["height"] if height is None else height
-        width = d["width"] if width is None else width
-        steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
-        cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        prompts = as_prompt_list(prompt, "prompt")
-        h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
-        n = num_images_per_prompt
         if control_image is None:
             raise ValueError("control_image is required (the picture to inpaint)")
-        cond = self.encode_masked(control_image, control_mask, height, width, len(prompts) * n, n)
+
+        def make_conds(B, n, height, width):
+            return [self.encode_masked(control_image, control_mask, height, width, B, n)], height, width
 
         def scales_of(n_steps):
             return self._step_scales(n_steps, 1, controlnet_conditioning_scale, control_guidance_start,
                                      control_guidance_end, False)  # fmt: skip
 
-        scales_of(max(1, len(sigmas) if sigmas is not None else steps))
-        return self._run([cond], h, w, prompts, negative_prompt, cfg_scale, steps, generator, n, latents,
-                         output_type, max_sequence_length, sigmas, scheduler_overrides, callback, scales_of)  # fmt: skip
-
+        return self._run(a, make_conds, scales_of)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,12 +33,11 @@ from .common import (
     Device,
     DType,
     QwenImageOutput,
-    as_prompt_list,
     engine_options,
     load_folder,
-    negative_prompts,
 )
-from .sampling import StepCallback, TextCond
+from .diffusers_compat import DiffusersCall, loading_args
+from .sampling import StepCallback
 from .text_to_image import QwenImagePipeline
 
 DEFAULT_EDIT_MODEL = ASSETS / "demo-edit"
@@ -156,11 +156,13 @@ class QwenImageEditPipeline(QwenImagePipeline):
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None, cache: object = None) -> QwenImageEditPipeline:  # fmt: skip
-        """Load a diffusers-layout edit folder (None = the embedded demo edit model).
+                        cuda_graphs: bool | None = None, cache: object = None, **kwargs) -> QwenImageEditPipeline:  # fmt: skip
+        """Load a diffusers-layout edit folder or hub repo id (None = the embedded demo edit model).
 
-        Engine options and the `offload` / `fp8` / `cuda_graphs` shortcuts as for `QwenImagePipeline.from_pretrained`.
+        Engine options, the `offload` / `fp8` / `cuda_graphs` shortcuts and diffusers' keyword
+        arguments (`torch_dtype=`, ...) as for `QwenImagePipeline.from_pretrained`.
         """
+        path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         f = load_folder(path if path is not None else DEFAULT_EDIT_MODEL, device, dtype, opts.offload, MODES,
                         "QwenImageEditPipeline runs Qwen-Image-Edit checkpoints (use QwenImagePipeline, or "
@@ -252,28 +254,41 @@ class QwenImageEditPipeline(QwenImagePipeline):
     @torch.no_grad()
     def __call__(
         self,
-        image,
-        prompt: str | list[str],
+        image=None,
+        prompt: str | list[str] | None = None,
         negative_prompt: str | list[str] | None = None,
+        true_cfg_scale: float | None = None,
         height: int | None = None,
         width: int | None = None,
         num_inference_steps: int | None = None,
-        true_cfg_scale: float | None = None,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        num_images_per_prompt: int = 1,
-        latents: torch.Tensor | None = None,
-        output_type: str = "pil",
-        max_sequence_length: int = 512,
         sigmas: list[float] | None = None,
+        guidance_scale: float | None = None,
+        num_images_per_prompt: int = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
+        output_type: str = "pil",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
+        max_sequence_length: int = 512,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
-    ) -> QwenImageOutput:
-        """Edit `image` (one PIL image / path / array, or a list: 1 for v1, 1-3 for 2509/2511).
+    ) -> QwenImageOutput | tuple:
+        """Edit `image` (one PIL image / path / uint8 array, or a list: 1 for v1, 1-3 for 2509/2511).
 
-        Same arguments as diffusers' edit pipelines; `prompt` may also be a list (each prompt edits
-        the same images), which diffusers does not allow. `max_sequence_length` is only checked, as in
-        diffusers (edit prompts are not truncated).
+        diffusers' edit arguments (`QwenImageEditPipeline` / `QwenImageEditPlusPipeline`, in their order);
+        `prompt` may also be a list (each prompt edits the same images), which diffusers does not
+        allow. `max_sequence_length` is only checked, as in diffusers (edit prompts, and given
+        `prompt_embeds`, are not truncated). `prompt_embeds` must come from this edit model's encoder
+        with the same images (they hold the image tokens); the images still give the reference latents.
         """
+        if image is None:
+            raise ValueError("`image` is required (the picture(s) to edit)")
         images = load_images(image)
         if not 1 <= len(images) <= MAX_IMAGES[self.mode]:
             kind = (
@@ -287,18 +302,24 @@ class QwenImageEditPipeline(QwenImagePipeline):
         height, width = self.output_size({"image": images, "height": height, "width": width})
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        prompts = as_prompt_list(prompt, "prompt")
         h, w = self._check(
             height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas
         )
-        negs = negative_prompts(prompts, negative_prompt)
-        do_cfg = cfg_scale > 1 and negs is not None
-
         n = num_images_per_prompt
-        B = len(prompts) * n
-        cond = TextCond(*self.encode_edit_prompt(prompts, vl_images, n))
-        uncond = TextCond(*self.encode_edit_prompt(negs, vl_images, n)) if do_cfg else None
-        return self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
-                              generator=generator, latents=latents, output_type=output_type, sigmas=sigmas,
-                              scheduler_overrides=scheduler_overrides, callback=callback,
-                              ref=self.encode_images(vae_in, B))  # fmt: skip
+        with DiffusersCall(self, guidance_scale, attention_kwargs, callback_on_step_end,
+                           callback_on_step_end_tensor_inputs) as call:  # fmt: skip
+            cond, uncond, k = self._prompt_conds(prompt, negative_prompt, cfg_scale, n, None, prompt_embeds,
+                                                 prompt_embeds_mask, negative_prompt_embeds,
+                                                 negative_prompt_embeds_mask,
+                                                 encode=lambda texts: self.encode_edit_prompt(texts, vl_images, n))  # fmt: skip
+            B = k * n
+            out = self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
+                                 generator=generator, latents=latents, output_type=output_type, sigmas=sigmas,
+                                 scheduler_overrides=scheduler_overrides, callback=callback,
+                                 ref=self.encode_images(vae_in, B), step_end=call.step_end)  # fmt: skip
+        return call.output(out, return_dict)
+
+
+# diffusers' name for the Edit-2509 / Edit-2511 pipeline: one class here, which reads the edit model
+# (v1 or 2509/2511) from the folder's model_index.json
+QwenImageEditPlusPipeline = QwenImageEditPipeline

@@ -12,17 +12,18 @@ image (diffusers samples, it does not take the mode), then the noise.
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import sampling as S
-from .common import QwenImageOutput, as_prompt_list, negative_prompts, randn_tensor
-from .edit import load_images
-from .sampling import StepCallback, TextCond
-from .text_to_image import QwenImagePipeline, log
+from .common import QwenImageOutput, randn_tensor
+from .diffusers_compat import DiffusersCall
+from .images import IMAGE_LATENTS, MASK, open_image, preprocess
+from .sampling import StepCallback
+from .text_to_image import QwenImagePipeline
 
 
 def start_step(num_steps: int, strength: float) -> int:
@@ -52,51 +53,33 @@ def image_tensor(images: list, height: int, width: int) -> torch.Tensor:
 
 
 def load_masks(mask: object) -> list:
-    """Mask(s): PIL image / path / HxW or HxWxC uint8 array, or a list of them -> PIL images (any mode)."""
-    from PIL import Image, UnidentifiedImageError
-
+    """Mask(s) -> a list, paths opened as PIL images (the CLI's `--mask`); arrays, tensors and PIL
+    images stay as they are (`mask_tensor` reads them as diffusers does)."""
     if mask is None:
         raise ValueError("`mask_image` is required: white (>= 50% grey) pixels are repainted, black ones kept")
-    items = mask if isinstance(mask, (list, tuple)) else [mask]
-    out = []
-    for i, m in enumerate(items):
-        where = f"mask_image[{i}]" if isinstance(mask, (list, tuple)) else "mask_image"
-        if isinstance(m, np.ndarray):
-            if m.dtype != np.uint8 or m.ndim not in (2, 3) or (m.ndim == 3 and m.shape[2] not in (1, 3, 4)):
-                raise ValueError(f"{where}: arrays must be HxW (or HxWx1/3/4) uint8, got {m.dtype} {m.shape}")
-            m = Image.fromarray(m[..., 0] if m.ndim == 3 and m.shape[2] == 1 else m)
-        elif isinstance(m, (str, Path)):
-            try:
-                with Image.open(m) as f:
-                    f.load()
-                    m = f.copy()  # its own mode: "L", "RGB" or "RGBA" (luminance is used, as diffusers does)
-            except FileNotFoundError:
-                raise ValueError(f"{where}: no such file {str(m)!r}") from None
-            except (UnidentifiedImageError, OSError) as e:
-                raise ValueError(f"{where}: {str(m)!r} is not a readable image ({e})") from None
-        elif not isinstance(m, Image.Image):
-            raise TypeError(f"{where} must be a PIL image, a path or a uint8 array, got {type(m).__name__}")
-        out.append(m)
-    if not out:
+    items = list(mask) if isinstance(mask, (list, tuple)) else [mask]
+    if not items:
         raise ValueError("`mask_image` is an empty list")
-    return out
+    many = isinstance(mask, (list, tuple))
+    return [open_image(m, f"mask_image[{i}]" if many else "mask_image") for i, m in enumerate(items)]
 
 
-def mask_tensor(masks: list, height: int, width: int) -> torch.Tensor:
-    """Masks -> (k, 1, height, width) of 0/1: diffusers' mask processor (Lanczos resize, then greyscale,
-    then binarised at 0.5), so soft edges become hard at half grey. 1 = repaint."""
-    from PIL import Image
+def mask_tensor(mask: object, height: int, width: int) -> torch.Tensor:
+    """A mask (PIL / path / array / tensor, or a list; see `images.py`) -> (k, 1, height, width) of 0/1:
+    diffusers' mask processor (resize, greyscale, binarised at 0.5: soft edges become hard at half
+    grey, and a 0/1 or 0/255 array both work). 1 = repaint."""
+    if mask is None:
+        raise ValueError("`mask_image` is required: white (>= 50% grey) pixels are repainted, black ones kept")
+    m = preprocess(mask, height, width, MASK, where="mask_image")
+    if m.shape[1] != 1:
+        raise ValueError(f"mask_image has {m.shape[1]} channels after diffusers' mask processing; give one channel")
+    return m
 
-    arr = np.stack([np.asarray(m.resize((width, height), resample=Image.LANCZOS).convert("L")).astype(np.float32)
-                    / 255.0 for m in masks])  # fmt: skip  # (k, H, W)
-    t = torch.from_numpy(arr)[:, None]
-    return (t >= 0.5).to(torch.float32)
 
-
-def latent_mask(masks: list, h: int, w: int, batch: int, device, dtype) -> torch.Tensor:
-    """Masks -> packed (batch, h/2 * w/2, 64) on the latent grid h x w: diffusers' `prepare_mask_latents`
-    (pixel mask of 8h x 8w, nearest-neighbour down to h x w, repeated over the 16 latent channels)."""
-    m = F.interpolate(mask_tensor(masks, 8 * h, 8 * w), size=(h, w)).to(device, dtype)  # (k, 1, h, w)
+def latent_mask(mask: torch.Tensor, h: int, w: int, batch: int, device, dtype) -> torch.Tensor:
+    """A pixel mask (k, 1, 8h, 8w) from `mask_tensor` -> packed (batch, h/2 * w/2, 64) on the latent grid
+    h x w: diffusers' `prepare_mask_latents` (nearest-neighbour down to h x w, 16 latent channels)."""
+    m = F.interpolate(mask, size=(h, w)).to(device, dtype)  # (k, 1, h, w)
     return S.pack_latents(tile_rows(m, batch, "masks").repeat(1, 16, 1, 1))
 
 
@@ -164,15 +147,16 @@ def inpaint_start(image_latents: torch.Tensor, mask: torch.Tensor | None, streng
 class QwenImageImg2ImgPipeline(QwenImagePipeline):
     """Image-to-image with a text-to-image model: `pipe(prompt, image=im, strength=0.6)`.
 
-    Same arguments and images as diffusers' `QwenImageImg2ImgPipeline` (diffusers' `guidance_scale`,
-    `prompt_embeds` and callbacks are not taken; `callback` is qwenfast's step callback). The image is
-    resized to height x width (default: the model's default size, 1024² for Qwen-Image, as diffusers).
+    diffusers' `QwenImageImg2ImgPipeline` arguments (in its order) and images; `callback` is
+    qwenfast's step callback. The image is resized to height x width (default: the model's default
+    size, 1024² for Qwen-Image, as diffusers); arrays and tensors mean what they mean in diffusers
+    (`images.py`), and a (k, 16, h, w) tensor is taken as the image's latents, as diffusers does.
     """
 
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str | list[str],
+        prompt: str | list[str] | None = None,
         negative_prompt: str | list[str] | None = None,
         true_cfg_scale: float | None = None,
         image=None,
@@ -181,58 +165,71 @@ class QwenImageImg2ImgPipeline(QwenImagePipeline):
         strength: float = 0.6,
         num_inference_steps: int | None = None,
         sigmas: list[float] | None = None,
+        guidance_scale: float | None = None,
         num_images_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
         output_type: str = "pil",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
         max_sequence_length: int = 512,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
-    ) -> QwenImageOutput:
-        """`image`: a PIL image / path / HxWx3 uint8 array (or a list, one per image of the batch).
+    ) -> QwenImageOutput | tuple:
+        """`image`: PIL image / path / array / tensor, or a list (one per image of the batch).
         `strength` in [0, 1]: how much of the schedule runs (1 = all of it: the image is ignored).
         `latents`: packed (B, N, 64) starting latents used as they are (diffusers' meaning here)."""
-        return self._img2img(prompt, negative_prompt, true_cfg_scale, image, None, height, width, strength,
-                             num_inference_steps, sigmas, num_images_per_prompt, generator, latents, output_type,
-                             max_sequence_length, scheduler_overrides, callback)  # fmt: skip
+        return self._img2img({k: v for k, v in locals().items() if k != "self"})
 
-    def _img2img(self, prompt, negative_prompt, true_cfg_scale, image, mask_image, height, width, strength, steps,
-                 sigmas, n, generator, latents, output_type, max_sequence_length, scheduler_overrides,
-                 callback) -> QwenImageOutput:  # fmt: skip
-        """img2img (mask_image None) and inpainting: the shared body of both calls."""
-        if image is None:
+    def _img2img(self, a: dict, mask_image=None, inpaint: bool = False) -> QwenImageOutput | tuple:
+        """img2img and (`inpaint`) inpainting: the shared body of both calls; `a`: the call's arguments."""
+        if a["image"] is None:
             raise ValueError("`image` is required (the picture to start from)")
         d = self.defaults
-        height = d["height"] if height is None else height
-        width = d["width"] if width is None else width
-        steps = d["num_inference_steps"] if steps is None else steps
-        cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        prompts = as_prompt_list(prompt, "prompt")
-        h, w = self._check(height, width, steps, n, output_type, max_sequence_length, sigmas)
+        height = d["height"] if a["height"] is None else a["height"]
+        width = d["width"] if a["width"] is None else a["width"]
+        steps = d["num_inference_steps"] if a["num_inference_steps"] is None else a["num_inference_steps"]
+        cfg_scale = d["true_cfg_scale"] if a["true_cfg_scale"] is None else a["true_cfg_scale"]
+        n, sigmas, strength, generator = a["num_images_per_prompt"], a["sigmas"], a["strength"], a["generator"]
+        h, w = self._check(height, width, steps, n, a["output_type"], a["max_sequence_length"], sigmas)
         check_strength(strength, len(sigmas) if sigmas is not None else steps)
-        images = load_images(image)
-        masks = load_masks(mask_image) if mask_image is not None else None
-        B = len(prompts) * n
-        if isinstance(generator, list) and len(generator) != B:
-            raise ValueError(f"got {len(generator)} generators for a batch of {B} images")
-        negs = negative_prompts(prompts, negative_prompt)
-        do_cfg = cfg_scale > 1 and negs is not None
-        if cfg_scale > 1 and negs is None:
-            log.info("true_cfg_scale=%s but no negative_prompt: classifier-free guidance is off", cfg_scale)
-        cond = TextCond(*self.encode_prompt(prompts, n, max_sequence_length))
-        uncond = TextCond(*self.encode_prompt(negs, n, max_sequence_length)) if do_cfg else None
-        if latents is not None and masks is not None:  # diffusers 0.42.1 fails on it too
+        px = preprocess(a["image"], height, width, IMAGE_LATENTS, where="image")  # (k, 3, 8h, 8w) or latents
+        given_z = px.shape[1] == IMAGE_LATENTS.latent_channels
+        if given_z and (inpaint or tuple(px.shape[-2:]) != (h, w)):
+            raise ValueError(f"a {IMAGE_LATENTS.latent_channels}-channel image tensor is taken as image latents, which "
+                             f"img2img takes at the latent size {h}x{w} only; give the picture itself"
+                             + (" for inpainting" if inpaint else ""))  # fmt: skip
+        if not given_z and px.shape[1] != 3:
+            raise ValueError(f"image has {px.shape[1]} channels; give RGB pictures (3 channels)")
+        mask = mask_tensor(mask_image, height, width) if inpaint else None  # (k, 1, 8h, 8w)
+        if a["latents"] is not None and inpaint:  # diffusers 0.42.1 fails on it too
             raise ValueError("`latents` is not supported for inpainting; give `generator` (a seed) instead")
-        if latents is None:  # diffusers: given latents are the start point, and the image is not encoded
-            z = ImageLatents.encode(self, image_tensor(images, 8 * h, 8 * w), generator)  # (k, 16, h, w)
-            packed = S.pack_latents(tile_rows(z, B, "images"))
-            mask = None if masks is None else latent_mask(masks, h, w, B, self.device, self.dtype)
-            start = inpaint_start(packed, mask, strength)
-        else:
-            start = _sliced(strength)
-        return self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
-                              generator=generator, latents=latents, output_type=output_type, sigmas=sigmas,
-                              scheduler_overrides=scheduler_overrides, callback=callback, start=start)  # fmt: skip
+        with DiffusersCall(self, a["guidance_scale"], a["attention_kwargs"], a["callback_on_step_end"],
+                           a["callback_on_step_end_tensor_inputs"]) as call:  # fmt: skip
+            cond, uncond, k = self._prompt_conds(a["prompt"], a["negative_prompt"], cfg_scale, n,
+                                                 a["max_sequence_length"], a["prompt_embeds"], a["prompt_embeds_mask"],
+                                                 a["negative_prompt_embeds"], a["negative_prompt_embeds_mask"])  # fmt: skip
+            B = k * n
+            if isinstance(generator, list) and len(generator) != B:
+                raise ValueError(f"got {len(generator)} generators for a batch of {B} images")
+            if a["latents"] is None:  # diffusers: given latents are the start point, and the image is not encoded
+                z = px.to(self.device, self.dtype) if given_z else ImageLatents.encode(self, px, generator)  # (k, 16, h, w)
+                packed = S.pack_latents(tile_rows(z, B, "images"))
+                lmask = None if mask is None else latent_mask(mask, h, w, B, self.device, self.dtype)
+                start = inpaint_start(packed, lmask, strength)
+            else:
+                start = _sliced(strength)
+            out = self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
+                                 generator=generator, latents=a["latents"], output_type=a["output_type"], sigmas=sigmas,
+                                 scheduler_overrides=a["scheduler_overrides"], callback=a["callback"], start=start,
+                                 step_end=call.step_end)  # fmt: skip
+        return call.output(out, a["return_dict"])
 
 
 def _sliced(strength: float):

@@ -13,9 +13,12 @@ computes it but its loop never reads it); `padding_mask_crop` is not supported.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .common import QwenImageOutput, as_prompt_list, negative_prompts
+from .common import QwenImageOutput
+from .diffusers_compat import DiffusersCall
 from .edit import QwenImageEditPipeline, load_images
 from .img2img import (
     ImageLatents,
@@ -24,10 +27,10 @@ from .img2img import (
     image_tensor,
     inpaint_start,
     latent_mask,
-    load_masks,
+    mask_tensor,
     tile_rows,
 )
-from .sampling import StepCallback, TextCond, pack_latents
+from .sampling import StepCallback, pack_latents
 from .text_to_image import log
 
 
@@ -40,15 +43,16 @@ def _no_crop(padding_mask_crop) -> None:
 class QwenImageInpaintPipeline(QwenImageImg2ImgPipeline):
     """Inpainting with a text-to-image model: `pipe(prompt, image=im, mask_image=m, strength=0.85)`.
 
-    `mask_image`: white = repaint, black = keep (PIL / path / uint8 array, or a list matching the
-    images); it is resized to the output size like the image. The output is height x width (default:
-    the model's default size, as diffusers).
+    diffusers' `QwenImageInpaintPipeline` arguments (in its order) and images. `mask_image`: white /
+    1 = repaint, black / 0 = keep (PIL / path / array / tensor, or a list matching the images; read
+    as diffusers' mask processor reads them, see `images.py`); it is resized to the output size like
+    the image. The output is height x width (default: the model's default size, as diffusers).
     """
 
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str | list[str],
+        prompt: str | list[str] | None = None,
         negative_prompt: str | list[str] | None = None,
         true_cfg_scale: float | None = None,
         image=None,
@@ -60,18 +64,26 @@ class QwenImageInpaintPipeline(QwenImageImg2ImgPipeline):
         strength: float = 0.6,
         num_inference_steps: int | None = None,
         sigmas: list[float] | None = None,
+        guidance_scale: float | None = None,
         num_images_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
         output_type: str = "pil",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
         max_sequence_length: int = 512,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
-    ) -> QwenImageOutput:
+    ) -> QwenImageOutput | tuple:
         _no_crop(padding_mask_crop)
-        return self._img2img(prompt, negative_prompt, true_cfg_scale, image, load_masks(mask_image), height, width,
-                             strength, num_inference_steps, sigmas, num_images_per_prompt, generator, latents,
-                             output_type, max_sequence_length, scheduler_overrides, callback)  # fmt: skip
+        a = {k: v for k, v in locals().items() if k != "self"}
+        return self._img2img(a, a.pop("mask_image"), inpaint=True)
 
 
 class QwenImageEditInpaintPipeline(QwenImageEditPipeline):
@@ -80,7 +92,8 @@ class QwenImageEditInpaintPipeline(QwenImageEditPipeline):
     One image; the output follows its aspect at the model's area (~1024²), as diffusers (`height` and
     `width` are ignored there too). On Edit v1 folders this is diffusers' pipeline exactly; on
     Edit-2509/2511 folders the prompt and reference image follow those models' preprocessing
-    ("Picture 1:", VL image at ~384²), which diffusers has no inpainting pipeline for.
+    ("Picture 1:", VL image at ~384²), which diffusers has no inpainting pipeline for. The mask is
+    read as diffusers' mask processor reads it (`images.py`).
     """
 
     def output_size(self, call_args: dict) -> tuple[int, int]:
@@ -102,22 +115,29 @@ class QwenImageEditInpaintPipeline(QwenImageEditPipeline):
         strength: float = 0.6,
         num_inference_steps: int | None = None,
         sigmas: list[float] | None = None,
+        guidance_scale: float | None = None,
         num_images_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
         output_type: str = "pil",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
         max_sequence_length: int = 512,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
-    ) -> QwenImageOutput:
+    ) -> QwenImageOutput | tuple:
         _no_crop(padding_mask_crop)
-        if prompt is None:
-            raise ValueError("`prompt` is required (the edit instruction for the masked region)")
         if image is None:
             raise ValueError("`image` is required (the picture to inpaint)")
-        images, masks = load_images(image), load_masks(mask_image)
-        if len(images) != 1 or len(masks) != 1:
-            raise ValueError(f"edit inpainting takes exactly 1 image and 1 mask, got {len(images)} and {len(masks)}")
+        images = load_images(image)
+        if len(images) != 1:
+            raise ValueError(f"edit inpainting takes exactly 1 image and 1 mask, got {len(images)} images")
         if latents is not None:  # diffusers 0.42.1 fails on it too
             raise ValueError("`latents` is not supported for inpainting; give `generator` (a seed) instead")
         vl_images, vae_in, _ = self.prepare_images(images)
@@ -127,21 +147,27 @@ class QwenImageEditInpaintPipeline(QwenImageEditPipeline):
         d = self.defaults
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        prompts = as_prompt_list(prompt, "prompt")
         n = num_images_per_prompt
         h, w = self._check(out_h, out_w, steps, n, output_type, max_sequence_length, sigmas)
         check_strength(strength, len(sigmas) if sigmas is not None else steps)
-        B = len(prompts) * n
-        if isinstance(generator, list) and len(generator) != B:
-            raise ValueError(f"got {len(generator)} generators for a batch of {B} images")
-        negs = negative_prompts(prompts, negative_prompt)
-        do_cfg = cfg_scale > 1 and negs is not None
-        cond = TextCond(*self.encode_edit_prompt(prompts, vl_images, n))
-        uncond = TextCond(*self.encode_edit_prompt(negs, vl_images, n)) if do_cfg else None
-        z = ImageLatents.encode(self, image_tensor(vae_in, 8 * h, 8 * w), generator)  # (1, 16, h, w): a sample
-        packed = pack_latents(tile_rows(z, B, "images"))  # the reference tokens and the kept region's target
-        mask = latent_mask(masks, h, w, B, self.device, self.dtype)
-        return self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
-                              generator=generator, latents=None, output_type=output_type, sigmas=sigmas,
-                              scheduler_overrides=scheduler_overrides, callback=callback,
-                              ref=(packed, [(1, h // 2, w // 2)]), start=inpaint_start(packed, mask, strength))  # fmt: skip
+        mask = mask_tensor(mask_image, out_h, out_w)  # (k, 1, 8h, 8w)
+        if mask.shape[0] != 1:
+            raise ValueError(f"edit inpainting takes exactly 1 image and 1 mask, got {mask.shape[0]} masks")
+        with DiffusersCall(self, guidance_scale, attention_kwargs, callback_on_step_end,
+                           callback_on_step_end_tensor_inputs) as call:  # fmt: skip
+            cond, uncond, k = self._prompt_conds(prompt, negative_prompt, cfg_scale, n, None, prompt_embeds,
+                                                 prompt_embeds_mask, negative_prompt_embeds,
+                                                 negative_prompt_embeds_mask,
+                                                 encode=lambda texts: self.encode_edit_prompt(texts, vl_images, n))  # fmt: skip
+            B = k * n
+            if isinstance(generator, list) and len(generator) != B:
+                raise ValueError(f"got {len(generator)} generators for a batch of {B} images")
+            z = ImageLatents.encode(self, image_tensor(vae_in, 8 * h, 8 * w), generator)  # (1, 16, h, w): a sample
+            packed = pack_latents(tile_rows(z, B, "images"))  # the reference tokens and the kept region's target
+            lmask = latent_mask(mask, h, w, B, self.device, self.dtype)
+            out = self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
+                                 generator=generator, latents=None, output_type=output_type, sigmas=sigmas,
+                                 scheduler_overrides=scheduler_overrides, callback=callback,
+                                 ref=(packed, [(1, h // 2, w // 2)]), start=inpaint_start(packed, lmask, strength),
+                                 step_end=call.step_end)  # fmt: skip
+        return call.output(out, return_dict)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,16 +35,15 @@ from .common import (
     Device,
     DType,
     QwenImageOutput,
-    as_prompt_list,
     engine_options,
     load_folder,
-    negative_prompts,
     postprocess,
     randn_tensor,
 )
-from .controlnet import _pil
+from .diffusers_compat import DiffusersCall, loading_args
 from .edit import calculate_dimensions, load_image_processor
-from .sampling import StepCallback, TextCond
+from .images import pil_image
+from .sampling import StepCallback
 
 log = logging.getLogger("qwenfast")
 
@@ -85,8 +85,10 @@ class QwenImageLayeredPipeline(PipelineBase):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None, cache: object = None) -> QwenImageLayeredPipeline:  # fmt: skip
-        """Load a Qwen-Image-Layered diffusers folder; engine options as `QwenImagePipeline.from_pretrained`."""
+                        cuda_graphs: bool | None = None, cache: object = None, **kwargs) -> QwenImageLayeredPipeline:  # fmt: skip
+        """Load a Qwen-Image-Layered diffusers folder (or hub repo id); engine options and diffusers'
+        keyword arguments (`torch_dtype=`, ...) as `QwenImagePipeline.from_pretrained`."""
+        path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         f = load_folder(path, device, dtype, opts.offload, ("layered",),
                         "QwenImageLayeredPipeline runs Qwen-Image-Layered checkpoints")  # fmt: skip
@@ -108,7 +110,7 @@ class QwenImageLayeredPipeline(PipelineBase):
             if len(image) != 1:
                 raise ValueError("QwenImageLayeredPipeline decomposes one picture per call (batch with a prompt list)")
             image = image[0]
-        im = _pil(image, "image")
+        im = pil_image(image, "image")
         cw, ch = calculate_dimensions(resolution * resolution, im.width / im.height)
         return im.resize((cw, ch), resample=Image.LANCZOS), (ch, cw)
 
@@ -164,60 +166,72 @@ class QwenImageLayeredPipeline(PipelineBase):
         num_images_per_prompt: int = 1,
         generator: torch.Generator | list[torch.Generator] | None = None,
         latents: torch.Tensor | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        prompt_embeds_mask: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds_mask: torch.Tensor | None = None,
         output_type: str = "pil",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
         max_sequence_length: int = 512,
         resolution: int = 640,
         cfg_normalize: bool = False,
         use_en_prompt: bool = False,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
-    ) -> QwenImageOutput:
-        """diffusers' arguments. `images[b]` is the list of `layers` RGBA layers of output b (PIL, or
-        an (layers, H, W, 4) array for "np"); "latent" gives the packed latents of all frames.
-        `guidance_scale` is accepted and ignored, as for the other pipelines."""
+    ) -> QwenImageOutput | tuple:
+        """diffusers' arguments, in its order. `images[b]` is the list of `layers` RGBA layers of
+        output b (PIL, or an (layers, H, W, 4) array for "np"); "latent" gives the packed latents of
+        all frames. An empty prompt is replaced by the text encoder's caption of the picture, unless
+        `prompt_embeds` are given (diffusers captions then too, and does not use the caption)."""
         if image is None:
             raise ValueError("image is required: the picture to split into layers")
         if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= 16:
             raise ValueError(f"`layers` must be an integer in 1..16, got {layers!r}")
         im, (height, width) = self.picture(image, resolution)
-        if prompt is None or prompt == "" or prompt == " ":
+        if prompt_embeds is None and (prompt is None or prompt == "" or prompt == " "):
             prompt = self.caption(im, use_en_prompt)
             log.info("caption: %s", prompt)
         d = self.defaults
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        prompts = as_prompt_list(prompt, "prompt")
         h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
-        negs = negative_prompts(prompts, negative_prompt)
         n = num_images_per_prompt
-        B = len(prompts) * n
-        cond = TextCond(*self.encode_prompt(prompts, n, max_sequence_length))
-        uncond = TextCond(*self.encode_prompt(negs, n, max_sequence_length)) if cfg_scale > 1 and negs else None
-
-        ref = self.encode_picture(im).expand(B, -1, -1)  # (B, m, 64)
-        F = layers + 1  # frame 0: the recomposed picture
-        frame_tokens = (h // 2) * (w // 2)
-        if latents is None:
-            noise = randn_tensor((B, F, 16, h, w), generator, self.device, self.dtype)
-            x = S.pack_latents(noise.reshape(B * F, 16, h, w)).reshape(B, F * frame_tokens, 64)
-        else:
-            if tuple(latents.shape) != (B, F * frame_tokens, 64):
-                raise ValueError(f"latents must have shape {(B, F * frame_tokens, 64)} (packed), got {tuple(latents.shape)}")
-            x = latents.to(self.device, self.dtype)
-        img_shapes = [(1, h // 2, w // 2)] * F + [(1, height // 16, width // 16)]
-        if sigmas is None:
-            sigmas = np.linspace(1.0, 0, steps + 1)[:-1]
-        mu = (ref.shape[1] / (256 * 256 / 16 / 16)) ** 0.5
-        sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], list(sigmas), mu=mu)
-        x = self._denoise(x, sig.to(self.device), img_shapes, cond, uncond, cfg_scale, ref, callback, cfg_normalize)
+        with DiffusersCall(self, guidance_scale, attention_kwargs, callback_on_step_end,
+                           callback_on_step_end_tensor_inputs) as call:  # fmt: skip
+            cond, uncond, k = self._prompt_conds(prompt, negative_prompt, cfg_scale, n, max_sequence_length,
+                                                 prompt_embeds, prompt_embeds_mask, negative_prompt_embeds,
+                                                 negative_prompt_embeds_mask)  # fmt: skip
+            B = k * n
+            ref = self.encode_picture(im).expand(B, -1, -1)  # (B, m, 64)
+            F = layers + 1  # frame 0: the recomposed picture
+            frame_tokens = (h // 2) * (w // 2)
+            if latents is None:
+                noise = randn_tensor((B, F, 16, h, w), generator, self.device, self.dtype)
+                x = S.pack_latents(noise.reshape(B * F, 16, h, w)).reshape(B, F * frame_tokens, 64)
+            else:
+                if tuple(latents.shape) != (B, F * frame_tokens, 64):
+                    raise ValueError(f"latents must have shape {(B, F * frame_tokens, 64)} (packed), got "
+                                     f"{tuple(latents.shape)}")  # fmt: skip
+                x = latents.to(self.device, self.dtype)
+            img_shapes = [(1, h // 2, w // 2)] * F + [(1, height // 16, width // 16)]
+            if sigmas is None:
+                sigmas = np.linspace(1.0, 0, steps + 1)[:-1]
+            mu = (ref.shape[1] / (256 * 256 / 16 / 16)) ** 0.5
+            sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], list(sigmas), mu=mu)
+            x = self._denoise(x, sig.to(self.device), img_shapes, cond, uncond, cfg_scale, ref, callback,
+                              cfg_normalize, call.step_end)  # fmt: skip
         if output_type == "latent":
-            return QwenImageOutput(images=x)
+            return call.output(QwenImageOutput(images=x), return_dict)
         z = x.view(B, F, frame_tokens, 64)[:, 1:].reshape(B * layers, frame_tokens, 64)
         with self._engine():
             imgs = postprocess(self.decode_latents(z, h, w), output_type)  # (B * layers) images
-        return QwenImageOutput(images=[imgs[b * layers : (b + 1) * layers] for b in range(B)])
+        return call.output(QwenImageOutput(images=[imgs[b * layers : (b + 1) * layers] for b in range(B)]), return_dict)
 
-    def _denoise(self, x, sig, img_shapes, cond, uncond, cfg_scale, ref, callback, cfg_normalize) -> torch.Tensor:
+    def _denoise(self, x, sig, img_shapes, cond, uncond, cfg_scale, ref, callback, cfg_normalize,
+                 step_end=None) -> torch.Tensor:  # fmt: skip
         """The shared denoise core with `additional_t_cond` bound, split into chunks on CUDA OOM."""
         if self._parallel is not None:
             raise RuntimeError("QwenImageLayeredPipeline does not support parallel options yet; run on one GPU")
@@ -230,4 +244,5 @@ class QwenImageLayeredPipeline(PipelineBase):
 
         with self._engine():
             return self._denoise_batch(forward, x, sig, img_shapes, cond, uncond, cfg_scale, ref, callback,
-                                       guidance=S.true_cfg if cfg_normalize else S.plain_cfg)  # fmt: skip
+                                       guidance=S.true_cfg if cfg_normalize else S.plain_cfg,
+                                       step_end=step_end)  # fmt: skip

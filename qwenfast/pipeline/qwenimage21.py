@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from ..models.text_encoder21 import TextEncoder21
 from ..models.transformer21 import PrefixKVCache
 from ..options import EngineOptions
 from ..runtime.blocks import StepContext
-from ..runtime.oom import run_in_chunks, vae_decode
+from ..runtime.oom import vae_decode
 from . import sampling as S
 from .base import PipelineBase
 from .common import (
@@ -45,6 +46,7 @@ from .common import (
     resolve_device,
     resolve_dtype,
 )
+from .diffusers_compat import DiffusersCall, loading_args
 
 log = logging.getLogger("qwenfast")
 MAX_IMAGES = 10
@@ -151,6 +153,7 @@ class QwenImage21Pipeline(PipelineBase):
     """Qwen-Image-2.1. `QwenImage21Pipeline.from_pretrained(path)(prompt, image=[...]).images[0]`."""
 
     kind = "qwen-image-2.1"
+    _attention_mask_refused = False  # diffusers' 2.1 transformer ignores attention_kwargs other than `scale`
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder21, scheduler_config, *, sample_sigmas=None,
                  model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
@@ -183,9 +186,12 @@ class QwenImage21Pipeline(PipelineBase):
     @classmethod
     def from_pretrained(cls, path: str | Path, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None, cache: object = None) -> QwenImage21Pipeline:  # fmt: skip
-        """Load a diffusers-layout Qwen-Image-2.1 folder (model_index.json `QwenImage21Pipeline`); an optional
-        qwenfast.json `{"defaults": {...}}` changes the call defaults (e.g. `output_resolution`)."""
+                        cuda_graphs: bool | None = None, cache: object = None, **kwargs) -> QwenImage21Pipeline:  # fmt: skip
+        """Load a diffusers-layout Qwen-Image-2.1 folder (model_index.json `QwenImage21Pipeline`) or hub repo
+        id; an optional qwenfast.json `{"defaults": {...}}` changes the call defaults (e.g.
+        `output_resolution`). diffusers' keyword arguments (`dtype=` / `torch_dtype=`, ...) as
+        `QwenImagePipeline.from_pretrained`."""
+        path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         path = Path(path)
         index = read_json(path / "model_index.json")
@@ -297,6 +303,9 @@ class QwenImage21Pipeline(PipelineBase):
         negative_prompt_embeds_mask: torch.Tensor | None = None,
         output_type: str = "pil",
         return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
         output_resolution: int | None = None,
         use_kv_cache: bool = True,
         scheduler_overrides: dict | None = None,
@@ -305,6 +314,7 @@ class QwenImage21Pipeline(PipelineBase):
         """diffusers' `QwenImage21Pipeline.__call__` arguments and defaults. `image`: 1-10 condition
         images (PIL, array or path; RGBA kept), one set shared by every prompt. `callback(i, n,
         latents)` after each step, as the other qwenfast pipelines."""
+        call = DiffusersCall(self, None, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs)
         d = self.defaults
         res = d["output_resolution"] if output_resolution is None else output_resolution
         images = load_condition_images(image) if image is not None else None
@@ -364,26 +374,17 @@ class QwenImage21Pipeline(PipelineBase):
 
             forward = PrefixParallelForward(forward, self._parallel, forward.prefix_len)
         events: list[str] = []
-
-        def chunk(i: int, j: int) -> torch.Tensor:
+        with self._engine(), call:
             # one CFG forward per branch (their layouts differ); cfg=2 takes them as one batched call
             # that it splits back into the two branches, one per rank
-            return S.denoise(forward, x[i:j], sig, img_shapes, cond.rows(i, j),
-                             None if uncond is None else uncond.rows(i, j), cfg_scale,
-                             None if ref is None else ref[0][i:j], cfg_split, callback if (i, j) == (0, B) else None,
-                             progress=self.progress_bar, guidance=S.plain_cfg)  # fmt: skip
-
-        with self._engine():
-            if self._options.oom == "backoff":
-                parts = run_in_chunks(chunk, B, events=events)
-                x = parts[0] if len(parts) == 1 else torch.cat(parts)
-            else:
-                x = chunk(0, B)
+            x = self._denoise_batch(forward, x, sig, img_shapes, cond, uncond, cfg_scale,
+                                    None if ref is None else ref[0], callback, guidance=S.plain_cfg, events=events,
+                                    step_end=call.step_end, batched_cfg=cfg_split)  # fmt: skip
             info = {"oom_backoff": events} if events else {}
             if self._parallel is not None:
                 info["parallel"] = {"layout": str(par), **forward.stats}
             out = x if output_type == "latent" else postprocess(self.decode_latents(x, h, w), output_type)
-        return QwenImageOutput(images=out, info=info) if return_dict else (out,)
+        return call.output(QwenImageOutput(images=out, info=info), return_dict)
 
     def _cond(self, emb, mask, slots, n: int) -> tuple[S.TextCond, torch.Tensor]:
         """TextCond repeated per image (`repeat_interleave`, as diffusers' repeat + view) and the shared

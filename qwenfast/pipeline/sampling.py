@@ -155,6 +155,22 @@ StepCallback = Callable[[int, int, torch.Tensor], None]
 StepBlend = Callable[[int, torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class StepEnd:
+    """What a step-end hook sees after step i and hands back: the latents (B, N, C) the next step
+    starts from, the prompt conditioning of the following steps, and `stop` to end the loop there
+    (the latents as they are go to the decoder). diffusers' `callback_on_step_end` and `interrupt`
+    are this seam (`pipeline/diffusers_compat.py`)."""
+
+    latents: torch.Tensor
+    cond: TextCond
+    stop: bool = False
+
+
+# step_end(step index, step count, timestep t (0-d fp32, sigma * 1000), state) -> state
+StepEndHook = Callable[[int, int, torch.Tensor, StepEnd], StepEnd]
+
+
 def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
               nmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Stack conditional and negative prompt embeddings into one batch for a single forward.
@@ -182,9 +198,9 @@ def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
 def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes: list[tuple[int, int, int]],
             cond: TextCond, uncond: TextCond | None = None, cfg_scale: float = 1.0,
             ref_latents: torch.Tensor | None = None, batched_cfg: bool | str = "auto",
-            callback: StepCallback | None = None, progress: bool = False,
+            callback: StepCallback | None = None, progress: bool | dict = False,
             guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = true_cfg,
-            blend: StepBlend | None = None) -> torch.Tensor:  # fmt: skip
+            blend: StepBlend | None = None, step_end: StepEndHook | None = None) -> torch.Tensor:  # fmt: skip
     """Euler steps over `sigmas` (fp32 math) from the noise `x` (B, N, 64) -> the final latents (B, N, 64).
 
     cond / uncond: prompt conditioning (uncond None = no true CFG). ref_latents (B, M, 64): packed
@@ -193,9 +209,13 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
     padding mask is needed (a masked attention costs more than the second pass saves). Each forward
     gets a `StepContext` (step, count, sigma, branch) for the transformer's block runner.
     guidance(cond, uncond, scale): how CFG combines the two predictions (default Qwen-Image's
-    `true_cfg`; Qwen-Image-2.1 uses `plain_cfg`). blend: applied to the latents after each Euler
+    `true_cfg`; Qwen-Image-2.1 uses `plain_cfg`). progress: a progress bar (True, or a dict of
+    tqdm arguments from diffusers' `set_progress_bar_config`). blend: applied to the latents after each Euler
     step, before the callback (inpainting puts the known region back at the next noise level there);
-    None leaves the loop as it is.
+    None leaves the loop as it is. step_end: after the blend, before the callback; it may replace the
+    latents and the prompt conditioning for the following steps, or stop the loop (diffusers'
+    `callback_on_step_end` and `interrupt`). Its latents must keep their shape; they are cast back
+    to the loop's dtype and device.
     """
     ts = timesteps_from_sigmas(sigmas)
     levels = sigmas.tolist()  # host floats for the step contexts: one copy now, no sync per step
@@ -206,7 +226,8 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
         emb2, mask2 = join_text(cond.emb, cond.mask, uncond.emb, uncond.mask)
         if batched_cfg == "auto" and mask2 is not None:
             batched = False
-    for i in tqdm(range(n), desc="denoising", unit="step", disable=not progress, leave=False):
+    bar = {"desc": "denoising", "unit": "step", "leave": False, **(progress if isinstance(progress, dict) else {})}
+    for i in tqdm(range(n), disable=progress is False or progress is None, **bar):
         t = model_timestep(ts[i], B, x.dtype)
         sigma = levels[i]
         inp = x if ref_latents is None else torch.cat([x, ref_latents], dim=1)
@@ -223,6 +244,19 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
         x = euler_step(x, pred, sigmas[i], sigmas[i + 1])
         if blend is not None:
             x = blend(i, x)
+        stop = False
+        if step_end is not None:
+            state = step_end(i, n, ts[i], StepEnd(x, cond))
+            if tuple(state.latents.shape) != tuple(x.shape):
+                raise ValueError(f"callback_on_step_end returned latents of shape {tuple(state.latents.shape)}; "
+                                 f"they must keep the shape {tuple(x.shape)}")  # fmt: skip
+            x, stop = state.latents.to(x.device, x.dtype), state.stop
+            if state.cond is not cond:  # new prompt embeddings for the following steps
+                cond = state.cond
+                if batched:
+                    emb2, mask2 = join_text(cond.emb, cond.mask, uncond.emb, uncond.mask)
         if callback is not None:
             callback(i, n, x)
+        if stop:
+            break
     return x

@@ -9,6 +9,7 @@ be switched off without touching either.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from .common import (  # noqa: F401 - re-exported: the public names of this modu
     resolve_device,
     resolve_dtype,
 )
+from .diffusers_compat import DiffusersCall, loading_args
 from .sampling import StepCallback, TextCond, join_text  # noqa: F401
 
 log = logging.getLogger("qwenfast")
@@ -46,14 +48,17 @@ class QwenImagePipeline(PipelineBase):
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: Device = None, dtype: DType = None, offload: str | None = None,
                         *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None, cache: object = None) -> QwenImagePipeline:  # fmt: skip
-        """Load a diffusers-layout folder (None = the embedded tiny default model).
+                        cuda_graphs: bool | None = None, cache: object = None, **kwargs: Any) -> QwenImagePipeline:  # fmt: skip
+        """Load a diffusers-layout folder or hub repo id (None = the embedded tiny default model).
 
         `options`: the engine options (default: `EngineOptions.from_env()`); `offload`, `fp8` and
         `cuda_graphs` are shortcuts for the same fields. `offload`: "none" | "model" (text encoder in
         host memory, on the GPU only while encoding) | "blocks" (also the transformer blocks streamed
         from host memory). Offloaded parts are loaded to the CPU, so the GPU never holds them all.
+        `kwargs`: diffusers' `from_pretrained` arguments (`torch_dtype=`, hub arguments; see
+        `diffusers_compat.loading_args`, which refuses the others with what to do instead).
         """
+        path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
         f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, opts.offload, ("text-to-image",),
                         "QwenImagePipeline runs text-to-image checkpoints (use QwenImageEditPipeline or "
@@ -93,77 +98,48 @@ class QwenImagePipeline(PipelineBase):
     @torch.no_grad()
     def __call__(
         self,
-        prompt: str | list[str],
+        prompt: str | list[str] | None = None,
         negative_prompt: str | list[str] | None = None,
+        true_cfg_scale: float | None = None,
         height: int | None = None,
         width: int | None = None,
         num_inference_steps: int | None = None,
-        true_cfg_scale: float | None = None,
-        generator: torch.Generator | list[torch.Generator] | None = None,
-        num_images_per_prompt: int = 1,
-        latents: torch.Tensor | None = None,
-        output_type: str = "pil",
-        max_sequence_length: int = 512,
         sigmas: list[float] | None = None,
-        scheduler_overrides: dict | None = None,
-        callback: StepCallback | None = None,
+        guidance_scale: float | None = None,
+        num_images_per_prompt: int = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        latents: torch.Tensor | None = None,
         prompt_embeds: torch.Tensor | None = None,
         prompt_embeds_mask: torch.Tensor | None = None,
         negative_prompt_embeds: torch.Tensor | None = None,
         negative_prompt_embeds_mask: torch.Tensor | None = None,
-    ) -> QwenImageOutput:
-        """Text-to-image with diffusers' arguments. `prompt_embeds` (B, L, D) (+ `prompt_embeds_mask`
-        (B, L), 1 = real token) replace `prompt` (then None), as in diffusers: conditioning encoded
-        elsewhere (a ComfyUI CONDITIONING, say). Likewise `negative_prompt_embeds` for the negative."""
+        output_type: str = "pil",
+        return_dict: bool = True,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ("latents",),
+        max_sequence_length: int = 512,
+        scheduler_overrides: dict | None = None,
+        callback: StepCallback | None = None,
+    ) -> QwenImageOutput | tuple:
+        """Text-to-image with diffusers' arguments, in diffusers' order (see docs/diffusers.md).
+        `prompt_embeds` (B, L, D) (+ `prompt_embeds_mask` (B, L), 1 = real token) replace `prompt`,
+        as in diffusers: conditioning encoded elsewhere (a ComfyUI CONDITIONING, say); likewise
+        `negative_prompt_embeds`. qwenfast's own: `scheduler_overrides` (scheduler config fields for
+        this call) and `callback(i, n, latents)` after each step (previews)."""
         d = self.defaults
         height = d["height"] if height is None else height
         width = d["width"] if width is None else width
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
         h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
-        n = num_images_per_prompt
-        if prompt_embeds is None:
-            prompts = as_prompt_list(prompt, "prompt")
-            cond = TextCond(*self.encode_prompt(prompts, n, max_sequence_length))
-        else:
-            cond = TextCond(*self._given_embeds(prompt_embeds, prompt_embeds_mask, n, max_sequence_length))
-            prompts = [""] * prompt_embeds.shape[0]
-        negs = None if negative_prompt_embeds is not None else negative_prompts(prompts, negative_prompt)
-        do_cfg = cfg_scale > 1 and (negs is not None or negative_prompt_embeds is not None)
-        if cfg_scale > 1 and not do_cfg:
-            log.info("true_cfg_scale=%s but no negative_prompt: classifier-free guidance is off", cfg_scale)
-        uncond = None
-        if do_cfg and negs is not None:
-            uncond = TextCond(*self.encode_prompt(negs, n, max_sequence_length))
-        elif do_cfg:
-            if negative_prompt_embeds.shape[0] == 1 < len(prompts):  # one negative for every prompt, as for texts
-                negative_prompt_embeds = negative_prompt_embeds.expand(len(prompts), -1, -1)
-                if negative_prompt_embeds_mask is not None:
-                    negative_prompt_embeds_mask = negative_prompt_embeds_mask.expand(len(prompts), -1)
-            if negative_prompt_embeds.shape[0] != len(prompts):
-                raise ValueError(f"got {negative_prompt_embeds.shape[0]} negative_prompt_embeds rows for "
-                                 f"{len(prompts)} prompts")  # fmt: skip
-            uncond = TextCond(*self._given_embeds(negative_prompt_embeds, negative_prompt_embeds_mask, n,
-                                                  max_sequence_length))  # fmt: skip
-        return self._generate(B=len(prompts) * n, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale,
-                              steps=steps, generator=generator, latents=latents, output_type=output_type,
-                              sigmas=sigmas, scheduler_overrides=scheduler_overrides, callback=callback)  # fmt: skip
-
-    def _given_embeds(self, emb: torch.Tensor, mask: torch.Tensor | None, n: int,
-                      max_sequence_length: int) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-        """Caller-encoded prompt embeddings (B, L, D) and mask (B, L) -> repeated per image, as diffusers'
-        `encode_prompt` treats them: cut to `max_sequence_length`, no mask when every token is real."""
-        if not isinstance(emb, torch.Tensor) or emb.ndim != 3:
-            raise ValueError(f"prompt embeddings must be a (batch, tokens, dim) tensor, got {getattr(emb, 'shape', emb)}")
-        dim = self.transformer.cfg.joint_attention_dim
-        if emb.shape[2] != dim:
-            raise ValueError(f"prompt embeddings have width {emb.shape[2]}, this model's text width is {dim} "
-                             "(encode the prompt with this model's text encoder)")  # fmt: skip
-        emb = emb[:, :max_sequence_length]
-        if mask is not None:
-            mask = mask[:, :max_sequence_length].to(emb.device, torch.long)  # (B, L)
-            if tuple(mask.shape) != tuple(emb.shape[:2]):
-                raise ValueError(f"prompt mask shape {tuple(mask.shape)} does not match embeddings {tuple(emb.shape)}")
-            if bool(mask.all()):
-                mask = None
-        return self._repeat(emb, mask, n)
+        with DiffusersCall(self, guidance_scale, attention_kwargs, callback_on_step_end,
+                           callback_on_step_end_tensor_inputs) as call:  # fmt: skip
+            cond, uncond, k = self._prompt_conds(prompt, negative_prompt, cfg_scale, num_images_per_prompt,
+                                                 max_sequence_length, prompt_embeds, prompt_embeds_mask,
+                                                 negative_prompt_embeds, negative_prompt_embeds_mask)  # fmt: skip
+            out = self._generate(B=k * num_images_per_prompt, h=h, w=w, cond=cond, uncond=uncond,
+                                 cfg_scale=cfg_scale, steps=steps, generator=generator, latents=latents,
+                                 output_type=output_type, sigmas=sigmas, scheduler_overrides=scheduler_overrides,
+                                 callback=callback, step_end=call.step_end)  # fmt: skip
+        return call.output(out, return_dict)
