@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from .pipeline.text_to_image import QwenImagePipeline
 
 __version__ = "0.1.0"
-__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImageControlNetPipeline",
+__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageControlNetPipeline",
            "QwenImageControlNetInpaintPipeline", "QwenImageLayeredPipeline", "QwenImageControlNetModel",
            "QwenImageMultiControlNetModel", "QwenImage21Pipeline",
            "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditInpaintPipeline", "EngineOptions", "from_pretrained", "__version__",
@@ -26,6 +26,7 @@ __all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImageControlNetPip
 _LAZY = {
     "QwenImagePipeline": ".pipeline.text_to_image",
     "QwenImageEditPipeline": ".pipeline.edit",
+    "QwenImageEditPlusPipeline": ".pipeline.edit",  # diffusers' name for Edit-2509/2511: the same class
     "QwenImageControlNetPipeline": ".pipeline.controlnet",
     "QwenImageControlNetInpaintPipeline": ".pipeline.controlnet",
     "QwenImageLayeredPipeline": ".pipeline.layered",
