@@ -95,7 +95,7 @@ def run(sizes: Iterable[int] = (1024,), compare: bool = True, num_layers: int = 
 
     ours, ref = build(num_layers, compare)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    res = {**versions(), "kernels_backend": kernels.backend(), "layers": num_layers, "txt_len": txt_len, "sizes": {}}  # fmt: skip
+    res = {"bench": "transformer", **versions(), "kernels_backend": kernels.backend(), "layers": num_layers, "txt_len": txt_len, "sizes": {}}  # fmt: skip
     print(f"GPU {res['gpu']}, torch {res['torch']}, triton {res['triton']}, kernels {res['kernels_backend']}")
     compiled_ref = compiled_ours = None
     fp8_sets, bf16_modules = {}, None
