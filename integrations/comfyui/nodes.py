@@ -8,7 +8,9 @@ a LoRA node re-runs only the sampler (hot swap: no reload). FP8 is one-way and b
 the loader's `fp8` switch is applied by the sampler after the first LoRA set is fused.
 
 The sampler runs qwenfast's pipeline (the same denoise core `qwenfast generate` runs: same seed ->
-same image) and returns ComfyUI's LATENT and IMAGE (see bridge.py for the formats).
+same image) and returns ComfyUI's LATENT and IMAGE (see bridge.py for the formats). Image i of a batch
+uses seed + i (its own generator), as `qwenfast generate --n` and the server: image 2 of seed 7 is
+the image of seed 8 alone (qwenfast.validation.image_seeds).
 """
 
 from __future__ import annotations
@@ -57,8 +59,7 @@ class QwenFastModel:
 def _load(model: str, transformer: str, vae: str, text_encoder: str, tokenizer: str, mode: str,
           device: str, dtype: str, opts) -> Any:  # fmt: skip
     import qwenfast
-    from qwenfast.pipeline.common import DEFAULT_MODEL
-    from qwenfast.pipeline.edit import DEFAULT_EDIT_MODEL, QwenImageEditPipeline
+    from qwenfast.pipeline.edit import QwenImageEditPipeline
     from qwenfast.pipeline.text_to_image import QwenImagePipeline
 
     dev = None if device == "auto" else device
@@ -78,7 +79,7 @@ def _load(model: str, transformer: str, vae: str, text_encoder: str, tokenizer: 
             return QwenImageEditPipeline.from_single_files(**files, device=dev, dtype=dt, options=opts, mode=mode)
         return QwenImagePipeline.from_single_files(**files, device=dev, dtype=dt, options=opts)
     name = model.strip()
-    path = {"": DEFAULT_MODEL, "demo": DEFAULT_MODEL, "demo-edit": DEFAULT_EDIT_MODEL}.get(name)
+    path = {"": qwenfast.DEMO_MODEL, "demo": qwenfast.DEMO_MODEL, "demo-edit": qwenfast.DEMO_EDIT_MODEL}.get(name)
     if path is None:
         path = bridge.model_path(name, "diffusers")
     return qwenfast.from_pretrained(path, device=dev, dtype=dt, options=opts)
@@ -181,13 +182,20 @@ def _sampling_inputs(extra: dict | None = None) -> dict:
     return req
 
 
-def _common(pipe, steps: int, cfg: float, negative_prompt: str, seed: int) -> dict:
+def _common(pipe, steps: int, cfg: float, negative_prompt: str) -> dict:
     d = pipe.defaults
     steps = steps or d["num_inference_steps"]
     cfg = d["true_cfg_scale"] if cfg < 0 else cfg
     return {"num_inference_steps": steps, "true_cfg_scale": cfg,
-            "negative_prompt": negative_prompt if cfg > 1 else None,
-            "generator": torch.Generator("cpu").manual_seed(int(seed))}  # as `qwenfast generate` draws its noise
+            "negative_prompt": negative_prompt if cfg > 1 else None}
+
+
+def _generators(seed: int, n: int) -> list[torch.Generator]:
+    """One generator per image of the batch, seeded seed + i (wrapping in ComfyUI's 64-bit range), as
+    `qwenfast generate --n` and the server draw them."""
+    from qwenfast.validation import image_seeds
+
+    return [torch.Generator("cpu").manual_seed(s) for s in image_seeds(int(seed), int(n), MAX_SEED)]
 
 
 def _outputs(pipe, out, hook: bridge.StepHook, height_px: int, width_px: int) -> tuple[dict, torch.Tensor]:
@@ -232,13 +240,15 @@ class QwenFastSampler:
         if latent_image is not None:
             z = bridge.latent_4d(latent_image["samples"])
             batch_size, height, width = z.shape[0], z.shape[2] * pipe.vae_scale_factor, z.shape[3] * pipe.vae_scale_factor
-        kw = _common(pipe, steps, cfg, negative_prompt, seed)
+        kw = _common(pipe, steps, cfg, negative_prompt)
+        rows = 1
         if positive is not None:
             kw["prompt_embeds"], kw["prompt_embeds_mask"] = bridge.conditioning_to_embeds(positive, "positive")
             if kw["prompt_embeds"].shape[0] != 1:
-                batch_size = 1  # one image per conditioning row
+                rows, batch_size = kw["prompt_embeds"].shape[0], 1  # one image per conditioning row
         elif not prompt.strip():
             raise ValueError("empty prompt: type one, or connect a CONDITIONING to 'positive'")
+        kw["generator"] = _generators(seed, rows * int(batch_size))
         if negative is not None and kw["true_cfg_scale"] > 1:
             kw["negative_prompt_embeds"], kw["negative_prompt_embeds_mask"] = bridge.conditioning_to_embeds(
                 negative, "negative")
@@ -280,7 +290,7 @@ class QwenFastEdit:
         images = [im for x in (image, image2, image3) if x is not None for im in bridge.comfy_to_pil(x)]
         if not prompt.strip():
             raise ValueError("empty edit instruction: type what to change")
-        kw = _common(pipe, steps, cfg, negative_prompt, seed)
+        kw = {**_common(pipe, steps, cfg, negative_prompt), "generator": _generators(seed, batch_size)}
         hook = bridge.StepHook(kw["num_inference_steps"])
         hook.check()
         out = pipe(images, prompt, height=int(height) or None, width=int(width) or None,

@@ -113,7 +113,8 @@ class Params:
     strength: float | None = None  # edits on a text-to-image model (img2img) or with a mask (inpainting)
 
     def seeds(self) -> list[int]:
-        return [(self.seed + i) % (MAX_SEED + 1) for i in range(self.n)]
+        """Image i's seed: seed + i (validation.image_seeds, the CLI's and the ComfyUI nodes' rule too)."""
+        return V.image_seeds(self.seed, self.n, MAX_SEED)
 
 
 def parse_json_body(raw: bytes) -> dict:
