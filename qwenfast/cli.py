@@ -24,7 +24,7 @@ def _size(s: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must look like 1024x768 (WIDTHxHEIGHT), got {s!r}") from None
     try:  # the server's rule (validation.check_size): refused, never rounded; 2.1 models check 32 after loading
-        V.check_size(w, h, name="--size")
+        V.check_size(w, h, name="")  # argparse says "argument --size: "
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return w, h

@@ -91,7 +91,10 @@ def check_parallel_args(a: argparse.Namespace) -> None:
         return
     from .runtime.parallel import ParallelConfig
 
-    layout = ParallelConfig.parse(a.parallel)
+    try:
+        layout = ParallelConfig.parse(a.parallel)
+    except ValueError as e:
+        raise ValueError(f"--parallel {a.parallel}: {e}" if not str(e).startswith("--parallel") else str(e)) from None
     V.check_parallel(layout.cfg, layout.ulysses, model_heads(a.model, getattr(a, "transformer", None)))
 
 

@@ -147,6 +147,12 @@ def cmd_layers(a: argparse.Namespace) -> int:
         raise ValueError("`qwenfast layers` runs on one GPU (no --parallel)")
     a.size = None
     C.check_values(a)
+    from . import validation as V
+
+    V.check_range("--layers", a.layers, 1, 16)  # the pipeline's limits, named as flags, before loading
+    if a.resolution % 32 or not 64 <= a.resolution <= 2048:
+        raise ValueError(f"--resolution must be a multiple of 32 in 64..2048 (640 is recommended, 1024 the other "
+                         f"size the model was trained at), got {a.resolution}")  # fmt: skip
     check_layered_model(a.model)
     if not Path(a.image).is_file():
         raise ValueError(f"no such picture {a.image!r}")

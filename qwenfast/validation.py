@@ -85,13 +85,14 @@ def check_size(width: int, height: int, *, min_side: int = MIN_SIDE, max_side: i
     """THE size rule of the CLI (`--size`) and the server (`size`): width and height in min_side..max_side,
     at most max_pixels, multiples of `multiple` (None: any). Nothing is rounded: a size that breaks the
     rule is refused, and the message names the nearest sizes that keep it."""
+    what = f"{name} {width}x{height}" if name else f"{width}x{height}"  # "" for argparse, which names --size
     if not (min_side <= width <= max_side and min_side <= height <= max_side):
-        raise ValueError(f"{name} {width}x{height}: width and height must be in {min_side}..{max_side}")
+        raise ValueError(f"{what}: width and height must be in {min_side}..{max_side}")
     if max_pixels is not None and width * height > max_pixels:
-        raise ValueError(f"{name} {width}x{height} is {width * height} pixels; the limit is {max_pixels}")
+        raise ValueError(f"{what} is {width * height} pixels; the limit is {max_pixels}")
     if multiple and (width % multiple or height % multiple):
         near = nearest_sizes(width, height, multiple, min_side=min_side, max_side=max_side, max_pixels=max_pixels)
-        raise ValueError(f"{name} {width}x{height}: width and height must be multiples of {multiple}; "
+        raise ValueError(f"{what}: width and height must be multiples of {multiple}; "
                          f"nearest: {' or '.join(f'{w}x{h}' for w, h in near)}")  # fmt: skip
 
 

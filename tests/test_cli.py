@@ -109,7 +109,7 @@ def test_size_off_the_multiple_is_refused_naming_the_nearest_sizes(tmp_path, cap
         main(["generate", "a red circle", "-o", str(out), "--seed", "1", "--steps", "1", "--size", "17x33", "--quiet"])
     assert e.value.code == 2 and not out.exists()
     err = capsys.readouterr().err
-    assert "--size 17x33: width and height must be multiples of 16; nearest: 16x32 or 32x48" in err, err
+    assert "argument --size: 17x33: width and height must be multiples of 16; nearest: 16x32 or 32x48" in err, err
 
 
 def test_size_far_from_the_trained_size_gets_one_note(tmp_path, capsys):

@@ -219,7 +219,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="GPU counts to run, one after the other, each against its own one-GPU baseline "
                         "(e.g. 2,4; default: all visible)")  # fmt: skip
     p.add_argument("--size", type=int, action="append", help="forward sizes (default 1024 and 1328)")
-    p.add_argument("--layers", type=int, default=60)
+    p.add_argument("--layers", type=int, default=60, help="transformer blocks (Qwen-Image has 60)")
     p.add_argument("--no-forward", action="store_true")
     p.add_argument("--no-e2e", action="store_true")
     p.add_argument("--no-diffusers", action="store_true", help="skip diffusers' own Ulysses rows")
