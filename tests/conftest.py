@@ -37,6 +37,28 @@ def qf_t2i(tiny_t2i):
     return pipe
 
 
+def assert_close_finite(actual, desired, *, rtol: float = 0.0, atol: float = 0.0, msg: str = "") -> None:
+    """Two of our paths agree: the same shape (and dtype, for two tensors), every value finite in both
+    (NaN never equals NaN here, nor inf inf: numpy's assert_allclose and assert_array_equal let NaN
+    equal NaN by default), then |actual - desired| <= atol + rtol * |desired| elementwise (both 0:
+    equal). numpy arrays or torch tensors; compared in float64."""
+    import numpy as np
+
+    def arr(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach().cpu().double().numpy()
+        return np.asarray(x, dtype=np.float64)
+
+    if isinstance(actual, torch.Tensor) and isinstance(desired, torch.Tensor):
+        assert actual.dtype == desired.dtype, f"{msg} dtype {actual.dtype} != {desired.dtype}"
+    a, d = arr(actual), arr(desired)
+    assert a.shape == d.shape, f"{msg} shape {a.shape} != {d.shape}"
+    for name, x in (("actual", a), ("desired", d)):
+        bad = ~np.isfinite(x)
+        assert not bad.any(), f"{msg} {name} has {int(bad.sum())} non-finite values of {x.size}"
+    np.testing.assert_allclose(a, d, rtol=rtol, atol=atol, equal_nan=False, err_msg=msg)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     assert torch.isfinite(a).all() and torch.isfinite(b).all(), "NaN/inf in output"

@@ -3,13 +3,16 @@
     python tests/mutations.py            # every mutation; exit status 1 if any survives
     python tests/mutations.py --list     # what each mutation changes and which tests should catch it
     python tests/mutations.py taylor-factor-1 --keep   # one mutation; keep its copy to inspect
+    python tests/mutations.py --no-baseline             # skip the runs of the unmutated tree first
 
 For each mutation this copies the package (`qwenfast/`), `tests/` and `pyproject.toml` to a fresh temporary
 directory, applies one exact text replacement to one file (it fails loudly when the target text is not
 there exactly once, so the script cannot rot silently into testing nothing), and runs the tests that
 should catch it there: cwd and PYTHONPATH are the copy, and the child checks that `qwenfast` is imported
 from the copy (qwenfast is installed editable from the checkout) before it starts pytest. A mutation is
-"killed" when those tests fail, "survived" when they pass. Not collected by pytest (no test_ prefix).
+"killed" when those tests fail (or hang past --timeout), "survived" when they pass. First, the same tests
+run on an unmutated copy ("baseline") and must pass, so that "killed" means the mutation, not a broken
+test or machine. Not collected by pytest (no test_ prefix).
 
 Every mutation here survived the suite once; each is kept as a regression check of the tests.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -99,32 +103,44 @@ sys.exit(pytest.main(sys.argv[2:]))
 """
 
 
-def run(m: Mutation, keep: bool, verbose: bool) -> tuple[str, float, str]:
-    """('killed' | 'survived', seconds, the tail of pytest's output)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"qwenfast-mutation-{m.name}-"))
+def run_tests(tests: tuple[str, ...], select: str | None, mutation: Mutation | None = None, keep: bool = False,
+              timeout: float = 1800) -> tuple[bool, float, str]:  # fmt: skip
+    """Run `tests` (-k `select`) on a fresh copy of the tree, with `mutation` applied (None: the tree as
+    it is) -> (passed, seconds, pytest's output). A hung run counts as not passed."""
+    name = mutation.name if mutation else "baseline"
+    tmp = Path(tempfile.mkdtemp(prefix=f"qwenfast-mutation-{name}-"))
     try:
         copy_tree(tmp)
-        m.apply(tmp)
+        if mutation:
+            mutation.apply(tmp)
         env = dict(os.environ, PYTHONPATH=str(tmp) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.pop("CI", None)  # the CI skip guard is not what is audited here
-        args = [*m.tests, "-q", "-x", "-p", "no:cacheprovider"] + (["-k", m.select] if m.select else [])
+        args = [*tests, "-q", "-p", "no:cacheprovider"] + (["-x"] if mutation else []) + (["-k", select] if select else [])
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-c", CHILD, str(tmp), *args], cwd=tmp, env=env,
-                              capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp), *args], cwd=tmp, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:  # a hung test run: the tests do not pass; end its process group
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+            return False, time.monotonic() - t0, out + f"\n(timed out after {timeout} s)"
         took = time.monotonic() - t0
-        out = proc.stdout + proc.stderr
         if "not from the mutated copy" in out:
             raise SystemExit(out)
         if proc.returncode not in (0, 1):  # 2: interrupted, 3: internal error, 4: usage, 5: no tests collected
-            raise SystemExit(f"mutation {m.name}: pytest exited with {proc.returncode}:\n{out[-3000:]}")
-        if verbose:
-            print(out)
-        return ("survived" if proc.returncode == 0 else "killed"), took, out
+            raise SystemExit(f"{name}: pytest exited with {proc.returncode}:\n{out[-3000:]}")
+        return proc.returncode == 0, took, out
     finally:
         if keep:
             print(f"  (kept {tmp})")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def summary(out: str) -> str:
+    """pytest's last line ("2 failed, 5 passed in 18.24s")."""
+    return next((ln.strip("= ") for ln in reversed(out.splitlines()) if " in " in ln and ("passed" in ln or "failed" in ln)), "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -133,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="list the mutations and exit")
     ap.add_argument("--keep", action="store_true", help="keep each mutated copy")
     ap.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the runs of the unmutated tree")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per mutation's test run (a hang counts as killed)")
     a = ap.parse_args(argv)
     chosen = [m for m in MUTATIONS if not a.names or m.name in a.names]
     unknown = set(a.names) - {m.name for m in MUTATIONS}
@@ -142,12 +160,22 @@ def main(argv: list[str] | None = None) -> int:
         for m in MUTATIONS:
             print(f"{m.name}: {m.what}\n  {m.file}; caught by {' '.join(m.tests)}" + (f" -k {m.select!r}" if m.select else ""))
         return 0
+    if not a.no_baseline:  # "killed" means something only where the same tests pass on the tree as it is
+        for tests, select in dict.fromkeys((m.tests, m.select) for m in chosen):
+            ok, took, out = run_tests(tests, select, timeout=a.timeout)
+            print(f"{'baseline':32} {'PASSED' if ok else 'FAILED':9} ({took:.0f} s; {summary(out)}; {' '.join(tests)}"
+                  + (f" -k {select!r})" if select else ")"))  # fmt: skip
+            if not ok:
+                print(out[-4000:])
+                raise SystemExit("the tests fail without any mutation: fix them first (or pass --no-baseline)")
     survived = []
     for m in chosen:
-        verdict, took, out = run(m, a.keep, a.verbose)
-        summary = next((ln for ln in reversed(out.splitlines()) if " in " in ln and ("passed" in ln or "failed" in ln)), "")
-        print(f"{m.name:32} {verdict.upper():9} ({took:.0f} s; {summary.strip('= ')})")
-        if verdict == "survived":
+        passed, took, out = run_tests(m.tests, m.select, m, a.keep, a.timeout)
+        verdict = "survived" if passed else "killed"
+        if a.verbose:
+            print(out)
+        print(f"{m.name:32} {verdict.upper():9} ({took:.0f} s; {summary(out)})")
+        if passed:
             survived.append(m.name)
     print(f"{len(chosen) - len(survived)} of {len(chosen)} mutations killed" +
           (f"; survived: {', '.join(survived)}" if survived else ""))  # fmt: skip

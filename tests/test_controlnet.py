@@ -111,7 +111,10 @@ def test_batched_cfg_gives_the_controlnet_the_cond_prompt_only(single, models):
     p.configure(fp8=True)
     assert isinstance(p.controlnet.transformer_blocks[0].attn.to_qkv, FP8Linear)
     fp8 = _run(p, **kw)
-    assert np.isfinite(fp8).all() and np.abs(fp8 - outs[1]).max() < 0.25  # FP8 rounding, not another picture
+    # FP8 rounding, not another picture: measured max 0.011, mean 1.2e-3 (another control image moves the
+    # mean by 8.8e-3); bounds at ~4x. And more than 0: the blocks were really quantised.
+    d = np.abs(fp8 - outs[1])
+    assert np.isfinite(fp8).all() and d.max() < 0.05 and 1e-4 < d.mean() < 5e-3, (d.max(), d.mean())
 
 
 def test_union_net_two_conditions_matches_diffusers(models):

@@ -19,6 +19,8 @@ from qwenfast.loading import single_file as S  # noqa: E402
 from tests.test_lora import make_lora, write  # noqa: E402
 from tests.test_single_file import AXES, write_fp8  # noqa: E402
 
+from .conftest import assert_close_finite  # noqa: E402
+
 KW = dict(prompt="a red circle", height=32, width=48, num_inference_steps=2, true_cfg_scale=1.0, output_type="np")
 
 
@@ -104,7 +106,7 @@ def test_fp8_linear_side_lora_formula():
     down, up = torch.randn(16, 48), torch.randn(96, 16)
     q.lora = (down, up)
     want = fp8_linear_ref(x, q.weight_fp8, q.weight_scale, q.bias, torch.float32) + (x @ down.t()) @ up.t()
-    torch.testing.assert_close(q(x), want, rtol=1e-5, atol=1e-5)
+    assert_close_finite(q(x), want, rtol=1e-5, atol=1e-5)
     assert (q(x) - base).abs().max() > 1.0
 
 
@@ -134,7 +136,7 @@ def test_lora_on_fp8_is_close_to_fused_lora_and_unloads_bitwise(base, loras):
     assert lora_err <= 1.2 * fp8_err + 1e-6, (lora_err, fp8_err)
     # the same LoRA written on the fused Q|K|V projections (shared down factor) gives the same result
     p8.set_loras([(loras["a-fused"], 1.0, "a")])
-    np.testing.assert_allclose(p8(**KW, generator=gen()).images, with_a, atol=1e-5)
+    assert_close_finite(p8(**KW, generator=gen()).images, with_a, atol=1e-5)
     p8.unload_lora()
     assert all(torch.equal(v, snap[k]) for k, v in p8.transformer.state_dict().items())
     assert all(m.lora is None for m in fp8_layers(p8.transformer).values())

@@ -16,6 +16,8 @@ from qwenfast import EngineOptions, QwenImagePipeline
 from qwenfast.runtime.memory import Calibration, MemoryPlanner, ModelSizes
 from qwenfast.runtime.modulation import ModulationTable, batch_rows
 
+from .conftest import assert_close_finite
+
 TINY = Path(__file__).resolve().parent / "assets" / "tiny-random"
 KW = dict(height=64, width=48, num_inference_steps=3, output_type="np", negative_prompt=" ", true_cfg_scale=2.0)
 PROMPTS = ["a red circle", "a blue square on grass"]
@@ -49,7 +51,7 @@ def test_table_equals_per_forward_modulations(pair, batched_cfg):
     table.clear()
     h0, m0 = table.hits, table.misses
     got = _run(on)
-    np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+    assert_close_finite(got, want, rtol=0, atol=TOL)
     forwards = KW["num_inference_steps"] * (1 if batched_cfg else 2)
     # the schedule was filled before the loop (one miss per step), then every forward hit
     assert table.misses - m0 == KW["num_inference_steps"] == len(table)
@@ -73,7 +75,7 @@ def test_forward_reads_the_table_and_weight_changes_clear_it(pair):
     assert moved > 10 * TOL, moved
     on.release_graphs()
     assert len(table) == 0
-    np.testing.assert_allclose(_run(on), want, rtol=0, atol=0)
+    assert_close_finite(_run(on), want, rtol=0, atol=0)
 
     g = torch.Generator().manual_seed(3)
     lora = {}
@@ -88,12 +90,12 @@ def test_forward_reads_the_table_and_weight_changes_clear_it(pair):
         assert len(table) == 0  # cleared by the LoRA change
         with_lora = _run(off)
         assert np.abs(with_lora - want).max() > 10 * TOL  # the LoRA does change the modulations
-        np.testing.assert_allclose(_run(on), with_lora, rtol=0, atol=TOL)
+        assert_close_finite(_run(on), with_lora, rtol=0, atol=TOL)
     finally:
         for p in pair:
             p.unload_lora()
     assert len(table) == 0
-    np.testing.assert_allclose(_run(on), want, rtol=0, atol=0)
+    assert_close_finite(_run(on), want, rtol=0, atol=0)
 
 
 def test_zero_cond_t_edit_uses_a_t0_entry(tmp_path):
@@ -115,7 +117,7 @@ def test_zero_cond_t_edit_uses_a_t0_entry(tmp_path):
                    height=48, width=64, generator=torch.Generator().manual_seed(1), output_type="np").images  # fmt: skip
     table = p.transformer.modulation_table
     assert "t=0" in table and len(table) == 3
-    np.testing.assert_allclose(out[8], out[0], rtol=0, atol=TOL)
+    assert_close_finite(out[8], out[0], rtol=0, atol=TOL)
 
 
 @pytest.mark.parametrize("budget", [1e-6, 64.0])
@@ -133,13 +135,13 @@ def test_offload_blocks_keeps_modulation_weights_on_the_host(budget):
     # CUDA graphs (on by default) run only when no block streams and the table serves the modulations
     runner, all_resident = p.transformer.block_runner, budget > 1
     assert p.options.cuda_graphs and runner.can_graph(True) is all_resident and not runner.can_graph(False)
-    np.testing.assert_allclose(_run(p), want, rtol=0, atol=TOL)
+    assert_close_finite(_run(p), want, rtol=0, atol=TOL)
     # a forward outside the denoise core (no step: no table) brings them in through the runner
     tr = p.transformer
     x, emb = torch.randn(1, 12, 64), torch.randn(1, 5, tr.cfg.joint_attention_dim)
     t = torch.full((1,), 0.5)
     ref = _pipe(modulation_cache=0).transformer(x, emb, None, t, [(1, 4, 3)])
-    torch.testing.assert_close(tr(x, emb, None, t, [(1, 4, 3)]), ref, rtol=0, atol=TOL)
+    assert_close_finite(tr(x, emb, None, t, [(1, 4, 3)]), ref, rtol=0, atol=TOL)
 
 
 def test_planner_counts_modulation_on_host():
@@ -200,11 +202,11 @@ def test_table_under_cuda_graphs_equals_eager():
     g = _run(p)
     assert p._graphs.graphs  # replayed from graphs, the table's rows as graph inputs
     p.configure(cuda_graphs=False)
-    np.testing.assert_allclose(_run(p), g, rtol=0, atol=1e-2)
+    assert_close_finite(_run(p), g, rtol=0, atol=1e-2)
     off = QwenImagePipeline.from_pretrained(TINY, device="cuda", dtype=torch.bfloat16,
                                             options=EngineOptions(modulation_cache=0, cuda_graphs=False))  # fmt: skip
     off.progress_bar = False
-    np.testing.assert_allclose(_run(off), g, rtol=0, atol=1e-2)
+    assert_close_finite(_run(off), g, rtol=0, atol=1e-2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -221,7 +223,7 @@ def test_offload_with_every_block_resident_replays_graphs():
                                           options=EngineOptions(offload="blocks", offload_budget=64.0))  # fmt: skip
     p.progress_bar = False
     assert not p._block_streamer.order
-    np.testing.assert_allclose(_run(p), want, rtol=0, atol=1e-2)
+    assert_close_finite(_run(p), want, rtol=0, atol=1e-2)
     assert p._graphs.graphs
     tr = p.transformer  # an eager forward (no step: no table, so no graph) between replays
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -229,10 +231,10 @@ def test_offload_with_every_block_resident_replays_graphs():
     emb = torch.randn(1, 5, tr.cfg.joint_attention_dim, device="cuda", dtype=torch.bfloat16, generator=g)
     t = torch.full((1,), 0.5, device="cuda")
     with torch.no_grad():
-        torch.testing.assert_close(tr(x, emb, None, t, [(1, 4, 3)]), ref.transformer(x, emb, None, t, [(1, 4, 3)]),
+        assert_close_finite(tr(x, emb, None, t, [(1, 4, 3)]), ref.transformer(x, emb, None, t, [(1, 4, 3)]),
                                    rtol=0, atol=2e-2)  # fmt: skip
-    np.testing.assert_allclose(_run(p, num_inference_steps=2), want2, rtol=0, atol=1e-2)
+    assert_close_finite(_run(p, num_inference_steps=2), want2, rtol=0, atol=1e-2)
     p.configure(offload_budget=1e-6)  # every block streams: graphs dropped, eager
     assert p._block_streamer.order and not p._graphs.graphs
-    np.testing.assert_allclose(_run(p), want, rtol=0, atol=1e-2)
+    assert_close_finite(_run(p), want, rtol=0, atol=1e-2)
     assert not p._graphs.graphs
