@@ -1,7 +1,8 @@
 """The 8-bit attention backend ("fp8"): the e4m3 quantisation op (Triton kernel vs its torch reference,
 in Triton's CPU interpreter and on CUDA), the CPU reference path behind `attention()`, its error
 against exact attention, NaN-freedom on all-zero and huge-magnitude rows, and (GPU) the FP8
-engines against cuDNN bf16."""
+engines against cuDNN bf16. An engine that must run on the GPU at hand (tests/gpu_engines.py: a Hopper
+with its package installed) fails when it does not load or refuses the joint shape, instead of skipping."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from qwenfast.runtime.attention import CHOICES, attention, joint_attention, use_
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
 from .conftest import rel_err
+from .gpu_engines import cuda_capability, must_run
 
 CUDA = torch.cuda.is_available()
 TRITON = K.triton_available()
@@ -183,13 +185,42 @@ def test_fp8_engine_choice_from_env(monkeypatch):
 # GPU: the FP8 engines against cuDNN bf16 (and exact fp32)
 
 
+def _fail_or_skip(engine: str, what: str) -> None:
+    """A missing engine, or one that refused the test's shape: a failure where it must run
+    (gpu_engines.must_run: a Hopper with its package installed), else a skip."""
+    why = must_run(engine, cuda_capability())
+    if why:
+        pytest.fail(f"{what} (it must run here: {why})")
+    pytest.skip(what)
+
+
+def _engine_or_skip(engine: str):
+    eng = A8.load_engine(engine)
+    if eng is None:
+        _fail_or_skip(engine, f"{engine} FP8 engine unavailable on this GPU box: {A8.engine_error(engine)}")
+    return eng
+
+
+def test_a_missing_engine_fails_where_it_must_run(monkeypatch):
+    """(CPU) The GPU tests' decision: an H100 with only the fa3-fwd wheel, neither engine loading."""
+    import sys
+
+    here = sys.modules[__name__]
+    monkeypatch.setattr(here, "cuda_capability", lambda: (9, 0))
+    real = must_run
+    monkeypatch.setattr(here, "must_run", lambda e, cap: real(e, cap, {"fa3_fwd_interface"}.__contains__))
+    monkeypatch.setattr(A8, "load_engine", lambda name: None)
+    with pytest.raises(pytest.fail.Exception, match=r"fa3 FP8 engine unavailable.*must run here: sm_90 with fa3_fwd"):
+        _engine_or_skip("fa3")
+    with pytest.raises(pytest.skip.Exception, match="cudnn FP8 engine unavailable"):
+        _engine_or_skip("cudnn")  # its package is not installed: a skip, saying why
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not FP8_GPU, reason="needs a CUDA GPU with FP8 attention (sm_90+)")
 @pytest.mark.parametrize("engine", ["cudnn", "fa3"])
 def test_gpu_fp8_engine_vs_cudnn_bf16(engine):
-    eng = A8.load_engine(engine)
-    if eng is None:
-        pytest.skip(f"{engine} FP8 engine unavailable on this GPU box: {A8.engine_error(engine)}")
+    eng = _engine_or_skip(engine)
     q, k, v = _qkv(B=2, H=4, S=1000, D=128, dtype=torch.bfloat16, device="cuda")  # B=2: `_nasty` edits row 1
     exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
     with torch.no_grad():
@@ -324,9 +355,7 @@ def test_qk_descale_cache_follows_the_gains():
 def test_gpu_joint_fp8_path_vs_unfused_and_in_a_cuda_graph(engine, monkeypatch):
     """The fused joint path on an FP8 engine: as accurate as quantising the bf16 Q, K, V after the
     fact (the `attention()` path), NaN-free, and the same output replayed from a CUDA graph."""
-    eng = A8.load_engine(engine)
-    if eng is None:
-        pytest.skip(f"{engine} FP8 engine unavailable on this GPU box: {A8.engine_error(engine)}")
+    eng = _engine_or_skip(engine)
     monkeypatch.setenv(A8.ENV_VAR, engine)
     H, D = 4, 128
     streams = [tuple(t.cuda() for t in st) for st in _streams(B=1, H=H, D=D, Lt=37, Li=1000, dtype=torch.bfloat16)]
@@ -337,8 +366,8 @@ def test_gpu_joint_fp8_path_vs_unfused_and_in_a_cuda_graph(engine, monkeypatch):
             got = joint_attention(streams, H, D, None)
         except Exception as e:  # noqa: BLE001
             pytest.fail(f"{engine}: {e}")
-        if A8.CALLS[f"{engine} (joint)"] == before:
-            pytest.skip(f"{engine} did not take the joint shape: {A8._engine_errors.get((engine, 'joint'))}")
+        if A8.CALLS[f"{engine} (joint)"] == before:  # bf16, d=128, no mask: what the engines exist for
+            _fail_or_skip(engine, f"{engine} did not take the joint shape: {A8._engine_errors.get((engine, 'joint'))}")
         with use_attention("cudnn"):
             plain = joint_attention(streams, H, D, None)  # bf16 Q, K, V
         unfused = A8.run_engine(eng, *_split_plain(streams, H, D))

@@ -18,6 +18,15 @@ CASES = {
 }
 
 
+TOL = 1e-3  # max abs pixel difference to diffusers (fp32, [0, 1] pixels)
+
+
+def _other(text):
+    """Another prompt of the same shape (str or list): what a pipeline that ignored its text would miss."""
+    return [f"a yellow triangle at the bottom {i}" for i in range(len(text))] if isinstance(text, list) \
+        else "a yellow triangle at the bottom"  # fmt: skip
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_pixels_match_diffusers(tiny_t2i, qf_t2i, case):
     ref, _ = tiny_t2i
@@ -26,8 +35,16 @@ def test_pixels_match_diffusers(tiny_t2i, qf_t2i, case):
         b = qf_t2i(**kw, generator=torch.Generator().manual_seed(7), output_type="np").images
     a = ref(**kw, generator=torch.Generator().manual_seed(7), output_type="np").images
     assert a.shape == b.shape and b.dtype == np.float32
-    assert np.isfinite(b).all() and b.std() > 0.05  # a real picture, not a constant
-    assert np.abs(a - b).max() <= 1e-3
+    assert np.isfinite(a).all() and np.isfinite(b).all() and b.std() > 0.05  # a real picture, not a constant
+    assert np.abs(a - b).max() <= TOL
+    # sensitivity: the text inputs move diffusers' pixels by far more than TOL, so matching it means
+    # qwenfast used them (the tiny model is not too insensitive for this comparison to fail)
+    moved = {"prompt": dict(kw, prompt=_other(kw["prompt"]))}
+    if kw.get("negative_prompt") is not None and kw.get("true_cfg_scale", 4.0) > 1:
+        moved["negative_prompt"] = dict(kw, negative_prompt=_other(kw["negative_prompt"]))
+    for what, other in moved.items():
+        c = ref(**other, generator=torch.Generator().manual_seed(7), output_type="np").images
+        assert np.abs(c - a).max() >= 10 * TOL, what
 
 
 def test_pil_output_and_explicit_latents(tiny_t2i, qf_t2i):
@@ -38,6 +55,11 @@ def test_pil_output_and_explicit_latents(tiny_t2i, qf_t2i):
     b = qf_t2i(**kw, latents=lat, output_type="pil").images[0]
     assert b.size == (128, 32) and b.mode == "RGB"
     assert np.abs(np.asarray(a, dtype=int) - np.asarray(b, dtype=int)).max() <= 1
+    # sensitivity: other latents, or another prompt, move diffusers' 8-bit pixels by >= 10 levels
+    for other in (dict(kw, latents=torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(4))),
+                  dict(kw, prompt=_other(kw["prompt"]), latents=lat)):  # fmt: skip
+        c = ref(**other, output_type="pil").images[0]
+        assert np.abs(np.asarray(c, dtype=int) - np.asarray(a, dtype=int)).max() >= 10
 
 
 def test_generator_list_and_seed_semantics(qf_t2i):

@@ -16,6 +16,8 @@ from qwenfast.options import EngineOptions
 from qwenfast.runtime.blocks import BlockRunner, StepContext
 from qwenfast.runtime.cache import PRESETS, CachePolicy, StepCacheRunner
 
+from .conftest import assert_close_finite
+
 TINY = Path(__file__).resolve().parent / "assets" / "tiny-random"
 KW = dict(height=48, width=32, num_inference_steps=8, output_type="np")
 
@@ -42,7 +44,7 @@ def test_static_all_full_equals_uncached_bitwise(fresh):
     want = fresh(["a red circle", "a blue square on the left"], generator=[_gen(1), _gen(2)], **kw).images
     fresh.configure(cache=CachePolicy(kind="static", every=1, taylor=1))
     got = fresh(["a red circle", "a blue square on the left"], generator=[_gen(1), _gen(2)], **kw).images
-    np.testing.assert_array_equal(got, want)
+    assert_close_finite(got, want)
     assert fresh.block_runner.stats["cached"] == 0 and fresh.block_runner.stats["full"] > 0
 
 
@@ -112,12 +114,12 @@ def test_a_cached_step_is_its_definition(demo_transformer, taylor, first, last):
     outs = [fwd(cache, i) for i in range(3)]
     probe = Probe(first, last)
     full = [fwd(probe, i) for i in range(3)]
-    torch.testing.assert_close(outs[0], full[0], rtol=0, atol=0)  # full steps are the model
-    torch.testing.assert_close(outs[1], full[1], rtol=0, atol=0)
+    assert_close_finite(outs[0], full[0], rtol=0, atol=0)  # full steps are the model
+    assert_close_finite(outs[1], full[1], rtol=0, atol=0)
     r0, r1 = probe.res[0], probe.res[1]
     r = r1 if not taylor else tuple(a + (a - b) * 1.0 for a, b in zip(r1, r0))  # (2 - 1) / (1 - 0)
     want = fwd(Replace(first, last, r), 2)
-    torch.testing.assert_close(outs[2], want, rtol=1e-6, atol=1e-6)
+    assert_close_finite(outs[2], want, rtol=1e-6, atol=1e-6)
     assert (outs[2] - full[2]).abs().max() > 1e-4  # a cached step is not a full one
     assert cache.stats == {"full": 2, "cached": 1}
 
@@ -188,8 +190,7 @@ def assert_gapped_run_is_its_definition(pipe, run, name: str, run_steps: int) ->
     want = run(definition)
     pipe.configure(cache=None)
     uncached = run(None)
-    assert np.isfinite(got).all() and np.isfinite(want).all()
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5, equal_nan=False)
+    assert_close_finite(got, want, rtol=0, atol=1e-5)
     assert np.abs(got - uncached).max() > 1e-3  # the cached steps are not full ones
     # the definition replaced the same steps (once per branch; adaptive stats count batch rows)
     assert {s for s, _ in definition.factors} == set(range(steps)) - full
@@ -229,14 +230,14 @@ def test_rows_branches_and_requests_never_share_a_cache(fresh, policy):
     kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **KW)
     alone = [fresh([p], generator=[_gen(s)], **kw).images[0] for p, s in (("a red circle", 4), ("two blue stars", 5))]
     both = fresh(["a red circle", "two blue stars"], generator=[_gen(4), _gen(5)], **kw).images
-    np.testing.assert_allclose(both[0], alone[0], atol=2e-5)
-    np.testing.assert_allclose(both[1], alone[1], atol=2e-5)
+    assert_close_finite(both[0], alone[0], atol=2e-5)
+    assert_close_finite(both[1], alone[1], atol=2e-5)
     assert fresh.block_runner.stats["cached"] > 0  # the policy did skip something
     again = fresh(["a red circle"], generator=[_gen(4)], **kw).images[0]
-    np.testing.assert_allclose(again, alone[0], atol=1e-6)
+    assert_close_finite(again, alone[0], atol=1e-6)
     fresh.configure(batched_cfg=True)  # cond + uncond in one forward: the "both" branch's own cache
     batched = fresh(["a red circle"], generator=[_gen(4)], **kw).images[0]
-    np.testing.assert_allclose(batched, alone[0], atol=2e-5)
+    assert_close_finite(batched, alone[0], atol=2e-5)
 
 
 def test_caching_changes_the_image_a_little_and_computes_less(fresh):
@@ -287,8 +288,8 @@ def test_graph_and_eager_cached_paths_agree(cache):
     assert {k[-1] for k in p._graphs.graphs} >= {"first", "full", "cached"}
     p.configure(cuda_graphs=False)
     eager = p("a red circle", generator=_gen(7), **kw).images
-    np.testing.assert_array_equal(graphed[0], graphed[1])
-    np.testing.assert_allclose(graphed[1], eager, atol=2e-3)
+    assert_close_finite(graphed[0], graphed[1])
+    assert_close_finite(graphed[1], eager, atol=2e-3)
     p.configure(cache=None, cuda_graphs=True)
     uncached = p("a red circle", generator=_gen(7), **kw).images
     assert np.abs(uncached - eager).max() > 0  # the cache was on in both runs above
@@ -315,4 +316,4 @@ def test_snapshot_restore_undoes_a_step(demo_transformer):
     (key,) = before
     assert any((a - b).abs().max() > 1e-4 for a, b in zip(before[key], changed[key]))
     for a, b in zip(before[key], after[key]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert_close_finite(a, b, rtol=0, atol=0)
