@@ -12,7 +12,7 @@ BASE = dict(height=32, width=32, num_inference_steps=1, true_cfg_scale=1.0, outp
     "kw, err, match",
     [
         (dict(prompt=[]), ValueError, "empty list"),
-        (dict(prompt=None), TypeError, "`prompt` must be a string"),
+        (dict(prompt=None), ValueError, r"`prompt` \(text\) or `prompt_embeds`"),  # diffusers: ValueError too
         (dict(prompt=["a", 3]), TypeError, "`prompt` must be a string"),
         (dict(prompt="a", num_inference_steps=0), ValueError, "num_inference_steps"),
         (dict(prompt="a", num_inference_steps=-3), ValueError, "num_inference_steps"),
