@@ -46,8 +46,8 @@ def _parallel_line() -> str:
 def cmd_doctor(a: argparse.Namespace) -> int:
     import torch
 
+    from . import DEMO_MODEL
     from .loading.diffusers_folder import inspect_folder
-    from .pipeline.text_to_image import DEFAULT_MODEL
 
     print(f"python       {platform.python_version()} ({sys.executable})")
     print(f"torch        {torch.__version__}")
@@ -73,7 +73,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
         print("cuda         not available (CPU only)")
     print(f"attention    {_attention_libraries()}")
     print(f"parallel     {_parallel_line()}")
-    path = Path(a.model) if a.model else DEFAULT_MODEL
+    path = Path(a.model or DEMO_MODEL)
     kind, problems = inspect_folder(path)
     if problems:
         print(f"model        {path}: INCOMPLETE")

@@ -36,10 +36,10 @@ def make_lora(path: Path, seed: int = 20, rank: int = 4) -> None:
     import torch
     from safetensors.torch import save_file
 
+    from qwenfast import DEMO_MODEL
     from qwenfast.loading.diffusers_folder import load_transformer
-    from qwenfast.pipeline.common import DEFAULT_MODEL
 
-    model = load_transformer(DEFAULT_MODEL / "transformer", torch.device("cpu"), torch.float32)
+    model = load_transformer(Path(DEMO_MODEL) / "transformer", torch.device("cpu"), torch.float32)
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for n, m in model.named_modules():

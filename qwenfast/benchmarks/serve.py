@@ -73,15 +73,16 @@ def build_random_full(num_layers: int = 60) -> QwenImagePipeline:
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+    from .. import DEMO_MODEL
     from ..config import QWEN_IMAGE_SCHEDULER, QWEN_IMAGE_VAE
     from ..models.text_encoder import TextEncoder
     from ..models.vae import QwenImageVAE
-    from ..pipeline.text_to_image import DEFAULT_MODEL, QwenImagePipeline
+    from ..pipeline.text_to_image import QwenImagePipeline
     from .transformer import build
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     transformer, _ = build(num_layers, compare=False)
-    d = json.loads((DEFAULT_MODEL / "text_encoder" / "config.json").read_text())
+    d = json.loads((Path(DEMO_MODEL) / "text_encoder" / "config.json").read_text())
     d["text_config"].update(TEXT_7B)
     d["text_config"]["rope_parameters"]["mrope_section"] = [16, 24, 24]
     d["vision_config"]["out_hidden_size"] = TEXT_7B["hidden_size"]  # vision tower unused by text-to-image
@@ -91,7 +92,7 @@ def build_random_full(num_layers: int = 60) -> QwenImagePipeline:
     with torch.device(dev):
         te_model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=dt).eval().requires_grad_(False)
         vae = QwenImageVAE(QWEN_IMAGE_VAE).to(dt).eval().requires_grad_(False)
-    tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL / "tokenizer"))
+    tok = AutoTokenizer.from_pretrained(str(Path(DEMO_MODEL) / "tokenizer"))
     pipe = QwenImagePipeline(transformer, vae, TextEncoder(te_model, tok), QWEN_IMAGE_SCHEDULER,
                              model_path="random-full", defaults={"num_inference_steps": 8})  # fmt: skip
     return pipe
