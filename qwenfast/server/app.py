@@ -116,7 +116,7 @@ def _too_large(limit: int) -> APIError:
 
 
 class UrlStore:
-    """Images served at /files/<token> for response_format=url; they expire (issue: URLs expire)."""
+    """Images served at /files/<token> for response_format=url; they expire (--url-ttl), oldest first past the memory cap."""
 
     def __init__(self, ttl: float, max_bytes: int):
         self.ttl, self.max_bytes = ttl, max_bytes
