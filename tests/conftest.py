@@ -68,7 +68,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------
 # CI runs every test: only GPU-only tests may skip there (.ci/run sets CI=true)
 
-GPU_ONLY = re.compile(r"cuda|gpu", re.I)  # "needs CUDA", "the fast paths need a GPU", "needs an FP8 GPU (sm_89+)"
+# The skip reasons of GPU-only tests, exactly as the tests give them: on a CPU these skip, and nothing else
+# may. A new skip reason fails CI until it is listed here (and is GPU-only). Skipif reasons (true on CPU):
+GPU_ONLY_REASONS = (
+    "needs CUDA",
+    "needs CUDA and triton",
+    "needs CUDA (a parameter's data cannot move between CPU and meta)",
+    "CUDA graphs need a GPU",
+    "the fast paths need a GPU",
+    "needs an FP8 GPU",
+    "needs an FP8 GPU (sm_89+)",
+    "needs a CUDA GPU with FP8 attention (sm_90+)",
+)
+# pytest.skip() reasons reached only on a GPU (with a detail after the colon), as regular expressions
+GPU_ONLY_PATTERNS = (
+    r"(cudnn|fa3) FP8 engine unavailable on this GPU box: .*",
+    r"(cudnn|fa3) did not take the joint shape: .*",
+    r"FA3 not installed or not a Hopper GPU: auto runs cuDNN \(checked above\)",
+)
+GPU_ONLY = re.compile("|".join([*map(re.escape, GPU_ONLY_REASONS), *GPU_ONLY_PATTERNS]), re.S)  # fullmatch
 # Kernel cases that run in Triton's CPU interpreter are skipped in the outer process on purpose and run in a
 # child process (TRITON_INTERPRET=1) by test_interpreter_subprocess of the same file, which must then pass.
 INTERP_ONLY = re.compile(r"TRITON_INTERPRET=1|under the interpreter")
@@ -77,6 +95,31 @@ MUST_PASS_IN_CI = ("tests/test_server.py::test_web_page_in_headless_chromium",
                    "tests/test_fp8_fused.py::test_interpreter_subprocess",
                    "tests/test_vae_fast.py::test_interpreter_subprocess",
                    "tests/test_transformer21_paths.py::test_interpreter_subprocess")  # fmt: skip
+
+
+def _interp_only(item) -> bool:
+    """A kernel case that runs only in Triton's interpreter child: skipped here by an INTERP_ONLY skipif."""
+    return any(m.args and m.args[0] is True and INTERP_ONLY.search(m.kwargs.get("reason", ""))
+               for m in item.iter_markers("skipif"))  # fmt: skip
+
+
+def interpreter_cases(request) -> list[str]:
+    """The names of the cases of the calling test's file that its test_interpreter_subprocess must run in
+    the child: collected again here from the file's parametrisation, the items skipped in this process by
+    an INTERP_ONLY reason (the ones InterpreterCases moves). The runner requires exactly these to pass."""
+    names: list[str] = []
+
+    def walk(node):
+        for x in node.collect():
+            if isinstance(x, pytest.Item):
+                if _interp_only(x):
+                    names.append(x.name)
+            else:
+                walk(x)
+
+    walk(request.node.getparent(pytest.Module))
+    assert names, "no interpreter cases collected: the runner would check nothing"
+    return names
 
 
 def chromium_path() -> str | None:
@@ -125,7 +168,7 @@ class SkipGuard:
     def check(self) -> list[str]:
         problems = []
         for nodeid, reason in self.skips:
-            if GPU_ONLY.search(reason):
+            if GPU_ONLY.fullmatch(reason):
                 continue
             if INTERP_ONLY.search(reason):
                 runner = nodeid.split("::")[0] + "::test_interpreter_subprocess"
@@ -166,9 +209,7 @@ class InterpreterCases:
         keep, moved = [], []
         for item in items:
             runner = item.nodeid.split("::")[0] + "::test_interpreter_subprocess"
-            marks = item.iter_markers("skipif")
-            if runner in runners and any(m.args and m.args[0] is True and INTERP_ONLY.search(m.kwargs.get("reason", ""))
-                                         for m in marks):  # fmt: skip
+            if runner in runners and _interp_only(item):
                 moved.append(item)
                 self.moved[runner] = self.moved.get(runner, 0) + 1
             else:

@@ -17,7 +17,7 @@ from qwenfast.runtime import attention_fp8 as A8
 from qwenfast.runtime.attention import CHOICES, attention, joint_attention, use_attention
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
-from .conftest import rel_err
+from .conftest import interpreter_cases, rel_err
 from .gpu_engines import cuda_capability, must_run
 
 CUDA = torch.cuda.is_available()
@@ -116,8 +116,9 @@ def test_quantize_kernel_matches_ref(device, per_head, case):
 @pytest.mark.slow
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
-def test_interpreter_subprocess():
-    run_interpreter_cases(__file__, at_least=8, exactly=True, timeout=600, allow_skipped=True)
+def test_interpreter_subprocess(request):
+    n = len(interpreter_cases(request))
+    run_interpreter_cases(__file__, at_least=n, exactly=True, timeout=600, allow_skipped=True)
 
 
 def test_kernel_falls_back_to_ref_without_triton():

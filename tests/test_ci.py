@@ -44,10 +44,12 @@ def test_gpu_only_skips_pass_in_ci(pytester, monkeypatch):
     result.assert_outcomes(passed=1, skipped=2)
 
 
-@pytest.mark.parametrize("how", ["skipif", "importorskip", "runtime"])
+@pytest.mark.parametrize("how", ["skipif", "importorskip", "runtime", "mentions-gpu"])
 def test_other_skips_fail_ci(pytester, monkeypatch, how):
     extra = {
         "skipif": '\n@pytest.mark.skipif(True, reason="no headless Chromium can start here")\ndef test_page():\n    pass\n',
+        # naming CUDA or a GPU is not enough: only the listed GPU-only reasons pass (conftest.GPU_ONLY_REASONS)
+        "mentions-gpu": '\n@pytest.mark.skipif(True, reason="needs CUDA, or the cuDNN frontend on a GPU")\ndef test_x():\n    pass\n',
         "importorskip": '\ndef test_triton():\n    pytest.importorskip("no_such_module_qwenfast")\n',
         "runtime": '\ndef test_rt():\n    pytest.skip("triton is not installed")\n',
     }[how]
@@ -58,6 +60,20 @@ def test_other_skips_fail_ci(pytester, monkeypatch, how):
     # outside CI the same run passes: skips are fine on a developer's machine
     result, guard = _run(pytester, monkeypatch, None, extra)
     assert result.ret == 0 and not guard.problems
+
+
+def test_every_listed_gpu_only_reason_is_a_reason_the_suite_gives():
+    """conftest.GPU_ONLY_REASONS lists what tests really skip for (no stale entries that would let a new
+    test skip for an old reason unnoticed), and is all about a GPU."""
+    from .conftest import GPU_ONLY_PATTERNS, GPU_ONLY_REASONS
+
+    text = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py")) + \
+        (ROOT / "qwenfast" / "testing" / "interp.py").read_text()  # kernel_devices' default reason  # fmt: skip
+    for reason in GPU_ONLY_REASONS:
+        assert re.search(r"\breason=\(?\s*f?[\"']" + re.escape(reason) + "[\"']", text) or \
+            f'"{reason}"' in text, reason  # fmt: skip
+        assert re.search(r"CUDA|GPU", reason), reason
+    assert all(re.search(r"GPU|cudnn|fa3|FA3", p) for p in GPU_ONLY_PATTERNS)
 
 
 def test_interpreter_skips_need_their_subprocess_to_pass(pytester, monkeypatch):
