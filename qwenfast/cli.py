@@ -417,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd in ("generate", "edit"):
             C.check_values(args)
+            C.check_output(args.output)
         if args.cmd == "generate":
             return cmd_generate(args)
         if args.cmd == "edit":

@@ -41,6 +41,17 @@ def check_values(a: argparse.Namespace) -> None:
     V.check_strength(getattr(a, "strength", None), a.steps, name="--strength", steps_name="--steps")
 
 
+def check_output(output: str) -> None:
+    """-o of generate / edit, before anything loads: a PNG file name (the PNG carries the prompt, seed and
+    settings), not a folder."""
+    path = Path(output)
+    if path.is_dir():
+        raise ValueError(f"-o {output} is a folder; give a file name such as {path / 'out.png'}")
+    if path.suffix and path.suffix.lower() != ".png":
+        raise ValueError(f"-o {output}: qwenfast writes PNG files (with the prompt and seed inside); use a .png name, "
+                         f"e.g. {path.with_suffix('.png')}")  # fmt: skip
+
+
 def on_cpu(a: argparse.Namespace) -> bool:
     """Whether this run computes on the CPU (--device cpu, or no CUDA device)."""
     if a.device:

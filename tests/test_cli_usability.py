@@ -236,3 +236,11 @@ def test_demo_model_paths_without_torch():
     from qwenfast.pipeline.edit import DEFAULT_EDIT_MODEL
 
     assert Path(qwenfast.DEMO_MODEL) == DEFAULT_MODEL and Path(qwenfast.DEMO_EDIT_MODEL) == DEFAULT_EDIT_MODEL
+
+
+def test_output_name_is_checked_before_loading(tmp_path, capsys):
+    """-o out.jpg used to get PNG bytes under a .jpg name; -o FOLDER failed only after generating."""
+    err = _error(["generate", "x", "-o", str(tmp_path / "out.jpg")], capsys)
+    assert "qwenfast writes PNG files" in err and "out.png" in err and not (tmp_path / "out.jpg").exists()
+    err = _error(["edit", "a.png", "--prompt", "x", "-o", str(tmp_path)], capsys)
+    assert err == f"error: -o {tmp_path} is a folder; give a file name such as {tmp_path / 'out.png'}\n"
