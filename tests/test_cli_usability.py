@@ -244,3 +244,19 @@ def test_output_name_is_checked_before_loading(tmp_path, capsys):
     assert "qwenfast writes PNG files" in err and "out.png" in err and not (tmp_path / "out.jpg").exists()
     err = _error(["edit", "a.png", "--prompt", "x", "-o", str(tmp_path)], capsys)
     assert err == f"error: -o {tmp_path} is a folder; give a file name such as {tmp_path / 'out.png'}\n"
+
+
+def test_serve_refuses_a_busy_port_before_loading(capsys, monkeypatch):
+    """uvicorn found the port taken only after the model had loaded, and exited 3 under an 'open http://...'."""
+    pytest.importorskip("fastapi")
+    import socket
+
+    from qwenfast.server import run
+
+    monkeypatch.setattr(run, "load_pipeline", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        err = _error(["serve", "--port", str(port), "--device", "cpu"], capsys)
+    assert err == f"error: cannot listen on 127.0.0.1:{port}: in use (another server?); pick another --port\n"

@@ -7,6 +7,7 @@ its connection; then the app's lifespan stops the worker. Work of clients that g
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
 import sys
@@ -42,6 +43,8 @@ def serve(a: argparse.Namespace) -> int:
         from ..cli_common import check_parallel_args, engine_notes
 
         check_parallel_args(a)
+        if not (getattr(a, "ray", False) and a.ray_address):  # a joined cluster's Serve may own the port already
+            check_port(a.host, a.port)  # before the model loads (uvicorn would fail only after loading it)
         engine_notes(a, loras=bool(a.lora_dir))
     if getattr(a, "parallel", None) and not launch.is_worker():
         return launch.run(serve, a)  # every rank runs serve(); rank 0 answers HTTP (server/parallel.py)
@@ -95,6 +98,25 @@ def _serve_http(a: argparse.Namespace, cfg, pipe, create_app) -> int:
         app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout
     )
     return 0
+
+
+def check_port(host: str, port: int) -> None:
+    """ValueError when `host:port` cannot be listened on (in use, no permission, unknown address), probed the
+    way uvicorn binds (SO_REUSEADDR) so a port it could use is never refused."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            why = "in use (another server?)" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
+            raise ValueError(f"cannot listen on {host}:{port}: {why}; pick another --port") from None
 
 
 def _is_loopback(host: str) -> bool:
