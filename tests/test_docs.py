@@ -4,7 +4,7 @@
   from bench/results, and no measured figure stands outside a table;
 - the report machinery itself on a scratch tree (a stale table, a figure without a record, an unknown table
   are each caught);
-- no work-period or tracker-number label anywhere in the tracked tree (records included);
+- no label of who worked when (periods of work, tracker numbers) anywhere in the tracked tree (records included);
 - bench/ stays a small, documented tool; every record names its date, commit and GPU.
 """
 
@@ -22,7 +22,7 @@ from qwenfast.benchmarks import report
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
-# Labels that name who worked when, not what the project is: a work period or a tracker number.
+# Labels that name who worked when, not what the project is: a period of work or a tracker number.
 # (Spelled in pieces so that this file does not match itself.)
 LABEL = re.compile(
     r"\b(?:sess" r"ion|iss" r"ue|spr" r"int|mile" r"stone|itera" r"tion)[ _-]?#?\d+"

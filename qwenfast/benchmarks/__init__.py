@@ -83,9 +83,9 @@ def _version(dist: str) -> str | None:
 
 def provenance() -> dict:
     """Where a record comes from: date (UTC), commit, command, run id, engine switches, versions."""
-    from .. import __version__
-
     from importlib.util import find_spec
+
+    from .. import __version__
 
     env = {k: os.environ[k] for k in ENGINE_ENV if os.environ.get(k)}
     # FlashAttention-3 becomes the default attention on Hopper where installed: say whether it was

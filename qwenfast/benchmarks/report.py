@@ -29,7 +29,7 @@ CODE_SPAN = re.compile(r"`[^`\n]*`")
 # a measured figure: 12.5 s, 116 ms, 1.43×, 1.4x, 38.1 GiB, 808 TFLOP/s, 0.95 img/s ("4 steps", "128×128" and
 # "1024²" are settings, not figures)
 FIGURE = re.compile(
-    r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|s|GiB|MiB|TFLOP/s|TOP/s|img/s)(?![\w/])"
+    r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|s|GiB|TFLOP/s|TOP/s|img/s)(?![\w/])"
     r"|(?<![\w.])\d+(?:\.\d+)?\s?[×x](?![\w\d]|\s?\d)"
 )
 
