@@ -385,6 +385,24 @@ def test_callback_and_interrupt_in_qwen_image_21(q21):
     assert _close(mine, theirs) <= TOL
 
 
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_callback_prompt_embeds_in_qwen_image_21(q21, kv_cache):
+    """2.1 fills its prefix KV cache (text and condition images) on step 0: with the cache, embeddings
+    changed after step 0 reach nothing, in diffusers as here; without it they count from the next step."""
+    d, q = q21
+
+    def mix(pipe, i, t, kw):
+        return {"prompt_embeds": _mix(kw["prompt_embeds"])} if i == 0 else {}
+
+    kw = dict(prompt="a red circle", output_resolution=64, num_inference_steps=3, output_type="np",
+              use_kv_cache=kv_cache, callback_on_step_end=mix, callback_on_step_end_tensor_inputs=["prompt_embeds"])  # fmt: skip
+    theirs = d(**kw, generator=_gen()).images
+    mine = q(**kw, generator=_gen()).images
+    plain = d(**{**kw, "callback_on_step_end": None}, generator=_gen()).images
+    assert _close(mine, theirs) <= TOL
+    assert _moved(theirs, plain) != kv_cache  # the cache keeps step 0's prefix
+
+
 def test_callback_arguments_are_checked(t2i):
     d, q = t2i["t2i"]
     kw = {**KW, "num_inference_steps": 1}
