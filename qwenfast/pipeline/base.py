@@ -490,17 +490,19 @@ class PipelineBase(DiffusersMethods, PromptConds):
         (the hook's changes go back to each chunk's rows). `batched_cfg`: None = the option's. Call
         inside `_engine()`."""
         B = x.shape[0]
-        buf = x.clone() if callback is not None or step_end is not None else None
+        held: list[torch.Tensor] = []  # the whole batch's latents (B, N, C), made once a batch is split
 
         def chunk(i: int, j: int) -> torch.Tensor:
             cb, hook = callback, step_end
+            if (i, j) != (0, B) and (callback is not None or step_end is not None) and not held:
+                held.append(x.clone())
             if callback is not None and (i, j) != (0, B):  # a split batch: callbacks see the whole batch
                 def cb(k, n, xc, _i=i, _j=j):  # noqa: E306
-                    buf[_i:_j] = xc
-                    callback(k, n, buf)
+                    held[0][_i:_j] = xc
+                    callback(k, n, held[0])
 
             if step_end is not None and (i, j) != (0, B):
-                hook = _rows_hook(step_end, buf, cond, i, j)
+                hook = S.rows_hook(step_end, held[0], cond, i, j)
             fwd = forward if forward_for is None else forward_for(forward, i, j)
             return S.denoise(fwd, x[i:j], sig, img_shapes, cond.rows(i, j),
                              None if uncond is None else uncond.rows(i, j), cfg_scale,
@@ -577,20 +579,3 @@ class PipelineBase(DiffusersMethods, PromptConds):
             raise ValueError(f"`max_sequence_length` must be in 1..1024, got {max_sequence_length}")
         return S.latent_hw(height, width, self.vae_scale_factor)
 
-
-def _rows_hook(step_end: S.StepEndHook, buf: torch.Tensor, cond: S.TextCond, i: int, j: int) -> S.StepEndHook:
-    """The step-end hook of batch rows i..j of an OOM-split batch: the whole-batch hook sees `buf`
-    (the batch's latents, these rows current) and the whole batch's prompt conditioning; what it
-    returns goes back as these rows."""
-    whole = {"cond": cond}
-
-    def hook(k: int, n: int, t: torch.Tensor, state: S.StepEnd) -> S.StepEnd:
-        buf[i:j] = state.latents
-        out = step_end(k, n, t, S.StepEnd(buf, whole["cond"]))
-        rows = state.cond
-        if out.cond is not whole["cond"]:
-            whole["cond"] = out.cond
-            rows = out.cond.rows(i, j)
-        return S.StepEnd(out.latents[i:j], rows, out.stop)
-
-    return hook

@@ -171,6 +171,24 @@ class StepEnd:
 StepEndHook = Callable[[int, int, torch.Tensor, StepEnd], StepEnd]
 
 
+def rows_hook(step_end: StepEndHook, buf: torch.Tensor, cond: TextCond, i: int, j: int) -> StepEndHook:
+    """The step-end hook of batch rows i..j of an OOM-split batch: the whole-batch hook sees `buf`
+    (the batch's latents, these rows current) and the whole batch's prompt conditioning; what it
+    returns goes back as these rows."""
+    whole = {"cond": cond}
+
+    def hook(k: int, n: int, t: torch.Tensor, state: StepEnd) -> StepEnd:
+        buf[i:j] = state.latents
+        out = step_end(k, n, t, StepEnd(buf, whole["cond"]))
+        rows = state.cond
+        if out.cond is not whole["cond"]:
+            whole["cond"] = out.cond
+            rows = out.cond.rows(i, j)
+        return StepEnd(out.latents[i:j], rows, out.stop)
+
+    return hook
+
+
 def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
               nmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """Stack conditional and negative prompt embeddings into one batch for a single forward.
