@@ -4,6 +4,7 @@
     python tests/mutations.py --list     # what each mutation changes and which tests should catch it
     python tests/mutations.py taylor-factor-1 --keep   # one mutation; keep its copy to inspect
     python tests/mutations.py --no-baseline             # skip the runs of the unmutated tree first
+    python tests/mutations.py --tests-rev HEAD~5        # the same mutations against an older suite
 
 For each mutation this copies the package (`qwenfast/`), `tests/` and `pyproject.toml` to a fresh temporary
 directory, applies one exact text replacement to one file (it fails loudly when the target text is not
@@ -14,12 +15,14 @@ from the copy (qwenfast is installed editable from the checkout) before it start
 run on an unmutated copy ("baseline") and must pass, so that "killed" means the mutation, not a broken
 test or machine. Not collected by pytest (no test_ prefix).
 
-Every mutation here survived the suite once; each is kept as a regression check of the tests.
+Every mutation here survived the suite once (`--tests-rev eb2a8c1` shows it); each is kept as a
+regression check of the tests.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import signal
@@ -82,11 +85,18 @@ MUTATIONS = (
 )
 
 
+TESTS_REV: str | None = None  # --tests-rev: take tests/ from this git revision instead of the working tree
+
+
 def copy_tree(dst: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    for name in ("qwenfast", "tests"):
-        shutil.copytree(ROOT / name, dst / name, ignore=ignore, symlinks=True)
+    shutil.copytree(ROOT / "qwenfast", dst / "qwenfast", ignore=ignore, symlinks=True)
     shutil.copy2(ROOT / "pyproject.toml", dst / "pyproject.toml")
+    if TESTS_REV is None:
+        shutil.copytree(ROOT / "tests", dst / "tests", ignore=ignore, symlinks=True)
+        return
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", TESTS_REV, "tests"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dst)], input=archive.stdout, check=True)
 
 
 # Run in the child: fail unless qwenfast comes from the mutated copy, then run pytest.
@@ -151,8 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
     ap.add_argument("--no-baseline", action="store_true", help="skip the runs of the unmutated tree")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per mutation's test run (a hang counts as killed)")
+    ap.add_argument("--tests-rev", metavar="REV",
+                    help="run the tests of git revision REV (e.g. an older commit: did its suite catch these?)")
+    ap.add_argument("-k", dest="select", metavar="EXPR", help="pytest -k expression for every run, in place of each "
+                    "mutation's own (e.g. to run one test of an older suite)")  # fmt: skip
     a = ap.parse_args(argv)
+    global TESTS_REV
+    TESTS_REV = a.tests_rev
     chosen = [m for m in MUTATIONS if not a.names or m.name in a.names]
+    if a.select:
+        chosen = [dataclasses.replace(m, select=a.select) for m in chosen]
     unknown = set(a.names) - {m.name for m in MUTATIONS}
     if unknown:
         ap.error(f"unknown mutation(s) {sorted(unknown)}; --list shows them")
