@@ -7,7 +7,7 @@ for the server, which wraps the error into its OpenAI-shaped 400). No torch, no 
 and the CLI both import this module, and neither imports the other for it.
 
 Also: `size_note`, the warning for a size far from the one a model was trained at (the 128² demo
-draws noise at 256²); `image_seeds`, the seed of each image of a request (seed + i, everywhere);
+draws a flat, empty picture at 256²); `image_seeds`, the seed of each image of a request (seed + i, everywhere);
 `ulysses_choices` / `check_parallel`, the `--parallel` layouts a model allows (checked before any
 process starts); `install_hint`, the one way every "missing extra" error says how to install it.
 """
@@ -144,7 +144,7 @@ def size_note(trained: tuple[int, int] | None, width: int, height: int) -> str |
     far = abs(width / tw - 1) > FAR_SIDE or abs(height / th - 1) > FAR_SIDE or not 1 / FAR_AREA <= area <= FAR_AREA
     if not far:
         return None
-    return (f"note: this model was trained at {tw}x{th}; {width}x{height} will likely give noise "
+    return (f"note: this model was trained at {tw}x{th}; {width}x{height} will likely give a flat, empty picture "
             f"(pick a size near {tw}x{th})")  # fmt: skip
 
 

@@ -131,6 +131,7 @@ def test_readme_and_docs_tell_real_users_where_the_models_are():
     assert 'pip install -e ".[gpu,server]"' in readme
     assert "trained on a synthetic world of coloured shapes at 128×128" in readme
     assert "qwenfast serve" in readme and '"size": "128x128"' in readme  # a server example the demo can answer
+    assert "apt-get install chromium" in readme  # what the page test needs, said where the test command is
 
 
 def test_interpreter_cases_are_deselected_when_their_subprocess_runs(pytester, monkeypatch):

@@ -116,7 +116,7 @@ def test_size_far_from_the_trained_size_gets_one_note(tmp_path, capsys):
     assert main(["generate", "a red circle", "-o", str(tmp_path / "s.png"), "--steps", "1", "--size", "64x64",
                  "--quiet"]) == 0  # fmt: skip
     err = capsys.readouterr().err
-    assert err.count("note: this model was trained at 128x128; 64x64 will likely give noise") == 1
+    assert err.count("note: this model was trained at 128x128; 64x64 will likely give a flat, empty picture") == 1
     assert main(["generate", "a red circle", "-o", str(tmp_path / "d.png"), "--steps", "1", "--quiet"]) == 0
     cap = capsys.readouterr()
     assert "trained at" not in cap.err and "128x128;" in cap.out  # the default is the model's own size
@@ -133,7 +133,7 @@ def test_size_note_rule(size, far):
     note = size_note((128, 128), *size)
     assert (note is not None) == far
     if far:
-        assert f"trained at 128x128; {size[0]}x{size[1]} will likely give noise" in note
+        assert f"trained at 128x128; {size[0]}x{size[1]} will likely give a flat, empty picture" in note
     assert size_note(None, *size) is None  # models without trained_size: never a note
 
 
