@@ -40,7 +40,7 @@ from qwenfast.kernels.gated_residual import (
 from qwenfast.kernels.gelu import MAX_N, gelu_tanh_fp8, gelu_tanh_fp8_ref
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
-from .conftest import rel_err
+from .conftest import interpreter_cases, rel_err
 
 CUDA = torch.cuda.is_available()
 FP8_GPU = CUDA and fp8_supported(torch.device("cuda"))
@@ -398,5 +398,5 @@ def test_fused_fp8_under_cuda_graph():
 @pytest.mark.slow
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
-def test_interpreter_subprocess():
-    run_interpreter_cases(__file__, at_least=30)
+def test_interpreter_subprocess(request):
+    run_interpreter_cases(__file__, at_least=len(interpreter_cases(request)), exactly=True)

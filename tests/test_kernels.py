@@ -37,7 +37,7 @@ from qwenfast.kernels.qk_norm_rope import (
 from qwenfast.models import transformer as T
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
-from .conftest import rel_err
+from .conftest import interpreter_cases, rel_err
 
 CUDA = torch.cuda.is_available()
 TRITON = K.triton_available()
@@ -559,8 +559,8 @@ def test_linear_gelu_tanh_cuda(dtype, triton_backend):
 @pytest.mark.slow
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
-def test_interpreter_subprocess():
-    run_interpreter_cases(__file__, at_least=40)
+def test_interpreter_subprocess(request):
+    run_interpreter_cases(__file__, at_least=len(interpreter_cases(request)), exactly=True)
 
 
 def test_kernels_step_aside_while_autograd_records(monkeypatch):

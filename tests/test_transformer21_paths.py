@@ -24,7 +24,7 @@ import qwenfast.kernels as K
 from qwenfast.kernels.swiglu import silu_mul, silu_mul_ref
 from qwenfast.testing.interp import run_interpreter_cases
 
-from .conftest import rel_err
+from .conftest import interpreter_cases, rel_err
 
 pytest.importorskip("diffusers")
 
@@ -260,8 +260,8 @@ def test_kernel_silu_mul(device, dtype):
 @pytest.mark.slow
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
-def test_interpreter_subprocess():
-    run_interpreter_cases(__file__, at_least=6)
+def test_interpreter_subprocess(request):
+    run_interpreter_cases(__file__, at_least=len(interpreter_cases(request)), exactly=True)
 
 
 @pytest.mark.gpu

@@ -22,6 +22,8 @@ from qwenfast.kernels.upsample_conv import subpixel_weights, upsample_conv, upsa
 from qwenfast.models.vae import RMSNorm
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
+from .conftest import interpreter_cases
+
 CUDA = torch.cuda.is_available()
 TRITON = K.triton_available()
 INTERP = TRITON and K.interpreting()
@@ -160,8 +162,9 @@ def test_resblock_fast_path_folds_the_conv_biases(dtype):
 
 
 @pytest.mark.skipif(not TRITON or INTERP, reason="needs triton; this is the outer process")
-def test_interpreter_subprocess():
-    n = len(DTYPES) * (len(SHAPES) * 4 + 2 + len(BIAS_CASES))
+def test_interpreter_subprocess(request):
+    n = len(interpreter_cases(request))
+    assert n == len(DTYPES) * (len(SHAPES) * 4 + 2 + len(BIAS_CASES))  # the kernel cases' parametrisation
     run_interpreter_cases(__file__, at_least=n, exactly=True, timeout=600, select="interp and kernel",
                           allow_skipped=True)  # fmt: skip
 
