@@ -55,8 +55,7 @@ def write_fp8_file(model: torch.nn.Module, path: Path) -> int:
     `comfy_quant` for the block Linears; the rest bf16). Returns the file size."""
     from safetensors.torch import save_file
 
-    from ..kernels.fp8_linear import BLOCK_LINEARS
-    from ..models.transformer import split_qkv_key
+    from ..models.transformer import BLOCK_LINEARS, split_qkv_key
 
     marker = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()), dtype=torch.uint8)
     out: dict[str, torch.Tensor] = {}
@@ -124,8 +123,7 @@ def load_stage(tmp: Path) -> dict:
 
 def _lora_sd(model: torch.nn.Module, rank: int, seed: int, scale: float) -> dict[str, torch.Tensor]:
     """A random rank-`rank` LoRA on every block Linear (diffusers names, Q/K/V separate), on the CPU."""
-    from ..kernels.fp8_linear import BLOCK_LINEARS
-    from ..models.transformer import split_qkv_key
+    from ..models.transformer import BLOCK_LINEARS, split_qkv_key
 
     g = torch.Generator().manual_seed(seed)
     sd = {}

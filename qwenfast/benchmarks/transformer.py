@@ -215,7 +215,8 @@ def _table_fwd(model, graphs, x, txt, t, shapes) -> Callable[[], torch.Tensor]:
 
 def _fp8_modules(model, image_only: bool = False) -> dict:
     """FP8 copies of the blocks' big Linears, by module name (the bf16 ones stay for other variants)."""
-    from ..kernels.fp8_linear import BLOCK_LINEARS, IMAGE_LINEARS, FP8Linear
+    from ..kernels.fp8_linear import FP8Linear
+    from ..models.transformer import BLOCK_LINEARS, IMAGE_LINEARS
 
     names = IMAGE_LINEARS if image_only else BLOCK_LINEARS
     return {f"transformer_blocks.{i}.{n}": FP8Linear.from_linear(b.get_submodule(n))

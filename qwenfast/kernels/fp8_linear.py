@@ -21,6 +21,7 @@ multiplied in fp32, so tests can check the GPU path against it.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
@@ -234,32 +235,24 @@ def fp8_consumer(layer: nn.Module, x: torch.Tensor) -> FP8Linear | None:
     return layer if isinstance(layer, FP8Linear) and layer.takes_rows(x) else None
 
 
-IMAGE_LINEARS = ("attn.to_qkv", "attn.to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")  # 97% of the FLOPs at 1024²
-BLOCK_LINEARS = ("attn.to_qkv", "attn.add_qkv_proj", "attn.to_out.0", "attn.to_add_out",
-                 "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")  # fmt: skip
-
-
-def quantize_model(model: nn.Module, names: tuple[str, ...] | None = None, empty: bool = False,
+def quantize_model(model: nn.Module, names: Sequence[str] | None = None, empty: bool = False,
                    dtype: torch.dtype | None = None) -> int:  # fmt: skip
-    """Replace the transformer blocks' big Linears with `FP8Linear` in place; returns how many.
+    """Replace the Linears the model names (`names`, else `model.fp8_linears()`: module names, see
+    `runtime.contract.BlockModel`) with `FP8Linear` in place; returns how many were replaced.
 
-    The modulation Linears (tiny GEMVs, and the model's most precision-sensitive path), the
-    embedders and the output projection stay bf16. The bf16 weights of replaced layers are freed.
-    `empty`: uninitialised FP8 layers computing in `dtype` (a model on meta that a loader fills).
+    The model decides which layers are worth 3 mantissa bits (its big block GEMMs) and which are not
+    (the modulation, embedders, output projection); this walker knows no model's layout. Layers that
+    are not `nn.Linear` (already FP8) are left as they are. The bf16 weights of replaced layers are
+    freed. `empty`: uninitialised FP8 layers computing in `dtype` (a model on meta that a loader fills).
     """
-    names = names or getattr(model, "fp8_linears", BLOCK_LINEARS)  # a model may name its own (Qwen-Image-2.1)
     n = 0
-    for block in model.transformer_blocks:
-        for name in names:
-            parent_name, _, leaf = name.rpartition(".")
-            parent = block.get_submodule(parent_name)
-            lin = getattr(parent, leaf) if not leaf.isdigit() else parent[int(leaf)]
-            if not isinstance(lin, nn.Linear):
-                continue
-            q = FP8Linear.empty_like(lin, dtype) if empty else FP8Linear.from_linear(lin)
-            if leaf.isdigit():
-                parent[int(leaf)] = q
-            else:
-                setattr(parent, leaf, q)
-            n += 1
+    for name in model.fp8_linears() if names is None else names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        lin = parent.get_submodule(leaf)
+        if not isinstance(lin, nn.Linear):
+            continue
+        # setattr registers the layer under `leaf`, as `parent[int(leaf)] = q` does in a Sequential
+        setattr(parent, leaf, FP8Linear.empty_like(lin, dtype) if empty else FP8Linear.from_linear(lin))
+        n += 1
     return n

@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 from ..kernels.fp8_linear import FP8, FP8Linear, quantize_rows_ref
+from ..runtime.contract import BlockModel
 
 __all__ = ["QuantizedWeight", "FP8Weights", "fp8_rows"]
 
@@ -60,12 +60,14 @@ class FP8Weights:
     """A `load_streaming` convert step: `<layer>.weight` of an FP8Linear -> its `weight_fp8` and
     `weight_scale`, each passed on to `then` (the Q/K/V fuser); every other tensor goes to `then` as is.
 
-    `fuse_key(name)` maps a separate Q/K/V name to its fused one, to know which layer a piece belongs to.
+    The layers are those the model declares (`fp8_linears()`, the list `quantize_model` replaced) and
+    holds as FP8Linear. `fuse_key(name)` maps a separate Q/K/V name to its fused one, to know which
+    layer a piece belongs to.
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype, then: Callable,
+    def __init__(self, model: BlockModel, dtype: torch.dtype, then: Callable,
                  fuse_key: Callable[[str], tuple[str, int] | None] = lambda k: None):  # fmt: skip
-        self.layers = {n for n, m in model.named_modules() if isinstance(m, FP8Linear)}
+        self.layers = {n for n in model.fp8_linears() if isinstance(model.get_submodule(n), FP8Linear)}
         self.dtype, self.then, self.fuse_key = dtype, then, fuse_key
         if hasattr(then, "check_done"):
             self.check_done = then.check_done

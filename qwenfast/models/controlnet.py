@@ -20,11 +20,13 @@ import torch
 import torch.nn as nn
 
 from ..config import ControlNetConfig
+from ..runtime.contract import BlockModel
 from .transformer import (
     RMSNorm,
     TimeTextEmbed,
     TransformerBlock,
     _normalize_shapes,
+    block_linears,
     joint_attention_mask,
     rope_tables,
 )
@@ -32,8 +34,10 @@ from .transformer import (
 __all__ = ["QwenImageControlNetModel", "QwenImageMultiControlNetModel", "ControlNets"]
 
 
-class QwenImageControlNetModel(nn.Module):
-    """One ControlNet; `forward` returns its K scaled residuals (diffusers' `controlnet_block_samples`)."""
+class QwenImageControlNetModel(BlockModel):
+    """One ControlNet; `forward` returns its K scaled residuals (diffusers' `controlnet_block_samples`).
+    A `runtime.contract.BlockModel`: the fused switch and FP8 reach it as they reach the transformer; it
+    runs its own short block loop (no block runner: the transformer's runner owns the denoising loop)."""
 
     def __init__(self, cfg: ControlNetConfig):
         super().__init__()
@@ -47,7 +51,6 @@ class QwenImageControlNetModel(nn.Module):
         self.transformer_blocks = nn.ModuleList([TransformerBlock(tcfg) for _ in range(cfg.num_layers)])
         self.controlnet_blocks = nn.ModuleList([nn.Linear(dim, dim) for _ in range(cfg.num_layers)])
         self.controlnet_x_embedder = nn.Linear(cfg.in_channels + cfg.extra_condition_channels, dim)
-        self.fused = True  # the transformer blocks' fused kernels (their torch references off CUDA)
 
     @classmethod
     def from_pretrained(cls, path, **kwargs) -> QwenImageControlNetModel:
@@ -67,6 +70,14 @@ class QwenImageControlNetModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.img_in.weight.device
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer_blocks
+
+    def fp8_linears(self) -> list[str]:
+        """The transformer's block Linears in its blocks; `controlnet_blocks` (zero-initialised) stay bf16."""
+        return block_linears("transformer_blocks", len(self.transformer_blocks))
 
     @property
     def cond_channels(self) -> int:

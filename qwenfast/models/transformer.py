@@ -35,7 +35,8 @@ from ..kernels.gated_residual import (
 )
 from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
 from ..runtime.attention import attention, joint_attention
-from ..runtime.blocks import BlockRunner, StepContext
+from ..runtime.blocks import StepContext
+from ..runtime.contract import DenoisableTransformer
 from ..runtime.modulation import ModulationTable
 from ..runtime.parallel import split_over_ranks
 
@@ -386,7 +387,21 @@ class TransformerBlock(nn.Module):
 # The model
 
 
-class QwenImageTransformer(nn.Module):
+# The block Linears FP8 replaces (`fp8_linears`): the modulation Linears (tiny GEMVs, and the model's most
+# precision-sensitive path), the embedders and the output projection stay bf16.
+BLOCK_LINEARS = ("attn.to_qkv", "attn.add_qkv_proj", "attn.to_out.0", "attn.to_add_out",
+                 "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")  # fmt: skip
+IMAGE_LINEARS = ("attn.to_qkv", "attn.to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")  # 97% of the FLOPs at 1024²
+
+
+def block_linears(prefix: str, n_blocks: int, names: Sequence[str] = BLOCK_LINEARS) -> list[str]:
+    """Module names of `names` in each of the `n_blocks` blocks registered as `prefix`, block by block."""
+    return [f"{prefix}.{i}.{n}" for i in range(n_blocks) for n in names]
+
+
+class QwenImageTransformer(DenoisableTransformer):
+    """The MMDiT; implements `runtime.contract.DenoisableTransformer` (block runner, modulation table)."""
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
@@ -398,11 +413,8 @@ class QwenImageTransformer(nn.Module):
         self.transformer_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.num_layers)])
         self.norm_out = AdaLayerNormOut(dim)
         self.proj_out = nn.Linear(dim, cfg.patch_size**2 * cfg.out_dim)
-        self.fused = True  # fused kernels (qwenfast.kernels; their torch references off CUDA)
-        # the block loop's owner (runtime/blocks.py): offload streaming and step caches are runners
-        self.block_runner: BlockRunner = BlockRunner()
-        # per-timestep modulation rows (runtime/modulation.py), set by the pipeline; None = computed per forward
-        self.modulation_table: ModulationTable | None = None
+        # per-timestep modulation rows (runtime/modulation.py); None = computed in every forward
+        self._modulation_table: ModulationTable | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -411,6 +423,27 @@ class QwenImageTransformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.img_in.weight.device
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer_blocks
+
+    def fp8_linears(self) -> list[str]:
+        return block_linears("transformer_blocks", len(self.transformer_blocks))
+
+    @property
+    def modulation_table(self) -> ModulationTable | None:
+        return self._modulation_table
+
+    def set_modulation_cache(self, entries: int) -> None:
+        """A table with room for `entries` timesteps (kept, entries and all, when its size is unchanged)."""
+        if entries == 0:
+            self._modulation_table = None
+        elif self._modulation_table is None or self._modulation_table.max_entries != entries:
+            self._modulation_table = ModulationTable(entries)
+
+    def modulation_modules(self) -> list[tuple[nn.Module, ...]]:
+        return [(b.img_mod, b.txt_mod) for b in self.transformer_blocks]
 
     def forward(
         self,

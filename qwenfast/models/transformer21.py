@@ -37,11 +37,14 @@ from ..kernels.gated_residual import gated_residual, gated_residual_layernorm_mo
 from ..kernels.qk_norm_rope import qk_norm_rope
 from ..kernels.swiglu import silu_mul
 from ..runtime.attention import attention
-from ..runtime.blocks import BlockRunner, StepContext
+from ..runtime.blocks import StepContext
+from ..runtime.contract import DenoisableTransformer
 from .kvcache21 import PrefixKVCache, project_qkv, qkv_buffer
-from .transformer import RMSNorm, _axis_angles, apply_rope
+from .transformer import RMSNorm, _axis_angles, apply_rope, block_linears
 
 SLOT = 4  # latent tokens per vision-language image slot (2x2)
+# the block Linears FP8 replaces (`fp8_linears`); the shared modulation and the embedders stay bf16
+BLOCK_LINEARS21 = ("attn.to_qkv", "attn.to_out.0", "img_mlp.gate_up", "img_mlp.out")
 
 
 @dataclass(frozen=True)
@@ -384,9 +387,10 @@ class _Ctx:
 # The model
 
 
-class QwenImage21Transformer(nn.Module):
-    # the block Linears FP8 replaces (kernels/fp8_linear.quantize_model); modulation and embedders stay bf16
-    fp8_linears = ("attn.to_qkv", "attn.to_out.0", "img_mlp.gate_up", "img_mlp.out")
+class QwenImage21Transformer(DenoisableTransformer):
+    """Implements `runtime.contract.DenoisableTransformer`; one modulation shared by every block, so no
+    modulation table (the contract's defaults: `modulation_table` None, nothing per block)."""
+
     # how LoRA files' diffusers module names map onto ours (loading/lora.ModuleIndex): fused pieces
     lora_key = staticmethod(lambda key: checkpoint_key(key))
     lora_names = staticmethod(lambda key: diffusers_keys(key))
@@ -402,8 +406,6 @@ class QwenImage21Transformer(nn.Module):
         self.transformer_blocks = nn.ModuleList([Block21(cfg) for _ in range(cfg.num_layers)])
         self.norm_out_linear = nn.Linear(dim, dim, bias=False)
         self.proj_out = nn.Linear(dim, cfg.out_dim, bias=False)
-        self.fused = True  # fused kernels in the blocks (their torch references off CUDA)
-        self.block_runner: BlockRunner = BlockRunner()
         self._layouts: OrderedDict = OrderedDict()
         self._dev_layouts: OrderedDict = OrderedDict()
 
@@ -414,6 +416,13 @@ class QwenImage21Transformer(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.img_in.weight.device
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer_blocks
+
+    def fp8_linears(self) -> list[str]:
+        return block_linears("transformer_blocks", len(self.transformer_blocks), BLOCK_LINEARS21)
 
     def layout(self, vl_mask: torch.Tensor, img_shapes, shard: tuple[int, int] | None = None) -> Layout21:
         """`Layout21` of a joint sequence (cached), or of a rank's `shard` of its target tokens. Pass

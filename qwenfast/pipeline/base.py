@@ -34,7 +34,7 @@ from ..runtime.attention import use_attention
 from ..runtime.blocks import BlockRunner, StepContext, StreamingBlockRunner
 from ..runtime.cache import StepCacheRunner, resolve_policy
 from ..runtime.cuda_graphs import CudaGraphRunner
-from ..runtime.modulation import ZERO, ModulationTable, batch_rows
+from ..runtime.modulation import ZERO, batch_rows
 from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module, spread
 from ..runtime.oom import run_in_chunks, vae_decode
 from . import sampling as S
@@ -94,7 +94,7 @@ class PipelineBase(DiffusersMethods, PromptConds):
         old = self._options
         new = old.replace(**changes)
         check_transition(old, new)
-        self._set_modulation_table(new.modulation_cache)  # before offload: it decides what streams
+        self.transformer.set_modulation_cache(new.modulation_cache)  # before offload: it decides what streams
         if new.fp8 and not old.fp8:
             if old.offload == "blocks":
                 raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
@@ -118,8 +118,8 @@ class PipelineBase(DiffusersMethods, PromptConds):
             new = new.replace(batched_cfg=True if new.parallel.cfg == 2 else new.batched_cfg)
         if new.cache != old.cache:
             policy = resolve_policy(new.cache)
-            self.transformer.block_runner = StepCacheRunner(policy) if policy is not None else BlockRunner()
-        self.transformer.fused = new.fused
+            self.transformer.set_block_runner(StepCacheRunner(policy) if policy is not None else BlockRunner())
+        self.transformer.set_fused(new.fused)
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
         if new.changed(old) & {"fp8", "offload", "offload_budget", "fused", "attention", "kernels", "cuda_graphs",
                                "cache"}:  # fmt: skip
@@ -128,20 +128,9 @@ class PipelineBase(DiffusersMethods, PromptConds):
         self._options = new
         return new
 
-    def _set_modulation_table(self, n: int) -> None:
-        """The transformer's modulation table (runtime/modulation.py) with room for `n` timesteps; 0: none.
-        Models without per-block modulation (Qwen-Image-2.1 shares one) have no table."""
-        tr = self.transformer
-        if not hasattr(tr, "modulation_table"):
-            return
-        if n == 0:
-            tr.modulation_table = None
-        elif tr.modulation_table is None or tr.modulation_table.max_entries != n:
-            tr.modulation_table = ModulationTable(n)
-
     def _clear_modulations(self) -> None:
         """The weights changed (LoRA, FP8, a new load): every table entry is stale."""
-        table = getattr(self.transformer, "modulation_table", None)
+        table = self.transformer.modulation_table
         if table is not None:
             table.clear()
 
@@ -201,8 +190,8 @@ class PipelineBase(DiffusersMethods, PromptConds):
             if getattr(self, "_offload_vae", False):
                 self._vae_offloader = ModelOffloader(self.vae, device)
         if new == "blocks":
-            for name, child in tr.named_children():
-                if name != "transformer_blocks":
+            for child in tr.children():  # everything but the blocks, which stream
+                if child is not tr.blocks:
                     child.to(device)
             self._stream_blocks(device, budget)
         elif tr.device != device:
@@ -215,10 +204,10 @@ class PipelineBase(DiffusersMethods, PromptConds):
         tr = self.transformer
         self._block_streamer = None  # the old one's host buffers go before the new ones are pinned
         n, te_layers = self._resident_blocks(device, budget)
-        resident = spread(len(tr.transformer_blocks), n)
-        self._block_streamer = BlockStreamer(tr.transformer_blocks, device, ring=getattr(self, "_ring", 2),
+        resident = spread(len(tr.blocks), n)
+        self._block_streamer = BlockStreamer(tr.blocks, device, ring=getattr(self, "_ring", 2),
                                              hooks=False, resident=resident, on_host=self._modulation_modules())  # fmt: skip
-        tr.block_runner = StreamingBlockRunner(self._block_streamer)
+        tr.set_block_runner(StreamingBlockRunner(self._block_streamer))
         te_stream = getattr(self.text_encoder, "layer_streamer", None)
         if te_stream is not None:  # what the transformer leaves of the budget keeps encoder layers resident
             te_stream.set_resident(spread(len(te_stream.blocks), te_layers))
@@ -227,19 +216,19 @@ class PipelineBase(DiffusersMethods, PromptConds):
         """With a modulation table, the blocks' modulation Linears, which offload keeps in host memory
         (the table serves the forward; a miss brings them in): half of each FP8 block's bytes."""
         tr = self.transformer
-        if getattr(tr, "modulation_table", None) is None:
+        if tr.modulation_table is None:
             return []
-        return [m for b in tr.transformer_blocks for m in (b.img_mod, b.txt_mod)]
+        return [m for mods in tr.modulation_modules() for m in mods]
 
     def _modulation_table_bytes(self) -> int:
         """What the modulation table holds on the device for the model's default schedule (its steps,
         + a t=0 entry; at most its size): 4.4 MB per timestep at full size."""
         tr = self.transformer
-        table = getattr(tr, "modulation_table", None)
+        table = tr.modulation_table
         if table is None:
             return 0
         entries = min(table.max_entries, int(self.defaults.get("num_inference_steps", 50)) + 1)
-        return entries * len(tr.transformer_blocks) * 2 * 6 * tr.cfg.inner_dim * torch.empty((), dtype=tr.dtype).element_size()
+        return entries * len(tr.blocks) * 2 * 6 * tr.cfg.inner_dim * torch.empty((), dtype=tr.dtype).element_size()
 
     def _resident_blocks(self, device: torch.device, budget: float | None) -> tuple[int, int]:
         """offload="blocks": how many transformer blocks, and then (once all of those fit) how many
@@ -414,7 +403,7 @@ class PipelineBase(DiffusersMethods, PromptConds):
         """Every block's modulation rows for this forward from the modulation table, or None (no
         table, or a call from outside the denoise core: no step; Layered's extra condition). The
         denoise core gives all rows one timestep; its sigma (a host float) is the key."""
-        table = getattr(self.transformer, "modulation_table", None)
+        table = self.transformer.modulation_table
         if table is None or step is None or additional_t_cond is not None:
             return None
         compute = self.transformer.modulation_entries
@@ -426,7 +415,7 @@ class PipelineBase(DiffusersMethods, PromptConds):
         """Table entries for every step of the schedule `sig` in one pass over the blocks (under
         offload the modulation weights cross PCIe once per new schedule, not once per step), with
         the timesteps exactly as the denoise core will hand them to the forward."""
-        table = getattr(self.transformer, "modulation_table", None)
+        table = self.transformer.modulation_table
         if table is None or len(sig) < 2:
             return
         ts = S.timesteps_from_sigmas(sig)

@@ -165,7 +165,7 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
             for net in nets:
                 quantize_model(net)
         for net in nets:
-            net.fused = new.fused
+            net.set_fused(new.fused)
         return new
 
     @classmethod

@@ -132,7 +132,7 @@ class _Forward21:
         if step.step == 0:
             key = (step.branch, tuple(hidden.shape), tuple(vl.tolist()), tuple(shapes), shard)
             self.caches[step.branch] = (self.pipe._static_cache(key) if graphs
-                                        else PrefixKVCache(len(tr.transformer_blocks)))  # fmt: skip
+                                        else PrefixKVCache(len(tr.blocks)))  # fmt: skip
             return tr(hidden, emb, mask, t, shapes, vl, self.caches[step.branch], "extract", None, shard)
         cache = self.caches[step.branch]
         step = StepContext(step.step - 1, step.steps - 1, step.sigma, step.branch)  # the runner's run: see above
@@ -174,7 +174,7 @@ class QwenImage21Pipeline(PipelineBase):
             if len(self._static_caches) >= 2:
                 self._graphs.clear()
                 self._static_caches.popitem(last=False)
-            self._static_caches[key] = PrefixKVCache(len(self.transformer.transformer_blocks))
+            self._static_caches[key] = PrefixKVCache(len(self.transformer.blocks))
         self._static_caches.move_to_end(key)
         return self._static_caches[key]
 

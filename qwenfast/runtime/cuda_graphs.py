@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from .blocks import BlockRunner
+from .contract import BlockModel, OwnsBlockRunner
+
 
 class _GraphCache:
     """Captured graphs per input signature in a small LRU, one shared memory pool, eager fallback.
@@ -101,15 +104,22 @@ class _GraphCache:
 
 
 class CudaGraphRunner(_GraphCache):
-    """Call like the transformer; replays a captured graph when the inputs are on CUDA."""
+    """Call like the transformer; replays a captured graph when the inputs are on CUDA.
+
+    `model`: a `runtime.contract.DenoisableTransformer`, whose block runner decides whether a forward
+    may be captured and which variant it is; any other module called like one runs as one variant."""
 
     def __init__(self, model: torch.nn.Module, max_graphs: int = 8, warmup: int = 2):
         """`max_graphs`: a step cache uses up to 3 variants per CFG branch (first, full, cached)."""
         super().__init__(max_graphs, warmup)
         self.model = model
 
+    def _runner(self) -> BlockRunner | None:
+        """The model's block runner now (configure may have swapped it since the last call)."""
+        return self.model.block_runner if isinstance(self.model, OwnsBlockRunner) else None
+
     def _save_state(self) -> object:
-        runner = getattr(self.model, "block_runner", None)
+        runner = self._runner()
         return None if runner is None else (runner, runner.snapshot())
 
     def _restore_state(self, state: object) -> None:
@@ -122,7 +132,7 @@ class CudaGraphRunner(_GraphCache):
         """`block_residuals` (ControlNet) and `modulations` (the modulation table's rows) are graph
         inputs like x: copied into the graph's static buffers on every replay, and their presence and
         shapes are part of the key (a graph captured without them is never replayed for them)."""
-        runner = getattr(self.model, "block_runner", None)
+        runner = self._runner()
         res = None if block_residuals is None else tuple(block_residuals)
         mkw = {} if modulations is None else {"modulations": modulations}
         if not (self.enabled and x.is_cuda) or (runner is not None and not runner.can_graph(modulations is not None)):
@@ -211,12 +221,12 @@ class TextEncoderGraphs(_GraphCache):
         return self._run((tuple(x.shape), str(x.device)), self.eager, (x,))[:, :T]
 
 
-def compile_blocks(model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:  # kwargs: torch.compile's
+def compile_blocks(model: BlockModel, **kwargs: Any) -> BlockModel:  # kwargs: torch.compile's
     """Regional compilation: compile each transformer block in place (one compile, reused by all 60
     identical blocks), which is how diffusers' `compile_repeated_blocks` works and far faster to
     compile than the whole model."""
     kwargs.setdefault("fullgraph", True)
     kwargs.setdefault("dynamic", False)
-    for block in model.transformer_blocks:
+    for block in model.blocks:
         block.compile(**kwargs)
     return model

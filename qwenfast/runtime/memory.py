@@ -110,19 +110,19 @@ class ModelSizes:
             return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
 
         tr = pipe.transformer
-        blocks = list(tr.transformer_blocks)
+        blocks = list(tr.blocks)  # tr: a runtime.contract.DenoisableTransformer
         te_model = getattr(pipe.text_encoder, "model", pipe.text_encoder)
         te_cfg = getattr(te_model, "config", None)
         te_hidden = getattr(getattr(te_cfg, "text_config", te_cfg), "hidden_size", 3584)
         layers = getattr(pipe.text_encoder, "decoder_layers", None)  # models.text_encoder.TextEncoder
         te_layers = list((layers() if layers is not None else None) or [])
         vision = getattr(getattr(te_model, "model", None), "visual", None) or getattr(te_model, "visual", None)
-        mods = [getattr(b, n) for b in blocks[:1] for n in ("img_mod", "txt_mod") if hasattr(b, n)]
+        mods = tr.modulation_modules()[:1]  # the first block's (all blocks are alike); none per block: 0
         host_parts = getattr(pipe.text_encoder, "host_parts", None)  # models.text_encoder.TextEncoder
         prefixes = host_parts() if host_parts is not None else ()
         te_embed = sum(t.numel() * t.element_size() for n, t in te_model.named_parameters()
                        if n.startswith(prefixes) and "visual." not in n)  # fmt: skip
-        return cls(block_modulation=sum(nbytes(m) for m in mods), te_embed=te_embed,
+        return cls(block_modulation=sum(nbytes(m) for ms in mods for m in ms), te_embed=te_embed,
                    transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
                    text_encoder=nbytes(te_model), vae=nbytes(pipe.vae), dim=tr.cfg.inner_dim, te_hidden=te_hidden,
                    te_block=max((nbytes(b) for b in te_layers), default=0), te_blocks=len(te_layers),

@@ -34,16 +34,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-__all__ = ["MODES", "ModelOffloader", "BlockStreamer", "check_mode", "offload_module", "spread"]
+__all__ = ["ModelOffloader", "BlockStreamer", "offload_module", "spread"]  # the modes: options.OFFLOAD
 
-MODES = ("none", "model", "blocks")
 ALIGN = 256  # bytes: every tensor view in a flat buffer starts aligned (vectorised kernels need 16)
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"offload must be one of {MODES}, got {mode!r}")
-    return mode
 
 
 def _tensors(module: nn.Module) -> list[tuple[nn.Module, str, bool]]:
