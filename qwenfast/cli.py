@@ -14,8 +14,8 @@ from pathlib import Path
 
 from . import cli_common as C
 from . import validation as V
-from .options import add_engine_arguments, engine_options_from_args
-from .options import positive_int as _positive
+from .engine_args import add_engine_arguments, engine_options_from_args
+from .engine_args import positive_int as _positive
 
 
 def _size(s: str) -> tuple[int, int]:

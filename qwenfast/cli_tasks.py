@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 from . import cli_common as C
-from .options import add_engine_arguments, engine_options_from_args
-from .options import positive_int as _positive
+from .engine_args import add_engine_arguments, engine_options_from_args
+from .engine_args import positive_int as _positive
 from .validation import path_and_number
 
 LAYERED_HINT = ("get Qwen-Image-Layered from Hugging Face (Qwen/Qwen-Image-Layered; there is no embedded demo of it): "

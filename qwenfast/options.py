@@ -10,20 +10,28 @@ which validates the new combination and rebuilds what depends on it.
 Environment variables only provide defaults (`EngineOptions.from_env()`): `QWENFAST_KERNELS`,
 `QWENFAST_ATTENTION`, `QWENFAST_CUDA_GRAPHS` (0/1), `QWENFAST_OFFLOAD`.
 
-This module imports nothing from qwenfast but `errors`: every layer may use it.
+The values some options take are defined here too, as plain data: a step-cache policy
+(`CachePolicy`, the named `CACHE_PRESETS`) and a multi-GPU layout (`ParallelConfig`). The runtime
+implements them (runtime/cache.py, runtime/parallel.py, which re-export these names); what a value
+means is checked here, when the options are made, without importing the runtime.
+
+This module imports nothing from qwenfast but `errors`, and only the standard library: every layer
+may use it. The command line's argument group for these switches is `qwenfast/engine_args.py`.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from .errors import ConfigureError, OptionsError
 
-__all__ = ["EngineOptions", "KERNELS", "ATTENTION", "OFFLOAD", "OOM", "BATCHED_CFG"]
+__all__ = ["EngineOptions", "KERNELS", "ATTENTION", "OFFLOAD", "OOM", "BATCHED_CFG", "CachePolicy", "CACHE_PRESETS",
+           "resolve_policy", "ParallelConfig"]  # fmt: skip
 
 KERNELS = ("auto", "triton", "torch")  # qwenfast.kernels.BACKENDS
 ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "fa3", "fp8")  # qwenfast.runtime.attention.CHOICES
@@ -31,6 +39,100 @@ OFFLOAD = ("none", "model", "blocks")
 OOM = ("backoff", "raise")
 BATCHED_CFG = (True, False, "auto")
 _ORDER = {m: i for i, m in enumerate(OFFLOAD)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Option values: a step-cache policy and a multi-GPU layout (plain data; the runtime runs them)
+
+
+POLICY_KINDS = ("static", "adaptive")
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """How a step cache decides which steps run every block (runtime/cache.py says how each kind works)."""
+
+    kind: str = "static"
+    first: int = 1  # Fn: blocks always run first
+    last: int = 0  # Bn: blocks always run last
+    warmup: int = 2  # full steps at the start
+    tail: int = 1  # full steps at the end
+    every: int = 2  # static: every `every`-th step after the warm-up is full
+    threshold: float = 0.1  # adaptive: relative L1 change of the first blocks' residual to skip under
+    max_skips: int = 3  # adaptive: at most this many cached steps in a row
+    taylor: int = 0  # 0: reuse the residual; 1: extrapolate it linearly from the last two full steps
+    name: str = "custom"
+
+    def __post_init__(self):
+        if self.kind not in POLICY_KINDS:
+            raise ValueError(f"cache kind must be one of {POLICY_KINDS}, got {self.kind!r}")
+        if self.first < 1 or self.last < 0 or self.warmup < 1 or self.tail < 0 or self.every < 1:
+            raise ValueError("cache policy: first >= 1, last >= 0, warmup >= 1, tail >= 0, every >= 1")
+        if self.taylor not in (0, 1):
+            raise ValueError(f"taylor must be 0 or 1, got {self.taylor}")
+        if not (self.threshold >= 0 and math.isfinite(self.threshold)) or self.max_skips < 1:
+            raise ValueError("cache policy: threshold must be finite and >= 0, max_skips >= 1")
+
+    def static_full(self, step: int, steps: int) -> bool:
+        """Whether a static policy computes every block at `step` of `steps`."""
+        if step < self.warmup or step >= steps - self.tail:
+            return True
+        return (step - self.warmup) % self.every == 0
+
+    def full_fraction(self, steps: int) -> float:
+        """Static: the fraction of steps that run every block."""
+        return sum(self.static_full(i, steps) for i in range(steps)) / steps
+
+
+# Named by what they measured on the demo model's held-out suites (50 steps, CFG; bench/cache_sweep.py,
+# H200 bf16; README "Step caching"): balanced within 1 point of uncached on both suites (38% of the
+# steps computed in full at 50 steps), fast within 3 points (30%). Taylor extrapolation measured a
+# higher PSNR than plain reuse at the same steps, so both use it.
+CACHE_PRESETS: dict[str, CachePolicy] = {
+    "balanced": CachePolicy(kind="static", first=1, last=0, warmup=2, tail=1, every=3, taylor=1, name="balanced"),
+    "fast": CachePolicy(kind="static", first=1, last=0, warmup=2, tail=1, every=4, taylor=1, name="fast"),
+}
+
+
+def resolve_policy(cache: object) -> CachePolicy | None:
+    """None / "off" -> None; a preset name -> its policy; a CachePolicy as is."""
+    if cache is None or cache == "off":
+        return None
+    if isinstance(cache, CachePolicy):
+        return cache
+    if isinstance(cache, str) and cache in CACHE_PRESETS:
+        return CACHE_PRESETS[cache]
+    raise ValueError(f"cache must be None, 'off', one of {sorted(CACHE_PRESETS)} or a CachePolicy, got {cache!r}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """A multi-GPU layout (runtime/parallel.py runs it). cfg: 1 or 2 (cond / uncond on different ranks);
+    ulysses: ranks sharing one sequence."""
+
+    cfg: int = 1
+    ulysses: int = 1
+
+    def __post_init__(self):
+        if self.cfg not in (1, 2):
+            raise ValueError(f"cfg parallel must be 1 or 2, got {self.cfg}")
+        if not isinstance(self.ulysses, int) or self.ulysses < 1:
+            raise ValueError(f"ulysses must be a whole number >= 1, got {self.ulysses!r}")
+
+    @property
+    def world(self) -> int:
+        return self.cfg * self.ulysses
+
+    @classmethod
+    def parse(cls, text: str) -> ParallelConfig:
+        """"cfg=2,ulysses=2" | "ulysses=4" | "cfg=2" -> ParallelConfig."""
+        if not re.fullmatch(r"\s*(cfg|ulysses)\s*=\s*\d+\s*(,\s*(cfg|ulysses)\s*=\s*\d+\s*)?", text or ""):
+            raise ValueError(f"--parallel takes e.g. 'cfg=2,ulysses=2', 'ulysses=4' or 'cfg=2', got {text!r}")
+        kv = dict((k.strip(), int(v)) for k, v in (p.split("=") for p in text.split(",")))
+        return cls(**kv)
+
+    def __str__(self) -> str:
+        return f"cfg={self.cfg},ulysses={self.ulysses}"
 
 
 @dataclass(frozen=True)
@@ -86,17 +188,13 @@ class EngineOptions:
         for name in ("fused", "cuda_graphs", "fp8", "decode_per_image"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        from .runtime.cache import resolve_policy
-
         try:
-            resolve_policy(self.cache)
+            policy = resolve_policy(self.cache)
         except ValueError as e:
             raise OptionsError(str(e)) from None
-        if self.offload == "blocks" and resolve_policy(self.cache) is not None:
+        if self.offload == "blocks" and policy is not None:
             raise OptionsError("the step cache does not run with offload='blocks' yet (both own the block loop)")
         if self.parallel is not None:
-            from .runtime.parallel import ParallelConfig
-
             if isinstance(self.parallel, str):
                 try:
                     object.__setattr__(self, "parallel", ParallelConfig.parse(self.parallel))
@@ -151,69 +249,3 @@ def check_transition(old: EngineOptions, new: EngineOptions) -> None:
 def _choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise OptionsError(f"{name} must be one of {allowed}, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Command line: ONE argument group for `generate`, `edit` and `serve` (argparse only; no torch)
-
-
-def positive_int(s: str) -> int:
-    """argparse type: a whole number >= 1, with a message that says what was wrong."""
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default: bool | None = None) -> None:
-    """--device --dtype --offload --fp8 --cuda-graphs/--no-cuda-graphs --kernels --attention --preset.
-
-    `cuda_graphs_default`: None = the options' default (on; $QWENFAST_CUDA_GRAPHS); the server passes
-    False (every new prompt length or batch size would be a new capture).
-    """
-    from .config import PRESETS, TURBO_SIGMAS
-    from .runtime.cache import PRESETS as CACHE_PRESETS
-
-    g = parser.add_argument_group("engine (how it runs: the same switches for generate, edit and serve)")
-    g.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
-    g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
-    g.add_argument("--offload", choices=list(OFFLOAD), default=None,
-                   help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
-                        "the transformer blocks that do not fit --offload-budget from host memory")  # fmt: skip
-    g.add_argument("--offload-budget", type=float, default=None, metavar="GIB",
-                   help="with --offload blocks: GPU memory to plan for; blocks that fit stay resident, the rest "
-                        "stream (default: the free GPU memory)")  # fmt: skip
-    g.add_argument("--fp8", action="store_true",
-                   help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): faster, not bitwise diffusers")
-    g.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=cuda_graphs_default,
-                   help="replay the transformer as CUDA graphs" + (" (default: on)" if cuda_graphs_default is None
-                                                                    else " (default: off for the server)"))  # fmt: skip
-    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run eagerly")
-    g.add_argument("--kernels", choices=list(KERNELS), default=None,
-                   help="fused-op backend (default: $QWENFAST_KERNELS or auto)")
-    g.add_argument("--attention", choices=list(ATTENTION), default=None,
-                   help="attention backend (default: $QWENFAST_ATTENTION or auto; fp8: 8-bit, lossy)")
-    g.add_argument("--cache", choices=["off", *CACHE_PRESETS], default=None,
-                   help="step cache: skip the middle blocks on some steps (lossy; README 'Step caching' has the "
-                        "measured quality; default off)")  # fmt: skip
-    g.add_argument("--parallel", default=None, metavar="LAYOUT",
-                   help="several GPUs for one image: 'cfg=2', 'ulysses=2', 'cfg=2,ulysses=2' (one process per GPU, "
-                        "started for you; --device cpu: CPU processes over gloo)")  # fmt: skip
-    g.add_argument("--preset", choices=list(dict.fromkeys([*PRESETS, *TURBO_SIGMAS])), default=None,
-                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift; Qwen-Image-2.1: turbo-8 "
-                        "and turbo-4 sigma schedules); --steps/--cfg still win")  # fmt: skip
-
-
-def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptions:
-    """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. `--fp8` is an
-    option of the load: the transformer streams in as FP8 (LoRAs then run beside the FP8 GEMMs)."""
-    if getattr(a, "fp8", False):
-        extra.setdefault("fp8", True)
-    if getattr(a, "offload_budget", None) is not None:
-        extra.setdefault("offload_budget", a.offload_budget)
-    return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
-                                  attention=a.attention, cache=getattr(a, "cache", None),
-                                  parallel=getattr(a, "parallel", None), **extra)  # fmt: skip

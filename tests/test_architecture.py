@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import ast
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ LAYER_OF = {  # top-level name under qwenfast/ -> layer
     "server": 4, "demo": 4, "testing": 4, "export": 4,
     "benchmarks": 5,
     "launch": 4,  # process spawning for --parallel: the CLI and `serve --parallel` use it
+    "engine_args": 4,  # the engine switches' argparse group: the CLI and the server use it
     "cli": 6, "cli_tasks": 6, "cli_tools": 6, "__init__": 6, "__main__": 6, "assets": 0,
 }  # fmt: skip
 NAMES = {0: "config/options/errors/validation/kernels/runtime", 1: "models", 2: "loading", 3: "pipeline",
@@ -191,5 +194,154 @@ def test_the_checks_can_fail(check, monkeypatch, tmp_path):
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: files[self] if self in files else real_read(self, *a, **k))
     for m, (p, _) in extra.items():
         monkeypatch.setitem(MODULES, m, p)
+    with pytest.raises(AssertionError):
+        check()
+
+
+# ------------------------------------------------------------------------------------------- written contracts
+# The layers talk through written contracts: the pipeline asks a model only what
+# `runtime/contract.py` states, the kernels know no model's layer names (a model names its own FP8
+# Linears), options.py stands on the standard library alone, and one name is one table.
+
+
+def _is_transformer(expr: ast.expr) -> bool:
+    """`tr`, `transformer`, `self.transformer`, `pipe.transformer`, ...: the model a pipeline denoises with."""
+    return (isinstance(expr, ast.Name) and expr.id in ("tr", "transformer")) or (
+        isinstance(expr, ast.Attribute) and expr.attr == "transformer"
+    )
+
+
+def test_the_pipeline_asks_the_transformer_only_through_its_contract():
+    """No `hasattr`/`getattr`/`setattr` on the transformer and no attribute assigned on it in pipeline/
+    or runtime/: what a model has is `runtime.contract.DenoisableTransformer`, set through its methods."""
+    bad = []
+    for mod, _f, tree in _walk_package():
+        if not mod.startswith(("qwenfast.pipeline", "qwenfast.runtime")):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args and _is_transformer(
+                    node.args[0]) and node.func.id in ("hasattr", "getattr", "setattr", "delattr"):  # fmt: skip
+                bad.append(f"{mod}:{node.lineno} {ast.unparse(node)}")
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                bad += [f"{mod}:{node.lineno} sets {ast.unparse(t)}" for t in _targets(node)
+                        if isinstance(t, ast.Attribute) and _is_transformer(t.value)]  # fmt: skip
+    assert not bad, "probes or attribute writes on the transformer (use runtime/contract.py's members):\n" + "\n".join(bad)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the docstring constants of a module, its classes and functions (prose, not code)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                out.add(id(first.value))
+    return out
+
+
+def _model_layer_names() -> set[str]:
+    """The models' layer names: every `self.<name> = <Module>(...)` in models/ with an underscore in the
+    name (`attn`, `norm1` are too common a word to flag), and diffusers' separate Q/K/V names."""
+    names = {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}
+    for mod, _f, tree in _walk_package():
+        if not mod.startswith("qwenfast.models."):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+                fn = node.value.func
+                ctor = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+                names.update(t.attr for t in node.targets if ctor[:1].isupper() and isinstance(t, ast.Attribute)
+                             and isinstance(t.value, ast.Name) and t.value.id == "self" and "_" in t.attr
+                             and not t.attr.startswith("_"))  # fmt: skip
+    return names
+
+
+def test_kernels_know_no_model_layer_names():
+    """kernels/ is below the models: its code (names, attributes, strings; docstrings are prose) names no
+    model's layers. The FP8 walker takes the model's own list (`fp8_linears()`)."""
+    names = _model_layer_names()
+    assert {"transformer_blocks", "to_qkv", "img_mlp", "img_mod"} <= names  # the collector sees the models
+    bad = []
+    for mod, _f, tree in _walk_package():
+        if not mod.startswith("qwenfast.kernels"):
+            continue
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute):
+                words = [node.attr]
+            elif isinstance(node, ast.Name):
+                words = [node.id]
+            elif isinstance(node, (ast.arg, ast.keyword)):
+                words = [node.arg or ""]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                words = re.findall(r"\w+", node.value)
+            else:
+                continue
+            if names.intersection(words):
+                bad.append(f"{mod}:{node.lineno} {sorted(names.intersection(words))}")
+    assert not bad, "model layer names in kernels/ (let the model name them):\n" + "\n".join(bad)
+
+
+def test_options_imports_only_errors_and_the_standard_library():
+    """options.py is below everything: it imports `errors` and the standard library, nothing else (no
+    runtime module inside a validation, no argparse group: that is engine_args.py)."""
+    f = MODULES["qwenfast.options"]
+    bad = []
+    for node in ast.walk(ast.parse(f.read_text(), str(f))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            if not (node.level == 1 and node.module == "errors"):
+                bad.append(f"{node.lineno}: from {'.' * node.level}{node.module or ''} import ...")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            tops = [a.name.split(".")[0] for a in node.names] if isinstance(node, ast.Import) else [
+                (node.module or "").split(".")[0]]  # fmt: skip
+            bad += [f"{node.lineno}: {t}" for t in tops if t not in sys.stdlib_module_names and t != "__future__"]
+    assert not bad, "options.py imports beyond errors and the standard library:\n" + "\n".join(bad)
+
+
+ENGINE = max(LAYER_OF[n] for n in ("config", "runtime", "models", "loading", "pipeline"))
+
+
+def _tables(tree: ast.Module) -> list[tuple[str, int]]:
+    """(name, line) of module-level UPPER_CASE names bound to a dict, list, tuple or set (literal or comprehension)."""
+    kinds = (ast.Dict, ast.List, ast.Tuple, ast.Set, ast.DictComp, ast.ListComp, ast.SetComp)
+    out = []
+    for node in tree.body:
+        pairs = [(t, node.value) for t in node.targets] if isinstance(node, ast.Assign) else (
+            [(node.target, node.value)] if isinstance(node, ast.AnnAssign) and node.value is not None else [])  # fmt: skip
+        out += [(t.id, node.lineno) for t, v in pairs
+                if isinstance(t, ast.Name) and t.id.isupper() and not t.id.startswith("__") and isinstance(v, kinds)]  # fmt: skip
+    return out
+
+
+def test_one_name_is_one_table():
+    """No two module-level tables of the engine (config .. pipeline, what every front end reads) share a
+    name: `PRESETS` is the sampling presets, `CACHE_PRESETS` the step-cache policies."""
+    where: dict[str, list[str]] = {}
+    for mod, _f, tree in _walk_package():
+        parts = mod.split(".")  # a module with no layer yet is test_every_module_has_a_layer's to flag
+        if LAYER_OF.get(parts[1] if len(parts) > 1 else "__init__", ENGINE + 1) <= ENGINE:
+            for name, line in _tables(tree):
+                where.setdefault(name, []).append(f"{mod}:{line}")
+    bad = {n: w for n, w in where.items() if len(w) > 1}
+    assert not bad, "one name, several tables:\n" + "\n".join(f"{n}: {', '.join(w)}" for n, w in sorted(bad.items()))
+
+
+@pytest.mark.parametrize("check,planted", [
+    (test_the_pipeline_asks_the_transformer_only_through_its_contract,
+     ("pipeline/planted.py", "def f(self):\n    return hasattr(self.transformer, 'modulation_table')\n")),
+    (test_the_pipeline_asks_the_transformer_only_through_its_contract,
+     ("pipeline/planted.py", "def f(self, tr):\n    tr.fused = False\n")),
+    (test_kernels_know_no_model_layer_names, ("kernels/planted.py", "def f(model):\n    return model.transformer_blocks\n")),
+    (test_kernels_know_no_model_layer_names, ("kernels/planted.py", "NAMES = ('attn.to_qkv', 'img_mlp.net.2')\n")),
+    (test_options_imports_only_errors_and_the_standard_library, ("options.py", "from .runtime import cache\n")),
+    (test_options_imports_only_errors_and_the_standard_library, ("options.py", "import torch\n")),
+    (test_one_name_is_one_table, ("runtime/planted.py", "PRESETS = {'fast': 1}\n")),
+])  # fmt: skip
+def test_the_contract_checks_can_fail(check, planted, monkeypatch):
+    """Each contract check flags a planted violation (a module of a temporary tree, or options.py replaced)."""
+    path = PKG / planted[0]
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: planted[1] if self == path else real_read(self, *a, **k))
+    monkeypatch.setitem(MODULES, "qwenfast." + planted[0][:-3].replace("/", "."), path)
     with pytest.raises(AssertionError):
         check()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from qwenfast.runtime.cache import PRESETS
+from qwenfast.runtime.cache import CACHE_PRESETS as PRESETS
 from qwenfast.testing.parallel import run_parallel
 
 from .conftest import assert_close_finite

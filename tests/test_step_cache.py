@@ -14,7 +14,8 @@ from qwenfast import QwenImagePipeline
 from qwenfast.errors import OptionsError
 from qwenfast.options import EngineOptions
 from qwenfast.runtime.blocks import BlockRunner, StepContext
-from qwenfast.runtime.cache import PRESETS, CachePolicy, StepCacheRunner
+from qwenfast.runtime.cache import CACHE_PRESETS as PRESETS
+from qwenfast.runtime.cache import CachePolicy, StepCacheRunner
 
 from .conftest import assert_close_finite
 

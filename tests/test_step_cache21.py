@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from qwenfast.runtime.blocks import BlockRunner
-from qwenfast.runtime.cache import PRESETS, CachePolicy, StepCacheRunner
+from qwenfast.runtime.cache import CACHE_PRESETS as PRESETS
+from qwenfast.runtime.cache import CachePolicy, StepCacheRunner
 
 from .conftest import assert_close_finite
 from .test_step_cache import assert_gapped_run_is_its_definition

@@ -97,7 +97,7 @@ class QwenFastLoader:
     @classmethod
     def INPUT_TYPES(cls):
         from qwenfast.config import PRESETS
-        from qwenfast.runtime.cache import PRESETS as CACHE
+        from qwenfast.runtime.cache import CACHE_PRESETS as CACHE
 
         return {
             "required": {

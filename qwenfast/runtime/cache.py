@@ -24,75 +24,16 @@ and is reset at step 0 of every run (a full step, always), so nothing leaks betw
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from ..options import CACHE_PRESETS, CachePolicy, resolve_policy
 from .blocks import BlockCall, BlockRunner, StepContext
 
-__all__ = ["CachePolicy", "StepCacheRunner", "PRESETS", "resolve_policy"]
-
-KINDS = ("static", "adaptive")
-
-
-@dataclass(frozen=True)
-class CachePolicy:
-    """How a step cache decides; see the module docstring."""
-
-    kind: str = "static"
-    first: int = 1  # Fn: blocks always run first
-    last: int = 0  # Bn: blocks always run last
-    warmup: int = 2  # full steps at the start
-    tail: int = 1  # full steps at the end
-    every: int = 2  # static: every `every`-th step after the warm-up is full
-    threshold: float = 0.1  # adaptive: relative L1 change of the first blocks' residual to skip under
-    max_skips: int = 3  # adaptive: at most this many cached steps in a row
-    taylor: int = 0  # 0: reuse the residual; 1: extrapolate it linearly from the last two full steps
-    name: str = "custom"
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"cache kind must be one of {KINDS}, got {self.kind!r}")
-        if self.first < 1 or self.last < 0 or self.warmup < 1 or self.tail < 0 or self.every < 1:
-            raise ValueError("cache policy: first >= 1, last >= 0, warmup >= 1, tail >= 0, every >= 1")
-        if self.taylor not in (0, 1):
-            raise ValueError(f"taylor must be 0 or 1, got {self.taylor}")
-        if not (self.threshold >= 0 and math.isfinite(self.threshold)) or self.max_skips < 1:
-            raise ValueError("cache policy: threshold must be finite and >= 0, max_skips >= 1")
-
-    def static_full(self, step: int, steps: int) -> bool:
-        """Whether a static policy computes every block at `step` of `steps`."""
-        if step < self.warmup or step >= steps - self.tail:
-            return True
-        return (step - self.warmup) % self.every == 0
-
-    def full_fraction(self, steps: int) -> float:
-        """Static: the fraction of steps that run every block."""
-        return sum(self.static_full(i, steps) for i in range(steps)) / steps
-
-
-# Named by what they measured on the demo model's held-out suites (50 steps, CFG; bench/cache_sweep.py,
-# H200 bf16; README "Step caching"): balanced within 1 point of uncached on both suites (38% of the
-# steps computed in full at 50 steps), fast within 3 points (30%). Taylor extrapolation measured a
-# higher PSNR than plain reuse at the same steps, so both use it.
-PRESETS: dict[str, CachePolicy] = {
-    "balanced": CachePolicy(kind="static", first=1, last=0, warmup=2, tail=1, every=3, taylor=1, name="balanced"),
-    "fast": CachePolicy(kind="static", first=1, last=0, warmup=2, tail=1, every=4, taylor=1, name="fast"),
-}
-
-
-def resolve_policy(cache: object) -> CachePolicy | None:
-    """None / "off" -> None; a preset name -> its policy; a CachePolicy as is."""
-    if cache is None or cache == "off":
-        return None
-    if isinstance(cache, CachePolicy):
-        return cache
-    if isinstance(cache, str) and cache in PRESETS:
-        return PRESETS[cache]
-    raise ValueError(f"cache must be None, 'off', one of {sorted(PRESETS)} or a CachePolicy, got {cache!r}")
+# the policy type, its named presets and the name -> policy rule are option values: options.py
+__all__ = ["CachePolicy", "StepCacheRunner", "CACHE_PRESETS", "resolve_policy"]
 
 
 class _State:

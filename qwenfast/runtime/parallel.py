@@ -24,47 +24,17 @@ repeated: the blocks' modulation GEMVs (`split_over_ranks`). CPU processes over 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from ..options import ParallelConfig  # the layout is an option value
 from .attention import RowTrim, wrap_attention
 from .blocks import StepContext
 from .ulysses_peer import PeerUlyssesAttention, exchange_choice
 
 __all__ = ["ParallelConfig", "ParallelGroups", "ParallelForward", "split_sizes", "split_over_ranks", "UlyssesAttention"]
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """cfg: 1 or 2 (cond / uncond on different ranks); ulysses: ranks sharing one sequence."""
-
-    cfg: int = 1
-    ulysses: int = 1
-
-    def __post_init__(self):
-        if self.cfg not in (1, 2):
-            raise ValueError(f"cfg parallel must be 1 or 2, got {self.cfg}")
-        if not isinstance(self.ulysses, int) or self.ulysses < 1:
-            raise ValueError(f"ulysses must be a whole number >= 1, got {self.ulysses!r}")
-
-    @property
-    def world(self) -> int:
-        return self.cfg * self.ulysses
-
-    @classmethod
-    def parse(cls, text: str) -> ParallelConfig:
-        """"cfg=2,ulysses=2" | "ulysses=4" | "cfg=2" -> ParallelConfig."""
-        if not re.fullmatch(r"\s*(cfg|ulysses)\s*=\s*\d+\s*(,\s*(cfg|ulysses)\s*=\s*\d+\s*)?", text or ""):
-            raise ValueError(f"--parallel takes e.g. 'cfg=2,ulysses=2', 'ulysses=4' or 'cfg=2', got {text!r}")
-        kv = dict((k.strip(), int(v)) for k, v in (p.split("=") for p in text.split(",")))
-        return cls(**kv)
-
-    def __str__(self) -> str:
-        return f"cfg={self.cfg},ulysses={self.ulysses}"
 
 
 def split_sizes(n: int, parts: int) -> list[int]:

@@ -51,8 +51,8 @@ class ServerConfig:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from ..options import add_engine_arguments
-    from ..options import positive_int as _positive
+    from ..engine_args import add_engine_arguments
+    from ..engine_args import positive_int as _positive
 
     d, lim = ServerConfig(), Limits()
     p.add_argument("--model", default=None,

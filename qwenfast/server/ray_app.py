@@ -105,7 +105,7 @@ class EngineReplica:
     """One pipeline and the local batcher; `generate` runs one job and streams its events and images."""
 
     def __init__(self, a: argparse.Namespace, cfg: ServerConfig):
-        from ..options import engine_options_from_args
+        from ..engine_args import engine_options_from_args
         from .batcher import Scheduler
         from .engine import load_pipeline
         from .metrics import Metrics

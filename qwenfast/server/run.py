@@ -57,7 +57,7 @@ def serve(a: argparse.Namespace) -> int:
         print("error: --replicas, --autoscale and --ray-address need --ray", file=sys.stderr)
         return 2
     from .. import DEMO_MODEL
-    from ..options import engine_options_from_args
+    from ..engine_args import engine_options_from_args
     from ..pipeline.common import EMBEDDED_NOTE
     from .app import create_app
 

@@ -1,0 +1,76 @@
+"""The command line's engine switches: ONE argparse group for `generate`, `edit` and `serve`.
+
+Why here and not in options.py: `EngineOptions` is used by every layer and imports nothing but the
+standard library and `errors`; the flags, their help and their defaults belong to the front ends. This
+module sits with them (the server may not import cli*.py, so neither front end owns it) and turns the
+flags into an `EngineOptions` over the environment's defaults. argparse only; no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .config import PRESETS, TURBO_SIGMAS
+from .options import ATTENTION, CACHE_PRESETS, KERNELS, OFFLOAD, EngineOptions
+
+__all__ = ["positive_int", "add_engine_arguments", "engine_options_from_args"]
+
+
+def positive_int(s: str) -> int:
+    """argparse type: a whole number >= 1, with a message that says what was wrong."""
+    try:
+        v = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {s!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default: bool | None = None) -> None:
+    """--device --dtype --offload --fp8 --cuda-graphs/--no-cuda-graphs --kernels --attention --preset.
+
+    `cuda_graphs_default`: None = the options' default (on; $QWENFAST_CUDA_GRAPHS); the server passes
+    False (every new prompt length or batch size would be a new capture).
+    """
+    g = parser.add_argument_group("engine (how it runs: the same switches for generate, edit and serve)")
+    g.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    g.add_argument("--offload", choices=list(OFFLOAD), default=None,
+                   help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
+                        "the transformer blocks that do not fit --offload-budget from host memory")  # fmt: skip
+    g.add_argument("--offload-budget", type=float, default=None, metavar="GIB",
+                   help="with --offload blocks: GPU memory to plan for; blocks that fit stay resident, the rest "
+                        "stream (default: the free GPU memory)")  # fmt: skip
+    g.add_argument("--fp8", action="store_true",
+                   help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): faster, not bitwise diffusers")
+    g.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=cuda_graphs_default,
+                   help="replay the transformer as CUDA graphs" + (" (default: on)" if cuda_graphs_default is None
+                                                                    else " (default: off for the server)"))  # fmt: skip
+    g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run eagerly")
+    g.add_argument("--kernels", choices=list(KERNELS), default=None,
+                   help="fused-op backend (default: $QWENFAST_KERNELS or auto)")
+    g.add_argument("--attention", choices=list(ATTENTION), default=None,
+                   help="attention backend (default: $QWENFAST_ATTENTION or auto; fp8: 8-bit, lossy)")
+    g.add_argument("--cache", choices=["off", *CACHE_PRESETS], default=None,
+                   help="step cache: skip the middle blocks on some steps (lossy; README 'Step caching' has the "
+                        "measured quality; default off)")  # fmt: skip
+    g.add_argument("--parallel", default=None, metavar="LAYOUT",
+                   help="several GPUs for one image: 'cfg=2', 'ulysses=2', 'cfg=2,ulysses=2' (one process per GPU, "
+                        "started for you; --device cpu: CPU processes over gloo)")  # fmt: skip
+    g.add_argument("--preset", choices=list(dict.fromkeys([*PRESETS, *TURBO_SIGMAS])), default=None,
+                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift; Qwen-Image-2.1: turbo-8 "
+                        "and turbo-4 sigma schedules); --steps/--cfg still win")  # fmt: skip
+
+
+def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptions:
+    """EngineOptions from `add_engine_arguments`' flags over the environment's defaults. `--fp8` is an
+    option of the load: the transformer streams in as FP8 (LoRAs then run beside the FP8 GEMMs)."""
+    if getattr(a, "fp8", False):
+        extra.setdefault("fp8", True)
+    if getattr(a, "offload_budget", None) is not None:
+        extra.setdefault("offload_budget", a.offload_budget)
+    return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
+                                  attention=a.attention, cache=getattr(a, "cache", None),
+                                  parallel=getattr(a, "parallel", None), **extra)  # fmt: skip
