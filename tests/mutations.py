@@ -4,6 +4,7 @@
     python tests/mutations.py --list     # what each mutation changes and which tests should catch it
     python tests/mutations.py taylor-factor-1 --keep   # one mutation; keep its copy to inspect
     python tests/mutations.py --no-baseline             # skip the runs of the unmutated tree first
+    python tests/mutations.py --rev HEAD                # the committed tree, not the working tree's edits
     python tests/mutations.py --tests-rev HEAD~5        # the same mutations against an older suite
 
 For each mutation this copies the package (`qwenfast/`), `tests/` and `pyproject.toml` to a fresh temporary
@@ -86,17 +87,28 @@ MUTATIONS = (
 
 
 TESTS_REV: str | None = None  # --tests-rev: take tests/ from this git revision instead of the working tree
+REV: str | None = None  # --rev: take the package, tests/ and pyproject.toml from this git revision
+
+
+def _from_git(rev: str, paths: list[str], dst: Path) -> None:
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *paths], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(dst)], input=archive.stdout, check=True)
 
 
 def copy_tree(dst: Path) -> None:
+    """The package, tests/ and pyproject.toml into `dst`: from the working tree, or from git (--rev,
+    --tests-rev; a shared checkout's uncommitted edits then stay out)."""
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    shutil.copytree(ROOT / "qwenfast", dst / "qwenfast", ignore=ignore, symlinks=True)
-    shutil.copy2(ROOT / "pyproject.toml", dst / "pyproject.toml")
-    if TESTS_REV is None:
+    if REV is not None:
+        _from_git(REV, ["qwenfast", "pyproject.toml"], dst)
+    else:
+        shutil.copytree(ROOT / "qwenfast", dst / "qwenfast", ignore=ignore, symlinks=True)
+        shutil.copy2(ROOT / "pyproject.toml", dst / "pyproject.toml")
+    tests_rev = TESTS_REV or REV
+    if tests_rev is None:
         shutil.copytree(ROOT / "tests", dst / "tests", ignore=ignore, symlinks=True)
-        return
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", TESTS_REV, "tests"], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", str(dst)], input=archive.stdout, check=True)
+    else:
+        _from_git(tests_rev, ["tests"], dst)
 
 
 # Run in the child: fail unless qwenfast comes from the mutated copy, then run pytest.
@@ -161,13 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
     ap.add_argument("--no-baseline", action="store_true", help="skip the runs of the unmutated tree")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per mutation's test run (a hang counts as killed)")
+    ap.add_argument("--rev", metavar="REV", help="the package and tests of git revision REV (e.g. HEAD: leaves a "
+                    "shared checkout's uncommitted edits out) instead of the working tree")  # fmt: skip
     ap.add_argument("--tests-rev", metavar="REV",
                     help="run the tests of git revision REV (e.g. an older commit: did its suite catch these?)")
     ap.add_argument("-k", dest="select", metavar="EXPR", help="pytest -k expression for every run, in place of each "
                     "mutation's own (e.g. to run one test of an older suite)")  # fmt: skip
     a = ap.parse_args(argv)
-    global TESTS_REV
-    TESTS_REV = a.tests_rev
+    global TESTS_REV, REV
+    TESTS_REV, REV = a.tests_rev, a.rev
     chosen = [m for m in MUTATIONS if not a.names or m.name in a.names]
     if a.select:
         chosen = [dataclasses.replace(m, select=a.select) for m in chosen]
