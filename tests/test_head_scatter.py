@@ -70,5 +70,7 @@ def test_bad_destination_layout_is_refused():
 @pytest.mark.slow
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")
-def test_interpreter_subprocess():
-    run_interpreter_cases(__file__, at_least=4)
+def test_interpreter_subprocess(request):
+    from .conftest import interpreter_cases
+
+    run_interpreter_cases(__file__, at_least=len(interpreter_cases(request)), exactly=True)

@@ -68,10 +68,12 @@ def _health(base):
 
 
 def _wait(cond, timeout=120.0, what=""):
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+    """Poll `cond` until true: a hang guard counted in polls (timeout/0.25 of them), not a wall-clock limit."""
+    for _ in range(int(timeout / 0.25)):
+        if cond():
+            return
         time.sleep(0.25)
+    assert cond(), f"not reached in {int(timeout / 0.25)} polls: {what}"
 
 
 # ------------------------------------------------------------------ no cluster needed
