@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import cli_common as C
 from . import validation as V
-from .engine_args import add_engine_arguments, engine_options_from_args
+from .engine_args import add_engine_arguments
 from .engine_args import positive_int as _positive
 
 
@@ -262,57 +262,51 @@ def _before_launch(a: argparse.Namespace) -> None:
         C.engine_notes(a)
 
 
+def _generate_task(a: argparse.Namespace, start) -> tuple[str, str]:
+    """(the task `generate` runs with these flags, the command as typed for messages)."""
+    if a.controlnet:
+        return ("controlnet-inpaint" if a.control_mask else "controlnet"), "generate --controlnet"
+    if start is not None:
+        return ("inpaint", "generate --mask") if a.mask else ("img2img", "generate --image")
+    return "text-to-image", "generate"
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
-    from . import launch
+    from . import DEMO_MODEL, launch
+    from .cli_tasks import check_control_args, control_inputs, control_size
+    from .pipeline.common import EMBEDDED_NOTE
 
     _before_launch(a)
-    if C.is_21(a.model):
-        from .cli_tasks import run21
-
-        return run21(a, None, cmd_generate)
-    if a.parallel and not launch.is_worker():
-        return launch.run(cmd_generate, a)  # every rank runs this function again, rank 0 writes
-    from . import DEMO_MODEL
-    from .cli_tasks import check_control_args, control_pipeline
-    from .pipeline.common import EMBEDDED_NOTE
-    from .pipeline.text_to_image import QwenImagePipeline
-
     check_control_args(a)
     start, strength = _start_inputs(a, "inpaint" if a.mask else "img2img")  # bad inputs fail before loading
     if start is not None and a.controlnet:
         raise ValueError("--image/--mask (img2img, inpainting) and --controlnet do not combine; for ControlNet "
                          "inpainting use --control-mask")  # fmt: skip
     single = single_file_kwargs(a)
-    if single is None:
-        C.check_model_kind(a.model, "text-to-image")
+    task, command = _generate_task(a, start)
+    C.pipeline_class(a, task, command, single)  # the folder runs it, and the flags fit what its class can do
+    if a.parallel and not launch.is_worker():
+        return launch.run(cmd_generate, a)  # every rank runs this function again, rank 0 writes
     if a.model is None and single is None and launch.rank() == 0:
         print(EMBEDDED_NOTE.format(path=DEMO_MODEL), file=sys.stderr)
     t0 = time.perf_counter()
-    opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
-    control: dict = {}
-    if a.controlnet:
-        if single is not None or a.parallel:
-            raise ValueError("--controlnet runs with --model (a diffusers folder) on one GPU")
-        pipe, control = control_pipeline(a, opts)
-    elif single is not None:
-        pipe = QwenImagePipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
-    else:
-        pipe = QwenImagePipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, options=opts)
+    nets, control = control_inputs(a) if a.controlnet else (None, {})
+    pipe = C.load_pipeline(a, task, single, **({"controlnet": nets} if nets is not None else {}))
     loras = C.setup_pipe(pipe, a)
     t_load = time.perf_counter() - t0
-    d = pipe.defaults
-    control_size = (control.pop("width", d["width"]), control.pop("height", d["height"]))  # the control image's
-    w, h = C.model_size(pipe, a) or (V.round_size(*start[0].size, 2 * pipe.vae_scale_factor) if start else None) \
-        or control_size  # fmt: skip
+    if C.model_size(pipe, a):
+        w, h = a.size
+    elif start is not None:  # the picture's size, rounded down to the model's multiple
+        w, h = V.round_size(*start[0].size, 2 * pipe.vae_scale_factor)
+    elif a.controlnet:  # the control picture's aspect at the model's own area
+        w, h = control_size(pipe, control)
+    else:
+        h, w = pipe.output_size({})
     C.size_note(pipe, w, h)
-    steps, cfg, negative, seed = C.sampling(d, a)
-    extra, task = {}, None
-    if start is not None:  # img2img / inpainting: the same loaded model under that task's pipeline class
-        from .pipeline.auto import for_task
-
+    steps, cfg, negative, seed = C.sampling(pipe.defaults, a)
+    extra = {}
+    if start is not None:  # img2img / inpainting
         V.check_strength(strength, steps, name="--strength", steps_name="--steps")
-        task = "inpaint" if a.mask else "img2img"
-        pipe = for_task(pipe, task)
         extra = {"image": start[0], "strength": strength, **({"mask_image": start[1]} if a.mask else {})}
     t1 = time.perf_counter()
     kw = dict(negative_prompt=negative, height=h, width=w, num_inference_steps=steps, true_cfg_scale=cfg,
@@ -327,7 +321,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
             "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
     if a.controlnet:
         meta["controlnet"] = json.dumps({"nets": a.controlnet, "control": a.control, "mask": a.control_mask})
-    if task is not None:
+    if start is not None:
         meta.update(task=task, input=str(a.image), strength=str(strength), **({"mask": str(a.mask)} if a.mask else {}))
     C.meta_extras(meta, a, loras)
     if launch.rank() != 0:
@@ -341,27 +335,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def cmd_edit(a: argparse.Namespace) -> int:
-    from . import launch
+    from . import DEMO_EDIT_MODEL, launch
+    from .pipeline.images import open_image
 
     _before_launch(a)
-    if C.is_21(a.model):
-        from .cli_tasks import run21
-        from .pipeline.qwenimage21 import load_condition_images
-
-        return run21(a, load_condition_images(list(a.image)), cmd_edit)
-    if a.parallel and not launch.is_worker():
-        return launch.run(cmd_edit, a)
-
-    from . import DEMO_EDIT_MODEL
-    from .pipeline.edit import QwenImageEditPipeline, load_images
-
-    images = load_images(a.image)  # unreadable input fails before the model loads
+    images = [open_image(p, f"image[{i}]") for i, p in enumerate(a.image)]  # unreadable input fails before loading
     if a.mask and len(images) != 1:
         raise ValueError(f"--mask inpaints one image; got {len(images)}")
     start, strength = _start_inputs(a, "edit-inpaint")
     single = single_file_kwargs(a)
-    if single is None:
-        C.check_model_kind(a.model, "edit")
+    task, command = ("edit-inpaint", "edit --mask") if start is not None else ("edit", "edit")
+    C.pipeline_class(a, task, command, single)  # the folder runs it, and the flags fit what its class can do
+    if a.parallel and not launch.is_worker():
+        return launch.run(cmd_edit, a)
     if a.model is None and single is None:
         if not Path(DEMO_EDIT_MODEL).is_dir():
             raise ValueError("no embedded edit model in this install; pass --model /path/to/Qwen-Image-Edit-2509 "
@@ -369,11 +355,8 @@ def cmd_edit(a: argparse.Namespace) -> int:
         if launch.rank() == 0:
             C.note(f"no --model given, using the embedded demo edit model ({DEMO_EDIT_MODEL})")
     t0 = time.perf_counter()
-    opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
-    if single is not None:  # Edit-2509/2511 preprocessing (Edit v1 files: from_single_files(..., mode="edit"))
-        pipe = QwenImageEditPipeline.from_single_files(**single, device=a.device, dtype=a.dtype, options=opts)
-    else:
-        pipe = QwenImageEditPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype, options=opts)
+    pipe = C.load_pipeline(a, task, single)  # single files: Edit-2509/2511 preprocessing
+    caps = pipe.capabilities
     loras = C.setup_pipe(pipe, a)
     t_load = time.perf_counter() - t0
     w, h = C.model_size(pipe, a) or (None, None)
@@ -382,30 +365,31 @@ def cmd_edit(a: argparse.Namespace) -> int:
     steps, cfg, negative, seed = C.sampling(pipe.defaults, a)
     kw = dict(negative_prompt=negative, height=h, width=w, num_inference_steps=steps, true_cfg_scale=cfg)
     t1 = time.perf_counter()
-    if start is not None:  # edit-inpainting: the same loaded model under that pipeline class, one call per image
-        from .pipeline.auto import for_task
-
+    if start is not None:  # edit-inpainting, one call per image
         V.check_strength(strength, steps, name="--strength", steps_name="--steps")
         if w is not None:
             C.note("--size is ignored with --mask: edit inpainting follows the image's size")
-        run = for_task(pipe, "edit-inpaint")
-        out = C.one_by_one(lambda **k: run(images, a.prompt, **k), seed, a.n, mask_image=start[1], strength=strength,
-                           **kw)  # fmt: skip
+        out = C.one_by_one(lambda **k: pipe(image=images, prompt=a.prompt, **k), seed, a.n, mask_image=start[1],
+                           strength=strength, **kw)  # fmt: skip
     else:
-        out = pipe(images, a.prompt, generator=C.generators(seed, a.n), num_images_per_prompt=a.n, **kw).images
+        out = pipe(image=images, prompt=a.prompt, generator=C.generators(seed, a.n), num_images_per_prompt=a.n,
+                   **kw).images  # fmt: skip
     t_gen = time.perf_counter() - t1
     ow, oh = out[0].size
     meta = {"prompt": a.prompt, "negative_prompt": negative or "", "steps": str(steps),
-            "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "mode": pipe.mode,
+            "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path,
+            **({"mode": caps.variant} if caps.variant else {}),
             "inputs": json.dumps([str(p) for p in a.image]), "generator": "qwenfast"}  # fmt: skip
     if start is not None:
         meta.update(task="edit-inpaint", mask=str(a.mask), strength=str(strength))
     C.meta_extras(meta, a, loras)
     if launch.rank() != 0:
         return 0
+    if a.parallel:
+        meta["parallel"] = a.parallel
     paths = C.save_pngs(out, Path(a.output), meta, seed)
     print(f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {ow}x{oh}, "
-          f"{pipe.mode}; load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+          f"{caps.variant or caps.model_type}; load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})")  # fmt: skip
     return 0
 
 

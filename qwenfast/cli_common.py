@@ -185,34 +185,49 @@ def save_pngs(images: list, output: Path, meta: dict[str, str], seed: int | None
     return paths
 
 
-def check_model_kind(model: str | None, want: str) -> None:
-    """`--model` of the wrong kind: say which command runs it (the loader's advice is for Python users)."""
-    if model is None:
-        return
-    from .loading.diffusers_folder import inspect_folder
-
-    kind, problems = inspect_folder(Path(model))
-    if kind is None or problems:
-        return  # the loader reports what is missing
-    if want == "edit" and kind == "text-to-image":
-        raise ValueError(f"{model} is a text-to-image model (Qwen-Image layout); `qwenfast edit` needs an edit model "
-                         f"(Qwen-Image-Edit, -2509, -2511). To make an image from a prompt with it: "
-                         f"qwenfast generate \"PROMPT\" --model {model}")  # fmt: skip
-    if want == "text-to-image" and kind == "layered":
-        raise ValueError(f"{model} is a Qwen-Image-Layered model; split a picture into layers with: "
-                         f"qwenfast layers IMAGE.png -o DIR --model {model}")  # fmt: skip
-    if want == "text-to-image" and kind not in ("text-to-image", "controlnet", "controlnet-inpaint"):
-        raise ValueError(f"{model} is a Qwen-Image edit model ({kind}); `qwenfast generate` needs a text-to-image "
-                         f"model (Qwen-Image, -2512). To edit pictures with it: "
-                         f"qwenfast edit IMAGE.png --prompt \"INSTRUCTION\" --model {model}")  # fmt: skip
+# The image commands by the task they run, and how to run one: what a --model that cannot run a command's
+# task is told to use instead (which tasks a folder runs is the pipeline registry's answer, pipeline/auto.py).
+HOW_TO_RUN = (
+    ("text-to-image", 'To make an image from a prompt with it: qwenfast generate "PROMPT" --model {model}'),
+    ("edit", 'To edit pictures with it: qwenfast edit IMAGE.png --prompt "INSTRUCTION" --model {model}'),
+    ("layered", "To split a picture into layers with it: qwenfast layers IMAGE.png -o DIR --model {model}"),
+)
 
 
-def is_21(model: str | None) -> bool:
-    """Whether --model is a Qwen-Image-2.1 folder (model_index.json names QwenImage21Pipeline)."""
-    f = Path(model) / "model_index.json" if model else None
-    if f is None or not f.is_file():
-        return False
+def pipeline_class(a: argparse.Namespace, task: str, command: str, single: dict | None = None, hint: str = ""):
+    """The pipeline class that will run `task` for this command (the registry's, before anything loads),
+    and the flags checked against what it declares it can do (`CAPABILITIES`): a --model that runs
+    another task says which command runs it (`hint`: where to get the right model), --parallel and
+    single files only where the class takes them, --size with the class's multiple."""
+    from .errors import CheckpointError
+    from .pipeline import auto
+
     try:
-        return json.loads(f.read_text()).get("_class_name") == "QwenImage21Pipeline"
-    except (ValueError, OSError):
-        return False
+        cls = auto.pipeline_class(None if single is not None else a.model, task)
+    except CheckpointError:  # no readable model_index.json: the loader says what is missing
+        cls = auto.pipeline_class(None, task)
+    except ValueError:
+        kind = auto.folder_kind(a.model)
+        how = next((how for t, how in HOW_TO_RUN if t in auto.folder_tasks(kind)), None)
+        msg = f"{a.model} is {auto.describe(kind)}; `qwenfast {command}` needs {auto.pipeline_class(None, task).checkpoints}"
+        raise ValueError(msg + (f". {how.format(model=a.model)}" if how else "") + (f"; {hint}" if hint else "")) from None
+    caps = cls.CAPABILITIES
+    if single is not None and not caps.single_files:
+        raise ValueError(f"`qwenfast {command}` ({task}) loads a diffusers folder (--model), not single files")
+    if getattr(a, "parallel", None) and not caps.parallel:
+        raise ValueError(f"`qwenfast {command}` ({task}) runs on one GPU (no --parallel)")
+    if getattr(a, "size", None):  # refused before loading; the model's own multiple again after (model_size)
+        V.check_size(*a.size, multiple=caps.size_multiple, name="--size")
+    return cls
+
+
+def load_pipeline(a: argparse.Namespace, task: str, single: dict | None = None, **kwargs):
+    """The pipeline of `task` from --model (None: the task's embedded demo) or the single files, through
+    the pipeline registry, with the engine options of the flags; `kwargs` to the class's loader."""
+    from .engine_args import engine_options_from_args
+    from .pipeline import auto
+
+    opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
+    if single is not None:
+        return auto.from_single_files(**single, task=task, device=a.device, dtype=a.dtype, options=opts, **kwargs)
+    return auto.from_pretrained(a.model, task=task, device=a.device, dtype=a.dtype, options=opts, **kwargs)

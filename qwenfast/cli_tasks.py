@@ -10,12 +10,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from . import cli_common as C
-from .engine_args import add_engine_arguments, engine_options_from_args
+from .engine_args import add_engine_arguments
 from .engine_args import positive_int as _positive
 from .validation import path_and_number
 
@@ -75,18 +74,12 @@ def check_control_args(a: argparse.Namespace) -> None:
             raise ValueError(f"no such picture {p!r}")
 
 
-def control_pipeline(a: argparse.Namespace, opts):
-    """The ControlNet pipeline for `generate --control`, and its extra call arguments."""
+def control_inputs(a: argparse.Namespace) -> tuple[object, dict]:
+    """(`controlnet=` for the loader: one path or a list, the ControlNet call arguments) of `generate --control`."""
     from PIL import Image
 
-    from .pipeline.controlnet import QwenImageControlNetInpaintPipeline, QwenImageControlNetPipeline
-    from .pipeline.edit import calculate_dimensions
-
-    cls = QwenImageControlNetInpaintPipeline if a.control_mask else QwenImageControlNetPipeline
     paths = [p for p, _ in a.controlnet]
     many = len(a.control) > 1
-    pipe = cls.from_pretrained(a.model, controlnet=paths if many else paths[0], device=a.device, dtype=a.dtype,
-                               options=opts)  # fmt: skip
     scales = [s for _, s in a.controlnet]
     scales = scales * len(a.control) if len(scales) == 1 else scales
     pictures = [Image.open(p) for p in a.control]
@@ -95,11 +88,17 @@ def control_pipeline(a: argparse.Namespace, opts):
           "controlnet_conditioning_scale": scales if many else scales[0]}  # fmt: skip
     if a.control_mask:
         kw["control_mask"] = Image.open(a.control_mask)
-    if not a.size:  # the picture's aspect at the model's own area (multiples of 32)
-        d = pipe.defaults
-        w, h = calculate_dimensions(d["width"] * d["height"], pictures[0].width / pictures[0].height)
-        kw.update(width=w, height=h)
-    return pipe, kw
+    return (paths if many else paths[0]), kw
+
+
+def control_size(pipe, control: dict) -> tuple[int, int]:
+    """(width, height) without --size: the (first) control picture's aspect at the model's own area
+    (multiples of 32)."""
+    from .pipeline.edit import calculate_dimensions
+
+    first = control["control_image"][0] if isinstance(control["control_image"], list) else control["control_image"]
+    d = pipe.defaults
+    return calculate_dimensions(d["width"] * d["height"], first.width / first.height)
 
 
 # ---------------------------------------------------------------------------------------------- layers
@@ -126,25 +125,18 @@ def add_layers_parser(sub) -> None:
     add_engine_arguments(p)
 
 
-def check_layered_model(model: str | None) -> None:
-    """--model of `qwenfast layers`: given, a folder, and a Qwen-Image-Layered one; else say where to get it."""
-    if model is None:
+def check_layered_model(a: argparse.Namespace) -> None:
+    """--model of `qwenfast layers`: given, a folder, and one the registry runs "layered" on; else say
+    where to get Qwen-Image-Layered."""
+    if a.model is None:
         raise ValueError(f"`qwenfast layers` needs --model, a Qwen-Image-Layered folder; {LAYERED_HINT}")
-    if not Path(model).is_dir():
-        raise ValueError(f"--model {model}: no such folder; {LAYERED_HINT}")
-    from .loading.diffusers_folder import inspect_folder
-
-    kind, problems = inspect_folder(Path(model))
-    if kind is not None and not problems and kind != "layered":
-        raise ValueError(f"{model} is a {kind} model, not Qwen-Image-Layered; {LAYERED_HINT}")
+    if not Path(a.model).is_dir():
+        raise ValueError(f"--model {a.model}: no such folder; {LAYERED_HINT}")
+    C.pipeline_class(a, "layered", "layers", hint=LAYERED_HINT)
 
 
 def cmd_layers(a: argparse.Namespace) -> int:
     """`qwenfast layers IMG -o DIR`: one RGBA PNG per layer (decomposition i of --n: seed + i)."""
-    from .pipeline.layered import QwenImageLayeredPipeline
-
-    if a.parallel:
-        raise ValueError("`qwenfast layers` runs on one GPU (no --parallel)")
     a.size = None
     C.check_values(a)
     from . import validation as V
@@ -153,13 +145,12 @@ def cmd_layers(a: argparse.Namespace) -> int:
     if a.resolution % 32 or not 64 <= a.resolution <= 2048:
         raise ValueError(f"--resolution must be a multiple of 32 in 64..2048 (640 is recommended, 1024 the other "
                          f"size the model was trained at), got {a.resolution}")  # fmt: skip
-    check_layered_model(a.model)
+    check_layered_model(a)  # and --parallel: the layered pipeline runs on one GPU
     if not Path(a.image).is_file():
         raise ValueError(f"no such picture {a.image!r}")
     C.engine_notes(a)
     t0 = time.perf_counter()
-    pipe = QwenImageLayeredPipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
-                                                    options=engine_options_from_args(a))  # fmt: skip
+    pipe = C.load_pipeline(a, "layered")
     loras = C.setup_pipe(pipe, a)
     t_load = time.perf_counter() - t0
     steps, cfg, negative, seed = C.sampling(pipe.defaults, a)
@@ -181,45 +172,4 @@ def cmd_layers(a: argparse.Namespace) -> int:
     w, h = out.images[0][0].size
     print(f"saved {len(paths)} RGBA layers to {folder}/ ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, "
           f"{w}x{h}; load {t_load:.1f}s, decompose {t_gen:.2f}s on {pipe.device})")  # fmt: skip
-    return 0
-
-
-# ------------------------------------------------------------------------------------ Qwen-Image-2.1
-
-
-def run21(a: argparse.Namespace, images: list | None, again=None) -> int:
-    """generate / edit with a Qwen-Image-2.1 folder (one pipeline for both; 1-10 images, RGBA PNGs).
-    `again`: the command, which with --parallel every rank runs again (rank 0 writes)."""
-    from . import launch
-    from . import validation as V
-    from .pipeline.qwenimage21 import QwenImage21Pipeline
-
-    if a.size:  # 2.1 makes multiples of 32 (VAE 16x): refuse others before loading
-        V.check_size(*a.size, multiple=32, name="--size")
-    if a.parallel and not launch.is_worker():
-        return launch.run(again, a)
-    t0 = time.perf_counter()
-    pipe = QwenImage21Pipeline.from_pretrained(a.model, device=a.device, dtype=a.dtype,
-                                               options=engine_options_from_args(a))  # fmt: skip
-    loras = C.setup_pipe(pipe, a)
-    t_load = time.perf_counter() - t0
-    w, h = C.model_size(pipe, a) or (None, None)
-    steps, cfg, negative, seed = C.sampling(pipe.defaults, a)
-    t1 = time.perf_counter()
-    out = pipe(a.prompt, image=images, negative_prompt=negative, height=h, width=w, num_inference_steps=steps,
-               true_cfg_scale=cfg, generator=C.generators(seed, a.n), num_images_per_prompt=a.n)  # fmt: skip
-    t_gen = time.perf_counter() - t1
-    ow, oh = out.images[0].size
-    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "steps": str(steps),
-            "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
-    if images:
-        meta["inputs"] = json.dumps([str(p) for p in a.image])
-    C.meta_extras(meta, a, loras)
-    if launch.rank() != 0:
-        return 0
-    if a.parallel:
-        meta["parallel"] = a.parallel
-    paths = C.save_pngs(out.images, Path(a.output), meta, seed)
-    print(f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {ow}x{oh}, "
-          f"Qwen-Image-2.1; load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
     return 0

@@ -47,7 +47,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     import torch
 
     from . import DEMO_MODEL
-    from .loading.diffusers_folder import inspect_folder
+    from .pipeline.auto import check_folder
 
     print(f"python       {platform.python_version()} ({sys.executable})")
     print(f"torch        {torch.__version__}")
@@ -74,7 +74,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
     print(f"attention    {_attention_libraries()}")
     print(f"parallel     {_parallel_line()}")
     path = Path(a.model or DEMO_MODEL)
-    kind, problems = inspect_folder(path)
+    kind, problems = check_folder(path)  # the pipeline registry's: any model family qwenfast loads
     if problems:
         print(f"model        {path}: INCOMPLETE")
         for pr in problems:

@@ -41,14 +41,23 @@ from . import sampling as S
 from .common import OUTPUT_TYPES, Generators, QwenImageOutput, postprocess, randn_tensor
 from .diffusers_compat import DiffusersMethods
 from .prompts import PromptConds
+from .state import SharedState, view
+from .tasks import Capabilities, model_capabilities, view_class
 
 log = logging.getLogger("qwenfast")
 
 
-class PipelineBase(DiffusersMethods, PromptConds):
-    """Shared machinery; see the module docstring. Subclasses define `__call__` and the conditioning.
-    diffusers' pipeline methods (`.to()`, `enable_model_cpu_offload`, `interrupt`, ...) come from
-    `DiffusersMethods` (diffusers_compat.py), prompt conditioning from `PromptConds` (prompts.py)."""
+class PipelineBase(SharedState, DiffusersMethods, PromptConds):
+    """Shared machinery; see the module docstring. Subclasses define `__call__` and the conditioning,
+    and declare what they load and can do (`folder_kinds`, `needs`, `checkpoints`, `CAPABILITIES`:
+    pipeline/tasks.py). diffusers' pipeline methods (`.to()`, `enable_model_cpu_offload`, `interrupt`,
+    ...) come from `DiffusersMethods` (diffusers_compat.py), prompt conditioning from `PromptConds`
+    (prompts.py); the loaded model's attributes live in one state its task views share (state.py)."""
+
+    folder_kinds: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
+    checkpoints = ""
+    CAPABILITIES: Capabilities
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config: SchedulerConfig, *,
                  model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
@@ -163,7 +172,8 @@ class PipelineBase(DiffusersMethods, PromptConds):
         fused bf16 to unmerged beside the FP8 GEMMs. Returns the number of FP8 layers."""
         from ..kernels.fp8_linear import FP8Linear, quantize_model
 
-        m = self.__dict__.get("_lora_manager")
+        m = getattr(self, "_lora_manager", None)
+        m = m if m is not None and m.model is self.transformer else None  # (a copy's replaced transformer)
         if m is not None and m.active:
             m.unfuse_all()  # bitwise bf16 base first: quantise the base, not base + LoRA
         quantize_model(self.transformer)
@@ -264,11 +274,29 @@ class PipelineBase(DiffusersMethods, PromptConds):
 
     def for_task(self, task: str):
         """This loaded model under the pipeline class of `task` ("img2img" / "inpaint" for text-to-image
-        models, "edit-inpaint" for edit models), sharing weights, options and LoRAs with this pipeline
-        (see `qwenfast.pipeline.auto.for_task`)."""
-        from .tasks import for_task
+        models, "edit-inpaint" for edit models): a thin object over the same model state (weights,
+        options, graphs, LoRAs, caches; pipeline/state.py), so a `configure` or `load_lora` on either
+        is seen by both. `self` when its class runs `task`."""
+        cls = view_class(type(self), task)
+        return self if type(self) is cls else view(self, cls)
 
-        return for_task(self, task)
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this loaded model can do (pipeline/tasks.py): its class's declaration answered for its
+        folder, with every task `for_task` reaches. What the CLI and the server read."""
+        return model_capabilities(self)
+
+    def _capabilities_of(self, cls: type) -> Capabilities:
+        """`cls.CAPABILITIES` answered for this model's folder; a class whose limits depend on the folder
+        (edit models) declares its rule here."""
+        return cls.CAPABILITIES
+
+    @classmethod
+    def check_folder(cls, path: Path) -> list[str]:
+        """What is missing or broken in a model folder this class loads ([] when it looks complete)."""
+        from ..loading.diffusers_folder import inspect_folder
+
+        return inspect_folder(path)[1]
 
     # ---------------------------------------------------------------- properties
     @property
@@ -300,7 +328,7 @@ class PipelineBase(DiffusersMethods, PromptConds):
     @property
     def lora_manager(self):
         """The LoRAs fused into `self.transformer` (created on first use; see `LoraManager`)."""
-        m = self.__dict__.get("_lora_manager")
+        m = getattr(self, "_lora_manager", None)
         if m is None or m.model is not self.transformer:
             if m is not None and m.active:
                 raise RuntimeError("pipe.transformer was replaced while LoRAs were fused into the old one")

@@ -43,6 +43,7 @@ from .common import (
 from .diffusers_compat import DiffusersCall, loading_args
 from .images import IMAGE, MASK, ImageSpec, preprocess
 from .sampling import StepCallback
+from .tasks import Capabilities
 from .text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
 __all__ = ["QwenImageControlNetPipeline", "QwenImageControlNetInpaintPipeline", "ControlForward", "load_controlnets"]
@@ -148,7 +149,10 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
     Union net for every image).
     """
 
-    kind = "controlnet"
+    folder_kinds = ("text-to-image", "controlnet")  # a saved ControlNet pipeline folder holds its net
+    needs = ("controlnet",)
+    checkpoints = "a text-to-image model (Qwen-Image, -2512) and a ControlNet"
+    CAPABILITIES = Capabilities("qwen-image", tasks=("controlnet",), max_images=1, parallel=())
 
     def __init__(self, transformer, vae, text_encoder, scheduler_config, *, controlnet: ControlNets, **kwargs):
         self.controlnet = controlnet  # before the base init: its configure() reaches the ControlNet
@@ -358,7 +362,9 @@ class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
     """Inpainting with the InstantX inpainting ControlNet (diffusers' `QwenImageControlNetInpaintPipeline`):
     the ControlNet sees the masked image's latents and the mask; white mask pixels are repainted."""
 
-    kind = "controlnet-inpaint"
+    folder_kinds = ("text-to-image", "controlnet-inpaint")
+    checkpoints = "a text-to-image model (Qwen-Image, -2512) and an inpainting ControlNet"
+    CAPABILITIES = Capabilities("qwen-image", tasks=("controlnet-inpaint",), max_images=1, mask=True, parallel=())
 
     def encode_masked(self, image, mask, height: int, width: int, batch: int, n: int) -> torch.Tensor:
         """diffusers' `prepare_image_with_mask` -> packed (batch, N, 68) [masked latents, 1 - mask]."""

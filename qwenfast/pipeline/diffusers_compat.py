@@ -98,7 +98,7 @@ class DiffusersCall:
         p._interrupt = False
         p._guidance_scale, p._attention_kwargs = self.guidance_scale, self.attention_kwargs
         p._current_timestep, p._num_timesteps = None, None
-        m = p.__dict__.get("_lora_manager")
+        m = getattr(p, "_lora_manager", None)
         if self.lora_scale != 1.0 and m is not None and m.active:
             # by name: a dict source matches the active LoRA of that name (LoraManager.set)
             self._restore = [({}, a.strength, a.name) for a in m.active.values()]

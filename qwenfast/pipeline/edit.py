@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ from .common import (
 )
 from .diffusers_compat import DiffusersCall, loading_args
 from .sampling import StepCallback
+from .tasks import Capabilities
 from .text_to_image import QwenImagePipeline
 
 DEFAULT_EDIT_MODEL = ASSETS / "demo-edit"
@@ -133,7 +135,11 @@ class QwenImageEditPipeline(QwenImagePipeline):
     `model_index.json`; for single-file checkpoints it defaults to "edit-plus".
     """
 
-    kind = "edit"
+    folder_kinds = MODES
+    checkpoints = "an edit model (Qwen-Image-Edit, -2509, -2511)"
+    # Edit-2509/2511's; a loaded model answers for its folder (`_capabilities_of`: MAX_IMAGES by mode)
+    CAPABILITIES = Capabilities("qwen-image-edit-plus", tasks=("edit",), max_images=MAX_IMAGES["edit-plus"],
+                                single_files=True, variant="edit-plus")
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config, *, model_path: str = "",
                  defaults: dict | None = None, mode: str = "edit-plus", image_processor=None,
@@ -180,6 +186,12 @@ class QwenImageEditPipeline(QwenImagePipeline):
         pipe = super().from_single_files(*args, **kwargs)
         pipe.mode = mode
         return pipe
+
+    def _capabilities_of(self, cls: type) -> Capabilities:
+        """The rule of the edit classes: the model type, and at most MAX_IMAGES[mode] images, by folder."""
+        c = cls.CAPABILITIES
+        return replace(c, model_type=f"qwen-image-{self.mode}", variant=self.mode,
+                       max_images=min(c.max_images, MAX_IMAGES[self.mode]))  # fmt: skip
 
     # ---------------------------------------------------------------- preprocessing
     def prepare_images(self, images: list) -> tuple[list, list, tuple[int, int]]:

@@ -23,6 +23,7 @@ from .common import QwenImageOutput, randn_tensor
 from .diffusers_compat import DiffusersCall
 from .images import IMAGE_LATENTS, MASK, open_image, preprocess
 from .sampling import StepCallback
+from .tasks import Capabilities
 from .text_to_image import QwenImagePipeline
 
 
@@ -152,6 +153,8 @@ class QwenImageImg2ImgPipeline(QwenImagePipeline):
     size, 1024² for Qwen-Image, as diffusers); arrays and tensors mean what they mean in diffusers
     (`images.py`), and a (k, 16, h, w) tensor is taken as the image's latents, as diffusers does.
     """
+
+    CAPABILITIES = Capabilities("qwen-image", tasks=("img2img",), max_images=1, single_files=True)
 
     @torch.no_grad()
     def __call__(

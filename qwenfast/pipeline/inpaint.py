@@ -31,6 +31,7 @@ from .img2img import (
     tile_rows,
 )
 from .sampling import StepCallback, pack_latents
+from .tasks import Capabilities
 from .text_to_image import log
 
 
@@ -48,6 +49,8 @@ class QwenImageInpaintPipeline(QwenImageImg2ImgPipeline):
     as diffusers' mask processor reads them, see `images.py`); it is resized to the output size like
     the image. The output is height x width (default: the model's default size, as diffusers).
     """
+
+    CAPABILITIES = Capabilities("qwen-image", tasks=("inpaint",), max_images=1, mask=True, single_files=True)
 
     @torch.no_grad()
     def __call__(
@@ -95,6 +98,9 @@ class QwenImageEditInpaintPipeline(QwenImageEditPipeline):
     ("Picture 1:", VL image at ~384²), which diffusers has no inpainting pipeline for. The mask is
     read as diffusers' mask processor reads it (`images.py`).
     """
+
+    CAPABILITIES = Capabilities("qwen-image-edit-plus", tasks=("edit-inpaint",), max_images=1, mask=True,
+                                single_files=True, variant="edit-plus")  # answered per folder: `_capabilities_of`
 
     def output_size(self, call_args: dict) -> tuple[int, int]:
         """(height, width): the image's aspect at the model's VAE area, whatever height/width say."""

@@ -44,6 +44,7 @@ from .diffusers_compat import DiffusersCall, loading_args
 from .edit import calculate_dimensions, load_image_processor
 from .images import pil_image
 from .sampling import StepCallback
+from .tasks import Capabilities
 
 log = logging.getLogger("qwenfast")
 
@@ -70,7 +71,9 @@ class QwenImageLayeredPipeline(PipelineBase):
     """`QwenImageLayeredPipeline.from_pretrained(path)(image, "a cat on a sofa", layers=4).images[0]`
     -> a list of `layers` RGBA PIL images (one list per output)."""
 
-    kind = "layered"
+    folder_kinds = ("layered",)
+    checkpoints = "Qwen-Image-Layered"
+    CAPABILITIES = Capabilities("qwen-image-layered", tasks=("layered",), max_images=1, rgba=True, parallel=())
 
     def __init__(self, transformer, vae, text_encoder, scheduler_config, *, image_processor=None, **kwargs):
         super().__init__(transformer, vae, text_encoder, scheduler_config, **kwargs)
@@ -90,7 +93,7 @@ class QwenImageLayeredPipeline(PipelineBase):
         keyword arguments (`torch_dtype=`, ...) as `QwenImagePipeline.from_pretrained`."""
         path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
-        f = load_folder(path, device, dtype, opts.offload, ("layered",),
+        f = load_folder(path, device, dtype, opts.offload, cls.folder_kinds,
                         "QwenImageLayeredPipeline runs Qwen-Image-Layered checkpoints")  # fmt: skip
         return cls(f.transformer, f.vae, f.te, f.sched, image_processor=load_image_processor(f.path / "processor"),
                    model_path=str(f.path), defaults=f.extra.get("defaults"), options=opts, device=f.device,

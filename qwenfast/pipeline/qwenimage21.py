@@ -47,6 +47,7 @@ from .common import (
     resolve_dtype,
 )
 from .diffusers_compat import DiffusersCall, loading_args
+from .tasks import Capabilities
 
 log = logging.getLogger("qwenfast")
 MAX_IMAGES = 10
@@ -152,7 +153,11 @@ class _Forward21:
 class QwenImage21Pipeline(PipelineBase):
     """Qwen-Image-2.1. `QwenImage21Pipeline.from_pretrained(path)(prompt, image=[...]).images[0]`."""
 
-    kind = "qwen-image-2.1"
+    folder_kinds = ("qwen-image-2.1",)
+    checkpoints = "Qwen-Image-2.1"
+    # one class for both tasks; no per-call step cache (a pipeline-wide `cache` option works)
+    CAPABILITIES = Capabilities("qwen-image-2.1", tasks=("text-to-image", "edit"), max_images=MAX_IMAGES, rgba=True,
+                                step_cache=False, size_multiple=32)
     _attention_mask_refused = False  # diffusers' 2.1 transformer ignores attention_kwargs other than `scale`
 
     def __init__(self, transformer, vae, text_encoder: TextEncoder21, scheduler_config, *, sample_sigmas=None,
@@ -182,6 +187,11 @@ class QwenImage21Pipeline(PipelineBase):
         """Drop every captured CUDA graph, its memory pool and the static KV caches they read."""
         super().release_graphs()
         self._static_caches.clear()
+
+    @classmethod
+    def check_folder(cls, path: Path) -> list[str]:
+        """What is missing or broken in a Qwen-Image-2.1 folder ([] when it looks complete)."""
+        return inspect_folder21(path)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: Device = None, dtype: DType = None, offload: str | None = None,

@@ -1,59 +1,149 @@
-"""Which pipeline class runs which task on which model folder, and `for_task`: a loaded pipeline under
-another task's class. Imports the pipeline classes by name only (importlib), so that `base.py`
-(`PipelineBase.for_task`) and `auto.py` can both use it without an import cycle.
+"""What each pipeline class can do (`Capabilities`), and the registry's answers from those declarations:
+the class of (folder kind, task), the tasks of a folder or of a loaded model, the class of `for_task`.
+
+Every pipeline class declares, as class-level data:
+- `folder_kinds`: the model folders it loads (`model_index.json` kinds as `loading/` names them, plus
+  "qwen-image-2.1"); the first registered class that loads a kind (and needs nothing more) is that
+  folder's default;
+- `needs`: what it takes beyond the folder's model (the ControlNet pipelines: a "controlnet");
+- `checkpoints`: the released models it loads, as error messages name them;
+- `CAPABILITIES`: its tasks and limits. Where a limit depends on the loaded folder (Edit v1 takes one
+  image, Edit-2509/2511 up to three), the class declares the rule (`_capabilities_of`) and a loaded
+  pipeline answers for its folder (`pipe.capabilities`), never by probing.
+
+`pipeline/auto.py` lists the classes (`PIPELINES`, in registry order). The functions here read that list
+by module name (`registered`): auto.py imports every pipeline module, each of which imports base.py,
+whose `for_task` and `capabilities` call here; a static import would be a cycle. The CLI and the server
+ask these functions and read the declarations; they keep no table of model kinds or tasks of their own.
 """
 
 from __future__ import annotations
 
 import importlib
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-T2I, EDIT = ("text-to-image",), ("edit", "edit-plus")
-# task -> (module, class, the folder kinds that run it)
-TASKS = {
-    "text-to-image": ("text_to_image", "QwenImagePipeline", T2I),
-    "img2img": ("img2img", "QwenImageImg2ImgPipeline", T2I),
-    "inpaint": ("inpaint", "QwenImageInpaintPipeline", T2I),
-    "edit": ("edit", "QwenImageEditPipeline", EDIT),
-    "edit-inpaint": ("inpaint", "QwenImageEditInpaintPipeline", EDIT),
-    "controlnet": ("controlnet", "QwenImageControlNetPipeline", ("text-to-image", "controlnet")),
-    "controlnet-inpaint": ("controlnet", "QwenImageControlNetInpaintPipeline", ("text-to-image", "controlnet-inpaint")),
-    "layered": ("layered", "QwenImageLayeredPipeline", ("layered",)),
-}
 ALIASES = {"txt2img": "text-to-image", "t2i": "text-to-image"}
-# the task a folder kind runs when none is asked for
-DEFAULT_TASK = {"text-to-image": "text-to-image", "edit": "edit", "edit-plus": "edit", "controlnet": "controlnet",
-                "controlnet-inpaint": "controlnet-inpaint", "layered": "layered"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a pipeline class can do (`CAPABILITIES`), or a loaded model (`pipe.capabilities`: every task
+    it runs through `for_task`, the largest image count and any mask among them)."""
+
+    model_type: str  # the model's name in the server's /health and /v1/models: "qwen-image", "qwen-image-2.1", ...
+    tasks: tuple[str, ...]  # the tasks it runs, in registry order: "text-to-image", "img2img", "inpaint", "edit", ...
+    max_images: int = 0  # input images one call takes at most (0: none)
+    rgba: bool = False  # input images keep their alpha channel, outputs are RGBA
+    mask: bool = False  # inpaints: a call takes a mask
+    step_cache: bool = True  # the step cache preset may change from call to call (`configure(cache=...)`)
+    lora: bool = True  # LoRAs: `load_lora`, `set_loras`
+    parallel: tuple[str, ...] = ("cfg", "ulysses")  # the axes of `EngineOptions.parallel` it runs; () one GPU
+    single_files: bool = False  # loads ComfyUI single files (`from_single_files`)
+    size_multiple: int = 16  # output sides are multiples of this (twice the VAE's downscale)
+    variant: str = ""  # the folder's variant where one class loads several (Edit: "edit" v1, "edit-plus")
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Capabilities:
+        """The inverse of `as_dict` (Ray Serve's ingress rebuilds a replica's answer from it)."""
+        return cls(**{**d, "tasks": tuple(d["tasks"]), "parallel": tuple(d["parallel"])})
+
+
+def registered() -> tuple[type, ...]:
+    """Every pipeline class, in registry order (`pipeline/auto.py`; see the module docstring)."""
+    return importlib.import_module(f"{__package__}.auto").PIPELINES
+
+
+def known_tasks() -> list[str]:
+    return list(dict.fromkeys(t for c in registered() for t in c.CAPABILITIES.tasks))
+
+
+def _fits(cls: type, kind: str | None) -> bool:
+    return kind is None or kind in cls.folder_kinds
+
+
+def _resolve(kind: str | None, task: str) -> str:
+    """`task` as the registry names it: aliases, and "inpaint" on an edit folder is its "edit-inpaint"."""
+    task = ALIASES.get(task, task)
+    if task == "inpaint" and kind is not None and not folder_runs(kind, "inpaint") and folder_runs(kind, "edit-inpaint"):
+        return "edit-inpaint"
+    return task
+
+
+def folder_runs(kind: str, task: str) -> bool:
+    return any(task in c.CAPABILITIES.tasks for c in registered() if _fits(c, kind))
+
+
+def folder_tasks(kind: str) -> list[str]:
+    """Every task a folder of `kind` runs (some with a ControlNet), in registry order."""
+    return list(dict.fromkeys(t for c in registered() if _fits(c, kind) for t in c.CAPABILITIES.tasks))
+
+
+def default_class(kind: str | None, controlnet: bool = False) -> type:
+    """The class a folder of `kind` loads as when no task is asked for (`controlnet`: a ControlNet is given)."""
+    fits = [c for c in registered() if _fits(c, kind)]
+    if not fits:
+        raise ValueError(f"no qwenfast pipeline loads a {kind!r} model folder")
+    have = ("controlnet",) if controlnet else ()
+    return next((c for c in fits if tuple(c.needs) == have), fits[0])
+
+
+def describe(kind: str) -> str:
+    """The models a folder of `kind` holds, as messages name them."""
+    return default_class(kind).checkpoints
 
 
 def task_class(kind: str | None, task: str | None = None, controlnet: bool = False) -> type:
-    """The class running `task` on a folder of `kind` (None task: the folder's own; "inpaint" on an
-    edit folder means edit-inpaint; `controlnet` True picks the ControlNet pipeline by default)."""
+    """The class running `task` on a folder of `kind` (None: no folder, e.g. single files). No task: the
+    folder's own; a ValueError names what the task needs and what this folder runs instead."""
     if task is None:
-        task = "controlnet" if controlnet and kind == "text-to-image" else DEFAULT_TASK.get(kind, "text-to-image")
+        return default_class(kind, controlnet)
+    task = _resolve(kind, task)
+    runs = [c for c in registered() if task in c.CAPABILITIES.tasks]
+    if not runs:
+        raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(known_tasks())}")
+    for c in runs:
+        if _fits(c, kind):
+            return c
+    raise ValueError(f"task {task!r} needs {runs[0].checkpoints}; this folder holds {describe(kind)}, which runs the "
+                     f"tasks {folder_tasks(kind)}")  # fmt: skip
+
+
+def view_class(cls: type, task: str) -> type:
+    """The class `for_task(task)` gives for a pipeline of class `cls`: one that loads the same folders
+    and needs nothing `cls` lacks (a text-to-image pipeline has no ControlNet to lend)."""
     task = ALIASES.get(task, task)
-    if task == "inpaint" and kind in EDIT:
-        task = "edit-inpaint"
-    if task not in TASKS:
-        raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
-    module, name, kinds = TASKS[task]
-    if kind is not None and kind not in kinds:
-        ok = [t for t, (_, _, k) in TASKS.items() if kind in k]
-        needs = {"text-to-image": "a text-to-image model (Qwen-Image, -2512)", "edit": "an edit model (Qwen-Image-Edit, "
-                 "-2509, -2511)", "edit-plus": "an edit model", "layered": "Qwen-Image-Layered"}.get(kinds[0], kinds[0])  # fmt: skip
-        raise ValueError(f"task {task!r} needs {needs}; this Qwen-Image {kind} model runs the tasks {ok}")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    if task == "inpaint" and "inpaint" not in _reachable_tasks(cls):
+        task = "edit-inpaint" if "edit-inpaint" in _reachable_tasks(cls) else task
+    runs = [c for c in registered() if task in c.CAPABILITIES.tasks]
+    if not runs:
+        raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(known_tasks())}")
+    for c in runs:
+        if _reaches(cls, c):
+            return c
+    raise ValueError(f"a loaded {cls.__name__} does not run {task!r}, which needs {runs[0].checkpoints}; it runs "
+                     f"{_reachable_tasks(cls)}")  # fmt: skip
 
 
-def for_task(pipe: Any, task: str) -> Any:
-    """`pipe`'s loaded model under the class of `task`, sharing everything with `pipe`: weights, engine
-    options, LoRAs, captured graphs, caches (the two objects share one state, so a `configure` or
-    `load_lora` on either is seen by both). What the server and the CLI use to inpaint with a loaded
-    text-to-image or edit pipeline without loading it twice."""
-    kind = "edit" if hasattr(pipe, "mode") else "text-to-image"
-    cls = task_class(kind, task)
-    if type(pipe) is cls:
-        return pipe
-    view = cls.__new__(cls)
-    view.__dict__ = pipe.__dict__  # one state, two classes: nothing to keep in sync
-    return view
+def _reaches(cls: type, other: type) -> bool:
+    return bool(set(cls.folder_kinds) & set(other.folder_kinds)) and set(other.needs) <= set(cls.needs)
+
+
+def _reachable(cls: type) -> list[type]:
+    return [c for c in registered() if _reaches(cls, c)]
+
+
+def _reachable_tasks(cls: type) -> list[str]:
+    return list(dict.fromkeys(t for c in _reachable(cls) for t in c.CAPABILITIES.tasks))
+
+
+def model_capabilities(pipe: Any) -> Capabilities:
+    """A loaded model's capabilities: its class's declaration answered for its folder, with every task
+    `for_task` reaches (registry order), the most images and any mask among those tasks."""
+    own = pipe._capabilities_of(type(pipe))
+    others = [pipe._capabilities_of(c) for c in _reachable(type(pipe))]
+    return replace(own, tasks=tuple(dict.fromkeys(t for c in others for t in c.tasks)),
+                   max_images=max(c.max_images for c in others), mask=any(c.mask for c in others))  # fmt: skip

@@ -34,6 +34,7 @@ from .common import (  # noqa: F401 - re-exported: the public names of this modu
 )
 from .diffusers_compat import DiffusersCall, loading_args
 from .sampling import StepCallback, TextCond, join_text  # noqa: F401
+from .tasks import Capabilities
 
 log = logging.getLogger("qwenfast")
 Config = dict | str | Path | None  # fields, or a config.json path
@@ -42,7 +43,9 @@ Config = dict | str | Path | None  # fields, or a config.json path
 class QwenImagePipeline(PipelineBase):
     """Text-to-image. `QwenImagePipeline.from_pretrained(path)(prompt).images[0]`."""
 
-    kind = "text-to-image"
+    folder_kinds = ("text-to-image",)
+    checkpoints = "a text-to-image model (Qwen-Image, -2512)"
+    CAPABILITIES = Capabilities("qwen-image", tasks=("text-to-image",), single_files=True)
 
     # ---------------------------------------------------------------- loading
     @classmethod
@@ -60,7 +63,7 @@ class QwenImagePipeline(PipelineBase):
         """
         path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
         opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
-        f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, opts.offload, ("text-to-image",),
+        f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, opts.offload, cls.folder_kinds,
                         "QwenImagePipeline runs text-to-image checkpoints (use QwenImageEditPipeline or "
                         "`qwenfast edit`)", fp8=opts.fp8)  # fmt: skip
         return cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"),
