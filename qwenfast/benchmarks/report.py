@@ -20,8 +20,9 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+
+from .records import Rec, load
 
 BLOCK = re.compile(r"<!-- report:([\w-]+) -->\n(.*?)<!-- /report -->", re.S)
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -32,31 +33,6 @@ FIGURE = re.compile(
     r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ms|s|GiB|TFLOP/s|TOP/s|img/s)(?![\w/])"
     r"|(?<![\w.])\d+(?:\.\d+)?\s?[×x](?![\w\d]|\s?\d)"
 )
-
-
-@dataclass(frozen=True)
-class Rec:
-    """One benchmark record and where it is (`file`: the JSONL's name, `line`: 1-based)."""
-
-    file: str
-    line: int
-    data: dict
-
-    def __getitem__(self, key):
-        return self.data[key]
-
-    def get(self, key, default=None):
-        return self.data.get(key, default)
-
-
-def load(results: Path) -> list[Rec]:
-    """Every record of `results/*.jsonl`, file by file in name order, lines in order."""
-    recs = []
-    for path in sorted(Path(results).glob("*.jsonl")):
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                recs.append(Rec(path.name, i, json.loads(line)))
-    return recs
 
 
 def default_root() -> Path:
@@ -70,7 +46,7 @@ def doc_files(root: Path) -> list[Path]:
 
 def render_file(text: str, recs: list[Rec]) -> tuple[str, list[str]]:
     """`text` with every report block rendered from `recs`; problems (unknown table names)."""
-    from .report_tables import TABLES
+    from .report_tables import TABLES  # the tables import records only: no cycle
 
     problems = []
 

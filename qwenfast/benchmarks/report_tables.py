@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .report import Rec
+from .records import Rec
 
 CASES = {"1024:50:cfg": "1024², 50 steps, true CFG", "1328:50:cfg": "1328², 50 steps, true CFG",
          "1024:4:nocfg": "1024², 4 steps, no CFG"}  # fmt: skip
