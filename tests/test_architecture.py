@@ -25,7 +25,7 @@ LAYER_OF = {  # top-level name under qwenfast/ -> layer
     "benchmarks": 5,
     "launch": 4,  # process spawning for --parallel: the CLI and `serve --parallel` use it
     "engine_args": 4,  # the engine switches' argparse group: the CLI and the server use it
-    "cli": 6, "cli_tasks": 6, "cli_tools": 6, "__init__": 6, "__main__": 6, "assets": 0,
+    "cli": 6, "cli_common": 6, "cli_tasks": 6, "cli_tools": 6, "__init__": 6, "__main__": 6, "assets": 0,
 }  # fmt: skip
 NAMES = {0: "config/options/errors/validation/kernels/runtime", 1: "models", 2: "loading", 3: "pipeline",
          4: "server/demo/testing/export/launch", 5: "benchmarks", 6: "cli"}  # fmt: skip
@@ -339,6 +339,114 @@ def test_one_name_is_one_table():
 ])  # fmt: skip
 def test_the_contract_checks_can_fail(check, planted, monkeypatch):
     """Each contract check flags a planted violation (a module of a temporary tree, or options.py replaced)."""
+    path = PKG / planted[0]
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: planted[1] if self == path else real_read(self, *a, **k))
+    monkeypatch.setitem(MODULES, "qwenfast." + planted[0][:-3].replace("/", "."), path)
+    with pytest.raises(AssertionError):
+        check()
+
+
+# ------------------------------------------------------------------------------------------- one registry
+# What a model folder can do is decided once: each pipeline class declares it (`CAPABILITIES`,
+# pipeline/tasks.py), `pipeline/auto.py` lists the classes, and the front ends load through it and read
+# the declarations. They keep no model-kind table and probe no pipeline.
+
+
+def _front_end(mod: str) -> bool:
+    parts = mod.split(".")
+    return len(parts) > 1 and (parts[1].startswith("cli") or parts[1] == "server")
+
+
+def _names_a_pipeline(expr: ast.expr) -> bool:
+    """`pipe`, `self.pipe`, `self._pipe`, `pipeline`, ...: a pipeline object (by the front ends' naming)."""
+    return "pipe" in ast.unparse(expr).lower()
+
+
+def test_front_ends_do_not_decide_what_a_model_can_do():
+    """cli*.py and server/: no reading of `model_index.json` or its `_class_name`, no pipeline class
+    imported or tested with `isinstance`, no `hasattr` / defaulted `getattr` on a pipeline. They load
+    through `pipeline.auto` and read `pipe.capabilities`."""
+    bad = []
+    for mod, _f, tree in _walk_package():
+        if not _front_end(mod):
+            continue
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            where = f"{mod}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs and (
+                    "model_index.json" in node.value or "_class_name" in node.value):  # fmt: skip
+                bad.append(f"{where} reads the folder's kind ({node.value[:40]!r})")
+            elif isinstance(node, ast.ImportFrom) and "pipeline" in (node.module or "").split("."):
+                bad += [f"{where} imports {a.name}" for a in node.names if a.name.endswith("Pipeline")]
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+                fn, args = node.func.id, node.args
+                if fn == "isinstance" and len(args) == 2 and ("Pipeline" in ast.unparse(args[1])
+                                                              or ast.unparse(args[1]).endswith("_cls")):  # fmt: skip
+                    bad.append(f"{where} {ast.unparse(node)}")
+                if (fn == "hasattr" or (fn == "getattr" and len(args) == 3)) and _names_a_pipeline(args[0]):
+                    bad.append(f"{where} {ast.unparse(node)}")
+    assert not bad, "model-kind decisions in the front ends (ask pipeline.auto, read pipe.capabilities):\n" + \
+        "\n".join(bad)
+
+
+def test_for_task_shares_one_state_object_not_a_dict():
+    """No code in pipeline/ assigns an object's `__dict__`: `for_task` gives a thin object over the loaded
+    model's `ModelState` (pipeline/state.py), not a second class over the same dictionary."""
+    bad = []
+    for mod, _f, tree in _walk_package():
+        if not mod.startswith("qwenfast.pipeline"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                bad += [f"{mod}:{node.lineno} {ast.unparse(t)}" for t in _targets(node)
+                        if isinstance(t, ast.Attribute) and t.attr == "__dict__"]  # fmt: skip
+    assert not bad, "__dict__ assigned (share a ModelState instead):\n" + "\n".join(bad)
+
+
+def _class_defs() -> dict[str, ast.ClassDef]:
+    return {n.name: n for mod, _f, tree in _walk_package() if mod.startswith("qwenfast.pipeline")
+            for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}  # fmt: skip
+
+
+def test_every_registered_pipeline_declares_its_capabilities():
+    """Every class in `pipeline/auto.py`'s `PIPELINES` assigns `CAPABILITIES = Capabilities(...)` in its own
+    body (a subclass runs other tasks than its base: it declares them, it does not inherit them)."""
+    tree = ast.parse(MODULES["qwenfast.pipeline.auto"].read_text())
+    listed = [ast.unparse(e) for n in tree.body if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "PIPELINES"
+              for e in n.value.elts]  # fmt: skip
+    assert len(listed) >= 9, listed  # the registry is where this test looks
+    classes, bad = _class_defs(), []
+    for name in listed:
+        body = classes[name].body if name in classes else []
+        declared = [n for n in body if isinstance(n, (ast.Assign, ast.AnnAssign)) and "CAPABILITIES" in
+                    [ast.unparse(t) for t in _targets(n)] and isinstance(n.value, ast.Call)
+                    and ast.unparse(n.value.func) == "Capabilities"]  # fmt: skip
+        if not declared:
+            bad.append(name)
+    assert not bad, "registered pipeline classes without their own `CAPABILITIES = Capabilities(...)`: " + ", ".join(bad)
+
+
+@pytest.mark.parametrize("check,planted", [
+    (test_front_ends_do_not_decide_what_a_model_can_do,
+     ("cli_planted.py", "import json\ndef f(m):\n    return json.load(open(m + '/model_index.json'))\n")),
+    (test_front_ends_do_not_decide_what_a_model_can_do,
+     ("server/planted.py", "KINDS = {'QwenImagePipeline': 't2i'}\ndef f(d):\n    return KINDS[d['_class_name']]\n")),
+    (test_front_ends_do_not_decide_what_a_model_can_do,
+     ("server/planted.py", "from ..pipeline.edit import QwenImageEditPipeline\n")),
+    (test_front_ends_do_not_decide_what_a_model_can_do,
+     ("server/planted.py", "def f(pipe, edit_cls):\n    return isinstance(pipe, edit_cls)\n")),
+    (test_front_ends_do_not_decide_what_a_model_can_do,
+     ("cli_planted.py", "def f(self):\n    return hasattr(self.pipe, 'for_task')\n")),
+    (test_front_ends_do_not_decide_what_a_model_can_do,
+     ("server/planted.py", "def f(pipe):\n    return getattr(pipe, 'mode', None)\n")),
+    (test_for_task_shares_one_state_object_not_a_dict,
+     ("pipeline/planted.py", "def for_task(pipe, cls):\n    v = cls.__new__(cls)\n    v.__dict__ = pipe.__dict__\n")),
+    (test_every_registered_pipeline_declares_its_capabilities,
+     ("pipeline/auto.py", "PIPELINES = (A, B, C, D, E, F, G, H, QwenImagePipeline)\n")),
+])  # fmt: skip
+def test_the_registry_checks_can_fail(check, planted, monkeypatch):
+    """Each registry check flags a planted violation (a module of a temporary tree, or auto.py replaced)."""
     path = PKG / planted[0]
     real_read = Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: planted[1] if self == path else real_read(self, *a, **k))

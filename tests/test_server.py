@@ -31,7 +31,8 @@ httpx = pytest.importorskip("httpx")
 
 from PIL import Image  # noqa: E402
 
-from qwenfast.server.app import create_app, edit_pipeline_class  # noqa: E402
+from qwenfast.pipeline.tasks import task_class  # noqa: E402
+from qwenfast.server.app import create_app  # noqa: E402
 from qwenfast.server.loras import LoraResolver  # noqa: E402
 from qwenfast.server.options import Limits, ServerConfig  # noqa: E402
 from qwenfast.server.run import load_pipeline, start_server, stop_server  # noqa: E402
@@ -458,7 +459,7 @@ def test_metrics(server):
 
 @pytest.fixture(scope="module")
 def edit_pipe(tmp_path_factory):
-    assert edit_pipeline_class() is not None  # qwenfast.pipeline.edit is importable: the server serves edits
+    assert task_class(None, "edit") is not None  # a registered pipeline runs edits: the server serves them
     pytest.importorskip("diffusers")
     from qwenfast.testing.tiny import build_tiny_pipeline
 

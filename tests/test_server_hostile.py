@@ -546,10 +546,17 @@ def test_lora_dir_removed_after_start_lists_nothing(pipe, tmp_path):
 
 
 class _NoLoraPipe:
-    """The real pipeline without set_loras (a pipeline class that cannot apply LoRAs)."""
+    """The real pipeline as a pipeline class that cannot apply LoRAs would be: no set_loras, and its
+    capabilities say so."""
 
     def __init__(self, pipe):
         self._pipe = pipe
+
+    @property
+    def capabilities(self):
+        import dataclasses
+
+        return dataclasses.replace(self._pipe.capabilities, lora=False)
 
     def __getattr__(self, name):
         if name == "set_loras":

@@ -151,15 +151,6 @@ class UrlStore:
             self.size -= len(d)
 
 
-def edit_pipeline_class():
-    """`qwenfast.pipeline.edit.QwenImageEditPipeline`, or None while that module does not exist."""
-    try:
-        from ..pipeline.edit import QwenImageEditPipeline
-    except ImportError:
-        return None
-    return QwenImageEditPipeline
-
-
 def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[Metrics], Any] | None = None) -> FastAPI:
     """The app for `pipe`. `scheduler(metrics)` replaces the local batcher with another one that has its
     methods (start, submit, cancel, depth, stop; optionally `health()` for /health and `render_metrics()`
@@ -170,17 +161,16 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     sched = scheduler(metrics) if scheduler is not None else Scheduler(pipe, cfg, metrics)
     loras = LoraResolver(cfg.lora_dir)
     urls = UrlStore(cfg.url_ttl_s, cfg.url_store_bytes)
-    edit_cls = edit_pipeline_class()
-    caps = capabilities(pipe)  # what the model can do (server/capabilities.py; Ray: the replica's answer)
+    caps = capabilities(pipe)  # what the model can do (its pipeline's declaration; Ray: the replica's answer)
     can_inpaint, tasks = caps.inpaint, list(caps.tasks)
     # input images per edit request: the model's own limit, lowered by the server's `Limits.max_images`
     max_images = min(caps.max_images, cfg.limits.max_images or caps.max_images)
-    model_id = cfg.model_name or Path(getattr(pipe, "model_path", "") or "qwen-image").name
+    model_id = cfg.model_name or Path(pipe.model_path or "qwen-image").name
     noted: set[tuple[int, int]] = set()
 
     def size_note(p: Params) -> None:
         """Log once per size when a request is far from the size the model was trained at (the demo's 128²)."""
-        if p.size_auto or (p.width, p.height) in noted or not hasattr(pipe, "size_note"):
+        if p.size_auto or (p.width, p.height) in noted:
             return
         noted.add((p.width, p.height))
         note = pipe.size_note(p.width, p.height)
@@ -246,7 +236,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 "kind": caps.kind, "model_type": caps.model_type, "device": str(pipe.device), "dtype": str(pipe.dtype),
                 "queue": {"requests": q, "images": qi, "running": run, "max": cfg.max_queue},
                 "max_batch": cfg.max_batch, "auth": cfg.api_key is not None, "loras": loras.dir is not None,
-                "lora_support": hasattr(pipe, "set_loras"), "defaults": dict(pipe.defaults), "size_multiple": multiple,
+                "lora_support": caps.lora, "defaults": dict(pipe.defaults), "size_multiple": multiple,
                 "tasks": tasks, "max_images": max_images,
                 "limits": {**vars(cfg.limits), "max_images": max_images}}  # fmt: skip
         if hasattr(sched, "health"):  # Ray Serve: replicas up/total; none up -> 503
@@ -295,7 +285,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         if name is not None and name != model_id:
             raise APIError(404, f"model {str(name)[:80]!r} is not served here; this server serves {model_id!r} "
                                 "(GET /v1/models)", code="model_not_found", param="model")  # fmt: skip
-        par = getattr(getattr(pipe, "options", None), "parallel", None)
+        par = pipe.options.parallel
         if par is not None and par.cfg == 2 and (p.negative is None or p.cfg <= 1):
             raise APIError(400, f"this server splits true CFG over two GPUs (--parallel {par}): send a "
                                 "`negative_prompt` (\" \" is fine) and `true_cfg_scale` > 1", param="true_cfg_scale",
@@ -303,8 +293,8 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         if p.cache not in (None, "off") and not caps.request_cache:
             raise APIError(400, f"this model ({caps.model_type}) has no step cache: leave `cache` out (or \"off\")",
                            param="cache", code="unsupported_parameter")  # fmt: skip
-        if p.loras and not hasattr(pipe, "set_loras"):  # 400, not 501: clients must not retry it
-            raise APIError(400, "this server's pipeline cannot apply LoRAs (it has no set_loras)",
+        if p.loras and not caps.lora:  # 400, not 501: clients must not retry it
+            raise APIError(400, f"this model ({caps.model_type}) cannot apply LoRAs: leave `lora` out",
                            param="lora", code="lora_unsupported")  # fmt: skip
         return loras.resolve_all(p.loras)
 
@@ -334,9 +324,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         t0 = time.monotonic()
         try:
             if not caps.edits and not can_inpaint:  # first: no form of any shape can succeed here (400: no retries)
-                why = ("this qwenfast build has no edit pipeline (qwenfast.pipeline.edit is missing)"
-                       if edit_cls is None else
-                       f"the loaded model ({model_id}) is a text-to-image model; use POST /v1/images/generations, "
+                why = (f"the loaded model ({model_id}) is a text-to-image model; use POST /v1/images/generations, "
                        "or start `qwenfast serve --model` with a Qwen-Image-Edit or Qwen-Image-2.1 folder to edit images")  # fmt: skip
                 raise APIError(400, f"image edits are not available: {why}", code="wrong_endpoint")
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -423,7 +411,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                                 "transparent pixels are repainted) to inpaint, or a `strength` (0..1) for img2img; "
                                 "or use POST /v1/images/generations", code="wrong_endpoint")  # fmt: skip
         if kind != "edit" and not can_inpaint:
-            raise APIError(400, "this server's pipeline cannot inpaint (it has no for_task)", param="mask",
+            raise APIError(400, f"this model ({caps.model_type}) does not inpaint or run img2img", param="mask",
                            code="unsupported_parameter")  # fmt: skip
         if kind != "edit" and n_images != 1:
             raise APIError(400, f"{kind} takes exactly 1 image; got {n_images}", param="image", code="too_many_images")

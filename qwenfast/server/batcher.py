@@ -96,7 +96,8 @@ class Scheduler:
         self.stopping = False
         self.avg_batch_s = 1.0
         self._loras = None  # the LoRA set currently applied to the pipeline
-        self._default_cache = getattr(getattr(pipe, "options", None), "cache", None)  # the server's --cache
+        self._lora = pipe.capabilities.lora  # what the pipeline declares (pipeline/tasks.py)
+        self._default_cache = pipe.options.cache  # the server's --cache
         self._thread = threading.Thread(target=self._loop, name="qwenfast-worker", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -258,9 +259,9 @@ class Scheduler:
         """`pipe.set_loras([(path, strength), ...])` when the batch's LoRA set differs from the last."""
         if loras == self._loras:
             return
-        if not hasattr(self.pipe, "set_loras"):
+        if not self._lora:
             if loras:  # the app refuses such requests earlier; a bug if reached
-                raise RuntimeError("this pipeline has no set_loras()")
+                raise RuntimeError("this pipeline applies no LoRAs")
             return
         try:
             self.pipe.set_loras(list(loras))
@@ -277,7 +278,7 @@ class Scheduler:
     def _apply_cache(self, cache: str | None) -> None:
         """The batch's step-cache preset (requests batch only with the same one); None = the server's."""
         want = self._default_cache if cache is None else (None if cache == "off" else cache)
-        if hasattr(self.pipe, "configure") and self.pipe.options.cache != want:
+        if self.pipe.options.cache != want:
             self.pipe.configure(cache=want)
 
     def _generate(self, items: list[Item]) -> list:

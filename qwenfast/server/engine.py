@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..options import EngineOptions
-    from ..pipeline.text_to_image import QwenImagePipeline
+    from ..pipeline.base import PipelineBase
 
 
 def load_pipeline(
@@ -19,8 +19,9 @@ def load_pipeline(
     options: EngineOptions | None = None,
     preset: str | None = None,
     fp8: bool = False,
-) -> QwenImagePipeline:
-    """The pipeline class the folder needs (`qwenfast.from_pretrained`), with engine options, preset, FP8."""
+) -> PipelineBase:
+    """The pipeline class the folder needs (the pipeline registry's, `pipeline.auto.from_pretrained`), with
+    engine options, preset, FP8. What it can serve is its `capabilities` (server/capabilities.py)."""
     from ..options import EngineOptions
     from ..pipeline.auto import from_pretrained
     from ..pipeline.common import DEFAULT_MODEL

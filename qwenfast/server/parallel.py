@@ -51,10 +51,6 @@ class Mirrored:
         object.__setattr__(self, "_group", group)
         object.__setattr__(self, "_task", task)
 
-    @property
-    def __class__(self):  # isinstance(mirrored, QwenImageEditPipeline) as for the pipeline itself
-        return type(self._pipe)
-
     def __getattr__(self, name: str) -> Any:
         if name == "for_task":
             return lambda task: Mirrored(self._pipe.for_task(task), self._group, task)

@@ -122,18 +122,16 @@ class EngineReplica:
             self.replica_id = f"local-{os.getpid()}"
 
     def describe(self) -> dict:
-        """What the ingress's `RemotePipe` needs to answer as a local server would."""
-        from .app import edit_pipeline_class
+        """What the ingress's `RemotePipe` needs to answer as a local server would: the pipeline's class and
+        settings (a stand-in of it answers sizes and capabilities), its options, device and dtype."""
         from .capabilities import capabilities
 
-        p, edit_cls, caps = self.pipe, edit_pipeline_class(), capabilities(self.pipe)
-        is_edit = edit_cls is not None and isinstance(p, edit_cls)
-        return {"model_path": str(getattr(p, "model_path", "") or "qwen-image"), "extra": dict(getattr(p, "extra", {}) or {}),
-                "defaults": dict(p.defaults), "vae_scale_factor": p.vae_scale_factor, "is_edit": is_edit,
-                "lora_support": hasattr(p, "set_loras"), "can_inpaint": caps.inpaint, "capabilities": caps.as_dict(),
-                "device": str(p.device.type), "dtype": str(p.dtype),
-                "mode": getattr(p, "mode", None) if is_edit else None,
-                "image_areas": dict(getattr(p, "image_areas", {}) or {}) if is_edit else None}  # fmt: skip
+        pipe = self.pipe
+        caps = capabilities(pipe)
+        return {"pipeline": type(pipe).__name__, "settings": pipe.settings(), "options": pipe.options,
+                "device": str(pipe.device.type), "dtype": str(pipe.dtype), "capabilities": caps.as_dict(),
+                "is_edit": caps.edits and not caps.generations, "lora_support": caps.lora,
+                "vae_scale_factor": pipe.vae_scale_factor}  # fmt: skip
 
     async def generate(self, spec: dict, key: str = ""):
         """Events of one job ({"type": ...} dicts, as the local batcher posts them), then

@@ -3,8 +3,8 @@
 `create_app(pipe, cfg, scheduler=...)` (app.py) runs unchanged in the ingress replica: parsing, limits,
 auth, LoRA names, SSE, the page and /files. Only two things differ from one-process serving:
 
-- `RemotePipe` stands in for the pipeline: what the app reads of it (defaults, size multiple, edit or
-  not, LoRA support, trained size, the edit output size) comes from one engine's `describe()`.
+- `RemotePipe` stands in for the pipeline: what the app reads of it (defaults, size multiple,
+  capabilities, trained size, output sizes) comes from one engine's `describe()`.
 - `RemoteScheduler` replaces the local batcher: `submit` sends the job to an engine replica through
   the Ray Serve handle (the replica runs the local batcher, batcher.py) and relays its events and its
   images back into the job, so app.py cannot tell the difference.
@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Any
 
-from ..pipeline.base import PipelineBase
 from .metrics import Metrics
 from .schemas import APIError
 
@@ -68,45 +67,22 @@ BOARD = ReplicaBoard()  # filled by ray_router.BatchAffinityRouter in this (the 
 class RemotePipe:
     """What app.py reads of a pipeline, for a pipeline that lives in the engine replicas.
 
-    `size_note` and `output_size` are the pipeline classes' own functions, run on the described
-    attributes (both only read `extra`, `model_path`, `mode`, `image_areas`, `vae_scale_factor` and
-    `defaults`), so the ingress answers exactly as a local server would without loading the model."""
-
-    size_note = PipelineBase.size_note
+    Sizes, the size note, capabilities and `for_task` come from a stand-in of the replica's pipeline
+    class over its settings (`pipeline.auto.stand_in`), so the ingress answers exactly as a local
+    server would without loading the model; running or changing the model happens in the replicas."""
 
     def __init__(self, desc: dict):
+        from ..pipeline.auto import stand_in
+
         self.desc = desc
-        self.model_path, self.extra, self.defaults = desc["model_path"], desc["extra"], desc["defaults"]
-        self.vae_scale_factor, self.is_edit = desc["vae_scale_factor"], desc["is_edit"]
+        local = stand_in(desc["pipeline"], desc["settings"])
+        self.model_path, self.extra, self.defaults = local.model_path, local.extra, local.defaults
+        self.vae_scale_factor, self.capabilities = local.vae_scale_factor, local.capabilities
+        self.output_size, self.size_note, self.for_task = local.output_size, local.size_note, local.for_task
         self.device, self.dtype = f"{desc['device']} (Ray Serve replicas)", desc["dtype"]
-        self.mode, self.image_areas = desc.get("mode"), desc.get("image_areas") or {}
-        self.capabilities = desc["capabilities"]  # server/capabilities.py, computed by the replica
-        if desc["lora_support"]:
-            self.set_loras = self._remote_only
-        if desc.get("can_inpaint"):  # img2img / inpainting / edit-inpainting run in the replicas
-            self.for_task = self._task
+        self.options = desc["options"]
 
-    def _task(self, task: str) -> RemotePipe:
-        """The ingress' view of `pipe.for_task(task)`: only sizes are asked of it. Edit-inpainting's
-        output follows the image whatever height/width say (`QwenImageEditInpaintPipeline.output_size`)."""
-        if not self.is_edit:
-            return self
-        view = RemotePipe(self.desc)
-        view.output_size = lambda call_args: RemotePipe.output_size(self, {"image": call_args["image"]})
-        return view
-
-    def output_size(self, call_args: dict) -> tuple[int, int]:
-        if self.capabilities["model_type"] == "qwen-image-2.1":  # reads `defaults` only
-            from ..pipeline.qwenimage21 import QwenImage21Pipeline
-
-            return QwenImage21Pipeline.output_size(self, call_args)
-        if self.is_edit:
-            from ..pipeline.edit import QwenImageEditPipeline
-
-            return QwenImageEditPipeline.output_size(self, call_args)
-        return call_args.get("height") or self.defaults["height"], call_args.get("width") or self.defaults["width"]
-
-    def _remote_only(self, *a, **kw):
+    def set_loras(self, *a, **kw):
         raise RuntimeError("LoRAs are applied in the engine replicas, never in the ingress")
 
 
