@@ -40,7 +40,7 @@ def test_every_registered_class_declares_what_it_loads_and_runs():
     assert auto.folder_tasks("edit-plus") == auto.folder_tasks("edit") == ["edit", "edit-inpaint"]
     assert auto.folder_tasks("qwen-image-2.1") == ["text-to-image", "edit"]
     assert auto.task_class("edit", "inpaint").__name__ == "QwenImageEditInpaintPipeline"  # an edit model's inpainting
-    with pytest.raises(ValueError, match="needs Qwen-Image-Layered; this folder holds an edit model"):
+    with pytest.raises(ValueError, match="needs a layered model .Qwen-Image-Layered.; this folder holds an edit model"):
         auto.task_class("edit", "layered")
 
 

@@ -72,7 +72,7 @@ class QwenImageLayeredPipeline(PipelineBase):
     -> a list of `layers` RGBA PIL images (one list per output)."""
 
     folder_kinds = ("layered",)
-    checkpoints = "Qwen-Image-Layered"
+    checkpoints = "a layered model (Qwen-Image-Layered)"
     CAPABILITIES = Capabilities("qwen-image-layered", tasks=("layered",), max_images=1, rgba=True, parallel=())
 
     def __init__(self, transformer, vae, text_encoder, scheduler_config, *, image_processor=None, **kwargs):

@@ -154,7 +154,7 @@ class QwenImage21Pipeline(PipelineBase):
     """Qwen-Image-2.1. `QwenImage21Pipeline.from_pretrained(path)(prompt, image=[...]).images[0]`."""
 
     folder_kinds = ("qwen-image-2.1",)
-    checkpoints = "Qwen-Image-2.1"
+    checkpoints = "a Qwen-Image-2.1 model"
     # one class for both tasks; no per-call step cache (a pipeline-wide `cache` option works)
     CAPABILITIES = Capabilities("qwen-image-2.1", tasks=("text-to-image", "edit"), max_images=MAX_IMAGES, rgba=True,
                                 step_cache=False, size_multiple=32)
