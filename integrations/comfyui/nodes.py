@@ -235,7 +235,7 @@ class QwenFastSampler:
     def sample(self, model: QwenFastModel, prompt, negative_prompt, seed, steps, cfg, width, height, batch_size,
                positive=None, negative=None, latent_image=None):  # fmt: skip
         pipe = model.prepared()
-        if getattr(pipe, "kind", "") == "edit":
+        if "text-to-image" not in pipe.capabilities.tasks:  # what the pipeline declares (pipeline/tasks.py)
             raise ValueError("this is an edit model: use the 'QwenFast Edit' node (or load a text-to-image model)")
         if latent_image is not None:
             z = bridge.latent_4d(latent_image["samples"])
@@ -285,7 +285,7 @@ class QwenFastEdit:
     def edit(self, model: QwenFastModel, prompt, negative_prompt, seed, steps, cfg, image, width, height, batch_size,
              image2=None, image3=None):  # fmt: skip
         pipe = model.prepared()
-        if getattr(pipe, "kind", "") != "edit":
+        if "edit" not in pipe.capabilities.tasks or "text-to-image" in pipe.capabilities.tasks:  # edit models
             raise ValueError("this is a text-to-image model: load a Qwen-Image-Edit model (or 'demo-edit') to edit")
         images = [im for x in (image, image2, image3) if x is not None for im in bridge.comfy_to_pil(x)]
         if not prompt.strip():
