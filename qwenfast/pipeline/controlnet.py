@@ -287,7 +287,7 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         self._check(height, width, steps, n, a["output_type"], a["max_sequence_length"], sigmas)
         scales_of(max(1, len(sigmas) if sigmas is not None else steps))  # bad values fail before the prompt encode
         with DiffusersCall(self, a["guidance_scale"], a["attention_kwargs"], a["callback_on_step_end"],
-                           a["callback_on_step_end_tensor_inputs"], warn_guidance=self.kind == "controlnet") as call:  # fmt: skip
+                           a["callback_on_step_end_tensor_inputs"], warn_guidance="controlnet" in self.CAPABILITIES.tasks) as call:  # fmt: skip
             cond, uncond, k = self._prompt_conds(a["prompt"], a["negative_prompt"], cfg_scale, n,
                                                  a["max_sequence_length"], a["prompt_embeds"], a["prompt_embeds_mask"],
                                                  a["negative_prompt_embeds"], a["negative_prompt_embeds_mask"])  # fmt: skip
