@@ -65,16 +65,11 @@ def _fits(cls: type, kind: str | None) -> bool:
     return kind is None or kind in cls.folder_kinds
 
 
-def _resolve(kind: str | None, task: str) -> str:
-    """`task` as the registry names it: aliases, and "inpaint" on an edit folder is its "edit-inpaint"."""
+def _resolve(task: str, available: list[str]) -> str:
+    """`task` as the registry names it: its aliases, and "inpaint" where only "edit-inpaint" is available
+    (an edit model's inpainting, which diffusers has no name for)."""
     task = ALIASES.get(task, task)
-    if task == "inpaint" and kind is not None and not folder_runs(kind, "inpaint") and folder_runs(kind, "edit-inpaint"):
-        return "edit-inpaint"
-    return task
-
-
-def folder_runs(kind: str, task: str) -> bool:
-    return any(task in c.CAPABILITIES.tasks for c in registered() if _fits(c, kind))
+    return "edit-inpaint" if task == "inpaint" and "inpaint" not in available and "edit-inpaint" in available else task
 
 
 def folder_tasks(kind: str) -> list[str]:
@@ -101,7 +96,7 @@ def task_class(kind: str | None, task: str | None = None, controlnet: bool = Fal
     folder's own; a ValueError names what the task needs and what this folder runs instead."""
     if task is None:
         return default_class(kind, controlnet)
-    task = _resolve(kind, task)
+    task = _resolve(task, folder_tasks(kind) if kind is not None else [])
     runs = [c for c in registered() if task in c.CAPABILITIES.tasks]
     if not runs:
         raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(known_tasks())}")
@@ -115,9 +110,7 @@ def task_class(kind: str | None, task: str | None = None, controlnet: bool = Fal
 def view_class(cls: type, task: str) -> type:
     """The class `for_task(task)` gives for a pipeline of class `cls`: one that loads the same folders
     and needs nothing `cls` lacks (a text-to-image pipeline has no ControlNet to lend)."""
-    task = ALIASES.get(task, task)
-    if task == "inpaint" and "inpaint" not in _reachable_tasks(cls):
-        task = "edit-inpaint" if "edit-inpaint" in _reachable_tasks(cls) else task
+    task = _resolve(task, _reachable_tasks(cls))
     runs = [c for c in registered() if task in c.CAPABILITIES.tasks]
     if not runs:
         raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(known_tasks())}")
