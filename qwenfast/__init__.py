@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
     from .pipeline.text_to_image import QwenImagePipeline
 
-__version__ = "0.1.0"
+from .about import DEMO_EDIT_MODEL, DEMO_MODEL, __version__  # plain values, no torch
+
 __all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageControlNetPipeline",
            "QwenImageControlNetInpaintPipeline", "QwenImageLayeredPipeline", "QwenImageControlNetModel",
            "QwenImageMultiControlNetModel", "QwenImage21Pipeline",
@@ -30,7 +31,7 @@ _LAZY = {
     "QwenImageControlNetPipeline": ".pipeline.controlnet",
     "QwenImageControlNetInpaintPipeline": ".pipeline.controlnet",
     "QwenImageLayeredPipeline": ".pipeline.layered",
-    "QwenImageControlNetModel": ".models.controlnet",
+    "QwenImageControlNetModel": ".pipeline.controlnet",
     "QwenImageMultiControlNetModel": ".models.controlnet",
     "QwenImage21Pipeline": ".pipeline.qwenimage21",
     "QwenImageImg2ImgPipeline": ".pipeline.img2img",
@@ -38,8 +39,6 @@ _LAZY = {
     "QwenImageEditInpaintPipeline": ".pipeline.inpaint",
     "EngineOptions": ".options",
 }
-# the embedded demo models (str paths; computed here without torch): `from_pretrained(qwenfast.DEMO_MODEL)`
-_DEMO = {"DEMO_MODEL": "demo-t2i", "DEMO_EDIT_MODEL": "demo-edit"}
 
 
 def from_pretrained(
@@ -61,10 +60,6 @@ def from_pretrained(
 
 
 def __getattr__(name):  # lazy, so `qwenfast --help` does not import torch
-    if name in _DEMO:  # the 128x128 shapes model (text-to-image) and its edit variant, inside the package
-        import os
-
-        return os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", _DEMO[name])
     if name in _LAZY:
         import importlib
 

@@ -9,12 +9,17 @@ flags into an `EngineOptions` over the environment's defaults. argparse only; no
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
 from typing import Any
 
+from . import validation as V
 from .config import PRESETS, TURBO_SIGMAS
 from .options import ATTENTION, CACHE_PRESETS, KERNELS, OFFLOAD, EngineOptions
 
-__all__ = ["positive_int", "add_engine_arguments", "engine_options_from_args"]
+__all__ = ["positive_int", "add_engine_arguments", "engine_options_from_args", "check_parallel_args", "engine_notes",
+           "model_heads", "note", "on_cpu"]
 
 
 def positive_int(s: str) -> int:
@@ -74,3 +79,68 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
     return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
                                   attention=a.attention, cache=getattr(a, "cache", None),
                                   parallel=getattr(a, "parallel", None), **extra)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# checks of the engine flags before anything loads (the CLI and `serve` alike)
+
+
+def note(msg: str) -> None:
+    print(f"note: {msg}", file=sys.stderr)
+
+
+def on_cpu(a: argparse.Namespace) -> bool:
+    """Whether this run computes on the CPU (--device cpu, or no CUDA device)."""
+    if a.device:
+        return str(a.device).startswith("cpu")
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def engine_notes(a: argparse.Namespace, loras: bool | None = None) -> None:
+    """Flags that would do nothing (or not what they say) here get one line on stderr; an offload on the
+    CPU is dropped (the weights already live in host memory: it would only copy them every step).
+    `loras`: whether LoRAs can come (None: `--lora` was given)."""
+    loras = bool(getattr(a, "lora", None)) if loras is None else loras
+    if a.preset and a.preset != "default" and not loras:
+        note(f"--preset {a.preset} is the sampling recipe of a distilled LoRA (few steps, no CFG); without "
+             "--lora the base model runs it and gives blurry images: add --lora PATH (e.g. the matching "
+             "Lightning / turbo LoRA), or leave --preset out")  # fmt: skip
+    if not on_cpu(a):
+        return
+    if a.offload not in (None, "none"):
+        note(f"--offload {a.offload} does nothing on the CPU (the weights already live in host memory); "
+             "running without it")  # fmt: skip
+        a.offload, a.offload_budget = None, None
+    if a.fp8:
+        note("--fp8 on the CPU is emulated (the weights are rounded to FP8 e4m3 and multiplied in fp32): the "
+             "images change as with FP8 on a GPU, but nothing gets faster; FP8 speed needs an Ada/Hopper GPU")  # fmt: skip
+
+
+def model_heads(model: str | None, transformer_file: str | None = None) -> int | None:
+    """The attention head count from `MODEL/transformer/config.json` (the embedded demo when None);
+    None when it cannot be read before loading (single files, a folder without that config)."""
+    if transformer_file is not None:
+        return None
+    from .about import DEMO_MODEL
+
+    try:
+        cfg = json.loads((Path(model or DEMO_MODEL) / "transformer" / "config.json").read_text())
+        heads = cfg.get("num_attention_heads")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return heads if isinstance(heads, int) and heads > 0 else None
+
+
+def check_parallel_args(a: argparse.Namespace) -> None:
+    """--parallel: the layout's syntax and whether the model's heads allow it, before any process starts."""
+    if not getattr(a, "parallel", None):
+        return
+    from .runtime.parallel import ParallelConfig
+
+    try:
+        layout = ParallelConfig.parse(a.parallel)
+    except ValueError as e:
+        raise ValueError(f"--parallel {a.parallel}: {e}" if not str(e).startswith("--parallel") else str(e)) from None
+    V.check_parallel(layout.cfg, layout.ulysses, model_heads(a.model, getattr(a, "transformer", None)))

@@ -19,7 +19,7 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "qwenfast"
 
 LAYER_OF = {  # top-level name under qwenfast/ -> layer
-    "errors": 0, "options": 0, "validation": 0, "config": 0, "kernels": 0, "runtime": 0,
+    "about": 0, "errors": 0, "options": 0, "validation": 0, "config": 0, "kernels": 0, "runtime": 0,
     "models": 1, "loading": 2, "pipeline": 3,
     "server": 4, "demo": 4, "testing": 4, "export": 4,
     "benchmarks": 5,

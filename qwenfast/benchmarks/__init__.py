@@ -53,7 +53,7 @@ def _commit() -> str:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "qwenfast"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError):
-        from .. import __version__
+        from ..about import __version__
 
         return f"v{__version__}"
     return sha + ("+dirty" if dirty else "")
@@ -85,7 +85,7 @@ def provenance() -> dict:
     """Where a record comes from: date (UTC), commit, command, run id, engine switches, versions."""
     from importlib.util import find_spec
 
-    from .. import __version__
+    from ..about import __version__
 
     env = {k: os.environ[k] for k in ENGINE_ENV if os.environ.get(k)}
     # FlashAttention-3 becomes the default attention on Hopper where installed: say whether it was

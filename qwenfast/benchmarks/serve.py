@@ -73,7 +73,7 @@ def build_random_full(num_layers: int = 60) -> QwenImagePipeline:
     import torch
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from .. import DEMO_MODEL
+    from ..about import DEMO_MODEL
     from ..config import QWEN_IMAGE_SCHEDULER, QWEN_IMAGE_VAE
     from ..models.text_encoder import TextEncoder
     from ..models.vae import QwenImageVAE

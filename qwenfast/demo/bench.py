@@ -104,7 +104,7 @@ def load(
 ) -> QwenImagePipeline:
     """The demo pipeline for a folder: text-to-image, or edit when the folder is an edit model
     (None = the embedded text-to-image demo; "edit" = the embedded edit demo)."""
-    from .. import DEMO_EDIT_MODEL, DEMO_MODEL
+    from ..about import DEMO_EDIT_MODEL, DEMO_MODEL
     from ..pipeline.auto import from_pretrained
 
     path = DEMO_EDIT_MODEL if model == "edit" else DEMO_MODEL if model is None else model

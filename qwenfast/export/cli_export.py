@@ -85,7 +85,7 @@ def _load(a):
         vae = QwenImageVAE(QWEN_IMAGE_VAE).to(dev, dt).eval().requires_grad_(False)
         return SimpleNamespace(vae=vae, device=dev, dtype=dt, vae_dtype=dt, vae_scale_factor=vae.spatial_compression_ratio,
                                transformer=None)  # fmt: skip
-    from .. import DEMO_MODEL
+    from ..about import DEMO_MODEL
     from ..pipeline.auto import from_pretrained
 
     return from_pretrained(a.model or DEMO_MODEL, device=a.device, dtype=dt, cuda_graphs=False)

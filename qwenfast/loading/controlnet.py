@@ -40,8 +40,9 @@ def controlnet_folder(path: Path) -> Path | None:
 
 def load_controlnet(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                     config: ControlNetConfig | dict | str | Path | None = None,
-                    axes_dims_rope: tuple[int, int, int] | None = None):  # fmt: skip
-    """A diffusers ControlNet folder or a single file -> `QwenImageControlNetModel` on `device` in `dtype`.
+                    axes_dims_rope: tuple[int, int, int] | None = None, model_class: type | None = None):  # fmt: skip
+    """A diffusers ControlNet folder or a single file -> `QwenImageControlNetModel` (or `model_class`, a subclass of
+    X
 
     `axes_dims_rope`: for single files whose head dim is not Qwen-Image's, the RoPE axes (not stored in
     the weights; a pipeline passes its transformer's, which the ControlNet must share)."""
@@ -77,7 +78,7 @@ def load_controlnet(path: str | Path, device: torch.device | str = "cpu", dtype:
 
         convert.check_done = fuser.check_done
     with torch.device("meta"):
-        model = QwenImageControlNetModel(cfg)
+        model = (model_class or QwenImageControlNetModel)(cfg)
     return load_streaming(model, items, dtype=dtype, where=where, convert=convert)
 
 

@@ -52,17 +52,6 @@ class QwenImageControlNetModel(BlockModel):
         self.controlnet_blocks = nn.ModuleList([nn.Linear(dim, dim) for _ in range(cfg.num_layers)])
         self.controlnet_x_embedder = nn.Linear(cfg.in_channels + cfg.extra_condition_channels, dim)
 
-    @classmethod
-    def from_pretrained(cls, path, **kwargs) -> QwenImageControlNetModel:
-        """diffusers' `QwenImageControlNetModel.from_pretrained(path, torch_dtype=...)`: a ControlNet folder,
-        single .safetensors file or hub repo id, loaded on the CPU (fp32 unless `torch_dtype=`), as
-        diffusers loads it; a pipeline's `from_pretrained(controlnet=...)` moves it to its device and dtype."""
-        from ..loading.controlnet import load_controlnet
-        from ..pipeline.diffusers_compat import loading_args
-
-        path, dtype = loading_args(cls.__name__, path, kwargs.pop("dtype", None), kwargs)
-        return load_controlnet(path, "cpu", dtype if dtype is not None else torch.float32)
-
     @property
     def dtype(self) -> torch.dtype:
         return self.img_in.weight.dtype

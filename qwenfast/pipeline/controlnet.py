@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.controlnet import ControlNets, QwenImageControlNetModel, QwenImageMultiControlNetModel
+from ..models import controlnet as cn
+from ..models.controlnet import ControlNets, QwenImageMultiControlNetModel
 from ..options import EngineOptions
 from ..runtime.attention import RowTrim
 from ..runtime.blocks import StepContext
@@ -51,13 +52,29 @@ __all__ = ["QwenImageControlNetPipeline", "QwenImageControlNetInpaintPipeline", 
 KINDS = ("text-to-image", "controlnet", "controlnet-inpaint")
 
 
+class QwenImageControlNetModel(cn.QwenImageControlNetModel):
+    """diffusers' public ControlNet class: the model of `models/controlnet.py` plus diffusers' loader
+    (which needs the loading and pipeline layers, so it lives here, not with the network)."""
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs) -> QwenImageControlNetModel:
+        """diffusers' `QwenImageControlNetModel.from_pretrained(path, torch_dtype=...)`: a ControlNet folder,
+        single .safetensors file or hub repo id, loaded on the CPU (fp32 unless `torch_dtype=`), as
+        diffusers loads it; a pipeline's `from_pretrained(controlnet=...)` moves it to its device and dtype."""
+        from ..loading.controlnet import load_controlnet
+        from .diffusers_compat import loading_args
+
+        path, dtype = loading_args(cls.__name__, path, kwargs.pop("dtype", None), kwargs)
+        return load_controlnet(path, "cpu", dtype if dtype is not None else torch.float32, model_class=cls)
+
+
 def load_controlnets(controlnet, device: torch.device, dtype: torch.dtype, axes_dims_rope=None) -> ControlNets:
     """A ControlNet model, a path (diffusers folder or single file), or a list of them (-> Multi).
     `axes_dims_rope`: the transformer's, for single files that do not say (non-standard head dims)."""
     from ..loading.controlnet import load_controlnet
 
     def one(c):
-        if isinstance(c, QwenImageControlNetModel):
+        if isinstance(c, cn.QwenImageControlNetModel):
             return c
         if isinstance(c, (str, Path)):
             return load_controlnet(c, device, dtype, axes_dims_rope=axes_dims_rope)

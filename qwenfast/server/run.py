@@ -40,7 +40,7 @@ def serve(a: argparse.Namespace) -> int:
     if getattr(a, "ray", False):
         V.require_extra("`qwenfast serve --ray`", "ray", "ray")
     if not launch.is_worker():
-        from ..cli_common import check_parallel_args, engine_notes
+        from ..engine_args import check_parallel_args, engine_notes
 
         check_parallel_args(a)
         if not (getattr(a, "ray", False) and a.ray_address):  # a joined cluster's Serve may own the port already
@@ -56,7 +56,7 @@ def serve(a: argparse.Namespace) -> int:
     if getattr(a, "replicas", None) or getattr(a, "autoscale", None) or getattr(a, "ray_address", None):
         print("error: --replicas, --autoscale and --ray-address need --ray", file=sys.stderr)
         return 2
-    from .. import DEMO_MODEL
+    from ..about import DEMO_MODEL
     from ..engine_args import engine_options_from_args
     from ..pipeline.common import EMBEDDED_NOTE
     from .app import create_app
