@@ -1,8 +1,8 @@
 """qwenfast: fast Qwen-Image inference that gives the same images as diffusers.
 
-    from qwenfast import QwenImagePipeline
-    pipe = QwenImagePipeline.from_pretrained("/models/Qwen-Image", device="cuda")
-    image = pipe("a red fox in the snow", num_inference_steps=50).images[0]
+from qwenfast import QwenImagePipeline
+pipe = QwenImagePipeline.from_pretrained("/models/Qwen-Image", device="cuda")
+image = pipe("a red fox in the snow", num_inference_steps=50).images[0]
 """
 
 from __future__ import annotations
@@ -18,11 +18,25 @@ if TYPE_CHECKING:
 
 from .about import DEMO_EDIT_MODEL, DEMO_MODEL, __version__  # plain values, no torch
 
-__all__ = ["QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageControlNetPipeline",
-           "QwenImageControlNetInpaintPipeline", "QwenImageLayeredPipeline", "QwenImageControlNetModel",
-           "QwenImageMultiControlNetModel", "QwenImage21Pipeline",
-           "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditInpaintPipeline", "EngineOptions", "from_pretrained", "__version__",
-           "DEMO_MODEL", "DEMO_EDIT_MODEL"]
+__all__ = [
+    "QwenImagePipeline",
+    "QwenImageEditPipeline",
+    "QwenImageEditPlusPipeline",
+    "QwenImageControlNetPipeline",
+    "QwenImageControlNetInpaintPipeline",
+    "QwenImageLayeredPipeline",
+    "QwenImageControlNetModel",
+    "QwenImageMultiControlNetModel",
+    "QwenImage21Pipeline",
+    "QwenImageImg2ImgPipeline",
+    "QwenImageInpaintPipeline",
+    "QwenImageEditInpaintPipeline",
+    "EngineOptions",
+    "from_pretrained",
+    "__version__",
+    "DEMO_MODEL",
+    "DEMO_EDIT_MODEL",
+]
 # public name -> module that defines it (imported on first use, so `qwenfast --help` does not import torch)
 _LAZY = {
     "QwenImagePipeline": ".pipeline.text_to_image",

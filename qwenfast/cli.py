@@ -35,8 +35,14 @@ class _Help(argparse.HelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         h = action.help or ""
-        if (not action.option_strings or action.nargs == 0 or "default" in h or action.default is None
-                or action.default == [] or action.default is argparse.SUPPRESS):  # fmt: skip
+        if (
+            not action.option_strings
+            or action.nargs == 0
+            or "default" in h
+            or action.default is None
+            or action.default == []
+            or action.default is argparse.SUPPRESS
+        ):
             return h
         return h + " (default: %(default)s)"
 
@@ -64,8 +70,11 @@ def add_single_file_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--vae", help="VAE file, e.g. qwen_image_vae.safetensors")
     s.add_argument("--text-encoder", help="text encoder file, e.g. qwen_2.5_vl_7b_fp8_scaled.safetensors")
     s.add_argument("--tokenizer", help="tokenizer folder (e.g. Qwen-Image/tokenizer); single files lack one")
-    s.add_argument("--configs", help="folder with transformer/ vae/ text_encoder/ scheduler/ configs, "
-                   "for non-standard model sizes (full-size configs are inferred from the files)")  # fmt: skip
+    s.add_argument(
+        "--configs",
+        help="folder with transformer/ vae/ text_encoder/ scheduler/ configs, "
+        "for non-standard model sizes (full-size configs are inferred from the files)",
+    )
 
 
 def single_file_kwargs(a: argparse.Namespace) -> dict | None:
@@ -80,8 +89,12 @@ def single_file_kwargs(a: argparse.Namespace) -> dict | None:
         need = "--transformer, --vae, --text-encoder and --tokenizer"
         raise ValueError(f"single files need {need}; missing {missing}")
     c = Path(a.configs) if a.configs else None
-    for sub, name in (("transformer", "config.json"), ("vae", "config.json"), ("text_encoder", "config.json"),
-                      ("scheduler", "scheduler_config.json")):  # fmt: skip
+    for sub, name in (
+        ("transformer", "config.json"),
+        ("vae", "config.json"),
+        ("text_encoder", "config.json"),
+        ("scheduler", "scheduler_config.json"),
+    ):
         if c is not None and (c / sub / name).is_file():
             given[sub if sub == "scheduler" else f"{sub}_config"] = c / sub / name
     return given
@@ -89,20 +102,42 @@ def single_file_kwargs(a: argparse.Namespace) -> dict | None:
 
 def _add_sampling_args(p: argparse.ArgumentParser, size_help: str) -> None:
     """Sampling options `generate` and `edit` share (the engine options are `add_engine_arguments`)."""
-    p.add_argument("--negative", default=None, help="negative prompt (default ' ' when --cfg > 1, as Qwen's examples)")
-    p.add_argument("--steps", type=_positive, default=None,
-                   help=f"denoising steps, 1..{V.MAX_STEPS} (default: the model's own, e.g. 20 for the embedded "
-                        "demo, 50 for Qwen-Image)")  # fmt: skip
-    p.add_argument("--cfg", type=float, default=None,
-                   help=f"true CFG scale, 0..{V.MAX_CFG:g}; 1 or less disables CFG (default: the model's own, e.g. 2 "
-                        "for the embedded demo, 4 for Qwen-Image)")  # fmt: skip
-    p.add_argument("--seed", type=int, default=None,
-                   help="random seed, 0..2**63-1; image i of --n uses SEED+i (default: random, printed)")  # fmt: skip
+    p.add_argument(
+        "--negative", default=None, help="negative prompt (default ' ' when --cfg > 1, as Qwen's examples)"
+    )
+    p.add_argument(
+        "--steps",
+        type=_positive,
+        default=None,
+        help=f"denoising steps, 1..{V.MAX_STEPS} (default: the model's own, e.g. 20 for the embedded "
+        "demo, 50 for Qwen-Image)",
+    )
+    p.add_argument(
+        "--cfg",
+        type=float,
+        default=None,
+        help=f"true CFG scale, 0..{V.MAX_CFG:g}; 1 or less disables CFG (default: the model's own, e.g. 2 "
+        "for the embedded demo, 4 for Qwen-Image)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="random seed, 0..2**63-1; image i of --n uses SEED+i (default: random, printed)",
+    )
     p.add_argument("--size", type=_size, default=None, help=size_help)
-    p.add_argument("--n", type=_positive, default=1, help="number of images, seeds SEED, SEED+1, ... (default 1)")
+    p.add_argument(
+        "--n", type=_positive, default=1, help="number of images, seeds SEED, SEED+1, ... (default 1)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--lora", type=V.path_and_number, action="append", default=[], metavar="PATH[:STRENGTH]",
-                   help="fuse a LoRA (.safetensors; diffusers, kohya, ComfyUI names) at STRENGTH (default 1); repeatable")
+    p.add_argument(
+        "--lora",
+        type=V.path_and_number,
+        action="append",
+        default=[],
+        metavar="PATH[:STRENGTH]",
+        help="fuse a LoRA (.safetensors; diffusers, kohya, ComfyUI names) at STRENGTH (default 1); repeatable",
+    )
     add_engine_arguments(p)  # --device --dtype --offload --fp8 --cuda-graphs --kernels --attention --preset
 
 
@@ -115,20 +150,41 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="text-to-image")
     g.add_argument("prompt")
-    g.add_argument("-o", "--output", default="out.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
-    g.add_argument("--model", default=None,
-                   help="diffusers-layout text-to-image folder (default: the embedded 128x128 demo model)")  # fmt: skip
-    g.add_argument("--image", default=None, metavar="IMG",
-                   help="start from this picture (img2img); the output keeps its size unless --size is given")
-    g.add_argument("--mask", default=None, metavar="MASK",
-                   help="with --image: inpaint; white (>= 50%% grey) pixels of MASK are repainted, black ones kept")
-    g.add_argument("--strength", type=float, default=None, metavar="S",
-                   help="with --image: 0..1, how much of the schedule runs (1 = ignore the picture's content there); "
-                        "default 0.6 for img2img, 1.0 with --mask")  # fmt: skip
+    g.add_argument(
+        "-o", "--output", default="out.png", help="PNG path; with --n > 1, -0, -1, ... are appended"
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="diffusers-layout text-to-image folder (default: the embedded 128x128 demo model)",
+    )
+    g.add_argument(
+        "--image",
+        default=None,
+        metavar="IMG",
+        help="start from this picture (img2img); the output keeps its size unless --size is given",
+    )
+    g.add_argument(
+        "--mask",
+        default=None,
+        metavar="MASK",
+        help="with --image: inpaint; white (>= 50%% grey) pixels of MASK are repainted, black ones kept",
+    )
+    g.add_argument(
+        "--strength",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --image: 0..1, how much of the schedule runs (1 = ignore the picture's content there); "
+        "default 0.6 for img2img, 1.0 with --mask",
+    )
     add_single_file_args(g)
-    _add_sampling_args(g, size_help=f"WIDTHxHEIGHT, multiples of 16 (32 for Qwen-Image-2.1), sides up to {V.MAX_SIDE} "
-                                    "(default: the model's own size, e.g. 128x128 for the embedded demo, 1024x1024 for "
-                                    "Qwen-Image; with --image, the picture's size rounded down to multiples of 16)")  # fmt: skip
+    _add_sampling_args(
+        g,
+        size_help=f"WIDTHxHEIGHT, multiples of 16 (32 for Qwen-Image-2.1), sides up to {V.MAX_SIDE} "
+        "(default: the model's own size, e.g. 128x128 for the embedded demo, 1024x1024 for "
+        "Qwen-Image; with --image, the picture's size rounded down to multiples of 16)",
+    )
     from .cli_tasks import add_control_args, add_layers_parser
 
     add_control_args(g)  # --control IMG --controlnet PATH[:SCALE]
@@ -136,93 +192,179 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("edit", help="edit images (Qwen-Image-Edit v1, 2509, 2511)")
     e.add_argument("image", nargs="+", help="input image(s): 1 for Edit v1, 1-3 for Edit-2509/2511")
     e.add_argument("--prompt", required=True, help="the edit instruction")
-    e.add_argument("-o", "--output", default="edited.png", help="PNG path; with --n > 1, -0, -1, ... are appended")
-    e.add_argument("--model", default=None, help="diffusers-layout edit model folder (default: embedded demo edit model)")
-    e.add_argument("--mask", default=None, metavar="MASK",
-                   help="inpaint: only the white (>= 50%% grey) pixels of MASK change (one input image)")
-    e.add_argument("--strength", type=float, default=None, metavar="S",
-                   help="with --mask: 0..1, how much of the schedule runs (default 1.0)")  # fmt: skip
+    e.add_argument(
+        "-o", "--output", default="edited.png", help="PNG path; with --n > 1, -0, -1, ... are appended"
+    )
+    e.add_argument(
+        "--model", default=None, help="diffusers-layout edit model folder (default: embedded demo edit model)"
+    )
+    e.add_argument(
+        "--mask",
+        default=None,
+        metavar="MASK",
+        help="inpaint: only the white (>= 50%% grey) pixels of MASK change (one input image)",
+    )
+    e.add_argument(
+        "--strength",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --mask: 0..1, how much of the schedule runs (default 1.0)",
+    )
     add_single_file_args(e)
-    _add_sampling_args(e, size_help=f"WIDTHxHEIGHT, multiples of 16 (32 for Qwen-Image-2.1), sides up to {V.MAX_SIDE} "
-                                    "(default: the last image's aspect at the model's own area, e.g. ~128x128 for the "
-                                    "embedded demo, ~1024x1024 for Qwen-Image-Edit)")  # fmt: skip
+    _add_sampling_args(
+        e,
+        size_help=f"WIDTHxHEIGHT, multiples of 16 (32 for Qwen-Image-2.1), sides up to {V.MAX_SIDE} "
+        "(default: the last image's aspect at the model's own area, e.g. ~128x128 for the "
+        "embedded demo, ~1024x1024 for Qwen-Image-Edit)",
+    )
 
     add_layers_parser(sub)  # qwenfast layers IMG -o DIR --layers N
 
-    b = sub.add_parser("bench", help="benchmarks: GPU speed (transformer, pipeline, fp8, attention, parallel); "
-                                     "quality and serve also run on the CPU")  # fmt: skip
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks: GPU speed (transformer, pipeline, fp8, attention, parallel); "
+        "quality and serve also run on the CPU",
+    )
     bsub = b.add_subparsers(dest="what", required=True)
-    bt = bsub.add_parser("transformer", help="full-size transformer forward, random bf16 weights (GPU; "
-                                             "--model-type 2.1 --device cpu checks the code on the CPU)")  # fmt: skip
-    bt.add_argument("--size", type=int, action="append", help="image side in pixels (repeatable; default 1024)")
-    bt.add_argument("--compare", choices=["diffusers", "none"], default="none", help="also time diffusers' forward")
-    bt.add_argument("--layers", type=_positive, default=None, help="transformer blocks (default: the model's, 60 / 32)")
+    bt = bsub.add_parser(
+        "transformer",
+        help="full-size transformer forward, random bf16 weights (GPU; "
+        "--model-type 2.1 --device cpu checks the code on the CPU)",
+    )
+    bt.add_argument(
+        "--size", type=int, action="append", help="image side in pixels (repeatable; default 1024)"
+    )
+    bt.add_argument(
+        "--compare", choices=["diffusers", "none"], default="none", help="also time diffusers' forward"
+    )
+    bt.add_argument(
+        "--layers", type=_positive, default=None, help="transformer blocks (default: the model's, 60 / 32)"
+    )
     bt.add_argument("--txt", type=_positive, default=128, help="text tokens")
     bt.add_argument("--iters", type=_positive, default=10, help="timed forwards per variant")
     bt.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     bt.add_argument("--no-fp8", action="store_true", help="skip the FP8 variant")
-    bt.add_argument("--results", default=None, metavar="DIR",
-                    help="append the JSON record to DIR/transformer.jsonl (default: only print it)")  # fmt: skip
-    bt.add_argument("--model-type", choices=["qwen-image", "2.1"], default="qwen-image",
-                    help="2.1: Qwen-Image-2.1's transformer (prefill and cached step, bf16 and FP8) vs diffusers' "
-                         "QwenImage21Transformer2DModel, records to DIR/qwenimage21.jsonl")  # fmt: skip
-    bt.add_argument("--device", default="cuda", help="with --model-type 2.1: cpu runs the code (timings meaningless)")
+    bt.add_argument(
+        "--results",
+        default=None,
+        metavar="DIR",
+        help="append the JSON record to DIR/transformer.jsonl (default: only print it)",
+    )
+    bt.add_argument(
+        "--model-type",
+        choices=["qwen-image", "2.1"],
+        default="qwen-image",
+        help="2.1: Qwen-Image-2.1's transformer (prefill and cached step, bf16 and FP8) vs diffusers' "
+        "QwenImage21Transformer2DModel, records to DIR/qwenimage21.jsonl",
+    )
+    bt.add_argument(
+        "--device", default="cuda", help="with --model-type 2.1: cpu runs the code (timings meaningless)"
+    )
     from .benchmarks.serve import add_arguments as add_bench_serve_arguments
 
-    add_bench_serve_arguments(bsub.add_parser(
-        "serve", help="server throughput and p50/p95 latency vs concurrency (CPU or GPU)"))  # fmt: skip
+    add_bench_serve_arguments(
+        bsub.add_parser("serve", help="server throughput and p50/p95 latency vs concurrency (CPU or GPU)")
+    )
     from .benchmarks.fp8 import add_arguments as add_bench_fp8_arguments
     from .benchmarks.parallel import add_arguments as add_bench_parallel_arguments
     from .benchmarks.pipeline import add_arguments as add_bench_pipeline_arguments
 
-    add_bench_fp8_arguments(bsub.add_parser(
-        "fp8", help="FP8 from files (load peak), LoRA on an FP8 base (switch, quality), FP8 under a memory budget"))  # fmt: skip
+    add_bench_fp8_arguments(
+        bsub.add_parser(
+            "fp8",
+            help="FP8 from files (load peak), LoRA on an FP8 base (switch, quality), FP8 under a memory budget",
+        )
+    )
 
     from .benchmarks.attention import add_arguments as add_bench_attention_arguments
 
-    add_bench_attention_arguments(bsub.add_parser(
-        "attention", help="8-bit attention: FP8 engines per layer, in the FP8 forward, and the quality gate"))  # fmt: skip
+    add_bench_attention_arguments(
+        bsub.add_parser(
+            "attention",
+            help="8-bit attention: FP8 engines per layer, in the FP8 forward, and the quality gate",
+        )
+    )
 
-    add_bench_parallel_arguments(bsub.add_parser(
-        "parallel", help="one image over several GPUs (ulysses, cfg) vs one GPU, and diffusers' own Ulysses"))  # fmt: skip
+    add_bench_parallel_arguments(
+        bsub.add_parser(
+            "parallel",
+            help="one image over several GPUs (ulysses, cfg) vs one GPU, and diffusers' own Ulysses",
+        )
+    )
 
-    add_bench_pipeline_arguments(bsub.add_parser(
-        "pipeline", help="end to end vs diffusers (random full-size weights), VAE, memory planner, offload"))  # fmt: skip
+    add_bench_pipeline_arguments(
+        bsub.add_parser(
+            "pipeline",
+            help="end to end vs diffusers (random full-size weights), VAE, memory planner, offload",
+        )
+    )
     from .benchmarks.report import add_arguments as add_bench_report_arguments
 
-    add_bench_report_arguments(bsub.add_parser(
-        "report", help="render the published tables of README.md and docs/ from bench/results (CPU)"))  # fmt: skip
+    add_bench_report_arguments(
+        bsub.add_parser(
+            "report", help="render the published tables of README.md and docs/ from bench/results (CPU)"
+        )
+    )
     bq = bsub.add_parser("quality", help="prompt-adherence score of the held-out demo suite (CPU or GPU)")
-    bq.add_argument("--model", default=None,
-                    help="demo model folder, text-to-image or edit (default: the embedded text-to-image demo; "
-                         "'edit': the embedded edit demo)")  # fmt: skip
-    bq.add_argument("--n", type=_positive, default=None,
-                    help="items of the held-out suite to score (default and max: 120 prompts, or 36 edits; "
-                         "--paths scores up to 120 edits)")  # fmt: skip
+    bq.add_argument(
+        "--model",
+        default=None,
+        help="demo model folder, text-to-image or edit (default: the embedded text-to-image demo; "
+        "'edit': the embedded edit demo)",
+    )
+    bq.add_argument(
+        "--n",
+        type=_positive,
+        default=None,
+        help="items of the held-out suite to score (default and max: 120 prompts, or 36 edits; "
+        "--paths scores up to 120 edits)",
+    )
     bq.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: model's)")
     bq.add_argument("--cfg", type=float, default=None, help="true CFG scale (default: model's)")
     bq.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     bq.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
     bq.add_argument("--verbose", action="store_true", help="list the failing prompts and checks")
-    bq.add_argument("--paths", action="store_true",
-                    help="score every code path (fp32 reference, bf16, kernels, graphs, batched CFG, FP8) "
-                         "and each one's gap to the reference")  # fmt: skip
-    bq.add_argument("--path", action="append", default=None, metavar="NAME",
-                    help="with --paths: only the paths whose name contains NAME (repeatable; the fp32 reference "
-                         "always runs first, as the gap's base), e.g. --path fp8")  # fmt: skip
-    bq.add_argument("--cache", action="append", default=None, metavar="POLICY",
-                    help="score the suite uncached and with each step-cache preset (repeatable: balanced, fast), "
-                         "at --steps (default 50) with CFG: score, computed fraction, PSNR/SSIM vs uncached")  # fmt: skip
-    bq.add_argument("--results", default=None, metavar="DIR",
-                    help="append the record to DIR/quality.jsonl (default: only print it)")  # fmt: skip
+    bq.add_argument(
+        "--paths",
+        action="store_true",
+        help="score every code path (fp32 reference, bf16, kernels, graphs, batched CFG, FP8) "
+        "and each one's gap to the reference",
+    )
+    bq.add_argument(
+        "--path",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="with --paths: only the paths whose name contains NAME (repeatable; the fp32 reference "
+        "always runs first, as the gap's base), e.g. --path fp8",
+    )
+    bq.add_argument(
+        "--cache",
+        action="append",
+        default=None,
+        metavar="POLICY",
+        help="score the suite uncached and with each step-cache preset (repeatable: balanced, fast), "
+        "at --steps (default 50) with CFG: score, computed fraction, PSNR/SSIM vs uncached",
+    )
+    bq.add_argument(
+        "--results",
+        default=None,
+        metavar="DIR",
+        help="append the record to DIR/quality.jsonl (default: only print it)",
+    )
 
     from .server.options import add_serve_arguments
 
-    add_serve_arguments(sub.add_parser("serve", help="OpenAI-compatible image server + web page ([server] extra)"))
+    add_serve_arguments(
+        sub.add_parser("serve", help="OpenAI-compatible image server + web page ([server] extra)")
+    )
 
     from .export.cli_export import add_arguments as add_export_arguments
 
-    add_export_arguments(sub.add_parser("export", help="export a model component (ONNX) for TensorRT / Triton"))
+    add_export_arguments(
+        sub.add_parser("export", help="export a model component (ONNX) for TensorRT / Triton")
+    )
 
     d = sub.add_parser("doctor", help="versions, GPU, and whether a model folder is complete")
     d.add_argument("--model", default=None, help="model folder to check (default: the embedded model)")
@@ -247,7 +389,9 @@ def _start_inputs(a: argparse.Namespace, task: str) -> tuple[tuple | None, float
             raise ValueError("--strength needs --mask (edit inpainting)")
         return None, None
     strength = a.strength if a.strength is not None else (0.6 if task == "img2img" else 1.0)
-    V.check_strength(strength, a.steps, name="--strength", steps_name="--steps")  # again with the model's steps
+    V.check_strength(
+        strength, a.steps, name="--strength", steps_name="--steps"
+    )  # again with the model's steps
     img = load_images(image)[0] if task != "edit-inpaint" else None  # edit loads its own images
     mask = load_masks(a.mask)[0] if a.mask else None
     return (img, mask), strength
@@ -280,8 +424,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
     check_control_args(a)
     start, strength = _start_inputs(a, "inpaint" if a.mask else "img2img")  # bad inputs fail before loading
     if start is not None and a.controlnet:
-        raise ValueError("--image/--mask (img2img, inpainting) and --controlnet do not combine; for ControlNet "
-                         "inpainting use --control-mask")  # fmt: skip
+        raise ValueError(
+            "--image/--mask (img2img, inpainting) and --controlnet do not combine; for ControlNet "
+            "inpainting use --control-mask"
+        )
     single = single_file_kwargs(a)
     task, command = _generate_task(a, start)
     C.pipeline_class(a, task, command, single)  # the folder runs it, and the flags fit what its class can do
@@ -309,28 +455,46 @@ def cmd_generate(a: argparse.Namespace) -> int:
         V.check_strength(strength, steps, name="--strength", steps_name="--steps")
         extra = {"image": start[0], "strength": strength, **({"mask_image": start[1]} if a.mask else {})}
     t1 = time.perf_counter()
-    kw = dict(negative_prompt=negative, height=h, width=w, num_inference_steps=steps, true_cfg_scale=cfg,
-              **control, **extra)  # fmt: skip
+    kw = dict(
+        negative_prompt=negative,
+        height=h,
+        width=w,
+        num_inference_steps=steps,
+        true_cfg_scale=cfg,
+        **control,
+        **extra,
+    )
     if start is not None or a.controlnet:  # these draw the picture's / control latents from the generator too
         images = C.one_by_one(lambda **k: pipe(a.prompt, **k), seed, a.n, **kw)
     else:
         images = pipe(a.prompt, generator=C.generators(seed, a.n), num_images_per_prompt=a.n, **kw).images
     t_gen = time.perf_counter() - t1
     w, h = images[0].size  # the size actually made
-    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "steps": str(steps),
-            "cfg": str(cfg), "size": f"{w}x{h}", "model": pipe.model_path, "generator": "qwenfast"}  # fmt: skip
+    meta = {
+        "prompt": a.prompt,
+        "negative_prompt": negative or "",
+        "steps": str(steps),
+        "cfg": str(cfg),
+        "size": f"{w}x{h}",
+        "model": pipe.model_path,
+        "generator": "qwenfast",
+    }
     if a.controlnet:
         meta["controlnet"] = json.dumps({"nets": a.controlnet, "control": a.control, "mask": a.control_mask})
     if start is not None:
-        meta.update(task=task, input=str(a.image), strength=str(strength), **({"mask": str(a.mask)} if a.mask else {}))
+        meta.update(
+            task=task, input=str(a.image), strength=str(strength), **({"mask": str(a.mask)} if a.mask else {})
+        )
     C.meta_extras(meta, a, loras)
     if launch.rank() != 0:
         return 0
     if a.parallel:
         meta["parallel"] = a.parallel
     paths = C.save_pngs(images, Path(a.output), meta, seed)
-    print(f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {w}x{h}; "
-          f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+    print(
+        f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {w}x{h}; "
+        f"load {t_load:.1f}s, generate {t_gen:.2f}s on {pipe.device})"
+    )
     return 0
 
 
@@ -339,7 +503,9 @@ def cmd_edit(a: argparse.Namespace) -> int:
     from .pipeline.images import open_image
 
     _before_launch(a)
-    images = [open_image(p, f"image[{i}]") for i, p in enumerate(a.image)]  # unreadable input fails before loading
+    images = [
+        open_image(p, f"image[{i}]") for i, p in enumerate(a.image)
+    ]  # unreadable input fails before loading
     if a.mask and len(images) != 1:
         raise ValueError(f"--mask inpaints one image; got {len(images)}")
     start, strength = _start_inputs(a, "edit-inpaint")
@@ -350,8 +516,10 @@ def cmd_edit(a: argparse.Namespace) -> int:
         return launch.run(cmd_edit, a)
     if a.model is None and single is None:
         if not Path(DEMO_EDIT_MODEL).is_dir():
-            raise ValueError("no embedded edit model in this install; pass --model /path/to/Qwen-Image-Edit-2509 "
-                             "(or --transformer/--vae/--text-encoder/--tokenizer single files)")  # fmt: skip
+            raise ValueError(
+                "no embedded edit model in this install; pass --model /path/to/Qwen-Image-Edit-2509 "
+                "(or --transformer/--vae/--text-encoder/--tokenizer single files)"
+            )
         if launch.rank() == 0:
             C.note(f"no --model given, using the embedded demo edit model ({DEMO_EDIT_MODEL})")
     t0 = time.perf_counter()
@@ -369,17 +537,31 @@ def cmd_edit(a: argparse.Namespace) -> int:
         V.check_strength(strength, steps, name="--strength", steps_name="--steps")
         if w is not None:
             C.note("--size is ignored with --mask: edit inpainting follows the image's size")
-        out = C.one_by_one(lambda **k: pipe(image=images, prompt=a.prompt, **k), seed, a.n, mask_image=start[1],
-                           strength=strength, **kw)  # fmt: skip
+        out = C.one_by_one(
+            lambda **k: pipe(image=images, prompt=a.prompt, **k),
+            seed,
+            a.n,
+            mask_image=start[1],
+            strength=strength,
+            **kw,
+        )
     else:
-        out = pipe(image=images, prompt=a.prompt, generator=C.generators(seed, a.n), num_images_per_prompt=a.n,
-                   **kw).images  # fmt: skip
+        out = pipe(
+            image=images, prompt=a.prompt, generator=C.generators(seed, a.n), num_images_per_prompt=a.n, **kw
+        ).images
     t_gen = time.perf_counter() - t1
     ow, oh = out[0].size
-    meta = {"prompt": a.prompt, "negative_prompt": negative or "", "steps": str(steps),
-            "cfg": str(cfg), "size": f"{ow}x{oh}", "model": pipe.model_path,
-            **({"mode": caps.variant} if caps.variant else {}),
-            "inputs": json.dumps([str(p) for p in a.image]), "generator": "qwenfast"}  # fmt: skip
+    meta = {
+        "prompt": a.prompt,
+        "negative_prompt": negative or "",
+        "steps": str(steps),
+        "cfg": str(cfg),
+        "size": f"{ow}x{oh}",
+        "model": pipe.model_path,
+        **({"mode": caps.variant} if caps.variant else {}),
+        "inputs": json.dumps([str(p) for p in a.image]),
+        "generator": "qwenfast",
+    }
     if start is not None:
         meta.update(task="edit-inpaint", mask=str(a.mask), strength=str(strength))
     C.meta_extras(meta, a, loras)
@@ -388,8 +570,10 @@ def cmd_edit(a: argparse.Namespace) -> int:
     if a.parallel:
         meta["parallel"] = a.parallel
     paths = C.save_pngs(out, Path(a.output), meta, seed)
-    print(f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {ow}x{oh}, "
-          f"{caps.variant or caps.model_type}; load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})")  # fmt: skip
+    print(
+        f"saved {', '.join(map(str, paths))}  ({C.seeds_text(seed, a.n)}, {steps} steps, cfg {cfg}, {ow}x{oh}, "
+        f"{caps.variant or caps.model_type}; load {t_load:.1f}s, edit {t_gen:.2f}s on {pipe.device})"
+    )
     return 0
 
 
@@ -432,8 +616,12 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, ConfigError, ValueError, RuntimeError, OSError) as e:
         from .errors import ParallelError
 
-        if isinstance(e, RuntimeError) and not isinstance(e, ParallelError) and "CUDA" not in str(e) \
-                and "cuda" not in str(e):  # fmt: skip
+        if (
+            isinstance(e, RuntimeError)
+            and not isinstance(e, ParallelError)
+            and "CUDA" not in str(e)
+            and "cuda" not in str(e)
+        ):
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2

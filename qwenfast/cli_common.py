@@ -45,16 +45,10 @@ def check_output(output: str) -> None:
     if path.is_dir():
         raise ValueError(f"-o {output} is a folder; give a file name such as {path / 'out.png'}")
     if path.suffix and path.suffix.lower() != ".png":
-        raise ValueError(f"-o {output}: qwenfast writes PNG files (with the prompt and seed inside); use a .png name, "
-                         f"e.g. {path.with_suffix('.png')}")  # fmt: skip
-
-
-
-
-
-
-
-
+        raise ValueError(
+            f"-o {output}: qwenfast writes PNG files (with the prompt and seed inside); use a .png name, "
+            f"e.g. {path.with_suffix('.png')}"
+        )
 
 
 def model_size(pipe, a) -> tuple[int, int] | None:
@@ -142,7 +136,9 @@ HOW_TO_RUN = (
 )
 
 
-def pipeline_class(a: argparse.Namespace, task: str, command: str, single: dict | None = None, hint: str = ""):
+def pipeline_class(
+    a: argparse.Namespace, task: str, command: str, single: dict | None = None, hint: str = ""
+):
     """The pipeline class that will run `task` for this command (the registry's, before anything loads),
     and the flags checked against what it declares it can do (`CAPABILITIES`): a --model that runs
     another task says which command runs it (`hint`: where to get the right model), --parallel and
@@ -158,10 +154,14 @@ def pipeline_class(a: argparse.Namespace, task: str, command: str, single: dict 
         kind = auto.folder_kind(a.model)
         how = next((how for t, how in HOW_TO_RUN if t in auto.folder_tasks(kind)), None)
         msg = f"{a.model} is {auto.describe(kind)}; `qwenfast {command}` needs {auto.pipeline_class(None, task).checkpoints}"
-        raise ValueError(msg + (f". {how.format(model=a.model)}" if how else "") + (f"; {hint}" if hint else "")) from None
+        raise ValueError(
+            msg + (f". {how.format(model=a.model)}" if how else "") + (f"; {hint}" if hint else "")
+        ) from None
     caps = cls.CAPABILITIES
     if single is not None and not caps.single_files:
-        raise ValueError(f"`qwenfast {command}` ({task}) loads a diffusers folder (--model), not single files")
+        raise ValueError(
+            f"`qwenfast {command}` ({task}) loads a diffusers folder (--model), not single files"
+        )
     if getattr(a, "parallel", None) and not caps.parallel:
         raise ValueError(f"`qwenfast {command}` ({task}) runs on one GPU (no --parallel)")
     if getattr(a, "size", None):  # refused before loading; the model's own multiple again after (model_size)
@@ -177,5 +177,7 @@ def load_pipeline(a: argparse.Namespace, task: str, single: dict | None = None, 
 
     opts = engine_options_from_args(a)  # with --fp8 the transformer loads as FP8
     if single is not None:
-        return auto.from_single_files(**single, task=task, device=a.device, dtype=a.dtype, options=opts, **kwargs)
+        return auto.from_single_files(
+            **single, task=task, device=a.device, dtype=a.dtype, options=opts, **kwargs
+        )
     return auto.from_pretrained(a.model, task=task, device=a.device, dtype=a.dtype, options=opts, **kwargs)

@@ -21,10 +21,14 @@ def _attention_libraries() -> str:
             return False
 
     fa3 = [m for m in ("flash_attn_interface", "fa3_fwd_interface") if found(m)]
-    parts = [f"FA3 {'(' + ', '.join(fa3) + ')' if fa3 else 'not installed (pip install fa3-fwd)'}",
-             f"cuDNN frontend {'installed' if found('cudnn') else 'not installed'}"]  # fmt: skip
+    parts = [
+        f"FA3 {'(' + ', '.join(fa3) + ')' if fa3 else 'not installed (pip install fa3-fwd)'}",
+        f"cuDNN frontend {'installed' if found('cudnn') else 'not installed'}",
+    ]
     engines = (["fa3"] if fa3 else []) + (["cudnn"] if found("cudnn") else [])
-    parts.append(f"8-bit engines: {', '.join(engines) if engines else 'none (attention=fp8 runs cuDNN bf16)'}")
+    parts.append(
+        f"8-bit engines: {', '.join(engines) if engines else 'none (attention=fp8 runs cuDNN bf16)'}"
+    )
     return "; ".join(parts)
 
 
@@ -37,7 +41,11 @@ def _parallel_line() -> str:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < 2:
         return f"{n} GPU{'s' if n != 1 else ''}: one-GPU runs only (--parallel ... --device cpu runs CPU processes)"
-    layouts = ["cfg=2"] + [f"ulysses={g}" for g in (2, 3, 4, 6, 8) if g <= n] + (["cfg=2,ulysses=2"] if n >= 4 else [])
+    layouts = (
+        ["cfg=2"]
+        + [f"ulysses={g}" for g in (2, 3, 4, 6, 8) if g <= n]
+        + (["cfg=2,ulysses=2"] if n >= 4 else [])
+    )
     p2p = all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
     exchange = "peer memory (P2P/NVLink)" if p2p else "NCCL all-to-alls (no P2P between all GPUs: slower)"
     return f"{n} GPUs: {', '.join(layouts)}; Ulysses exchange: {exchange}"
@@ -68,7 +76,9 @@ def cmd_doctor(a: argparse.Namespace) -> int:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             free, total = torch.cuda.mem_get_info(i)
-            print(f"  cuda:{i}     {p.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} free), sm_{p.major}{p.minor}")
+            print(
+                f"  cuda:{i}     {p.name}, {total / 2**30:.1f} GiB ({free / 2**30:.1f} free), sm_{p.major}{p.minor}"
+            )
     else:
         print("cuda         not available (CPU only)")
     print(f"attention    {_attention_libraries()}")
@@ -98,16 +108,37 @@ def cmd_bench(a: argparse.Namespace) -> int:
             from .benchmarks import emit, versions
             from .demo.bench import quality_cache
 
-            rows = quality_cache(a.model, tuple(a.cache), n=a.n, device=a.device, dtype=a.dtype,
-                                 steps=a.steps or 50, cfg=a.cfg)  # fmt: skip
-            emit({"bench": "quality_cache", "model": a.model or "demo-t2i", **versions(), "steps": a.steps or 50,
-                  "rows": rows}, "quality.jsonl", a.results)  # fmt: skip
+            rows = quality_cache(
+                a.model, tuple(a.cache), n=a.n, device=a.device, dtype=a.dtype, steps=a.steps or 50, cfg=a.cfg
+            )
+            emit(
+                {
+                    "bench": "quality_cache",
+                    "model": a.model or "demo-t2i",
+                    **versions(),
+                    "steps": a.steps or 50,
+                    "rows": rows,
+                },
+                "quality.jsonl",
+                a.results,
+            )
             return 0
         from .benchmarks import emit, versions
 
         if not a.paths:  # every bench ends with its record as one JSON line
-            emit(quality(a.model, n=a.n, device=a.device, dtype=a.dtype, steps=a.steps, cfg=a.cfg,
-                         verbose=a.verbose), "quality.jsonl", a.results)  # fmt: skip
+            emit(
+                quality(
+                    a.model,
+                    n=a.n,
+                    device=a.device,
+                    dtype=a.dtype,
+                    steps=a.steps,
+                    cfg=a.cfg,
+                    verbose=a.verbose,
+                ),
+                "quality.jsonl",
+                a.results,
+            )
             return 0
 
         n = min(a.n or 120, 120)
@@ -115,11 +146,18 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         paths = [p for i, p in enumerate(PATHS) if i == 0 or not a.path or any(k in p[0] for k in a.path)]
         if a.path and len(paths) == 1:
-            raise SystemExit(f"--path {a.path}: no code path matches; the paths are: "
-                             + ", ".join(p[0] for p in PATHS[1:]))  # fmt: skip
+            raise SystemExit(
+                f"--path {a.path}: no code path matches; the paths are: " + ", ".join(p[0] for p in PATHS[1:])
+            )
         rows = quality_paths(a.model, n=n, device=a.device, paths=paths)
-        record = {"bench": "quality_paths", "model": a.model or "demo-t2i", **versions(), "n": n, "rows": rows,
-                  "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0)}  # fmt: skip
+        record = {
+            "bench": "quality_paths",
+            "model": a.model or "demo-t2i",
+            **versions(),
+            "n": n,
+            "rows": rows,
+            "max_abs_gap": max((abs(r["gap"]) for r in rows if "gap" in r), default=0.0),
+        }
         emit(record, "quality.jsonl", a.results)
         return 0
     if a.what == "fp8":
@@ -151,13 +189,23 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         return run_pipeline(a)
     if not torch.cuda.is_available():
-        print("error: `qwenfast bench` measures GPU speed and needs a CUDA device (pipeline: --smoke runs on CPU)",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "error: `qwenfast bench` measures GPU speed and needs a CUDA device (pipeline: --smoke runs on CPU)",
+            file=sys.stderr,
+        )
         return 2
     from .benchmarks.transformer import run
 
-    run(sizes=tuple(a.size or [1024]), compare=a.compare == "diffusers", num_layers=a.layers or 60, txt_len=a.txt,
-        iters=a.iters, compile_=not a.no_compile, out_dir=a.results, fp8=not a.no_fp8)  # fmt: skip
+    run(
+        sizes=tuple(a.size or [1024]),
+        compare=a.compare == "diffusers",
+        num_layers=a.layers or 60,
+        txt_len=a.txt,
+        iters=a.iters,
+        compile_=not a.no_compile,
+        out_dir=a.results,
+        fp8=not a.no_fp8,
+    )
     return 0
 
 
@@ -167,8 +215,11 @@ def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
     import torch
 
     if not on_cpu and not torch.cuda.is_available():
-        print("error: the Qwen-Image-2.1 benchmarks measure GPU speed and need a CUDA device "
-              "(--device cpu / --smoke run the code on the CPU)", file=sys.stderr)  # fmt: skip
+        print(
+            "error: the Qwen-Image-2.1 benchmarks measure GPU speed and need a CUDA device "
+            "(--device cpu / --smoke run the code on the CPU)",
+            file=sys.stderr,
+        )
         return 2
     if a.what == "transformer":
         from .benchmarks.qwenimage21 import main as bench
@@ -177,8 +228,13 @@ def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
         if on_cpu:  # one full-width block, a 64² image, 8 prompt tokens
             argv = ["--device", "cpu", "--layers", "1", "--size", "64", "--text", "8"]
         else:
-            argv = ["--text", str(a.txt), *(["--size", str(a.size[0])] if a.size else []),
-                    *(["--layers", str(a.layers)] if a.layers else []), *([] if a.no_compile else ["--compile"])]  # fmt: skip
+            argv = [
+                "--text",
+                str(a.txt),
+                *(["--size", str(a.size[0])] if a.size else []),
+                *(["--layers", str(a.layers)] if a.layers else []),
+                *([] if a.no_compile else ["--compile"]),
+            ]
     else:
         from .benchmarks.qwenimage21_e2e import main as bench
 
@@ -186,7 +242,18 @@ def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
         argv = ["--fp8"] if a.fp8 else []
         argv += ["--steps", str(a.steps or (2 if on_cpu else 40))]
         if on_cpu:  # one full-width block, a 64² image, a 2-layer text encoder, one timed call per row
-            argv += ["--device", "cpu", "--layers", "1", "--size", "64", "--text-encoder", "tiny", "--runs", "1"]
+            argv += [
+                "--device",
+                "cpu",
+                "--layers",
+                "1",
+                "--size",
+                "64",
+                "--text-encoder",
+                "tiny",
+                "--runs",
+                "1",
+            ]
     if a.results:
         Path(a.results).mkdir(parents=True, exist_ok=True)
         argv += ["--out", str(Path(a.results) / name)]

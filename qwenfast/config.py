@@ -28,11 +28,15 @@ def _from_dict(cls, d: dict[str, Any], where: str, unsupported: dict[str, Any] |
             kwargs[k] = v
         elif unsupported and k in unsupported:
             if v != unsupported[k]:
-                raise ConfigError(f"{where}: `{k}={v!r}` is not supported by qwenfast (only {unsupported[k]!r})")
+                raise ConfigError(
+                    f"{where}: `{k}={v!r}` is not supported by qwenfast (only {unsupported[k]!r})"
+                )
         else:
             unknown.append(k)
     if unknown:
-        raise ConfigError(f"{where}: unknown config fields {sorted(unknown)}; is this a Qwen-Image checkpoint?")
+        raise ConfigError(
+            f"{where}: unknown config fields {sorted(unknown)}; is this a Qwen-Image checkpoint?"
+        )
     for k, v in kwargs.items():  # JSON gives lists where the dataclass holds tuples
         if isinstance(v, list):
             kwargs[k] = tuple(v)
@@ -73,7 +77,9 @@ class TransformerConfig:
         if any(a % 2 for a in self.axes_dims_rope):
             raise ConfigError(f"transformer config: axes_dims_rope {self.axes_dims_rope} must all be even")
         if self.guidance_embeds:
-            raise ConfigError("transformer config: guidance_embeds=true is not supported (no released checkpoint uses it)")
+            raise ConfigError(
+                "transformer config: guidance_embeds=true is not supported (no released checkpoint uses it)"
+            )
         if self.patch_size != 2:
             raise ConfigError(f"transformer config: patch_size {self.patch_size} is not supported (only 2)")
 
@@ -102,13 +108,41 @@ class VAEConfig:
     dropout: float = 0.0
     input_channels: int = 3
     latents_mean: tuple[float, ...] = (
-        -0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
-        0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921,
-    )  # fmt: skip
+        -0.7571,
+        -0.7089,
+        -0.9113,
+        0.1075,
+        -0.1745,
+        0.9653,
+        -0.1517,
+        1.5508,
+        0.4134,
+        -0.0715,
+        0.5517,
+        -0.3632,
+        -0.1922,
+        -0.9497,
+        0.2503,
+        -0.2921,
+    )
     latents_std: tuple[float, ...] = (
-        2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
-        3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160,
-    )  # fmt: skip
+        2.8184,
+        1.4541,
+        2.3275,
+        2.6558,
+        1.2196,
+        1.7708,
+        2.6052,
+        2.0743,
+        3.2687,
+        2.1526,
+        2.8652,
+        1.5579,
+        1.6382,
+        1.1253,
+        2.8251,
+        1.9160,
+    )
 
     @property
     def scale_factor(self) -> int:
@@ -146,12 +180,18 @@ class SchedulerConfig:
 
     def __post_init__(self):
         if self.time_shift_type not in ("exponential", "linear"):
-            raise ConfigError(f"scheduler config: time_shift_type {self.time_shift_type!r} (allowed: exponential, linear)")
+            raise ConfigError(
+                f"scheduler config: time_shift_type {self.time_shift_type!r} (allowed: exponential, linear)"
+            )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SchedulerConfig:
-        off = {"use_karras_sigmas": False, "use_exponential_sigmas": False, "use_beta_sigmas": False,
-               "stochastic_sampling": False}  # fmt: skip
+        off = {
+            "use_karras_sigmas": False,
+            "use_exponential_sigmas": False,
+            "use_beta_sigmas": False,
+            "stochastic_sampling": False,
+        }
         return _from_dict(cls, d, "scheduler/scheduler_config.json", unsupported=off)
 
     def replace(self, **kw) -> SchedulerConfig:
@@ -213,8 +253,13 @@ class ControlNetConfig:
 
     def transformer_config(self) -> TransformerConfig:
         """The config of its blocks (the transformer's own block code, no zero_cond_t)."""
-        return TransformerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                    if f.name != "extra_condition_channels"})  # fmt: skip
+        return TransformerConfig(
+            **{
+                f.name: getattr(self, f.name)
+                for f in dataclasses.fields(self)
+                if f.name != "extra_condition_channels"
+            }
+        )
 
 
 # InstantX/Qwen-Image-ControlNet-Union (the diffusers default config, 5 layers)

@@ -18,8 +18,16 @@ from . import validation as V
 from .config import PRESETS, TURBO_SIGMAS
 from .options import ATTENTION, CACHE_PRESETS, KERNELS, OFFLOAD, EngineOptions
 
-__all__ = ["positive_int", "add_engine_arguments", "engine_options_from_args", "check_parallel_args", "engine_notes",
-           "model_heads", "note", "on_cpu"]
+__all__ = [
+    "positive_int",
+    "add_engine_arguments",
+    "engine_options_from_args",
+    "check_parallel_args",
+    "engine_notes",
+    "model_heads",
+    "note",
+    "on_cpu",
+]
 
 
 def positive_int(s: str) -> int:
@@ -42,31 +50,68 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
     g = parser.add_argument_group("engine (how it runs: the same switches for generate, edit and serve)")
     g.add_argument("--device", default=None, help="cuda | cpu | cuda:N (default: cuda if available)")
     g.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
-    g.add_argument("--offload", choices=list(OFFLOAD), default=None,
-                   help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
-                        "the transformer blocks that do not fit --offload-budget from host memory")  # fmt: skip
-    g.add_argument("--offload-budget", type=float, default=None, metavar="GIB",
-                   help="with --offload blocks: GPU memory to plan for; blocks that fit stay resident, the rest "
-                        "stream (default: the free GPU memory)")  # fmt: skip
-    g.add_argument("--fp8", action="store_true",
-                   help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): faster, not bitwise diffusers")
-    g.add_argument("--cuda-graphs", dest="cuda_graphs", action="store_true", default=cuda_graphs_default,
-                   help="replay the transformer as CUDA graphs" + (" (default: on)" if cuda_graphs_default is None
-                                                                    else " (default: off for the server)"))  # fmt: skip
+    g.add_argument(
+        "--offload",
+        choices=list(OFFLOAD),
+        default=None,
+        help="smaller GPUs: model = text encoder on the GPU only while encoding; blocks = also stream "
+        "the transformer blocks that do not fit --offload-budget from host memory",
+    )
+    g.add_argument(
+        "--offload-budget",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="with --offload blocks: GPU memory to plan for; blocks that fit stay resident, the rest "
+        "stream (default: the free GPU memory)",
+    )
+    g.add_argument(
+        "--fp8",
+        action="store_true",
+        help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): faster, not bitwise diffusers",
+    )
+    g.add_argument(
+        "--cuda-graphs",
+        dest="cuda_graphs",
+        action="store_true",
+        default=cuda_graphs_default,
+        help="replay the transformer as CUDA graphs"
+        + (" (default: on)" if cuda_graphs_default is None else " (default: off for the server)"),
+    )
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run eagerly")
-    g.add_argument("--kernels", choices=list(KERNELS), default=None,
-                   help="fused-op backend (default: $QWENFAST_KERNELS or auto)")
-    g.add_argument("--attention", choices=list(ATTENTION), default=None,
-                   help="attention backend (default: $QWENFAST_ATTENTION or auto; fp8: 8-bit, lossy)")
-    g.add_argument("--cache", choices=["off", *CACHE_PRESETS], default=None,
-                   help="step cache: skip the middle blocks on some steps (lossy; README 'Step caching' has the "
-                        "measured quality; default off)")  # fmt: skip
-    g.add_argument("--parallel", default=None, metavar="LAYOUT",
-                   help="several GPUs for one image: 'cfg=2', 'ulysses=2', 'cfg=2,ulysses=2' (one process per GPU, "
-                        "started for you; --device cpu: CPU processes over gloo)")  # fmt: skip
-    g.add_argument("--preset", choices=list(dict.fromkeys([*PRESETS, *TURBO_SIGMAS])), default=None,
-                   help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift; Qwen-Image-2.1: turbo-8 "
-                        "and turbo-4 sigma schedules); --steps/--cfg still win")  # fmt: skip
+    g.add_argument(
+        "--kernels",
+        choices=list(KERNELS),
+        default=None,
+        help="fused-op backend (default: $QWENFAST_KERNELS or auto)",
+    )
+    g.add_argument(
+        "--attention",
+        choices=list(ATTENTION),
+        default=None,
+        help="attention backend (default: $QWENFAST_ATTENTION or auto; fp8: 8-bit, lossy)",
+    )
+    g.add_argument(
+        "--cache",
+        choices=["off", *CACHE_PRESETS],
+        default=None,
+        help="step cache: skip the middle blocks on some steps (lossy; README 'Step caching' has the "
+        "measured quality; default off)",
+    )
+    g.add_argument(
+        "--parallel",
+        default=None,
+        metavar="LAYOUT",
+        help="several GPUs for one image: 'cfg=2', 'ulysses=2', 'cfg=2,ulysses=2' (one process per GPU, "
+        "started for you; --device cpu: CPU processes over gloo)",
+    )
+    g.add_argument(
+        "--preset",
+        choices=list(dict.fromkeys([*PRESETS, *TURBO_SIGMAS])),
+        default=None,
+        help="sampling recipe for distilled LoRAs (steps, cfg, scheduler shift; Qwen-Image-2.1: turbo-8 "
+        "and turbo-4 sigma schedules); --steps/--cfg still win",
+    )
 
 
 def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptions:
@@ -76,9 +121,15 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
         extra.setdefault("fp8", True)
     if getattr(a, "offload_budget", None) is not None:
         extra.setdefault("offload_budget", a.offload_budget)
-    return EngineOptions.from_env(offload=a.offload, cuda_graphs=a.cuda_graphs, kernels=a.kernels,
-                                  attention=a.attention, cache=getattr(a, "cache", None),
-                                  parallel=getattr(a, "parallel", None), **extra)  # fmt: skip
+    return EngineOptions.from_env(
+        offload=a.offload,
+        cuda_graphs=a.cuda_graphs,
+        kernels=a.kernels,
+        attention=a.attention,
+        cache=getattr(a, "cache", None),
+        parallel=getattr(a, "parallel", None),
+        **extra,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,18 +155,24 @@ def engine_notes(a: argparse.Namespace, loras: bool | None = None) -> None:
     `loras`: whether LoRAs can come (None: `--lora` was given)."""
     loras = bool(getattr(a, "lora", None)) if loras is None else loras
     if a.preset and a.preset != "default" and not loras:
-        note(f"--preset {a.preset} is the sampling recipe of a distilled LoRA (few steps, no CFG); without "
-             "--lora the base model runs it and gives blurry images: add --lora PATH (e.g. the matching "
-             "Lightning / turbo LoRA), or leave --preset out")  # fmt: skip
+        note(
+            f"--preset {a.preset} is the sampling recipe of a distilled LoRA (few steps, no CFG); without "
+            "--lora the base model runs it and gives blurry images: add --lora PATH (e.g. the matching "
+            "Lightning / turbo LoRA), or leave --preset out"
+        )
     if not on_cpu(a):
         return
     if a.offload not in (None, "none"):
-        note(f"--offload {a.offload} does nothing on the CPU (the weights already live in host memory); "
-             "running without it")  # fmt: skip
+        note(
+            f"--offload {a.offload} does nothing on the CPU (the weights already live in host memory); "
+            "running without it"
+        )
         a.offload, a.offload_budget = None, None
     if a.fp8:
-        note("--fp8 on the CPU is emulated (the weights are rounded to FP8 e4m3 and multiplied in fp32): the "
-             "images change as with FP8 on a GPU, but nothing gets faster; FP8 speed needs an Ada/Hopper GPU")  # fmt: skip
+        note(
+            "--fp8 on the CPU is emulated (the weights are rounded to FP8 e4m3 and multiplied in fp32): the "
+            "images change as with FP8 on a GPU, but nothing gets faster; FP8 speed needs an Ada/Hopper GPU"
+        )
 
 
 def model_heads(model: str | None, transformer_file: str | None = None) -> int | None:
@@ -142,5 +199,7 @@ def check_parallel_args(a: argparse.Namespace) -> None:
     try:
         layout = ParallelConfig.parse(a.parallel)
     except ValueError as e:
-        raise ValueError(f"--parallel {a.parallel}: {e}" if not str(e).startswith("--parallel") else str(e)) from None
+        raise ValueError(
+            f"--parallel {a.parallel}: {e}" if not str(e).startswith("--parallel") else str(e)
+        ) from None
     V.check_parallel(layout.cfg, layout.ulysses, model_heads(a.model, getattr(a, "transformer", None)))

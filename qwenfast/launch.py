@@ -39,8 +39,10 @@ def run(cmd: Callable[[argparse.Namespace], int], a: argparse.Namespace) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun: join, don't spawn
         return _join_and_run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cpu, cmd, a, env=True)
     if not cpu and torch.cuda.device_count() < layout.world:
-        raise ValueError(f"--parallel {layout} needs {layout.world} GPUs; this machine has "
-                         f"{torch.cuda.device_count()} (use fewer ranks, or --device cpu to test on CPU processes)")  # fmt: skip
+        raise ValueError(
+            f"--parallel {layout} needs {layout.world} GPUs; this machine has "
+            f"{torch.cuda.device_count()} (use fewer ranks, or --device cpu to test on CPU processes)"
+        )
     spawn(_spawned, (layout.world, free_port(), cpu, cmd, a), layout.world, f"--parallel {layout}")
     return 0
 
@@ -74,11 +76,19 @@ def spawn(fn: Callable, args: tuple, nprocs: int, what: str) -> None:
             msg = f"process {e.error_index} failed: " + [ln for ln in str(e).splitlines() if ln.strip()][-1]
         else:
             msg = f"process {e.error_index} exited with code {e.exit_code}"
-        killed = next(((i, p.exitcode) for i, p in enumerate(ctx.processes)  # (not by the clean-up's SIGTERM)
-                       if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGTERM), None)  # fmt: skip
+        killed = next(
+            (
+                (i, p.exitcode)
+                for i, p in enumerate(ctx.processes)  # (not by the clean-up's SIGTERM)
+                if p.exitcode is not None and p.exitcode < 0 and -p.exitcode != signal.SIGTERM
+            ),
+            None,
+        )
         if killed is not None:
             i, code = killed
-            msg = f"process {i} was killed by {signal.Signals(-code).name}" + ("" if i == e.error_index else f"; then {msg}")
+            msg = f"process {i} was killed by {signal.Signals(-code).name}" + (
+                "" if i == e.error_index else f"; then {msg}"
+            )
         raise ParallelError(f"{what}: {msg}") from None
 
 
@@ -99,8 +109,13 @@ def _join_and_run(r: int, world: int, cpu: bool, cmd, a: argparse.Namespace, env
         local = int(os.environ.get("LOCAL_RANK", r))
         torch.cuda.set_device(local)
         a.device = f"cuda:{local}"
-    dist.init_process_group("gloo" if cpu else "nccl", rank=r, world_size=world, timeout=TIMEOUT,
-                            **({} if env else {"init_method": "env://"}))  # fmt: skip
+    dist.init_process_group(
+        "gloo" if cpu else "nccl",
+        rank=r,
+        world_size=world,
+        timeout=TIMEOUT,
+        **({} if env else {"init_method": "env://"}),
+    )
     try:
         return cmd(a)
     finally:

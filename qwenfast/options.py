@@ -30,11 +30,29 @@ from typing import Any
 
 from .errors import ConfigureError, OptionsError
 
-__all__ = ["EngineOptions", "KERNELS", "ATTENTION", "OFFLOAD", "OOM", "BATCHED_CFG", "CachePolicy", "CACHE_PRESETS",
-           "resolve_policy", "ParallelConfig"]  # fmt: skip
+__all__ = [
+    "EngineOptions",
+    "KERNELS",
+    "ATTENTION",
+    "OFFLOAD",
+    "OOM",
+    "BATCHED_CFG",
+    "CachePolicy",
+    "CACHE_PRESETS",
+    "resolve_policy",
+    "ParallelConfig",
+]
 
 KERNELS = ("auto", "triton", "torch")  # qwenfast.kernels.BACKENDS
-ATTENTION = ("auto", "cudnn", "flash", "efficient", "math", "fa3", "fp8")  # qwenfast.runtime.attention.CHOICES
+ATTENTION = (
+    "auto",
+    "cudnn",
+    "flash",
+    "efficient",
+    "math",
+    "fa3",
+    "fp8",
+)  # qwenfast.runtime.attention.CHOICES
 OFFLOAD = ("none", "model", "blocks")
 OOM = ("backoff", "raise")
 BATCHED_CFG = (True, False, "auto")
@@ -89,7 +107,9 @@ class CachePolicy:
 # steps computed in full at 50 steps), fast within 3 points (30%). Taylor extrapolation measured a
 # higher PSNR than plain reuse at the same steps, so both use it.
 CACHE_PRESETS: dict[str, CachePolicy] = {
-    "balanced": CachePolicy(kind="static", first=1, last=0, warmup=2, tail=1, every=3, taylor=1, name="balanced"),
+    "balanced": CachePolicy(
+        kind="static", first=1, last=0, warmup=2, tail=1, every=3, taylor=1, name="balanced"
+    ),
     "fast": CachePolicy(kind="static", first=1, last=0, warmup=2, tail=1, every=4, taylor=1, name="fast"),
 }
 
@@ -102,7 +122,9 @@ def resolve_policy(cache: object) -> CachePolicy | None:
         return cache
     if isinstance(cache, str) and cache in CACHE_PRESETS:
         return CACHE_PRESETS[cache]
-    raise ValueError(f"cache must be None, 'off', one of {sorted(CACHE_PRESETS)} or a CachePolicy, got {cache!r}")
+    raise ValueError(
+        f"cache must be None, 'off', one of {sorted(CACHE_PRESETS)} or a CachePolicy, got {cache!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -125,7 +147,7 @@ class ParallelConfig:
 
     @classmethod
     def parse(cls, text: str) -> ParallelConfig:
-        """"cfg=2,ulysses=2" | "ulysses=4" | "cfg=2" -> ParallelConfig."""
+        """ "cfg=2,ulysses=2" | "ulysses=4" | "cfg=2" -> ParallelConfig."""
         if not re.fullmatch(r"\s*(cfg|ulysses)\s*=\s*\d+\s*(,\s*(cfg|ulysses)\s*=\s*\d+\s*)?", text or ""):
             raise ValueError(f"--parallel takes e.g. 'cfg=2,ulysses=2', 'ulysses=4' or 'cfg=2', got {text!r}")
         kv = dict((k.strip(), int(v)) for k, v in (p.split("=") for p in text.split(",")))
@@ -193,7 +215,9 @@ class EngineOptions:
         except ValueError as e:
             raise OptionsError(str(e)) from None
         if self.offload == "blocks" and policy is not None:
-            raise OptionsError("the step cache does not run with offload='blocks' yet (both own the block loop)")
+            raise OptionsError(
+                "the step cache does not run with offload='blocks' yet (both own the block loop)"
+            )
         if self.parallel is not None:
             if isinstance(self.parallel, str):
                 try:
@@ -201,26 +225,44 @@ class EngineOptions:
                 except ValueError as e:
                     raise OptionsError(str(e)) from None
             if not isinstance(self.parallel, ParallelConfig):
-                raise OptionsError(f"parallel must be a ParallelConfig or 'cfg=2,ulysses=2', got {self.parallel!r}")
+                raise OptionsError(
+                    f"parallel must be a ParallelConfig or 'cfg=2,ulysses=2', got {self.parallel!r}"
+                )
             if self.parallel.world > 1 and self.offload != "none":
                 raise OptionsError("parallel layouts need every weight resident (offload='none')")
-        if isinstance(self.modulation_cache, bool) or not isinstance(self.modulation_cache, int) \
-                or self.modulation_cache < 0:  # fmt: skip
-            raise OptionsError(f"modulation_cache is a number of timesteps (>= 0), got {self.modulation_cache!r}")
-        if self.offload_budget is not None and (isinstance(self.offload_budget, bool) or not isinstance(
-                self.offload_budget, (int, float)) or not self.offload_budget > 0):  # fmt: skip
+        if (
+            isinstance(self.modulation_cache, bool)
+            or not isinstance(self.modulation_cache, int)
+            or self.modulation_cache < 0
+        ):
+            raise OptionsError(
+                f"modulation_cache is a number of timesteps (>= 0), got {self.modulation_cache!r}"
+            )
+        if self.offload_budget is not None and (
+            isinstance(self.offload_budget, bool)
+            or not isinstance(self.offload_budget, (int, float))
+            or not self.offload_budget > 0
+        ):
             raise OptionsError(f"offload_budget is GiB of GPU memory (> 0), got {self.offload_budget!r}")
 
     @classmethod
     def from_env(cls, **overrides: Any) -> EngineOptions:
         """Defaults from the environment, then `overrides` (None values are ignored)."""
         env: dict[str, Any] = {}
-        for name, var in (("kernels", "QWENFAST_KERNELS"), ("attention", "QWENFAST_ATTENTION"),
-                          ("offload", "QWENFAST_OFFLOAD")):  # fmt: skip
+        for name, var in (
+            ("kernels", "QWENFAST_KERNELS"),
+            ("attention", "QWENFAST_ATTENTION"),
+            ("offload", "QWENFAST_OFFLOAD"),
+        ):
             if os.environ.get(var):
                 env[name] = os.environ[var].strip().lower()
         if os.environ.get("QWENFAST_CUDA_GRAPHS"):
-            env["cuda_graphs"] = os.environ["QWENFAST_CUDA_GRAPHS"].strip().lower() not in ("0", "false", "no", "off")
+            env["cuda_graphs"] = os.environ["QWENFAST_CUDA_GRAPHS"].strip().lower() not in (
+                "0",
+                "false",
+                "no",
+                "off",
+            )
         env.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**env)
 
@@ -240,10 +282,14 @@ class EngineOptions:
 def check_transition(old: EngineOptions, new: EngineOptions) -> None:
     """Refuse changes a loaded pipeline cannot make, saying what to do instead."""
     if old.fp8 and not new.fp8:
-        raise ConfigureError("FP8 cannot be turned off on a loaded pipeline (the bf16 weights are gone): "
-                           "load the model again without fp8")  # fmt: skip
+        raise ConfigureError(
+            "FP8 cannot be turned off on a loaded pipeline (the bf16 weights are gone): "
+            "load the model again without fp8"
+        )
     if _ORDER[new.offload] < _ORDER[old.offload]:
-        raise ConfigureError(f"offload is already {old.offload!r}; load the model again to use {new.offload!r}")
+        raise ConfigureError(
+            f"offload is already {old.offload!r}; load the model again to use {new.offload!r}"
+        )
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:

@@ -21,9 +21,13 @@ MAX_SEED = 2**63 - 1  # seeds are torch.Generator seeds (int64); the server hand
 MAX_STEPS = 100  # default limits of `qwenfast serve` (its flags change them) and of the CLI
 MAX_CFG = 20.0
 MIN_SIDE = 16
-MAX_SIDE = 2048  # the largest width or height, CLI and server (`qwenfast serve --max-size` changes the server's)
+MAX_SIDE = (
+    2048  # the largest width or height, CLI and server (`qwenfast serve --max-size` changes the server's)
+)
 MAX_PIXELS = MAX_SIDE * MAX_SIDE
-SIZE_MULTIPLE = 16  # every Qwen-Image model's (VAE 8x, patch 2); Qwen-Image-2.1: 32 (VAE 16x), checked after load
+SIZE_MULTIPLE = (
+    16  # every Qwen-Image model's (VAE 8x, patch 2); Qwen-Image-2.1: 32 (VAE 16x), checked after load
+)
 
 
 def fmt(v: float | int | str | None) -> str:
@@ -60,7 +64,9 @@ def check_n(v: int | None, max_n: int, name: str = "n") -> None:
     check_range(name, v, 1, max_n, " (images per request)")
 
 
-def check_strength(v: float | None, steps: int | None, name: str = "strength", steps_name: str = "steps") -> None:
+def check_strength(
+    v: float | None, steps: int | None, name: str = "strength", steps_name: str = "steps"
+) -> None:
     """img2img / inpainting strength: 0..1, and with `steps` steps it must leave at least one denoising
     step (diffusers' `get_timesteps`: the first `int(steps - min(steps * v, steps))` are skipped)."""
     check_range(name, v, 0.0, 1.0)
@@ -68,8 +74,9 @@ def check_strength(v: float | None, steps: int | None, name: str = "strength", s
         return
     left = steps - int(max(steps - min(steps * v, steps), 0))
     if left < 1:
-        raise ValueError(f"{name} {fmt(v)} with {steps} steps leaves {left} denoising steps; raise {name} "
-                         f"or {steps_name}")  # fmt: skip
+        raise ValueError(
+            f"{name} {fmt(v)} with {steps} steps leaves {left} denoising steps; raise {name} or {steps_name}"
+        )
 
 
 def image_seeds(seed: int, n: int, max_seed: int = MAX_SEED) -> list[int]:
@@ -79,9 +86,16 @@ def image_seeds(seed: int, n: int, max_seed: int = MAX_SEED) -> list[int]:
     return [(seed + i) % (max_seed + 1) for i in range(n)]
 
 
-def check_size(width: int, height: int, *, min_side: int = MIN_SIDE, max_side: int = MAX_SIDE,
-               max_pixels: int | None = MAX_PIXELS, multiple: int | None = SIZE_MULTIPLE,
-               name: str = "size") -> None:  # fmt: skip
+def check_size(
+    width: int,
+    height: int,
+    *,
+    min_side: int = MIN_SIDE,
+    max_side: int = MAX_SIDE,
+    max_pixels: int | None = MAX_PIXELS,
+    multiple: int | None = SIZE_MULTIPLE,
+    name: str = "size",
+) -> None:
     """THE size rule of the CLI (`--size`) and the server (`size`): width and height in min_side..max_side,
     at most max_pixels, multiples of `multiple` (None: any). Nothing is rounded: a size that breaks the
     rule is refused, and the message names the nearest sizes that keep it."""
@@ -91,13 +105,24 @@ def check_size(width: int, height: int, *, min_side: int = MIN_SIDE, max_side: i
     if max_pixels is not None and width * height > max_pixels:
         raise ValueError(f"{what} is {width * height} pixels; the limit is {max_pixels}")
     if multiple and (width % multiple or height % multiple):
-        near = nearest_sizes(width, height, multiple, min_side=min_side, max_side=max_side, max_pixels=max_pixels)
-        raise ValueError(f"{what}: width and height must be multiples of {multiple}; "
-                         f"nearest: {' or '.join(f'{w}x{h}' for w, h in near)}")  # fmt: skip
+        near = nearest_sizes(
+            width, height, multiple, min_side=min_side, max_side=max_side, max_pixels=max_pixels
+        )
+        raise ValueError(
+            f"{what}: width and height must be multiples of {multiple}; "
+            f"nearest: {' or '.join(f'{w}x{h}' for w, h in near)}"
+        )
 
 
-def nearest_sizes(width: int, height: int, multiple: int, *, min_side: int = MIN_SIDE, max_side: int = MAX_SIDE,
-                  max_pixels: int | None = MAX_PIXELS) -> list[tuple[int, int]]:  # fmt: skip
+def nearest_sizes(
+    width: int,
+    height: int,
+    multiple: int,
+    *,
+    min_side: int = MIN_SIDE,
+    max_side: int = MAX_SIDE,
+    max_pixels: int | None = MAX_PIXELS,
+) -> list[tuple[int, int]]:
     """The sizes of multiples of `multiple` next to (width, height) within the limits: rounded down, and
     rounded up when that differs and fits (1000x1000, 16 -> [(992, 992), (1008, 1008)])."""
     lo = max(min_side, multiple)
@@ -129,8 +154,12 @@ def parse_trained_size(value: object, where: str = "qwenfast.json") -> tuple[int
     """qwenfast.json `"trained_size": [WIDTH, HEIGHT]` -> (w, h); None when absent; ValueError when malformed."""
     if value is None:
         return None
-    if (not isinstance(value, Sequence) or isinstance(value, str) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= MIN_SIDE for v in value)):  # fmt: skip
+    if (
+        not isinstance(value, Sequence)
+        or isinstance(value, str)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= MIN_SIDE for v in value)
+    ):
         raise ValueError(f"{where}: trained_size must be [WIDTH, HEIGHT] in pixels, got {value!r}")
     return int(value[0]), int(value[1])
 
@@ -141,11 +170,17 @@ def size_note(trained: tuple[int, int] | None, width: int, height: int) -> str |
         return None
     tw, th = trained
     area = (width * height) / (tw * th)
-    far = abs(width / tw - 1) > FAR_SIDE or abs(height / th - 1) > FAR_SIDE or not 1 / FAR_AREA <= area <= FAR_AREA
+    far = (
+        abs(width / tw - 1) > FAR_SIDE
+        or abs(height / th - 1) > FAR_SIDE
+        or not 1 / FAR_AREA <= area <= FAR_AREA
+    )
     if not far:
         return None
-    return (f"note: this model was trained at {tw}x{th}; {width}x{height} will likely give a flat, empty picture "
-            f"(pick a size near {tw}x{th})")  # fmt: skip
+    return (
+        f"note: this model was trained at {tw}x{th}; {width}x{height} will likely give a flat, empty picture "
+        f"(pick a size near {tw}x{th})"
+    )
 
 
 def path_and_number(s: str, default: float = 1.0) -> tuple[str, float]:
@@ -173,8 +208,10 @@ def check_parallel(cfg: int, ulysses: int, heads: int | None, name: str = "--par
         raise ValueError(f"{name}: cfg must be 1 or 2, got cfg={cfg}")
     if heads is not None and heads % ulysses:
         ok = ", ".join(f"ulysses={g}" for g in ulysses_choices(heads))
-        raise ValueError(f"{name}: ulysses={ulysses} must divide the model's {heads} attention heads; "
-                         f"valid: {ok} (each with cfg=1 or cfg=2)")  # fmt: skip
+        raise ValueError(
+            f"{name}: ulysses={ulysses} must divide the model's {heads} attention heads; "
+            f"valid: {ok} (each with cfg=1 or cfg=2)"
+        )
 
 
 # ------------------------------------------------------------------ optional extras

@@ -48,10 +48,21 @@ def _commit() -> str:
         return os.environ["QWENFAST_COMMIT"]
     root = Path(__file__).resolve().parents[2]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "qwenfast"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()  # fmt: skip
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short=7", "HEAD"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "qwenfast"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         from ..about import __version__
 
@@ -90,9 +101,17 @@ def provenance() -> dict:
     env = {k: os.environ[k] for k in ENGINE_ENV if os.environ.get(k)}
     # FlashAttention-3 becomes the default attention on Hopper where installed: say whether it was
     fa3 = any(find_spec(m) is not None for m in ("flash_attn_interface", "fa3_fwd_interface"))
-    return {"date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}", "commit": _commit(),
-            "command": _command(), "run": _run_id(), "env": env, "python": sys.version.split()[0],
-            "qwenfast": __version__, "diffusers": _version("diffusers"), "fa3_installed": fa3}  # fmt: skip
+    return {
+        "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%dT%H:%MZ}",
+        "commit": _commit(),
+        "command": _command(),
+        "run": _run_id(),
+        "env": env,
+        "python": sys.version.split()[0],
+        "qwenfast": __version__,
+        "diffusers": _version("diffusers"),
+        "fa3_installed": fa3,
+    }
 
 
 def stamp(record: dict) -> dict:

@@ -77,9 +77,14 @@ def _candidates() -> dict:
     cands = {"cudnn-bf16": (_cudnn_bf16, None, None, f"torch cuDNN {torch.backends.cudnn.version()}")}
     try:
         fa3 = A8._import_fa3()
-        cands["fa3-bf16"] = (lambda q, k, v: _first(fa3.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2),
-                                                                        v.transpose(1, 2))).transpose(1, 2),
-                             None, None, fa3.__name__)  # fmt: skip
+        cands["fa3-bf16"] = (
+            lambda q, k, v: _first(
+                fa3.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            ).transpose(1, 2),
+            None,
+            None,
+            fa3.__name__,
+        )
     except Exception as e:  # noqa: BLE001
         _say("unavailable", candidate="fa3-bf16", error=repr(f"{type(e).__name__}: {e}"))
     for name in ("cudnn", "fa3"):
@@ -98,7 +103,12 @@ def _candidates() -> dict:
         def quant_only(q, k, v, eng=eng):
             return lambda: quantize_qkv(q, k, v, per_head=eng.per_head)
 
-        cands[f"{name}-fp8"] = (run, kernel_only, quant_only, eng.version)  # called after the runs: says which graphs
+        cands[f"{name}-fp8"] = (
+            run,
+            kernel_only,
+            quant_only,
+            eng.version,
+        )  # called after the runs: says which graphs
     return cands
 
 
@@ -117,8 +127,11 @@ def _nan_checks(run, S: int) -> dict:
     v[:, 5, 500:504] = 1e4
     z = torch.zeros_like(q)
     res = {}
-    for name, args in (("zero_and_1e4_rows", (q, k, v)), ("all_zero", (z, z, z)),
-                       ("huge_tensor_1e4", (q * 0 + 1e4, k, v))):  # fmt: skip
+    for name, args in (
+        ("zero_and_1e4_rows", (q, k, v)),
+        ("all_zero", (z, z, z)),
+        ("huge_tensor_1e4", (q * 0 + 1e4, k, v)),
+    ):
         try:
             out = run(*args)
             res[name] = bool(torch.isfinite(out.float()).all())
@@ -149,7 +162,9 @@ def _graph_check(run, q, k, v) -> bool | str:
 def micro(out_dir: Path | None) -> dict:
 
     info = {**versions(), "cudnn_torch": torch.backends.cudnn.version()}
-    print(f"GPU {info['gpu']}  torch {info['torch']}  triton {info['triton']}  torch cuDNN {info['cudnn_torch']}")
+    print(
+        f"GPU {info['gpu']}  torch {info['torch']}  triton {info['triton']}  torch cuDNN {info['cudnn_torch']}"
+    )
     cands = _candidates()
     for name, c in cands.items():
         _say("candidate", name=name, lib=repr(c[3]() if callable(c[3]) else c[3]))
@@ -178,7 +193,9 @@ def micro(out_dir: Path | None) -> dict:
                     row["nan_checks"] = _nan_checks(run, S)
                     row["cuda_graph_ok"] = _graph_check(run, q, k, v)
                 ok_nan = all(v is True for v in row["nan_checks"].values())
-                row["pass"] = bool(row["rel_err_vs_fp32"] <= PASS_TOL and ok_nan and row["cuda_graph_ok"] is True)
+                row["pass"] = bool(
+                    row["rel_err_vs_fp32"] <= PASS_TOL and ok_nan and row["cuda_graph_ok"] is True
+                )
                 row["meets_12ms"] = row["ms_forward_60"] <= TARGET_MS_PER_FORWARD
             except Exception as e:  # noqa: BLE001 - report and go on with the next candidate
                 row["error"] = f"{type(e).__name__}: {e}"
@@ -186,20 +203,38 @@ def micro(out_dir: Path | None) -> dict:
                 traceback.print_exc()
             row["lib"] = lib() if callable(lib) else lib
             rows.append(row)
-            _say("result", **{k2: (json.dumps(v2) if isinstance(v2, dict) else v2) for k2, v2 in row.items()
-                              if k2 not in ("bench", "gpu", "torch", "triton", "cudnn_torch")})  # fmt: skip
+            _say(
+                "result",
+                **{
+                    k2: (json.dumps(v2) if isinstance(v2, dict) else v2)
+                    for k2, v2 in row.items()
+                    if k2 not in ("bench", "gpu", "torch", "triton", "cudnn_torch")
+                },
+            )
             emit(row, "attention.jsonl", out_dir)
         torch.cuda.empty_cache()
     _print_micro(rows)
     base = {r["S"]: r.get("ms_layer") for r in rows if r["candidate"] == "cudnn-bf16"}
     fp8 = [r for r in rows if r["S"] == 4224 and r["candidate"].endswith("-fp8") and r.get("pass")]
     winner = min(fp8, key=lambda r: r["ms_layer"])["candidate"] if fp8 else None
-    summary = {"bench": "attention_summary", **info, "winner": winner, "pass_tol": PASS_TOL,
-               "cudnn_bf16_ms_layer": base, "fp8_engine_for_backend": (winner or "none").removesuffix("-fp8"),
-               "winner_ms_forward_60_4224": next((r["ms_forward_60"] for r in fp8 if r["candidate"] == winner), None),
-               "winner_meets_12ms": next((r["meets_12ms"] for r in fp8 if r["candidate"] == winner), None)}  # fmt: skip
-    _say("summary", winner=winner, ms_forward_60=summary["winner_ms_forward_60_4224"],
-         meets_12ms=summary["winner_meets_12ms"])  # fmt: skip
+    summary = {
+        "bench": "attention_summary",
+        **info,
+        "winner": winner,
+        "pass_tol": PASS_TOL,
+        "cudnn_bf16_ms_layer": base,
+        "fp8_engine_for_backend": (winner or "none").removesuffix("-fp8"),
+        "winner_ms_forward_60_4224": next(
+            (r["ms_forward_60"] for r in fp8 if r["candidate"] == winner), None
+        ),
+        "winner_meets_12ms": next((r["meets_12ms"] for r in fp8 if r["candidate"] == winner), None),
+    }
+    _say(
+        "summary",
+        winner=winner,
+        ms_forward_60=summary["winner_ms_forward_60_4224"],
+        meets_12ms=summary["winner_meets_12ms"],
+    )
     emit(summary, "attention.jsonl", out_dir)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
@@ -208,17 +243,21 @@ def micro(out_dir: Path | None) -> dict:
 
 
 def _print_micro(rows: list[dict]) -> None:
-    print(f"\n{'S':>5} {'candidate':12}{'ms/layer':>9}{'kernel':>8}{'quant':>7}{'x60 ms':>8}{'TFLOP/s':>8}"
-          f"{'err fp32':>9}{'err bf16':>9}{'sharp':>8}  NaN-free  graph  PASS")  # fmt: skip
+    print(
+        f"\n{'S':>5} {'candidate':12}{'ms/layer':>9}{'kernel':>8}{'quant':>7}{'x60 ms':>8}{'TFLOP/s':>8}"
+        f"{'err fp32':>9}{'err bf16':>9}{'sharp':>8}  NaN-free  graph  PASS"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['S']:>5} {r['candidate']:12} ERROR {r['error'][:160]}")
             continue
         nan_ok = all(v is True for v in r["nan_checks"].values())
-        print(f"{r['S']:>5} {r['candidate']:12}{r['ms_layer']:>9.3f}{r.get('ms_kernel', math.nan):>8.3f}"
-              f"{r.get('ms_quant', math.nan):>7.3f}{r['ms_forward_60']:>8.1f}{r['tflops']:>8.0f}"
-              f"{r['rel_err_vs_fp32']:>9.1e}{r['rel_err_vs_cudnn_bf16']:>9.1e}{r['rel_err_sharp_vs_fp32']:>8.1e}"
-              f"  {str(nan_ok):8}  {str(r['cuda_graph_ok'])[:5]:5}  {r['pass']}")  # fmt: skip
+        print(
+            f"{r['S']:>5} {r['candidate']:12}{r['ms_layer']:>9.3f}{r.get('ms_kernel', math.nan):>8.3f}"
+            f"{r.get('ms_quant', math.nan):>7.3f}{r['ms_forward_60']:>8.1f}{r['tflops']:>8.0f}"
+            f"{r['rel_err_vs_fp32']:>9.1e}{r['rel_err_vs_cudnn_bf16']:>9.1e}{r['rel_err_sharp_vs_fp32']:>8.1e}"
+            f"  {str(nan_ok):8}  {str(r['cuda_graph_ok'])[:5]:5}  {r['pass']}"
+        )
 
 
 # ------------------------------------------------------------------------------------ full forward
@@ -266,7 +305,13 @@ def transformer(out_dir: Path | None, size: int = 1024, txt_len: int = 128) -> d
     txt = torch.randn(1, txt_len, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
     t = torch.tensor([0.7], device="cuda")
     shapes = [(1, h, w)]
-    res = {"bench": "attention_transformer", **versions(), "size": size, "tokens": h * w + txt_len, "rows": {}}
+    res = {
+        "bench": "attention_transformer",
+        **versions(),
+        "size": size,
+        "tokens": h * w + txt_len,
+        "rows": {},
+    }
     outs = {}
     for backend in ("cudnn", "fp8"):
         row = {}
@@ -279,13 +324,18 @@ def transformer(out_dir: Path | None, size: int = 1024, txt_len: int = 128) -> d
                 row["graph_enabled_after"] = bool(graphs.enabled)
                 row["profile_eager_ms"] = _profile_ms(lambda: ours(x, txt, None, t, shapes))
                 row["attention_ms_eager_incl_quant"] = round(
-                    row["profile_eager_ms"]["attention"] + row["profile_eager_ms"]["fp8_quant"], 2)
+                    row["profile_eager_ms"]["attention"] + row["profile_eager_ms"]["fp8_quant"], 2
+                )
                 del graphs
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         res["rows"][backend] = row
-        _say("forward", backend=backend, **{k: json.dumps(v) if isinstance(v, dict) else v for k, v in row.items()})
+        _say(
+            "forward",
+            backend=backend,
+            **{k: json.dumps(v) if isinstance(v, dict) else v for k, v in row.items()},
+        )
         torch.cuda.empty_cache()
     if "cudnn" in outs and "fp8" in outs:
         res["rel_err_fp8_vs_cudnn_attention"] = float(f"{rel_err(outs['fp8'], outs['cudnn']):.3e}")
@@ -298,11 +348,18 @@ def transformer(out_dir: Path | None, size: int = 1024, txt_len: int = 128) -> d
         res["saved_ms"] = round(c["ms_forward_graph"] - f["ms_forward_graph"], 2)
         res["fp8_forward_le_75ms"] = f["ms_forward_graph"] <= 75.0
         res["fp8_attention_le_12ms"] = f.get("attention_ms_eager_incl_quant", 1e9) <= TARGET_MS_PER_FORWARD
-    print(f"\n1024² FP8-GEMM forward, CUDA graphs: cudnn {c.get('ms_forward_graph')} ms, fp8 {f.get('ms_forward_graph')} ms;"
-          f" attention (eager profile, incl. quantisation): cudnn {c.get('attention_ms_eager_incl_quant')} ms,"
-          f" fp8 {f.get('attention_ms_eager_incl_quant')} ms; rel err fp8 vs cudnn {res.get('rel_err_fp8_vs_cudnn_attention')}")  # fmt: skip
-    _say("forward_summary", saved_ms=res.get("saved_ms"), fp8_forward_le_75ms=res.get("fp8_forward_le_75ms"),
-         fp8_attention_le_12ms=res.get("fp8_attention_le_12ms"), rel_err=res.get("rel_err_fp8_vs_cudnn_attention"))  # fmt: skip
+    print(
+        f"\n1024² FP8-GEMM forward, CUDA graphs: cudnn {c.get('ms_forward_graph')} ms, fp8 {f.get('ms_forward_graph')} ms;"
+        f" attention (eager profile, incl. quantisation): cudnn {c.get('attention_ms_eager_incl_quant')} ms,"
+        f" fp8 {f.get('attention_ms_eager_incl_quant')} ms; rel err fp8 vs cudnn {res.get('rel_err_fp8_vs_cudnn_attention')}"
+    )
+    _say(
+        "forward_summary",
+        saved_ms=res.get("saved_ms"),
+        fp8_forward_le_75ms=res.get("fp8_forward_le_75ms"),
+        fp8_attention_le_12ms=res.get("fp8_attention_le_12ms"),
+        rel_err=res.get("rel_err_fp8_vs_cudnn_attention"),
+    )
     emit(res, "attention.jsonl", out_dir)
     return res
 
@@ -330,8 +387,14 @@ def quality(out_dir: Path | None, model: str | None, n: int, device: str = "cuda
     _say("fp8_calls", **{repr(k): v for k, v in CALLS.items()})  # which engine ran (or why bf16 did)
     for r in fp8_rows:
         r["attention"] = "fp8"
-        _say("quality_row", model=name, path=repr(r["path"]), attention="fp8", score=r.get("score"),
-             skipped=repr(r.get("skipped")))  # fmt: skip
+        _say(
+            "quality_row",
+            model=name,
+            path=repr(r["path"]),
+            attention="fp8",
+            score=r.get("score"),
+            skipped=repr(r.get("skipped")),
+        )
     with use_attention("auto"):  # exact attention in fp32 (cuDNN has no fp32 kernel: "cudnn" would refuse)
         ref_rows = quality_paths(model, n=n, device=device, batch=1, paths=(PATHS[0],))
     ref = ref_rows[0].get("score")
@@ -341,22 +404,42 @@ def quality(out_dir: Path | None, model: str | None, n: int, device: str = "cuda
             r["gap"] = round(r["score"] - ref, 2)
     rows = ref_rows + fp8_rows
     worst = max((abs(r["gap"]) for r in fp8_rows if "gap" in r), default=None)
-    rec = {"bench": "attention_quality", **versions(), "model": name, "n": n, "batch": 1, "rows": rows,
-           "max_abs_gap_fp8_attention": worst, "gate_ok": worst is not None and worst <= 2.0,
-           "fp8_calls": dict(CALLS)}  # fmt: skip
+    rec = {
+        "bench": "attention_quality",
+        **versions(),
+        "model": name,
+        "n": n,
+        "batch": 1,
+        "rows": rows,
+        "max_abs_gap_fp8_attention": worst,
+        "gate_ok": worst is not None and worst <= 2.0,
+        "fp8_calls": dict(CALLS),
+    }
     for r in rows:
-        _say("quality", model=name, path=repr(r["path"]), attention=r["attention"], score=r.get("score"),
-             gap=r.get("gap"), skipped=repr(r.get("skipped")))  # fmt: skip
-    _say("quality_summary", model=name, reference=ref, max_abs_gap_fp8_attention=worst, gate_ok=rec["gate_ok"])
+        _say(
+            "quality",
+            model=name,
+            path=repr(r["path"]),
+            attention=r["attention"],
+            score=r.get("score"),
+            gap=r.get("gap"),
+            skipped=repr(r.get("skipped")),
+        )
+    _say(
+        "quality_summary", model=name, reference=ref, max_abs_gap_fp8_attention=worst, gate_ok=rec["gate_ok"]
+    )
     emit(rec, "attention.jsonl", out_dir)
     return rec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`qwenfast bench attention ...` and `python -m qwenfast.benchmarks.attention ...` take the same."""
-    p.add_argument("part", choices=["micro", "transformer", "quality"],
-                   help="micro: kernels per layer; transformer: the 60-layer FP8 forward, cudnn vs fp8; "
-                        "quality: the demo gate with fp8 attention")  # fmt: skip
+    p.add_argument(
+        "part",
+        choices=["micro", "transformer", "quality"],
+        help="micro: kernels per layer; transformer: the 60-layer FP8 forward, cudnn vs fp8; "
+        "quality: the demo gate with fp8 attention",
+    )
     p.add_argument("--results", default=None, metavar="DIR", help="append JSON lines to DIR/attention.jsonl")
     p.add_argument("--model", default=None, help="quality: demo model (default text-to-image; 'edit')")
     p.add_argument("--n", type=int, default=120, help="quality: suite items")
@@ -376,7 +459,9 @@ def run_from_args(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qwenfast.benchmarks.attention", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m qwenfast.benchmarks.attention", description=__doc__.split("\n")[0]
+    )
     add_arguments(p)
     return run_from_args(p.parse_args(argv))
 

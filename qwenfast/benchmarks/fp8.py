@@ -113,10 +113,16 @@ def load_stage(tmp: Path) -> dict:
     old = None
     _free()
     f.unlink()
-    row = {"file_gib": round(size / GiB, 2), "write_s": round(write_s, 1), "load_s": round(load_s, 1),
-           "load_peak_gib": round(peak / GiB, 2), "fp8_model_gib": round(model_bytes / GiB, 2),
-           "peak_minus_model_gib": round((peak - model_bytes) / GiB, 2),
-           "forward_rel_err_vs_dequant_path": round(rel_err(y8, y_old), 5), "forward_ms_graph": round(fwd_ms, 1)}  # fmt: skip
+    row = {
+        "file_gib": round(size / GiB, 2),
+        "write_s": round(write_s, 1),
+        "load_s": round(load_s, 1),
+        "load_peak_gib": round(peak / GiB, 2),
+        "fp8_model_gib": round(model_bytes / GiB, 2),
+        "peak_minus_model_gib": round((peak - model_bytes) / GiB, 2),
+        "forward_rel_err_vs_dequant_path": round(rel_err(y8, y_old), 5),
+        "forward_ms_graph": round(fwd_ms, 1),
+    }
     print(f"  load: {json.dumps(row)}", flush=True)
     return row
 
@@ -133,15 +139,23 @@ def _lora_sd(model: torch.nn.Module, rank: int, seed: int, scale: float) -> dict
         keys = split_qkv_key(n + ".weight")
         N = m.out_features // (3 if keys else 1)
         for k in [x.removesuffix(".weight") for x in keys] if keys else [n]:
-            sd[f"transformer.{k}.lora_A.weight"] = (torch.randn(rank, m.in_features, generator=g)
-                                                    / m.in_features**0.5).bfloat16()  # fmt: skip
+            sd[f"transformer.{k}.lora_A.weight"] = (
+                torch.randn(rank, m.in_features, generator=g) / m.in_features**0.5
+            ).bfloat16()
             sd[f"transformer.{k}.lora_B.weight"] = (torch.randn(N, rank, generator=g) * scale).bfloat16()
     return sd
 
 
 def _image(pipe, prompt: str) -> np.ndarray:
-    return pipe(prompt, height=1024, width=1024, num_inference_steps=4, true_cfg_scale=1.0, output_type="np",
-                generator=torch.Generator("cpu").manual_seed(0)).images  # fmt: skip
+    return pipe(
+        prompt,
+        height=1024,
+        width=1024,
+        num_inference_steps=4,
+        true_cfg_scale=1.0,
+        output_type="np",
+        generator=torch.Generator("cpu").manual_seed(0),
+    ).images
 
 
 def _timed(pipe, prompt: str) -> tuple[float, np.ndarray]:
@@ -204,13 +218,22 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
     pipe.unload_lora()
     fb.unlink()
     e_lora, e_fp8 = float(np.abs(fp8_a - bf16_a).mean()), float(np.abs(fp8 - bf16).mean())
-    row = {"rank": rank, "lora_effect_mean_abs": round(float(np.abs(bf16_a - bf16).mean()), 4),
-           "fp8_lora_vs_bf16_lora": round(e_lora, 5), "fp8_vs_bf16": round(e_fp8, 5),
-           "ratio": round(e_lora / max(e_fp8, 1e-12), 3), "switch_s": switches, "unload_bitwise": unload_bitwise,
-           "graph_after_switch_vs_eager_max_abs": float(np.abs(graph_b - eager_b).max()), "graphs_kept_across_switches": kept,
-           "forward_ms_fp8": round(ms_plain, 1), "forward_ms_fp8_lora": round(ms_lora, 1),
-           "e2e_4step_s_fp8": round(e2e_plain, 3), "e2e_4step_s_fp8_lora": round(e2e_lora, 3),
-           "graphs_enabled": pipe._graphs.enabled}  # fmt: skip
+    row = {
+        "rank": rank,
+        "lora_effect_mean_abs": round(float(np.abs(bf16_a - bf16).mean()), 4),
+        "fp8_lora_vs_bf16_lora": round(e_lora, 5),
+        "fp8_vs_bf16": round(e_fp8, 5),
+        "ratio": round(e_lora / max(e_fp8, 1e-12), 3),
+        "switch_s": switches,
+        "unload_bitwise": unload_bitwise,
+        "graph_after_switch_vs_eager_max_abs": float(np.abs(graph_b - eager_b).max()),
+        "graphs_kept_across_switches": kept,
+        "forward_ms_fp8": round(ms_plain, 1),
+        "forward_ms_fp8_lora": round(ms_lora, 1),
+        "e2e_4step_s_fp8": round(e2e_plain, 3),
+        "e2e_4step_s_fp8_lora": round(e2e_lora, 3),
+        "graphs_enabled": pipe._graphs.enabled,
+    }
     print(f"  lora: {json.dumps(row)}", flush=True)
     return row
 
@@ -229,9 +252,13 @@ def budget_stage(pipe, caps: tuple[float, ...] = (24, 16), graphs: bool = True) 
     _sync()
     cached_s = time.perf_counter() - t0
     table = pipe.transformer.modulation_table
-    res = {"resident_s": round(resident_s, 3), "resident_cached_prompt_s": round(cached_s, 3),
-           "graphs_enabled": pipe._graphs.enabled, "modulation_cache": pipe.options.modulation_cache,
-           "modulation_table_entries": 0 if table is None else len(table)}  # fmt: skip
+    res = {
+        "resident_s": round(resident_s, 3),
+        "resident_cached_prompt_s": round(cached_s, 3),
+        "graphs_enabled": pipe._graphs.enabled,
+        "modulation_cache": pipe.options.modulation_cache,
+        "modulation_table_entries": 0 if table is None else len(table),
+    }
     n = pipe.options.modulation_cache
     pipe.configure(modulation_cache=0)  # the same without the modulation table: 120 GEMVs per forward
     res["resident_s_no_modulation_table"] = round(_timed(pipe, p + " no table")[0], 3)
@@ -242,18 +269,30 @@ def budget_stage(pipe, caps: tuple[float, ...] = (24, 16), graphs: bool = True) 
     for cap in caps:
         _free()
         try:
-            t0 = time.perf_counter()  # planned for `cap` GiB, then capped there (the limit a 24 GiB card sets)
+            t0 = (
+                time.perf_counter()
+            )  # planned for `cap` GiB, then capped there (the limit a 24 GiB card sets)
             pipe.configure(offload="blocks", offload_budget=cap)
             setup = time.perf_counter() - t0
             _free()
             st, te = pipe._block_streamer, pipe.text_encoder.layer_streamer
-            plan = MemoryPlanner.from_pipeline(pipe).predict(1024, 1024, 1, cfg=False, offload="blocks",
-                                                             resident_blocks=len(st.resident),
-                                                             modulation_on_host=bool(st.held),
-                                                             te_resident_layers=len(te.resident))  # fmt: skip
-            diag = {"resident_blocks": len(st.resident), "te_resident_layers": len(te.resident),
-                    "allocated_after_setup_gib": round(torch.cuda.memory_allocated() / GiB, 2),
-                    "planned_resident_gib": round(plan.resident / GiB, 2), "planned_phases_gib": plan.gib()}
+            plan = MemoryPlanner.from_pipeline(pipe).predict(
+                1024,
+                1024,
+                1,
+                cfg=False,
+                offload="blocks",
+                resident_blocks=len(st.resident),
+                modulation_on_host=bool(st.held),
+                te_resident_layers=len(te.resident),
+            )
+            diag = {
+                "resident_blocks": len(st.resident),
+                "te_resident_layers": len(te.resident),
+                "allocated_after_setup_gib": round(torch.cuda.memory_allocated() / GiB, 2),
+                "planned_resident_gib": round(plan.resident / GiB, 2),
+                "planned_phases_gib": plan.gib(),
+            }
             print(f"  budget {cap:g} GiB setup: {json.dumps(diag)}", flush=True)
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total))
             torch.cuda.reset_peak_memory_stats()
@@ -265,28 +304,45 @@ def budget_stage(pipe, caps: tuple[float, ...] = (24, 16), graphs: bool = True) 
             on_host = bool(st.held)  # the modulation Linears, served by the modulation table
             pred = plan.peak
             peak = torch.cuda.max_memory_allocated()
-            res[f"{cap:g}gib"] = {"graphs_on": graphs, "reserved_peak_gib": round(torch.cuda.max_memory_reserved() / GiB, 2),
-                                "s": round(s, 3), "x_resident": round(s / resident_s, 2), "setup_s": round(setup, 1),
-                                "cached_prompt_s": round(cached, 3), "graphs_replayed": bool(pipe._graphs.graphs),
-                                "cached_x_resident": round(cached / res["resident_cached_prompt_s"], 2),
-                                "resident_blocks": len(st.resident), "streamed_blocks": len(st.order),
-                                "modulation_on_host": on_host, "te_resident_layers": len(te.resident),
-                                "te_layers": len(te.blocks),
-                                "peak_gib": round(peak / GiB, 2), "predicted_gib": round(pred / GiB, 2),
-                                "prediction_err": round(pred / peak - 1, 3),
-                                "max_abs_diff_vs_resident": float(np.abs(img - want).max())}  # fmt: skip
+            res[f"{cap:g}gib"] = {
+                "graphs_on": graphs,
+                "reserved_peak_gib": round(torch.cuda.max_memory_reserved() / GiB, 2),
+                "s": round(s, 3),
+                "x_resident": round(s / resident_s, 2),
+                "setup_s": round(setup, 1),
+                "cached_prompt_s": round(cached, 3),
+                "graphs_replayed": bool(pipe._graphs.graphs),
+                "cached_x_resident": round(cached / res["resident_cached_prompt_s"], 2),
+                "resident_blocks": len(st.resident),
+                "streamed_blocks": len(st.order),
+                "modulation_on_host": on_host,
+                "te_resident_layers": len(te.resident),
+                "te_layers": len(te.blocks),
+                "peak_gib": round(peak / GiB, 2),
+                "predicted_gib": round(pred / GiB, 2),
+                "prediction_err": round(pred / peak - 1, 3),
+                "max_abs_diff_vs_resident": float(np.abs(img - want).max()),
+            }
         except Exception as e:  # noqa: BLE001 - the record says what happened
-            res[f"{cap:g}gib"] = {"error": f"{type(e).__name__}: {e}"[:400], **locals().get("diag", {}),
-                                "allocated_at_error_gib": round(torch.cuda.memory_allocated() / GiB, 2),
-                                "where": [f.name for f in traceback.extract_tb(e.__traceback__)[-8:]]}  # fmt: skip
+            res[f"{cap:g}gib"] = {
+                "error": f"{type(e).__name__}: {e}"[:400],
+                **locals().get("diag", {}),
+                "allocated_at_error_gib": round(torch.cuda.memory_allocated() / GiB, 2),
+                "where": [f.name for f in traceback.extract_tb(e.__traceback__)[-8:]],
+            }
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
         print(f"  budget {cap:g} GiB: {json.dumps(res[f'{cap:g}gib'])}", flush=True)
     return res
 
 
-def run(stages: tuple[str, ...] = ("load", "lora", "budget"), tmp: str = "/tmp", out_dir: Path | None = None,
-        caps: tuple[float, ...] = (24, 16), graphs: bool = True) -> dict:  # fmt: skip
+def run(
+    stages: tuple[str, ...] = ("load", "lora", "budget"),
+    tmp: str = "/tmp",
+    out_dir: Path | None = None,
+    caps: tuple[float, ...] = (24, 16),
+    graphs: bool = True,
+) -> dict:
     if not torch.cuda.is_available():
         raise SystemExit("error: `qwenfast bench fp8` measures full-size models on a GPU; none is available")
     from .pipeline import build
@@ -310,16 +366,31 @@ def run(stages: tuple[str, ...] = ("load", "lora", "budget"), tmp: str = "/tmp",
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--stages", default="load,lora,budget",
-                   help="comma list of load, lora, budget (budget: run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as a small card should)")
-    p.add_argument("--caps", default="24,16", help="budget stage: the GiB caps to plan for and run under, in order")
-    p.add_argument("--budget-graphs", choices=("on", "off"), default="on",
-                   help="budget stage: CUDA graphs under offload (default on, as a user gets them) or off")
+    p.add_argument(
+        "--stages",
+        default="load,lora,budget",
+        help="comma list of load, lora, budget (budget: run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as a small card should)",
+    )
+    p.add_argument(
+        "--caps", default="24,16", help="budget stage: the GiB caps to plan for and run under, in order"
+    )
+    p.add_argument(
+        "--budget-graphs",
+        choices=("on", "off"),
+        default="on",
+        help="budget stage: CUDA graphs under offload (default on, as a user gets them) or off",
+    )
     p.add_argument("--tmp", default="/tmp", help="folder for the temporary FP8 and LoRA files (~20 GB)")
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
 def run_from_args(a: argparse.Namespace) -> int:
     caps = tuple(float(c) for c in a.caps.split(",") if c)
-    run(tuple(s for s in a.stages.split(",") if s), a.tmp, results_dir(a.results), caps, a.budget_graphs == "on")
+    run(
+        tuple(s for s in a.stages.split(",") if s),
+        a.tmp,
+        results_dir(a.results),
+        caps,
+        a.budget_graphs == "on",
+    )
     return 0

@@ -79,8 +79,14 @@ class StageTimer:
 
 
 def _call(pipe, engine: str, size: int, steps: int, cfg: bool, prompt: str, seed: int = 0, batch: int = 1):
-    kw = dict(height=size, width=size, num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
-              true_cfg_scale=4.0 if cfg else 1.0, output_type="np")  # fmt: skip
+    kw = dict(
+        height=size,
+        width=size,
+        num_inference_steps=steps,
+        generator=torch.Generator("cpu").manual_seed(seed),
+        true_cfg_scale=4.0 if cfg else 1.0,
+        output_type="np",
+    )
     if cfg:
         kw["negative_prompt"] = " "
     return pipe([prompt] * batch if batch > 1 else prompt, **kw).images

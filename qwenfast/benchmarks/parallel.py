@@ -38,8 +38,13 @@ def init_worker(rank: int, world: int, port: int) -> None:
     """This process's GPU and its NCCL group (one process per GPU, spawned on one machine)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timedelta(minutes=10),
-                            device_id=torch.device("cuda", rank))  # fmt: skip
+    dist.init_process_group(
+        "nccl",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(minutes=10),
+        device_id=torch.device("cuda", rank),
+    )
 
 
 def forward_inputs(model, size: int) -> tuple:
@@ -62,15 +67,23 @@ def generate(pipe, steps: int, cfg: bool):
     """The end-to-end call: 1024², the harness prompt, true CFG 4 with a " " negative prompt or none."""
     from .harness import PROMPT
 
-    kw = dict(height=1024, width=1024, num_inference_steps=steps, true_cfg_scale=4.0 if cfg else 1.0,
-              generator=torch.Generator("cpu").manual_seed(0), output_type="np")  # fmt: skip
+    kw = dict(
+        height=1024,
+        width=1024,
+        num_inference_steps=steps,
+        true_cfg_scale=4.0 if cfg else 1.0,
+        generator=torch.Generator("cpu").manual_seed(0),
+        output_type="np",
+    )
     if cfg:
         kw["negative_prompt"] = " "
     return pipe(PROMPT, **kw).images
 
 
 @torch.no_grad()
-def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too: bool, fp8: bool = True) -> dict:
+def forward_rows(
+    world: int, sizes: tuple[int, ...], layers: int, diffusers_too: bool, fp8: bool = True
+) -> dict:
     """Per size: one GPU vs Ulysses over `world` GPUs, each exchange (peer memory, the default on
     CUDA; NCCL all-to-alls), bf16 and FP8 block GEMMs; each variant its own CUDA graphs. Every forward
     takes its modulation rows from a modulation-table entry, as the pipeline's denoising steps do."""
@@ -81,7 +94,9 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
     rank = dist.get_rank()
     ours, ref = build(layers, compare=diffusers_too)
     layout = ParallelConfig(ulysses=world)
-    groups = {ex: ParallelGroups(layout, exchange=ex) for ex in ("peer", "collective")}  # same order on every rank
+    groups = {
+        ex: ParallelGroups(layout, exchange=ex) for ex in ("peer", "collective")
+    }  # same order on every rank
     fp8_mods = _fp8_modules(ours) if fp8 else None
     runners: dict[str, CudaGraphRunner] = {}
     rows = {}
@@ -94,15 +109,18 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
             one_graphs = runners.setdefault(prec, CudaGraphRunner(ours))
             one = one_graphs(x, txt, None, t, shapes, step=step, modulations=mods)
             if rank == 0:
-                row[f"qwenfast_1gpu{tag}_ms"] = _ms(lambda: one_graphs(x, txt, None, t, shapes, step=step,
-                                                                       modulations=mods))  # fmt: skip
+                row[f"qwenfast_1gpu{tag}_ms"] = _ms(
+                    lambda: one_graphs(x, txt, None, t, shapes, step=step, modulations=mods)
+                )
             else:
                 dist.barrier()
             for exchange in ("peer", "collective") if prec == "bf16" else ("peer",):
                 graphs = runners.setdefault(f"{prec}:{exchange}", CudaGraphRunner(ours))
                 # the shard's forward as a CUDA graph, its exchanges captured with it
-                par = ParallelForward(lambda *a, shard=None, g=graphs: g(*a[:5], step=a[5], shard=shard, modulations=mods),
-                                      groups[exchange])  # fmt: skip
+                par = ParallelForward(
+                    lambda *a, shard=None, g=graphs: g(*a[:5], step=a[5], shard=shard, modulations=mods),
+                    groups[exchange],
+                )
                 out = par(x, txt, None, t, shapes, step)
                 name = f"qwenfast_ulysses{world}{tag}" + ("" if exchange == "peer" else "_collective")
                 row[f"{name}_ms"] = _ms(lambda: par(x, txt, None, t, shapes, step))
@@ -124,8 +142,14 @@ def forward_rows(world: int, sizes: tuple[int, ...], layers: int, diffusers_too:
 
 def _diffusers_rows(ref, x, txt, t, size: int, world: int, rank: int) -> dict:
     row = {}
-    kw = dict(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=None, timestep=t,
-              img_shapes=[[(1, size // 16, size // 16)]], return_dict=False)  # fmt: skip
+    kw = dict(
+        hidden_states=x,
+        encoder_hidden_states=txt,
+        encoder_hidden_states_mask=None,
+        timestep=t,
+        img_shapes=[[(1, size // 16, size // 16)]],
+        return_dict=False,
+    )
     if rank == 0:
         row["diffusers_1gpu_ms"] = _ms(lambda: ref(**kw))
     else:
@@ -138,7 +162,9 @@ def _diffusers_rows(ref, x, txt, t, size: int, world: int, rank: int) -> dict:
             ref._qwenfast_parallel = True
         row[f"diffusers_ulysses{world}_ms"] = _ms(lambda: ref(**kw))
         if "diffusers_1gpu_ms" in row:
-            row["diffusers_speedup"] = round(row["diffusers_1gpu_ms"] / row[f"diffusers_ulysses{world}_ms"], 2)
+            row["diffusers_speedup"] = round(
+                row["diffusers_1gpu_ms"] / row[f"diffusers_ulysses{world}_ms"], 2
+            )
     except Exception as e:  # noqa: BLE001 - reported, the qwenfast rows stand
         row["diffusers_parallel_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     return row
@@ -154,8 +180,10 @@ def end_to_end_rows(world: int) -> dict:
     ours, _ = build(False, diffusers_transformer=False)
     ours.set_progress_bar_config(disable=True)
     rows = {}
-    cases = [("1024:50:cfg", 50, True, f"cfg={min(world, 2)}" + (f",ulysses={world // 2}" if world > 2 else "")),
-             ("1024:4:nocfg", 4, False, f"ulysses={world}")]  # fmt: skip
+    cases = [
+        ("1024:50:cfg", 50, True, f"cfg={min(world, 2)}" + (f",ulysses={world // 2}" if world > 2 else "")),
+        ("1024:4:nocfg", 4, False, f"ulysses={world}"),
+    ]
 
     def call(steps, cfg):
         return generate(ours, steps, cfg)
@@ -215,9 +243,14 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gpus", type=_gpu_counts, default=None, metavar="N[,N...]",
-                   help="GPU counts to run, one after the other, each against its own one-GPU baseline "
-                        "(e.g. 2,4; default: all visible)")  # fmt: skip
+    p.add_argument(
+        "--gpus",
+        type=_gpu_counts,
+        default=None,
+        metavar="N[,N...]",
+        help="GPU counts to run, one after the other, each against its own one-GPU baseline "
+        "(e.g. 2,4; default: all visible)",
+    )
     p.add_argument("--size", type=int, action="append", help="forward sizes (default 1024 and 1328)")
     p.add_argument("--layers", type=int, default=60, help="transformer blocks (Qwen-Image has 60)")
     p.add_argument("--no-forward", action="store_true")
@@ -234,15 +267,17 @@ def run_from_args(a: argparse.Namespace) -> int:
     if visible < 2:
         raise ValueError(f"`qwenfast bench parallel` needs at least 2 GPUs; {visible} visible")
     if min(worlds) < 2 or max(worlds) > visible:
-        raise ValueError(f"`qwenfast bench parallel --gpus` takes counts from 2 to the {visible} visible GPUs, "
-                         f"got {','.join(map(str, worlds))}")  # fmt: skip
+        raise ValueError(
+            f"`qwenfast bench parallel --gpus` takes counts from 2 to the {visible} visible GPUs, "
+            f"got {','.join(map(str, worlds))}"
+        )
     for world in worlds:  # each its own process group over GPUs 0..world-1
         spawn(_worker, (world, free_port(), a), world, "bench parallel")  # one error naming the failing rank
     return 0
 
 
 def _gpu_counts(text: str) -> list[int]:
-    """"2,4" -> [2, 4] (argparse type of --gpus)."""
+    """ "2,4" -> [2, 4] (argparse type of --gpus)."""
     try:
         counts = [int(v) for v in text.split(",")]
     except ValueError:

@@ -107,8 +107,9 @@ def build(
     sched = diffusers.FlowMatchEulerDiscreteScheduler.from_config(sched_cfg)
     if ref_tr is None:
         return ours, SimpleNamespace(vae=ref_vae)
-    ref = diffusers.QwenImagePipeline(scheduler=sched, vae=ref_vae, text_encoder=te_model, tokenizer=tok,
-                                      transformer=ref_tr)  # fmt: skip
+    ref = diffusers.QwenImagePipeline(
+        scheduler=sched, vae=ref_vae, text_encoder=te_model, tokenizer=tok, transformer=ref_tr
+    )
     return ours, ref
 
 
@@ -197,8 +198,10 @@ def cache_rows(ours, cases, smoke: bool, cache: str, uncached: dict, diffusers: 
         t0 = time.perf_counter()
         img = _call(ours, "qwenfast", size, steps, cfg, f"{PROMPT} ({name})")
         _sync()
-        row = {"total_s": round(time.perf_counter() - t0, 3),
-               "computed_fraction": round(stats["full"] / max(1, stats["full"] + stats["cached"]), 3)}  # fmt: skip
+        row = {
+            "total_s": round(time.perf_counter() - t0, 3),
+            "computed_fraction": round(stats["full"] / max(1, stats["full"] + stats["cached"]), 3),
+        }
         if name in uncached:
             row["uncached_s"] = uncached[name][1]
             row["speedup_vs_uncached"] = round(uncached[name][1] / row["total_s"], 2)
@@ -210,8 +213,14 @@ def cache_rows(ours, cases, smoke: bool, cache: str, uncached: dict, diffusers: 
     # one cached forward vs one full forward (denoise only): N steps with every step but the first
     # cached, against N full steps
     size, n = (64, 6) if smoke else (1024, 20)
-    policy = CachePolicy(kind="static", first=ours.block_runner.policy.first, last=ours.block_runner.policy.last,
-                         warmup=1, tail=0, every=10**6)  # fmt: skip
+    policy = CachePolicy(
+        kind="static",
+        first=ours.block_runner.policy.first,
+        last=ours.block_runner.policy.last,
+        warmup=1,
+        tail=0,
+        every=10**6,
+    )
     times = {}
     for label, c in (("full", None), ("cached", policy)):
         ours.configure(cache=c)
@@ -224,18 +233,29 @@ def cache_rows(ours, cases, smoke: bool, cache: str, uncached: dict, diffusers: 
     per_full = times["full"] / n
     per_cached = (times["cached"] - per_full) / (n - 1)
     blocks = len(ours.transformer.transformer_blocks)
-    res["cached_step"] = {"size": size, "full_forward_ms": round(1e3 * per_full, 2),
-                          "cached_forward_ms": round(1e3 * per_cached, 2),
-                          "ratio": round(per_cached / per_full, 4),
-                          "bound": round((policy.first + policy.last) / blocks * 1.1, 4)}  # fmt: skip
+    res["cached_step"] = {
+        "size": size,
+        "full_forward_ms": round(1e3 * per_full, 2),
+        "cached_forward_ms": round(1e3 * per_cached, 2),
+        "ratio": round(per_cached / per_full, 4),
+        "bound": round((policy.first + policy.last) / blocks * 1.1, 4),
+    }
     print(f"  cached step: {json.dumps(res['cached_step'])}", flush=True)
     ours.configure(cache=None)
     return res
 
 
-def run(cases: Iterable[str] = tuple(CASES), smoke: bool = False, vae: bool = False, memory: bool = False,
-        offload: bool = False, e2e: bool = True, out_dir: Path | None = None,
-        fp8: bool = False, cache: str | None = None) -> dict:  # fmt: skip
+def run(
+    cases: Iterable[str] = tuple(CASES),
+    smoke: bool = False,
+    vae: bool = False,
+    memory: bool = False,
+    offload: bool = False,
+    e2e: bool = True,
+    out_dir: Path | None = None,
+    fp8: bool = False,
+    cache: str | None = None,
+) -> dict:
     t0 = time.perf_counter()
     ours, ref = build(smoke, diffusers_transformer=e2e or smoke)
     if hasattr(ref, "set_progress_bar_config"):
@@ -243,9 +263,14 @@ def run(cases: Iterable[str] = tuple(CASES), smoke: bool = False, vae: bool = Fa
     ours.set_progress_bar_config(disable=True)
     from . import versions
 
-    record = {"bench": "pipeline", "device": _device_name(), "torch": torch.__version__,
-              "triton": versions()["triton"], "smoke": smoke,
-              "build_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+    record = {
+        "bench": "pipeline",
+        "device": _device_name(),
+        "torch": torch.__version__,
+        "triton": versions()["triton"],
+        "smoke": smoke,
+        "build_s": round(time.perf_counter() - t0, 1),
+    }
     print(f"built in {record['build_s']} s on {record['device']}", flush=True)
     out_dir = None if out_dir is None else Path(out_dir)
 
@@ -300,18 +325,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--offload", action="store_true", help="also forced-OOM recovery and offload modes (last)")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end cases")
     p.add_argument("--fp8", action="store_true", help="repeat the end-to-end cases with qwenfast's FP8 GEMMs")
-    p.add_argument("--cache", default=None, choices=["balanced", "fast"],
-                   help="also the end-to-end cases with this step-cache preset (bf16, and FP8 with --fp8)")
+    p.add_argument(
+        "--cache",
+        default=None,
+        choices=["balanced", "fast"],
+        help="also the end-to-end cases with this step-cache preset (bf16, and FP8 with --fp8)",
+    )
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
-    p.add_argument("--task", action="append", choices=["img2img", "inpaint", "edit-inpaint"],
-                   help="instead: one row per task vs diffusers' pipeline of that task (benchmarks/tasks_inpaint.py, run by the CLI)")
-    p.add_argument("--steps", type=int, default=None, help="with --task: steps of the timed call (default 30)")
-    p.add_argument("--model-type", choices=["qwen-image", "2.1"], default="qwen-image",
-                   help="2.1: Qwen-Image-2.1 end to end vs diffusers' QwenImage21Pipeline (40 steps, step cache "
-                        "presets, turbo-4; --fp8 adds FP8 rows; --steps; records to DIR/qwenimage21.jsonl)")  # fmt: skip
+    p.add_argument(
+        "--task",
+        action="append",
+        choices=["img2img", "inpaint", "edit-inpaint"],
+        help="instead: one row per task vs diffusers' pipeline of that task (benchmarks/tasks_inpaint.py, run by the CLI)",
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="with --task: steps of the timed call (default 30)"
+    )
+    p.add_argument(
+        "--model-type",
+        choices=["qwen-image", "2.1"],
+        default="qwen-image",
+        help="2.1: Qwen-Image-2.1 end to end vs diffusers' QwenImage21Pipeline (40 steps, step cache "
+        "presets, turbo-4; --fp8 adds FP8 rows; --steps; records to DIR/qwenimage21.jsonl)",
+    )
 
 
 def run_from_args(a: argparse.Namespace) -> int:
-    run(cases=tuple(a.case or CASES), smoke=a.smoke, vae=a.vae, memory=a.memory, offload=a.offload,
-        e2e=not a.no_e2e, out_dir=results_dir(a.results), fp8=a.fp8, cache=a.cache)  # fmt: skip
+    run(
+        cases=tuple(a.case or CASES),
+        smoke=a.smoke,
+        vae=a.vae,
+        memory=a.memory,
+        offload=a.offload,
+        e2e=not a.no_e2e,
+        out_dir=results_dir(a.results),
+        fp8=a.fp8,
+        cache=a.cache,
+    )
     return 0

@@ -83,9 +83,13 @@ def vae_bench(ours: QwenImagePipeline, ref: Any, smoke: bool) -> dict:  # ref: a
         out = vae.decode(z)
         _sync()
         key = f"decode_{big}_{'auto' if mode == 'auto' else 'tiled'}"
-        res[key] = {"s": round(time.perf_counter() - t0, 3), "shape": list(out.shape),
-                    "finite": bool(torch.isfinite(out).all()), "activation_peak_gib": round((_peak() - base) / GiB, 2),
-                    "tiled": mode is True or vae._want_tiling(1, big, big, dt, encode=False)}  # fmt: skip
+        res[key] = {
+            "s": round(time.perf_counter() - t0, 3),
+            "shape": list(out.shape),
+            "finite": bool(torch.isfinite(out).all()),
+            "activation_peak_gib": round((_peak() - base) / GiB, 2),
+            "tiled": mode is True or vae._want_tiling(1, big, big, dt, encode=False),
+        }
         print(f"  VAE {key}: {json.dumps(res[key])}", flush=True)
         del out
     vae.tiling = "auto"
@@ -129,8 +133,12 @@ def memory_calibration(ours: QwenImagePipeline, smoke: bool, out_dir: Path | Non
     feats = []
     for r in rows:
         toks = (r["size"] // 16) ** 2
-        feats.append({"denoise": r["batch"] * (toks + txt) * sizes.dim * e,
-                      "decode": r["batch"] * r["size"] ** 2 * sizes.vae_base_dim * e})  # fmt: skip
+        feats.append(
+            {
+                "denoise": r["batch"] * (toks + txt) * sizes.dim * e,
+                "decode": r["batch"] * r["size"] ** 2 * sizes.vae_base_dim * e,
+            }
+        )
     fit = {}
     for phase, key in (("denoise", "transformer"), ("decode", "vae_decode")):
         xs = np.array([f[phase] for f in feats], dtype=np.float64)
@@ -140,13 +148,19 @@ def memory_calibration(ours: QwenImagePipeline, smoke: bool, out_dir: Path | Non
         A = np.stack([xs, np.ones_like(xs)], 1)
         (k, c), *_ = np.linalg.lstsq(A, ys, rcond=None)
         fit[key], fit[f"{phase}_offset"] = float(k), float(c)
-    calib = replace(Calibration(), transformer=round(fit["transformer"], 3), vae_decode=round(fit["vae_decode"], 3),
-                    overhead=int(max(0.0, fit["denoise_offset"], fit["decode_offset"])),
-                    source=f"fitted by qwenfast bench pipeline --memory on {_device_name()}")  # fmt: skip
+    calib = replace(
+        Calibration(),
+        transformer=round(fit["transformer"], 3),
+        vae_decode=round(fit["vae_decode"], 3),
+        overhead=int(max(0.0, fit["denoise_offset"], fit["decode_offset"])),
+        source=f"fitted by qwenfast bench pipeline --memory on {_device_name()}",
+    )
     pl = MemoryPlanner(sizes, calib)
     errs = []
     for r in rows:
-        p = pl.predict(r["size"], r["size"], r["batch"], cfg=True, batched_cfg=False, txt_len=txt, offload="none")
+        p = pl.predict(
+            r["size"], r["size"], r["batch"], cfg=True, batched_cfg=False, txt_len=txt, offload="none"
+        )
         measured = r["base"] + max(r.get("encode", 0), r.get("denoise", 0), r.get("decode", 0))
         r["predicted_gib"], r["measured_gib"] = round(p.peak / GiB, 3), round(measured / GiB, 3)
         r["rel_err"] = round((p.peak - measured) / max(measured, 1), 4)
@@ -186,9 +200,15 @@ def offload_bench(ours: QwenImagePipeline, smoke: bool) -> dict:
     prompts = [f"{PROMPT} #{i}" for i in range(4)]
 
     def run(batch_prompts: list[str], output_type: str = "np") -> QwenImageOutput:
-        return ours(batch_prompts, height=size, width=size, num_inference_steps=steps, true_cfg_scale=1.0,
-                    generator=[torch.Generator("cpu").manual_seed(i) for i in range(len(batch_prompts))],
-                    output_type=output_type)  # fmt: skip
+        return ours(
+            batch_prompts,
+            height=size,
+            width=size,
+            num_inference_steps=steps,
+            true_cfg_scale=1.0,
+            generator=[torch.Generator("cpu").manual_seed(i) for i in range(len(batch_prompts))],
+            output_type=output_type,
+        )
 
     ours.configure(cuda_graphs=False)  # a captured batch-4 graph would keep its pool: the OOM must be real
     _drop_graphs(ours)
@@ -208,10 +228,13 @@ def offload_bench(ours: QwenImagePipeline, smoke: bool) -> dict:
         lat = run(prompts, "latent")
         t0 = time.perf_counter()
         out = run(prompts)
-        res["forced_oom"] = {"s": round(time.perf_counter() - t0, 2), "events": out.info.get("oom_backoff", []),
-                             "latent_events": lat.info.get("oom_backoff", []),
-                             "latent_max_abs_diff_vs_unsplit": float((lat.images.float() - want_lat).abs().max()),
-                             "max_abs_diff_vs_unsplit": float(np.abs(out.images - want).max())}  # fmt: skip
+        res["forced_oom"] = {
+            "s": round(time.perf_counter() - t0, 2),
+            "events": out.info.get("oom_backoff", []),
+            "latent_events": lat.info.get("oom_backoff", []),
+            "latent_max_abs_diff_vs_unsplit": float((lat.images.float() - want_lat).abs().max()),
+            "max_abs_diff_vs_unsplit": float(np.abs(out.images - want).max()),
+        }
     except Exception as e:  # noqa: BLE001 - the record says what happened
         res["forced_oom"] = {"error": f"{type(e).__name__}: {e}"[:500]}
     finally:
@@ -225,9 +248,14 @@ def offload_bench(ours: QwenImagePipeline, smoke: bool) -> dict:
     t0 = time.perf_counter()
     run(prompts[:1])
     _sync()
-    res["none"] = {"s": round(time.perf_counter() - t0, 2), "peak_gib": round(_peak() / GiB, 2),
-                   "predicted_gib": round(MemoryPlanner.from_pipeline(ours).predict(size, size, 1, cfg=False).peak / GiB, 2),
-                   "offload_after_forced_oom": ours.offload}  # "none" unless a fallback switched it on
+    res["none"] = {
+        "s": round(time.perf_counter() - t0, 2),
+        "peak_gib": round(_peak() / GiB, 2),
+        "predicted_gib": round(
+            MemoryPlanner.from_pipeline(ours).predict(size, size, 1, cfg=False).peak / GiB, 2
+        ),
+        "offload_after_forced_oom": ours.offload,
+    }  # "none" unless a fallback switched it on
     print(f"  offload none: {json.dumps(res['none'])}", flush=True)
     for mode in ("model", "blocks"):
         t0 = time.perf_counter()
@@ -243,9 +271,14 @@ def offload_bench(ours: QwenImagePipeline, smoke: bool) -> dict:
         got = run(prompts[:1]).images
         _sync()
         pred = MemoryPlanner.from_pipeline(ours).predict(size, size, 1, cfg=False, offload=mode).peak
-        res[mode] = {"setup_s": round(setup, 1), "first_s": round(first, 2), "s": round(time.perf_counter() - t0, 2),
-                     "peak_gib": round(_peak() / GiB, 2), "predicted_gib": round(pred / GiB, 2),
-                     "max_abs_diff_vs_none": float(np.abs(got - want[:1]).max())}  # fmt: skip
+        res[mode] = {
+            "setup_s": round(setup, 1),
+            "first_s": round(first, 2),
+            "s": round(time.perf_counter() - t0, 2),
+            "peak_gib": round(_peak() / GiB, 2),
+            "predicted_gib": round(pred / GiB, 2),
+            "max_abs_diff_vs_none": float(np.abs(got - want[:1]).max()),
+        }
         print(f"  offload {mode}: {json.dumps(res[mode])}", flush=True)
     for cap in (24, 8) if cuda else ():  # the 24 GiB card, and a smaller one
         _free()
@@ -256,9 +289,12 @@ def offload_bench(ours: QwenImagePipeline, smoke: bool) -> dict:
             _reset_peak()
             t0 = time.perf_counter()
             out = run(prompts[:1])
-            res[key] = {"s": round(time.perf_counter() - t0, 2), "peak_gib": round(_peak() / GiB, 2),
-                        "oom_backoff": out.info.get("oom_backoff", []),
-                        "max_abs_diff_vs_none": float(np.abs(out.images - want[:1]).max())}  # fmt: skip
+            res[key] = {
+                "s": round(time.perf_counter() - t0, 2),
+                "peak_gib": round(_peak() / GiB, 2),
+                "oom_backoff": out.info.get("oom_backoff", []),
+                "max_abs_diff_vs_none": float(np.abs(out.images - want[:1]).max()),
+            }
         except Exception as e:  # noqa: BLE001
             res[key] = {"error": f"{type(e).__name__}: {e}"[:500]}
         finally:

@@ -73,10 +73,13 @@ def _diffusers_compiled(ref, ref_fwd, rc, want) -> dict:
                 got = ref_fwd(rc, "cached").float()
                 _sync()
                 setup = time.perf_counter() - t0
-                return {"diffusers_compile_fullgraph": fullgraph, "diffusers_compile_setup_s": round(setup, 1),
-                        "diffusers_compile_prefill_ms": round(_time(lambda: ref_fwd()), 2),
-                        "diffusers_compile_cached_ms": round(_time(lambda: ref_fwd(rc, "cached")), 2),
-                        "diffusers_compile_rel_err": _rel(got, want)}  # fmt: skip
+                return {
+                    "diffusers_compile_fullgraph": fullgraph,
+                    "diffusers_compile_setup_s": round(setup, 1),
+                    "diffusers_compile_prefill_ms": round(_time(lambda: ref_fwd()), 2),
+                    "diffusers_compile_cached_ms": round(_time(lambda: ref_fwd(rc, "cached")), 2),
+                    "diffusers_compile_rel_err": _rel(got, want),
+                }
         except Exception as e:  # noqa: BLE001 - the record says what happened
             err = f"{type(e).__name__}: {e}"[:300]
     return {"diffusers_compile_error": err}
@@ -103,12 +106,22 @@ def setup(size: int, text: int, layers: int, dev: torch.device):
     emb = torch.randn(1, text, 4096, device=dev, dtype=dt, generator=g)
     x = torch.randn(1, N, 64, device=dev, dtype=dt, generator=g)
     t = torch.full((1,), 0.5, device=dev, dtype=dt)
-    vl = torch.cat([torch.zeros(text, dtype=torch.bool), torch.ones(N // 4, dtype=torch.bool)])  # host-side layout
+    vl = torch.cat(
+        [torch.zeros(text, dtype=torch.bool), torch.ones(N // 4, dtype=torch.bool)]
+    )  # host-side layout
     shapes = [(1, h, w)]
 
     def ref_fwd(cache=None, mode=None):
-        return ref(hidden_states=x, encoder_hidden_states=emb, timestep=t, img_shapes=[shapes],
-                   img_mask=vl.to(dev)[None], kv_cache=cache, kv_cache_mode=mode, return_dict=False)[0][:, -N:]  # fmt: skip
+        return ref(
+            hidden_states=x,
+            encoder_hidden_states=emb,
+            timestep=t,
+            img_shapes=[shapes],
+            img_mask=vl.to(dev)[None],
+            kv_cache=cache,
+            kv_cache_mode=mode,
+            return_dict=False,
+        )[0][:, -N:]
 
     return ref, ours, (x, emb, t, shapes, vl), ref_fwd
 
@@ -125,8 +138,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of a cached step")
     p.add_argument("--layers", type=int, default=32, help="fewer for a smoke run")
-    p.add_argument("--compile", action="store_true",
-                   help="also diffusers' regional compile (compile_repeated_blocks) of its model, timed last")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also diffusers' regional compile (compile_repeated_blocks) of its model, timed last",
+    )
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (timings meaningless)")
     a = p.parse_args(argv)
     dev, dt = torch.device(a.device), torch.bfloat16
@@ -149,8 +165,14 @@ def main(argv=None) -> list[dict]:
 
         ref32 = copy.deepcopy(ref).float()
         rc32 = QwenImage21KVCache(cfg.num_layers)
-        kw32 = dict(hidden_states=x.float(), encoder_hidden_states=emb.float(), timestep=t.float(), img_shapes=[shapes],
-                    img_mask=vl.to(dev)[None], return_dict=False)  # fmt: skip
+        kw32 = dict(
+            hidden_states=x.float(),
+            encoder_hidden_states=emb.float(),
+            timestep=t.float(),
+            img_shapes=[shapes],
+            img_mask=vl.to(dev)[None],
+            return_dict=False,
+        )
         ref32(**kw32, kv_cache=rc32, kv_cache_mode="extract")
         want32 = ref32(**kw32, kv_cache=rc32, kv_cache_mode="cached")[0][:, -N:].float()
         del ref32, rc32
@@ -186,18 +208,32 @@ def main(argv=None) -> list[dict]:
             for steps in (40, 4):
                 loop_ref = ref_prefill + (steps - 1) * ref_cached
                 loop = pre + (steps - 1) * replay
-                rows.append({"what": "qwen-image-2.1 transformer", "size": a.size, "dtype": label, "steps": steps,
-                             "diffusers_prefill_ms": round(ref_prefill, 2), "diffusers_cached_ms": round(ref_cached, 2),
-                             "ours_prefill_ms": round(pre, 2), "ours_cached_eager_ms": round(eager, 2),
-                             "ours_cached_graph_ms": round(replay, 2),
-                             "rel_err_prefill": _rel(got_pre, want_pre), "rel_err_cached": _rel(got, want),
-                             "rel_err_cached_reference_blocks": _rel(got_ref_path, want),
-                             "rel_err_old_oracle": _rel(got, old_oracle),
-                             "rel_err_diffusers_bf16_vs_fp32": _rel(want, want32), "rel_err_ours_vs_fp32": _rel(got, want32),
-                             "diffusers_loop_s": round(loop_ref / 1000, 3), "ours_loop_s": round(loop / 1000, 3),
-                             "speedup_loop": round(loop_ref / loop, 3),
-                             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if dev.type == "cuda" else None,
-                             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"})  # fmt: skip
+                rows.append(
+                    {
+                        "what": "qwen-image-2.1 transformer",
+                        "size": a.size,
+                        "dtype": label,
+                        "steps": steps,
+                        "diffusers_prefill_ms": round(ref_prefill, 2),
+                        "diffusers_cached_ms": round(ref_cached, 2),
+                        "ours_prefill_ms": round(pre, 2),
+                        "ours_cached_eager_ms": round(eager, 2),
+                        "ours_cached_graph_ms": round(replay, 2),
+                        "rel_err_prefill": _rel(got_pre, want_pre),
+                        "rel_err_cached": _rel(got, want),
+                        "rel_err_cached_reference_blocks": _rel(got_ref_path, want),
+                        "rel_err_old_oracle": _rel(got, old_oracle),
+                        "rel_err_diffusers_bf16_vs_fp32": _rel(want, want32),
+                        "rel_err_ours_vs_fp32": _rel(got, want32),
+                        "diffusers_loop_s": round(loop_ref / 1000, 3),
+                        "ours_loop_s": round(loop / 1000, 3),
+                        "speedup_loop": round(loop_ref / loop, 3),
+                        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
+                        if dev.type == "cuda"
+                        else None,
+                        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                    }
+                )
             del oc
             graphs.clear()
     if a.compile and dev.type == "cuda":
@@ -205,15 +241,21 @@ def main(argv=None) -> list[dict]:
         for r in rows:
             r.update(comp)
             if "diffusers_compile_cached_ms" in comp:
-                r["speedup_cached_vs_diffusers_compile"] = round(comp["diffusers_compile_cached_ms"] / r["ours_cached_graph_ms"], 3)
+                r["speedup_cached_vs_diffusers_compile"] = round(
+                    comp["diffusers_compile_cached_ms"] / r["ours_cached_graph_ms"], 3
+                )
         print(f"diffusers regional compile: {comp}")
-    print(f"{'dtype':>5} {'steps':>5} {'ref pre':>8} {'ref cached':>10} {'ours pre':>8} {'eager':>7} {'graph':>7} "
-          f"{'err pre':>8} {'err cached':>10} {'err old':>8} {'loop x':>6}")  # fmt: skip
+    print(
+        f"{'dtype':>5} {'steps':>5} {'ref pre':>8} {'ref cached':>10} {'ours pre':>8} {'eager':>7} {'graph':>7} "
+        f"{'err pre':>8} {'err cached':>10} {'err old':>8} {'loop x':>6}"
+    )
     for r in rows:
-        print(f"{r['dtype']:>5} {r['steps']:>5} {r['diffusers_prefill_ms']:>8} {r['diffusers_cached_ms']:>10} "
-              f"{r['ours_prefill_ms']:>8} {r['ours_cached_eager_ms']:>7} {r['ours_cached_graph_ms']:>7} "
-              f"{r['rel_err_prefill']:>8.1e} {r['rel_err_cached']:>10.1e} {r['rel_err_old_oracle']:>8.1e} "
-              f"{r['speedup_loop']:>6}")  # fmt: skip
+        print(
+            f"{r['dtype']:>5} {r['steps']:>5} {r['diffusers_prefill_ms']:>8} {r['diffusers_cached_ms']:>10} "
+            f"{r['ours_prefill_ms']:>8} {r['ours_cached_eager_ms']:>7} {r['ours_cached_graph_ms']:>7} "
+            f"{r['rel_err_prefill']:>8.1e} {r['rel_err_cached']:>10.1e} {r['rel_err_old_oracle']:>8.1e} "
+            f"{r['speedup_loop']:>6}"
+        )
     from . import emit_lines
 
     emit_lines(rows, a.out or None)

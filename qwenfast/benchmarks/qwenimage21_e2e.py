@@ -32,13 +32,31 @@ def full_text_encoder_config(tokenizer) -> dict:
     from ..testing.tiny21 import text_encoder_config
 
     cfg = text_encoder_config(tokenizer)
-    cfg["text_config"].update(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                              num_key_value_heads=8, head_dim=128, initializer_range=0.02,
-                              rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
-                                               "mrope_section": [24, 20, 20], "mrope_interleaved": True})  # fmt: skip
-    cfg["vision_config"].update(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
-                                num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24],
-                                initializer_range=0.02)  # fmt: skip
+    cfg["text_config"].update(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        initializer_range=0.02,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [24, 20, 20],
+            "mrope_interleaved": True,
+        },
+    )
+    cfg["vision_config"].update(
+        depth=27,
+        hidden_size=1152,
+        intermediate_size=4304,
+        num_heads=16,
+        out_hidden_size=4096,
+        num_position_embeddings=2304,
+        deepstack_visual_indexes=[8, 16, 24],
+        initializer_range=0.02,
+    )
     return cfg
 
 
@@ -70,7 +88,11 @@ def build(dev: torch.device, dt: torch.dtype, text_encoder: str, tmp: Path, laye
         try:
             torch.manual_seed(0)
             with torch.device(dev):
-                te = Qwen3VLForConditionalGeneration(Qwen3VLConfig(**full_text_encoder_config(tok))).to(dt).eval()
+                te = (
+                    Qwen3VLForConditionalGeneration(Qwen3VLConfig(**full_text_encoder_config(tok)))
+                    .to(dt)
+                    .eval()
+                )
             what = f"random Qwen3-VL 8B shape ({sum(p.numel() for p in te.parameters()) / 1e9:.2f} B params)"
         except Exception as e:  # noqa: BLE001 - fall back, and say so in the results
             print(f"full-size text encoder failed ({e}); using the tiny one")
@@ -80,8 +102,10 @@ def build(dev: torch.device, dt: torch.dtype, text_encoder: str, tmp: Path, laye
         what = what if what != "full" else "tiny"
     te.requires_grad_(False)
     gen = torch.Generator().manual_seed(7)
-    vae = AutoencoderKLQwenImage21(latents_mean=(torch.randn(64, generator=gen) * 0.5).tolist(),
-                                   latents_std=(0.5 + torch.rand(64, generator=gen)).tolist())  # fmt: skip
+    vae = AutoencoderKLQwenImage21(
+        latents_mean=(torch.randn(64, generator=gen) * 0.5).tolist(),
+        latents_std=(0.5 + torch.rand(64, generator=gen)).tolist(),
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG)
     vae.save_pretrained(tmp / "vae")
     scheduler.save_pretrained(tmp / "scheduler")
@@ -93,9 +117,13 @@ def build(dev: torch.device, dt: torch.dtype, text_encoder: str, tmp: Path, laye
         tr = QwenImage21Transformer(Transformer21Config(num_layers=layers))
     items = ((k, v.detach().clone(), Path("memory")) for k, v in ref_tr.state_dict().items())
     tr = load_streaming(tr, items, dtype=dt, where="memory", convert=Fuser21())
-    ours = QwenImage21Pipeline(tr, load_vae21(tmp / "vae", dev, dt),
-                               TextEncoder21(te, tok, processor.image_processor, getattr(processor, "chat_template", None)),
-                               load_scheduler_config(tmp / "scheduler"), device=dev)  # fmt: skip
+    ours = QwenImage21Pipeline(
+        tr,
+        load_vae21(tmp / "vae", dev, dt),
+        TextEncoder21(te, tok, processor.image_processor, getattr(processor, "chat_template", None)),
+        load_scheduler_config(tmp / "scheduler"),
+        device=dev,
+    )
     ours.set_progress_bar_config(disable=True)
     return ref, ours, what
 
@@ -134,52 +162,102 @@ def main(argv=None) -> list[dict]:
         kw = dict(prompt=PROMPT, height=a.size, width=a.size, output_type="np")
 
         def run(pipe, steps, sigmas=None, seed=0):
-            return pipe(**kw, num_inference_steps=steps, sigmas=sigmas,
-                        generator=torch.Generator(dev).manual_seed(seed)).images  # fmt: skip
+            return pipe(
+                **kw,
+                num_inference_steps=steps,
+                sigmas=sigmas,
+                generator=torch.Generator(dev).manual_seed(seed),
+            ).images
 
         rows, base = [], None
-        common = {"size": a.size, "dtype": "bf16", "text_encoder": te, "layers": a.layers,
-                  "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}  # fmt: skip
+        common = {
+            "size": a.size,
+            "dtype": "bf16",
+            "text_encoder": te,
+            "layers": a.layers,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        }
         for cache in ("off", "balanced", "fast"):
             ours.configure(cache=cache)
             run(ours, a.steps)  # warm-up: kernels, CUDA graphs of every step variant
             s, img = timed(lambda: run(ours, a.steps), a.runs)
             base = img if cache == "off" else base
             st = {k: v // (a.runs + 1) for k, v in ours.block_runner.stats.items()} if cache != "off" else {}
-            rows.append({"what": "qwen-image-2.1 e2e step cache", "cache": cache, "steps": a.steps, "ours_s": round(s, 3),
-                         "mean_abs_diff_vs_off": float(f"{np.abs(img - base).mean():.3e}"),
-                         "runner_steps_per_call": st, **common})  # fmt: skip
+            rows.append(
+                {
+                    "what": "qwen-image-2.1 e2e step cache",
+                    "cache": cache,
+                    "steps": a.steps,
+                    "ours_s": round(s, 3),
+                    "mean_abs_diff_vs_off": float(f"{np.abs(img - base).mean():.3e}"),
+                    "runner_steps_per_call": st,
+                    **common,
+                }
+            )
         ours.configure(cache=None)
         sig = list(TURBO_SIGMAS["turbo-4"])
         run(ref, 4, sig)
         ref_s, ref_img = timed(lambda: run(ref, 4, sig), a.runs)
         run(ours, 4, sig)
         our_s, our_img = timed(lambda: run(ours, 4, sig), a.runs)
-        rows.append({"what": "qwen-image-2.1 e2e turbo-4", "steps": 4, "diffusers_s": round(ref_s, 3),
-                     "ours_s": round(our_s, 3), "speedup": round(ref_s / our_s, 3),
-                     "mean_abs_diff_vs_diffusers": float(f"{np.abs(our_img - ref_img).mean():.3e}"), **common})  # fmt: skip
+        rows.append(
+            {
+                "what": "qwen-image-2.1 e2e turbo-4",
+                "steps": 4,
+                "diffusers_s": round(ref_s, 3),
+                "ours_s": round(our_s, 3),
+                "speedup": round(ref_s / our_s, 3),
+                "mean_abs_diff_vs_diffusers": float(f"{np.abs(our_img - ref_img).mean():.3e}"),
+                **common,
+            }
+        )
         ref_40, ref_img40 = timed(lambda: run(ref, a.steps), 1)
         off = rows[0]["ours_s"]
-        rows.append({"what": "qwen-image-2.1 e2e diffusers", "steps": a.steps, "diffusers_s": round(ref_40, 3),
-                     "ours_s_cache_off": off, "speedup_cache_off": round(ref_40 / off, 3),
-                     "speedup_balanced": round(ref_40 / rows[1]["ours_s"], 3),
-                     "speedup_fast": round(ref_40 / rows[2]["ours_s"], 3),
-                     "mean_abs_diff_vs_diffusers": float(f"{np.abs(base - ref_img40).mean():.3e}"), **common})  # fmt: skip
+        rows.append(
+            {
+                "what": "qwen-image-2.1 e2e diffusers",
+                "steps": a.steps,
+                "diffusers_s": round(ref_40, 3),
+                "ours_s_cache_off": off,
+                "speedup_cache_off": round(ref_40 / off, 3),
+                "speedup_balanced": round(ref_40 / rows[1]["ours_s"], 3),
+                "speedup_fast": round(ref_40 / rows[2]["ours_s"], 3),
+                "mean_abs_diff_vs_diffusers": float(f"{np.abs(base - ref_img40).mean():.3e}"),
+                **common,
+            }
+        )
         if a.fp8:  # FP8 block GEMMs (one-way: after every bf16 row), against the same run's diffusers bf16
             ours.configure(fp8=True)
-            for steps, sigmas, ref_s_, ref_im in ((a.steps, None, ref_40, ref_img40), (4, sig, ref_s, ref_img)):
+            for steps, sigmas, ref_s_, ref_im in (
+                (a.steps, None, ref_40, ref_img40),
+                (4, sig, ref_s, ref_img),
+            ):
                 run(ours, steps, sigmas)
                 s8, img8 = timed(lambda steps=steps, sigmas=sigmas: run(ours, steps, sigmas), a.runs)
-                rows.append({"what": "qwen-image-2.1 e2e fp8", "steps": steps, "schedule": "turbo-4" if sigmas else "default",
-                             "diffusers_s": round(ref_s_, 3), "ours_s": round(s8, 3), "speedup": round(ref_s_ / s8, 3),
-                             "mean_abs_diff_vs_diffusers_bf16": float(f"{np.abs(img8 - ref_im).mean():.3e}"),
-                             **common, "dtype": "fp8"})  # fmt: skip
+                rows.append(
+                    {
+                        "what": "qwen-image-2.1 e2e fp8",
+                        "steps": steps,
+                        "schedule": "turbo-4" if sigmas else "default",
+                        "diffusers_s": round(ref_s_, 3),
+                        "ours_s": round(s8, 3),
+                        "speedup": round(ref_s_ / s8, 3),
+                        "mean_abs_diff_vs_diffusers_bf16": float(f"{np.abs(img8 - ref_im).mean():.3e}"),
+                        **common,
+                        "dtype": "fp8",
+                    }
+                )
     print(f"{'row':<32} {'ours s':>8} {'diffusers s':>11} {'mean |d|':>10}")
     for r in rows:
         label = r["what"].replace("qwen-image-2.1 e2e ", "") + (f" {r['cache']}" if "cache" in r else "")
         label += f" {r['steps']} steps" if r["what"].endswith("fp8") else ""
-        d = r.get("mean_abs_diff_vs_off", r.get("mean_abs_diff_vs_diffusers", r.get("mean_abs_diff_vs_diffusers_bf16", "")))
-        print(f"{label:<32} {r.get('ours_s', r.get('ours_s_cache_off', '')):>8} {r.get('diffusers_s', ''):>11} {d!s:>10}")
+        d = r.get(
+            "mean_abs_diff_vs_off",
+            r.get("mean_abs_diff_vs_diffusers", r.get("mean_abs_diff_vs_diffusers_bf16", "")),
+        )
+        print(
+            f"{label:<32} {r.get('ours_s', r.get('ours_s_cache_off', '')):>8} {r.get('diffusers_s', ''):>11} {d!s:>10}"
+        )
     from . import emit_lines
 
     emit_lines(rows, a.out or None)

@@ -88,7 +88,9 @@ def check(root: Path, results: Path) -> list[str]:
             for name, body in BLOCK.findall(text):
                 want = dict(BLOCK.findall(rendered)).get(name)
                 if want is not None and want != body:
-                    problems.append(f"{rel}: table `{name}` differs from its records: run `qwenfast bench report`")
+                    problems.append(
+                        f"{rel}: table `{name}` differs from its records: run `qwenfast bench report`"
+                    )
         for line, fig in unrecorded_figures(text):
             problems.append(f"{rel}:{line}: figure `{fig}` outside a report table (no record backs it)")
     return problems
@@ -112,8 +114,11 @@ def write(root: Path, results: Path) -> list[Path]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--check", action="store_true",
-                   help="change nothing; exit 1 if a table is stale or a figure has no record")  # fmt: skip
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="change nothing; exit 1 if a table is stale or a figure has no record",
+    )
     p.add_argument("--root", default=None, help="the checkout with README.md and docs/ (default: this one)")
     p.add_argument("--results", default=None, help="the records' folder (default: ROOT/bench/results)")
     p.add_argument("--table", default=None, help="print one table to stdout (see --list) and exit")

@@ -56,8 +56,11 @@ def source(used: list[Rec], command: str) -> str:
             continue
         key = (gpu_name(r), str(r.get("date", ""))[:10], r.get("commit", "?"), r.file)
         seen.setdefault(key, []).append(r.line)
-    parts = [f"{g}, {d}, commit `{c}` (`bench/results/{f}` line{'s' if len(ls) > 1 else ''} "
-             f"{', '.join(map(str, sorted(set(ls))))})" for (g, d, c, f), ls in seen.items()]  # fmt: skip
+    parts = [
+        f"{g}, {d}, commit `{c}` (`bench/results/{f}` line{'s' if len(ls) > 1 else ''} "
+        f"{', '.join(map(str, sorted(set(ls))))})"
+        for (g, d, c, f), ls in seen.items()
+    ]
     return f"\n*Recorded on {'; '.join(parts)}. Measure again: `{command}`.*"
 
 
@@ -135,12 +138,21 @@ def performance(recs: list[Rec]) -> str:
         def cell(s):
             return "—" if s is None else f"**{secs(s)}** ({ratio(d_s / s)})"
 
-        rows.append([label, secs(d_s), cell(e["qwenfast"]["total_s"]), cell((f.get("qwenfast") or {}).get("total_s")),
-                     cell(fc.get("total_s"))])  # fmt: skip
+        rows.append(
+            [
+                label,
+                secs(d_s),
+                cell(e["qwenfast"]["total_s"]),
+                cell((f.get("qwenfast") or {}).get("total_s")),
+                cell(fc.get("total_s")),
+            ]
+        )
     head = ["one image", "diffusers 0.42.1", "qwenfast bf16", "qwenfast FP8", f"FP8 + `{preset}` step cache"]
-    note = ("\nSame GPU, same run, same random full-size weights (60-layer transformer, 7B text encoder) for every "
-            "column; text encode + denoise + VAE decode; speed-up over diffusers in brackets. FP8 and the step "
-            "cache are lossy and off by default ([speed options](docs/speed.md)).")  # fmt: skip
+    note = (
+        "\nSame GPU, same run, same random full-size weights (60-layer transformer, 7B text encoder) for every "
+        "column; text encode + denoise + VAE decode; speed-up over diffusers in brackets. FP8 and the step "
+        "cache are lossy and off by default ([speed options](docs/speed.md))."
+    )
     return table(head, rows) + "\n" + note + source(run, "bash bench/pipeline.sh")
 
 
@@ -152,41 +164,82 @@ def end_to_end(recs: list[Rec]) -> str:
         if got is None:
             continue
         m, run = got
-        used += [r for r in run if "end_to_end" in r.data or "end_to_end_fp8" in r.data or
-                 any(k.startswith("end_to_end_") for k in r.data)]  # fmt: skip
+        used += [
+            r
+            for r in run
+            if "end_to_end" in r.data
+            or "end_to_end_fp8" in r.data
+            or any(k.startswith("end_to_end_") for k in r.data)
+        ]
         e = m["end_to_end"][case]
         f = (m.get("end_to_end_fp8") or {}).get(case)
         kc, kfc = _cache_key(m, False), _cache_key(m, True)
         c = (m.get(kc) or {}).get(case) if kc else None
         fc = (m.get(kfc) or {}).get(case) if kfc else None
         d_s = e["diffusers"]["total_s"]
-        rows.append([label, secs(d_s), f"{secs(e['qwenfast']['total_s'])} ({ratio(d_s / e['qwenfast']['total_s'])})",
-                     f"{secs(f['qwenfast']['total_s'])} ({ratio(d_s / f['qwenfast']['total_s'])})" if f else "—",
-                     f"{secs(c['total_s'])} ({c['computed_fraction']:.0%} computed)" if c else "—",
-                     f"{secs(fc['total_s'])} ({ratio(d_s / fc['total_s'])})" if fc else "—",
-                     f"{gib(e['diffusers']['peak_gib'])} / {gib(e['qwenfast']['peak_gib'])}"
-                     + (f" / {gib(f['qwenfast']['peak_gib'])}" if f else ""),
-                     f"{e['mean_abs_diff_images']:.4f}" + (f" / {f['mean_abs_diff_images']:.4f}" if f else "")])  # fmt: skip
-    head = ["case", "diffusers", "qwenfast bf16", "FP8", "bf16 + step cache", "FP8 + step cache",
-            "peak: diffusers / bf16 / FP8", "mean \\|Δ\\| vs diffusers: bf16 / FP8"]  # fmt: skip
+        rows.append(
+            [
+                label,
+                secs(d_s),
+                f"{secs(e['qwenfast']['total_s'])} ({ratio(d_s / e['qwenfast']['total_s'])})",
+                f"{secs(f['qwenfast']['total_s'])} ({ratio(d_s / f['qwenfast']['total_s'])})" if f else "—",
+                f"{secs(c['total_s'])} ({c['computed_fraction']:.0%} computed)" if c else "—",
+                f"{secs(fc['total_s'])} ({ratio(d_s / fc['total_s'])})" if fc else "—",
+                f"{gib(e['diffusers']['peak_gib'])} / {gib(e['qwenfast']['peak_gib'])}"
+                + (f" / {gib(f['qwenfast']['peak_gib'])}" if f else ""),
+                f"{e['mean_abs_diff_images']:.4f}" + (f" / {f['mean_abs_diff_images']:.4f}" if f else ""),
+            ]
+        )
+    head = [
+        "case",
+        "diffusers",
+        "qwenfast bf16",
+        "FP8",
+        "bf16 + step cache",
+        "FP8 + step cache",
+        "peak: diffusers / bf16 / FP8",
+        "mean \\|Δ\\| vs diffusers: bf16 / FP8",
+    ]
     return table(head, rows) + source(used, "bash bench/pipeline.sh")
 
 
 def transformer(recs: list[Rec]) -> str:
     """docs/benchmarks.md: the 60-layer transformer forward, every variant of the newest default run."""
-    r = newest(recs, "transformer.jsonl", lambda r: is_default(r) and "diffusers eager" in
-               next(iter(r["sizes"].values()))["variants"])  # fmt: skip
+    r = newest(
+        recs,
+        "transformer.jsonl",
+        lambda r: is_default(r) and "diffusers eager" in next(iter(r["sizes"].values()))["variants"],
+    )
     if r is None:
         return "*No transformer record yet: `bash bench/transformer.sh`.*"
     rows = []
     for size, s in r["sizes"].items():
-        rows.append([f"{size}²", "FLOP floor (bf16 dense peak rate)", ms(s["floor_ms"]), f"{s['tflop']:.1f} TFLOP", "", ""])
+        rows.append(
+            [
+                f"{size}²",
+                "FLOP floor (bf16 dense peak rate)",
+                ms(s["floor_ms"]),
+                f"{s['tflop']:.1f} TFLOP",
+                "",
+                "",
+            ]
+        )
         for name, v in s["variants"].items():
-            rows.append([f"{size}²", name, ms(v["ms"]), f"{v['tflops']:.0f} TFLOP/s",
-                         ratio(v.get("speedup_vs_diffusers_eager")), sci(v.get("rel_err_vs_diffusers"))])  # fmt: skip
+            rows.append(
+                [
+                    f"{size}²",
+                    name,
+                    ms(v["ms"]),
+                    f"{v['tflops']:.0f} TFLOP/s",
+                    ratio(v.get("speedup_vs_diffusers_eager")),
+                    sci(v.get("rel_err_vs_diffusers")),
+                ]
+            )
     head = ["size", "variant", "forward", "rate", "vs diffusers eager", "rel. err vs diffusers"]
-    note = ("\nOne forward of the full-size transformer (random bf16 weights, a 128-token prompt), median of "
-            "CUDA-event timings. The FLOP floor is the forward's FLOPs at the GPU's dense bf16 peak.")  # fmt: skip
+    note = (
+        "\nOne forward of the full-size transformer (random bf16 weights, a 128-token prompt), median of "
+        "CUDA-event timings. The FLOP floor is the forward's FLOPs at the GPU's dense bf16 peak."
+    )
     return table(head, rows) + "\n" + note + source([r], "bash bench/transformer.sh")
 
 
@@ -198,16 +251,32 @@ def vae(recs: list[Rec]) -> str:
     for size in ("1024", "1328"):
         v = r["vae"].get(size)
         if v:
-            rows.append([f"{size}²", ms(v["diffusers_decode_ms"]), f"{ms(v['ours_fast_decode_ms'])} ({ratio(v['decode_speedup'])})",
-                         ms(v["diffusers_encode_ms"]), f"{ms(v['ours_fast_encode_ms'])} ({ratio(v['encode_speedup'])})",
-                         f"{v.get('diffusers_bf16_vs_fp32_decode_rel_err', float('nan')):.1e} / "
-                         f"{v.get('ours_fast_vs_fp32_decode_rel_err', float('nan')):.1e}"])  # fmt: skip
-    for key, what in (("decode_2512_auto", "2512² decode, untiled"), ("decode_2512_tiled", "2512² decode, tiled")):
+            rows.append(
+                [
+                    f"{size}²",
+                    ms(v["diffusers_decode_ms"]),
+                    f"{ms(v['ours_fast_decode_ms'])} ({ratio(v['decode_speedup'])})",
+                    ms(v["diffusers_encode_ms"]),
+                    f"{ms(v['ours_fast_encode_ms'])} ({ratio(v['encode_speedup'])})",
+                    f"{v.get('diffusers_bf16_vs_fp32_decode_rel_err', float('nan')):.1e} / "
+                    f"{v.get('ours_fast_vs_fp32_decode_rel_err', float('nan')):.1e}",
+                ]
+            )
+    for key, what in (
+        ("decode_2512_auto", "2512² decode, untiled"),
+        ("decode_2512_tiled", "2512² decode, tiled"),
+    ):
         v = r["vae"].get(key)
         if v:
             rows.append([what, "", secs(v["s"]), "", "", f"activations {gib(v['activation_peak_gib'])}"])
-    head = ["size", "diffusers decode", "qwenfast decode", "diffusers encode", "qwenfast encode",
-            "decode rel. err vs fp32: diffusers bf16 / ours"]  # fmt: skip
+    head = [
+        "size",
+        "diffusers decode",
+        "qwenfast decode",
+        "diffusers encode",
+        "qwenfast encode",
+        "decode rel. err vs fp32: diffusers bf16 / ours",
+    ]
     return table(head, rows) + source([r], "bash bench/pipeline.sh")
 
 
@@ -218,16 +287,22 @@ def offload(recs: list[Rec]) -> str:
         return "*No offload record yet.*"
     o = r["offload"]
     rows = []
-    for key, what in (("none", "`none`"), ("model", "`model`: text encoder streamed"),
-                      ("blocks", "`blocks`: text encoder and transformer blocks streamed"),
-                      ("blocks_24gib", "`blocks` under a 24 GiB cap"), ("blocks_8gib", "`blocks` under an 8 GiB cap")):  # fmt: skip
+    for key, what in (
+        ("none", "`none`"),
+        ("model", "`model`: text encoder streamed"),
+        ("blocks", "`blocks`: text encoder and transformer blocks streamed"),
+        ("blocks_24gib", "`blocks` under a 24 GiB cap"),
+        ("blocks_8gib", "`blocks` under an 8 GiB cap"),
+    ):
         v = o.get(key)
         if v:
             rows.append([what, secs(v["s"]), gib(v["peak_gib"]), gib(v.get("predicted_gib"))])
     out = table(["offload", "1024², 4 steps", "peak GPU memory", "planner"], rows)
     if mem is not None:
-        out += (f"\n\nPlanner against measured peaks over {len(mem['memory']['grid'])} sizes and batches: largest "
-                f"error {mem['memory']['max_abs_rel_err']:.2%}.")  # fmt: skip
+        out += (
+            f"\n\nPlanner against measured peaks over {len(mem['memory']['grid'])} sizes and batches: largest "
+            f"error {mem['memory']['max_abs_rel_err']:.2%}."
+        )
     return out + source([r, mem], "bash bench/pipeline.sh")
 
 
@@ -241,18 +316,35 @@ def tasks(recs: list[Rec]) -> str:
     if inp is not None:
         used.append(inp)
         for task, v in inp["rows"].items():
-            rows.append([f"{task}, {inp['steps']} steps, strength {v['strength']}", secs(v["diffusers"]["total_s"]),
-                         secs(v["qwenfast"]["total_s"]), ratio(v["speedup"]), f"{v['mean_abs_diff_images']:.4f}"])  # fmt: skip
+            rows.append(
+                [
+                    f"{task}, {inp['steps']} steps, strength {v['strength']}",
+                    secs(v["diffusers"]["total_s"]),
+                    secs(v["qwenfast"]["total_s"]),
+                    ratio(v["speedup"]),
+                    f"{v['mean_abs_diff_images']:.4f}",
+                ]
+            )
     ctl = newest(recs, "tasks.jsonl", lambda r: r["bench"] == "tasks_control")
-    names = {"controlnet-60": "ControlNet (60 blocks)", "union-2cond": "ControlNet-Union, 2 conditions",
-             "inpaint": "ControlNet-Inpainting", "layered": "Layered, 4 layers at 640"}  # fmt: skip
+    names = {
+        "controlnet-60": "ControlNet (60 blocks)",
+        "union-2cond": "ControlNet-Union, 2 conditions",
+        "inpaint": "ControlNet-Inpainting",
+        "layered": "Layered, 4 layers at 640",
+    }
     if ctl is not None:
         used.append(ctl)
         for v in ctl["rows"]:
             fp8 = v.get("qwenfast_fp8")
-            rows.append([f"{names.get(v['case'], v['case'])}, {ctl['steps']} steps", secs(v["diffusers"]["total_s"]),
-                         secs(v["qwenfast"]["total_s"]) + (f" (FP8 {secs(fp8['total_s'])})" if fp8 else ""),
-                         ratio(v["speedup"]), f"{v['mean_abs_diff_images']:.4f}"])  # fmt: skip
+            rows.append(
+                [
+                    f"{names.get(v['case'], v['case'])}, {ctl['steps']} steps",
+                    secs(v["diffusers"]["total_s"]),
+                    secs(v["qwenfast"]["total_s"]) + (f" (FP8 {secs(fp8['total_s'])})" if fp8 else ""),
+                    ratio(v["speedup"]),
+                    f"{v['mean_abs_diff_images']:.4f}",
+                ]
+            )
     head = ["task (1024², true CFG)", "diffusers", "qwenfast", "speed-up", "mean \\|Δ\\|"]
     return table(head, rows) + source(used, "bash bench/tasks.sh")
 
@@ -268,28 +360,69 @@ def qwenimage21(recs: list[Rec]) -> str:
         for r in run:
             if r["steps"] != 40:
                 continue
-            rows.append([f"cached step, {r['dtype']}", ms(r["diffusers_cached_ms"]), ms(r["ours_cached_graph_ms"]),
-                         ratio(r["diffusers_cached_ms"] / r["ours_cached_graph_ms"]), sci(r["rel_err_cached"])])  # fmt: skip
-            rows.append([f"40-step denoise loop, {r['dtype']}", secs(r["diffusers_loop_s"]), secs(r["ours_loop_s"]),
-                         ratio(r["speedup_loop"]), ""])  # fmt: skip
+            rows.append(
+                [
+                    f"cached step, {r['dtype']}",
+                    ms(r["diffusers_cached_ms"]),
+                    ms(r["ours_cached_graph_ms"]),
+                    ratio(r["diffusers_cached_ms"] / r["ours_cached_graph_ms"]),
+                    sci(r["rel_err_cached"]),
+                ]
+            )
+            rows.append(
+                [
+                    f"40-step denoise loop, {r['dtype']}",
+                    secs(r["diffusers_loop_s"]),
+                    secs(r["ours_loop_s"]),
+                    ratio(r["speedup_loop"]),
+                    "",
+                ]
+            )
     if e2e is not None:
         run = run_of(recs, e2e)
         used += run
-        rows.append(["end to end, 40 steps, bf16", secs(e2e["diffusers_s"]), secs(e2e["ours_s_cache_off"]),
-                     ratio(e2e["speedup_cache_off"]), f"{e2e['mean_abs_diff_vs_diffusers']:.4f}"])  # fmt: skip
+        rows.append(
+            [
+                "end to end, 40 steps, bf16",
+                secs(e2e["diffusers_s"]),
+                secs(e2e["ours_s_cache_off"]),
+                ratio(e2e["speedup_cache_off"]),
+                f"{e2e['mean_abs_diff_vs_diffusers']:.4f}",
+            ]
+        )
         for r in run:
             what = r.get("what")
             if what == "qwen-image-2.1 e2e turbo-4":
-                rows.append(["end to end, turbo-4 schedule, bf16", secs(r["diffusers_s"]), secs(r["ours_s"]),
-                             ratio(r["speedup"]), f"{r['mean_abs_diff_vs_diffusers']:.4f}"])  # fmt: skip
+                rows.append(
+                    [
+                        "end to end, turbo-4 schedule, bf16",
+                        secs(r["diffusers_s"]),
+                        secs(r["ours_s"]),
+                        ratio(r["speedup"]),
+                        f"{r['mean_abs_diff_vs_diffusers']:.4f}",
+                    ]
+                )
             elif what == "qwen-image-2.1 e2e fp8":
-                rows.append([f"end to end, {r['schedule']} schedule ({r['steps']} steps), FP8", secs(r["diffusers_s"]),
-                             secs(r["ours_s"]), ratio(r["speedup"]), f"{r['mean_abs_diff_vs_diffusers_bf16']:.4f}"])  # fmt: skip
+                rows.append(
+                    [
+                        f"end to end, {r['schedule']} schedule ({r['steps']} steps), FP8",
+                        secs(r["diffusers_s"]),
+                        secs(r["ours_s"]),
+                        ratio(r["speedup"]),
+                        f"{r['mean_abs_diff_vs_diffusers_bf16']:.4f}",
+                    ]
+                )
             elif what == "qwen-image-2.1 e2e step cache" and r["cache"] != "off":
                 full = r["runner_steps_per_call"]
-                rows.append([f"end to end, 40 steps, step cache `{r['cache']}` ({full.get('full')} full steps), bf16",
-                             secs(e2e["diffusers_s"]), secs(r["ours_s"]), ratio(e2e["diffusers_s"] / r["ours_s"]),
-                             f"{r['mean_abs_diff_vs_off']:.4f} vs cache off"])  # fmt: skip
+                rows.append(
+                    [
+                        f"end to end, 40 steps, step cache `{r['cache']}` ({full.get('full')} full steps), bf16",
+                        secs(e2e["diffusers_s"]),
+                        secs(r["ours_s"]),
+                        ratio(e2e["diffusers_s"] / r["ours_s"]),
+                        f"{r['mean_abs_diff_vs_off']:.4f} vs cache off",
+                    ]
+                )
     head = ["Qwen-Image-2.1, 1024²", "diffusers (eager)", "qwenfast", "speed-up", "rel. err / mean \\|Δ\\|"]
     return table(head, rows) + source(used, "bash bench/qwenimage21.sh")
 
@@ -306,25 +439,39 @@ def fp8(recs: list[Rec]) -> str:
     if load is not None:
         v = load["load"]
         used.append(load)
-        rows.append([f"load a {v['file_gib']:.1f} GiB ComfyUI FP8 transformer file (`fp8=True`)",
-                     f"{secs(v['load_s'])}; GPU peak = FP8 model + {gib(v['peak_minus_model_gib'])}; "
-                     f"forward rel. err vs the dequantise path {v['forward_rel_err_vs_dequant_path']:.1e}"])  # fmt: skip
+        rows.append(
+            [
+                f"load a {v['file_gib']:.1f} GiB ComfyUI FP8 transformer file (`fp8=True`)",
+                f"{secs(v['load_s'])}; GPU peak = FP8 model + {gib(v['peak_minus_model_gib'])}; "
+                f"forward rel. err vs the dequantise path {v['forward_rel_err_vs_dequant_path']:.1e}",
+            ]
+        )
     if lora is not None:
         v = lora["lora"]
         used.append(lora)
         sw = v["switch_s"]
-        rows.append([f"LoRA rank {v['rank']} on an FP8 base vs bf16 + fused LoRA (mean \\|Δ\\| ratio to FP8 alone)",
-                     f"{v['ratio']:.3f}"])  # fmt: skip
-        rows.append(["switch to another LoRA (`set_loras`)", f"{secs(min(sw.values()))}–{secs(max(sw.values()))}"])
+        rows.append(
+            [
+                f"LoRA rank {v['rank']} on an FP8 base vs bf16 + fused LoRA (mean \\|Δ\\| ratio to FP8 alone)",
+                f"{v['ratio']:.3f}",
+            ]
+        )
+        rows.append(
+            ["switch to another LoRA (`set_loras`)", f"{secs(min(sw.values()))}–{secs(max(sw.values()))}"]
+        )
     for cap in ("24gib", "16gib"):
         b = newest(recs, f, lambda r, cap=cap: _default_budget((r.get("budget") or {}).get(cap) or {}))
         if b is None:
             continue
         used.append(b)
         v = b["budget"][cap]
-        rows.append([f"FP8, 1024², 4 steps under a {cap[:-3]} GiB cap ({v['resident_blocks']} of 60 blocks resident)",
-                     f"{secs(v['s'])} = {ratio(v['x_resident'])} resident ({secs(b['budget']['resident_s'])}); peak "
-                     f"{gib(v['peak_gib'])}, planner {gib(v['predicted_gib'])}"])  # fmt: skip
+        rows.append(
+            [
+                f"FP8, 1024², 4 steps under a {cap[:-3]} GiB cap ({v['resident_blocks']} of 60 blocks resident)",
+                f"{secs(v['s'])} = {ratio(v['x_resident'])} resident ({secs(b['budget']['resident_s'])}); peak "
+                f"{gib(v['peak_gib'])}, planner {gib(v['predicted_gib'])}",
+            ]
+        )
     return table(["FP8 (full-size random weights)", "result"], rows) + source(used, "bash bench/fp8.sh")
 
 
@@ -345,54 +492,99 @@ def attention(recs: list[Rec]) -> str:
         run = [r for r in run_of(recs, last) if r["bench"] == "attention_micro" and "ms_layer" in r.data]
         used += run
         for r in run:
-            rows.append([r["candidate"], f"{r['S']}", ms(r["ms_layer"]), f"{r['tflops']:.0f} TFLOP/s",
-                         sci(r["rel_err_vs_fp32"])])  # fmt: skip
+            rows.append(
+                [
+                    r["candidate"],
+                    f"{r['S']}",
+                    ms(r["ms_layer"]),
+                    f"{r['tflops']:.0f} TFLOP/s",
+                    sci(r["rel_err_vs_fp32"]),
+                ]
+            )
     out = table(["kernel", "tokens", "per layer (B=1, 24 heads, d=128)", "rate", "rel. err vs fp32"], rows)
     tr = newest(recs, f, lambda r: r["bench"] == "attention_transformer")
     if tr is not None:
         used.append(tr)
         c, p = tr["rows"]["cudnn"], tr["rows"]["fp8"]
-        out += "\n\n" + table(["60-layer FP8 forward, 1024²", "forward", "attention (eager profile)"], [
-            ["bf16 attention", ms(c["ms_forward_graph"]), ms(c["attention_ms_eager_incl_quant"])],
-            ["`attention=\"fp8\"`", ms(p["ms_forward_graph"]), ms(p["attention_ms_eager_incl_quant"])]])  # fmt: skip
+        out += "\n\n" + table(
+            ["60-layer FP8 forward, 1024²", "forward", "attention (eager profile)"],
+            [
+                ["bf16 attention", ms(c["ms_forward_graph"]), ms(c["attention_ms_eager_incl_quant"])],
+                ['`attention="fp8"`', ms(p["ms_forward_graph"]), ms(p["attention_ms_eager_incl_quant"])],
+            ],
+        )
     return out + source(used, "bash bench/attention.sh")
 
 
 def attention_quality(recs: list[Rec]) -> str:
     rows, used = [], []
     for model, what in (("demo-t2i", "text-to-image"), ("edit", "edits")):
-        r = newest(recs, "attention.jsonl", lambda r, m=model: r["bench"] == "attention_quality" and r["model"] == m)
+        r = newest(
+            recs, "attention.jsonl", lambda r, m=model: r["bench"] == "attention_quality" and r["model"] == m
+        )
         if r is None:
             continue
         used.append(r)
         for row in r["rows"]:
-            rows.append([what, row["path"], row.get("attention", ""), f"{row['score']:.1f}%", f"{row['gap']:+.1f}"])
+            rows.append(
+                [what, row["path"], row.get("attention", ""), f"{row['score']:.1f}%", f"{row['gap']:+.1f}"]
+            )
     return table(["suite (120 items)", "path", "attention", "score", "vs fp32 reference"], rows) + source(
-        used, "bash bench/attention.sh")
+        used, "bash bench/attention.sh"
+    )
 
 
 def parallel(recs: list[Rec]) -> str:
-    r = newest(recs, "parallel.jsonl", lambda r: is_default(r) and "diffusers_1gpu_ms" in
-               (r.get("forward") or {}).get("1024", {}))  # fmt: skip
+    r = newest(
+        recs,
+        "parallel.jsonl",
+        lambda r: is_default(r) and "diffusers_1gpu_ms" in (r.get("forward") or {}).get("1024", {}),
+    )
     if r is None:
         return "*No multi-GPU record yet: `bash bench/parallel.sh`.*"
     rows = []
     g = r["gpus"]
     for size, v in r["forward"].items():
-        rows.append([f"transformer forward {size}², `ulysses={g}`, bf16", ms(v["qwenfast_1gpu_ms"]),
-                     ms(v[f"qwenfast_ulysses{g}_ms"]), ratio(v[f"qwenfast_ulysses{g}_speedup"]),
-                     sci(v[f"qwenfast_ulysses{g}_rel_err_vs_1gpu"])])  # fmt: skip
+        rows.append(
+            [
+                f"transformer forward {size}², `ulysses={g}`, bf16",
+                ms(v["qwenfast_1gpu_ms"]),
+                ms(v[f"qwenfast_ulysses{g}_ms"]),
+                ratio(v[f"qwenfast_ulysses{g}_speedup"]),
+                sci(v[f"qwenfast_ulysses{g}_rel_err_vs_1gpu"]),
+            ]
+        )
         if f"qwenfast_ulysses{g}_fp8_ms" in v:
-            rows.append([f"transformer forward {size}², `ulysses={g}`, FP8", ms(v["qwenfast_1gpu_fp8_ms"]),
-                         ms(v[f"qwenfast_ulysses{g}_fp8_ms"]), ratio(v[f"qwenfast_ulysses{g}_fp8_speedup"]),
-                         sci(v[f"qwenfast_ulysses{g}_fp8_rel_err_vs_1gpu"])])  # fmt: skip
+            rows.append(
+                [
+                    f"transformer forward {size}², `ulysses={g}`, FP8",
+                    ms(v["qwenfast_1gpu_fp8_ms"]),
+                    ms(v[f"qwenfast_ulysses{g}_fp8_ms"]),
+                    ratio(v[f"qwenfast_ulysses{g}_fp8_speedup"]),
+                    sci(v[f"qwenfast_ulysses{g}_fp8_rel_err_vs_1gpu"]),
+                ]
+            )
         if "diffusers_1gpu_ms" in v:
-            rows.append([f"diffusers' own Ulysses-{g}, forward {size}²", ms(v["diffusers_1gpu_ms"]),
-                         ms(v[f"diffusers_ulysses{g}_ms"]), ratio(v["diffusers_speedup"]), ""])  # fmt: skip
+            rows.append(
+                [
+                    f"diffusers' own Ulysses-{g}, forward {size}²",
+                    ms(v["diffusers_1gpu_ms"]),
+                    ms(v[f"diffusers_ulysses{g}_ms"]),
+                    ratio(v["diffusers_speedup"]),
+                    "",
+                ]
+            )
     for case, v in r["end_to_end"].items():
         lay = v["layout"]
-        rows.append([f"{CASES.get(case, case)}, `{lay}`", secs(v["one_gpu_s"]), secs(v[f"{lay}_s"]),
-                     ratio(v["speedup"]), f"mean \\|Δ\\| {v['mean_abs_diff_images']:.4f}"])  # fmt: skip
+        rows.append(
+            [
+                f"{CASES.get(case, case)}, `{lay}`",
+                secs(v["one_gpu_s"]),
+                secs(v[f"{lay}_s"]),
+                ratio(v["speedup"]),
+                f"mean \\|Δ\\| {v['mean_abs_diff_images']:.4f}",
+            ]
+        )
     head = ["case", "one GPU", f"{g} GPUs", "speed-up", "vs one GPU (rel. err)"]
     return table(head, rows) + source([r], f"bash bench/parallel.sh (on {g} GPUs)")
 
@@ -406,9 +598,15 @@ def serve(recs: list[Rec]) -> str:
         lv = r["levels"]
         one = next(x for x in lv if x["concurrency"] == 1)
         top = max((x for x in lv if x["max_batch"] > 1), key=lambda x: x["concurrency"])
-        rows.append([f"{r['size']}², {r['steps']} steps", f"{one['images_per_s']:.2f} img/s",
-                     f"{top['images_per_s']:.2f} img/s (concurrency {top['concurrency']})", ratio(top["speedup_vs_sequential"]),
-                     f"{top['p50_s']:.2f} / {top['p95_s']:.2f}"])  # fmt: skip
+        rows.append(
+            [
+                f"{r['size']}², {r['steps']} steps",
+                f"{one['images_per_s']:.2f} img/s",
+                f"{top['images_per_s']:.2f} img/s (concurrency {top['concurrency']})",
+                ratio(top["speedup_vs_sequential"]),
+                f"{top['p50_s']:.2f} / {top['p95_s']:.2f}",
+            ]
+        )
     head = ["requests", "one at a time", "batched", "throughput gain", "p50 / p95 latency, s"]
     return table(head, rows) + source(used, "bash bench/serve.sh")
 
@@ -417,9 +615,12 @@ def lora_fuse(recs: list[Rec]) -> str:
     r = newest(recs, "lora.jsonl", lambda r: r.get("pinned") is True)
     if r is None:
         return "*No LoRA record yet.*"
-    rows = [["first load (fuse into the weights)", secs(r["first_load_s"])], ["switch LoRA", secs(r["switch_s"])],
-            ["unload (bitwise restore)", secs(r["unload_s"])],
-            ["host memory for the originals", gib(r["host_originals_GiB"])]]  # fmt: skip
+    rows = [
+        ["first load (fuse into the weights)", secs(r["first_load_s"])],
+        ["switch LoRA", secs(r["switch_s"])],
+        ["unload (bitwise restore)", secs(r["unload_s"])],
+        ["host memory for the originals", gib(r["host_originals_GiB"])],
+    ]
     head = [f"rank-{r['rank']} LoRA on every block Linear, {r['layers']} layers", "time / size"]
     return table(head, rows) + source([r], "python tools/lora_gpu_check.py")
 
@@ -432,8 +633,14 @@ def onnx_export(recs: list[Rec]) -> str:
             x = r["record"]
             side = x["inputs"]["latents"][-1] * 8
             diff = x.get("max_abs_diff_vs_torch")
-            rows.append([f"full-size VAE decoder, {x['dtype']}, {side}²", f"{x['onnx_bytes'] / 2**20:.0f} MiB",
-                         secs(x["seconds"]), "—" if diff is None else f"{diff:.1e}"])  # fmt: skip
+            rows.append(
+                [
+                    f"full-size VAE decoder, {x['dtype']}, {side}²",
+                    f"{x['onnx_bytes'] / 2**20:.0f} MiB",
+                    secs(x["seconds"]),
+                    "—" if diff is None else f"{diff:.1e}",
+                ]
+            )
     head = ["export", "file", "export time", "onnxruntime vs torch, max \\|Δ\\|"]
     return table(head, rows) + source(used, "bash bench/export.sh")
 
@@ -451,8 +658,15 @@ def quality_demo(recs: list[Rec]) -> str:
             continue
         used.append(r)
         checks = ", ".join(f"{k} {v:.1f}%" for k, v in (r.get("per_check") or {}).items())
-        rows.append([f"{what}, {r['n']} items, {r['steps']} steps, CFG {r['cfg']:g}", gpu_name(r), r.get("dtype", ""),
-                     f"**{r['score']:.1f}%**", checks])  # fmt: skip
+        rows.append(
+            [
+                f"{what}, {r['n']} items, {r['steps']} steps, CFG {r['cfg']:g}",
+                gpu_name(r),
+                r.get("dtype", ""),
+                f"**{r['score']:.1f}%**",
+                checks,
+            ]
+        )
     head = ["held-out suite (model defaults)", "device", "dtype", "all checks pass", "per check"]
     return table(head, rows) + source(used, "qwenfast bench quality --n 120 [--model edit]")
 
@@ -460,13 +674,18 @@ def quality_demo(recs: list[Rec]) -> str:
 def quality_paths(recs: list[Rec]) -> str:
     rows, used = [], []
     for model, what in (("demo-t2i", "text-to-image"), ("edit", "edits")):
-        r = newest(recs, "quality.jsonl", lambda r, m=model: r["bench"] == "quality_paths" and r.get("model") == m
-                   and len(r["rows"]) > 2)  # fmt: skip
+        r = newest(
+            recs,
+            "quality.jsonl",
+            lambda r, m=model: r["bench"] == "quality_paths" and r.get("model") == m and len(r["rows"]) > 2,
+        )
         if r is None:
             continue
         used.append(r)
         for row in r["rows"]:
-            rows.append([f"{what}, {r['n']} items", row["path"], f"{row['score']:.1f}%", f"{row['gap']:+.1f}"])
+            rows.append(
+                [f"{what}, {r['n']} items", row["path"], f"{row['score']:.1f}%", f"{row['gap']:+.1f}"]
+            )
     head = ["suite (20 steps, model defaults)", "path (each adds one speed-up)", "score", "vs fp32 reference"]
     return table(head, rows) + source(used, "qwenfast bench quality --paths [--model edit] (GPU)")
 
@@ -474,27 +693,53 @@ def quality_paths(recs: list[Rec]) -> str:
 def quality_cache(recs: list[Rec]) -> str:
     rows, used = [], []
     for model, what in (("demo-t2i", "text-to-image, 120 prompts"), ("edit", "edits, 36 instructions")):
-        r = newest(recs, "quality.jsonl", lambda r, m=model: r["bench"] == "quality_cache" and r.get("model") == m)
+        r = newest(
+            recs, "quality.jsonl", lambda r, m=model: r["bench"] == "quality_cache" and r.get("model") == m
+        )
         if r is None:
             continue
         used.append(r)
         for row in r["rows"]:
-            extra = (f"{row['computed_fraction']:.0%}", f"{row['gap']:+.1f}", f"{row['psnr_db']:.1f} dB / {row['ssim']:.3f}"
-                     ) if row["cache"] != "off" else ("100%", "", "")  # fmt: skip
+            extra = (
+                (
+                    f"{row['computed_fraction']:.0%}",
+                    f"{row['gap']:+.1f}",
+                    f"{row['psnr_db']:.1f} dB / {row['ssim']:.3f}",
+                )
+                if row["cache"] != "off"
+                else ("100%", "", "")
+            )
             rows.append([what, f"`{row['cache']}`", f"{row['score']:.1f}%", *extra])
-    head = ["suite (50 steps, CFG)", "step cache", "score", "steps computed", "vs uncached", "PSNR / SSIM vs uncached"]
-    return table(head, rows) + source(used, "qwenfast bench quality --cache balanced --cache fast [--model edit]")
+    head = [
+        "suite (50 steps, CFG)",
+        "step cache",
+        "score",
+        "steps computed",
+        "vs uncached",
+        "PSNR / SSIM vs uncached",
+    ]
+    return table(head, rows) + source(
+        used, "qwenfast bench quality --cache balanced --cache fast [--model edit]"
+    )
 
 
 def full_size_check(recs: list[Rec]) -> str:
     r = newest(recs, "full_size_check.jsonl")
     if r is None:
         return "*No record yet.*"
-    rows = [["rel. err vs diffusers, batch 1 / batch 2 with a padded text mask",
-             f"{r['rel_err']:.1e} / {r['rel_err_masked_b2']:.1e}"],
-            ["load the 60-layer transformer (streamed, no second copy)", f"{secs(r['load_s'])}, peak {gib(r['load_peak_gib'])}"]]  # fmt: skip
-    return table([f"full-size transformer, {r['size']}², random bf16 weights saved by diffusers", "result"], rows) + source(
-        [r], "python bench/full_size_check.py --results bench/results")
+    rows = [
+        [
+            "rel. err vs diffusers, batch 1 / batch 2 with a padded text mask",
+            f"{r['rel_err']:.1e} / {r['rel_err_masked_b2']:.1e}",
+        ],
+        [
+            "load the 60-layer transformer (streamed, no second copy)",
+            f"{secs(r['load_s'])}, peak {gib(r['load_peak_gib'])}",
+        ],
+    ]
+    return table(
+        [f"full-size transformer, {r['size']}², random bf16 weights saved by diffusers", "result"], rows
+    ) + source([r], "python bench/full_size_check.py --results bench/results")
 
 
 TABLES: dict[str, Callable[[list[Rec]], str]] = {

@@ -43,17 +43,26 @@ TEXT_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers":
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="model folder, or `random-full` for full-size random weights on the GPU (default: embedded "
-                        "tiny model, for a CPU smoke test)")  # fmt: skip
-    p.add_argument("--size", type=int, default=None,
-                   help="image side in pixels (default: the model's own size, 128 for the embedded demo; 1024 for "
-                        "random-full)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model folder, or `random-full` for full-size random weights on the GPU (default: embedded "
+        "tiny model, for a CPU smoke test)",
+    )
+    p.add_argument(
+        "--size",
+        type=int,
+        default=None,
+        help="image side in pixels (default: the model's own size, 128 for the embedded demo; 1024 for "
+        "random-full)",
+    )
     p.add_argument("--steps", type=int, default=8, help="denoising steps per request")
     p.add_argument(
         "--cfg", type=float, default=1.0, help="true CFG scale (1 = off, as with Lightning-8 LoRAs)"
     )
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="client counts, one level each")
+    p.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="client counts, one level each"
+    )
     p.add_argument(
         "--requests", type=int, default=None, help="measured requests per level (default max(8, 3*c))"
     )
@@ -93,8 +102,14 @@ def build_random_full(num_layers: int = 60) -> QwenImagePipeline:
         te_model = Qwen2_5_VLForConditionalGeneration._from_config(cfg, dtype=dt).eval().requires_grad_(False)
         vae = QwenImageVAE(QWEN_IMAGE_VAE).to(dt).eval().requires_grad_(False)
     tok = AutoTokenizer.from_pretrained(str(Path(DEMO_MODEL) / "tokenizer"))
-    pipe = QwenImagePipeline(transformer, vae, TextEncoder(te_model, tok), QWEN_IMAGE_SCHEDULER,
-                             model_path="random-full", defaults={"num_inference_steps": 8})  # fmt: skip
+    pipe = QwenImagePipeline(
+        transformer,
+        vae,
+        TextEncoder(te_model, tok),
+        QWEN_IMAGE_SCHEDULER,
+        model_path="random-full",
+        defaults={"num_inference_steps": 8},
+    )
     return pipe
 
 
@@ -119,8 +134,13 @@ def run_level(base: str, c: int, n_requests: int, size: int, steps: int, cfg: fl
                 k = next(counter, None)
             if k is None:
                 return
-            body = {"prompt": f"a watercolor painting of a lighthouse, variation {k % 10}", "size": f"{size}x{size}",
-                    "steps": steps, "true_cfg_scale": cfg, "seed": seed0 + k}  # fmt: skip
+            body = {
+                "prompt": f"a watercolor painting of a lighthouse, variation {k % 10}",
+                "size": f"{size}x{size}",
+                "steps": steps,
+                "true_cfg_scale": cfg,
+                "seed": seed0 + k,
+            }
             t = time.perf_counter()
             try:
                 out = _post(base + "/v1/images/generations", body)
@@ -145,17 +165,33 @@ def run_level(base: str, c: int, n_requests: int, size: int, steps: int, cfg: fl
         if lat
         else (lambda p: float("nan"))
     )
-    return {"images": len(lat), "errors": len(errors), "first_error": errors[0] if errors else None,
-            "wall_s": round(wall, 3), "images_per_s": round(len(lat) / wall, 4),
-            "p50_s": round(q(0.5), 4), "p95_s": round(q(0.95), 4),
-            "mean_s": round(statistics.fmean(lat), 4) if lat else None}  # fmt: skip
+    return {
+        "images": len(lat),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wall_s": round(wall, 3),
+        "images_per_s": round(len(lat) / wall, 4),
+        "p50_s": round(q(0.5), 4),
+        "p95_s": round(q(0.95), 4),
+        "mean_s": round(statistics.fmean(lat), 4) if lat else None,
+    }
 
 
-def run(model: str | None = None, size: int | None = None, steps: int = 8, cfg: float = 1.0,
-        concurrency: Sequence[int] = (1, 2, 4, 8), requests: int | None = None, max_batch: int = 8,
-        baseline: bool = True, layers: int = 60, device: torch.device | str | None = None,
-        dtype: torch.dtype | str | None = None, cuda_graphs: bool = False,
-        out_dir: Path | None = None) -> dict:  # fmt: skip
+def run(
+    model: str | None = None,
+    size: int | None = None,
+    steps: int = 8,
+    cfg: float = 1.0,
+    concurrency: Sequence[int] = (1, 2, 4, 8),
+    requests: int | None = None,
+    max_batch: int = 8,
+    baseline: bool = True,
+    layers: int = 60,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    cuda_graphs: bool = False,
+    out_dir: Path | None = None,
+) -> dict:
     import torch
 
     from ..server.app import create_app
@@ -177,12 +213,26 @@ def run(model: str | None = None, size: int | None = None, steps: int = 8, cfg: 
     build_s = time.perf_counter() - t0
     triton_v = versions()["triton"]
     gpu = torch.cuda.get_device_name() if pipe.device.type == "cuda" else None
-    res = {"bench": "serve", "gpu": gpu, "torch": torch.__version__, "triton": triton_v, "device": str(pipe.device),
-           "dtype": str(pipe.dtype).replace("torch.", ""), "model": model or "demo-t2i", "size": size,
-           "steps": steps, "cfg": cfg, "max_batch": max_batch, "cuda_graphs": cuda_graphs,
-           "build_s": round(build_s, 1), "levels": []}  # fmt: skip
-    print(f"qwenfast bench serve: {res['model']} on {gpu or pipe.device} ({res['dtype']}), {size}x{size}, "
-          f"{steps} steps, cfg {cfg}; torch {res['torch']}, triton {triton_v}; built in {build_s:.1f}s")  # fmt: skip
+    res = {
+        "bench": "serve",
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_v,
+        "device": str(pipe.device),
+        "dtype": str(pipe.dtype).replace("torch.", ""),
+        "model": model or "demo-t2i",
+        "size": size,
+        "steps": steps,
+        "cfg": cfg,
+        "max_batch": max_batch,
+        "cuda_graphs": cuda_graphs,
+        "build_s": round(build_s, 1),
+        "levels": [],
+    }
+    print(
+        f"qwenfast bench serve: {res['model']} on {gpu or pipe.device} ({res['dtype']}), {size}x{size}, "
+        f"{steps} steps, cfg {cfg}; torch {res['torch']}, triton {triton_v}; built in {build_s:.1f}s"
+    )
     plan = [(c, max_batch) for c in concurrency]
     if baseline and max_batch > 1:
         plan.append((max(concurrency), 1))
@@ -208,8 +258,10 @@ def run(model: str | None = None, size: int | None = None, steps: int = 8, cfg: 
                 }
                 row["mean_batch"] = round((hist.sum - s0) / max(1, hist.count - b0), 2)
                 res["levels"].append(row)
-                print(f"  c={c:<3} max_batch={m:<3} {row['images_per_s']:8.3f} img/s  p50 {row['p50_s']:7.3f}s  "
-                      f"p95 {row['p95_s']:7.3f}s  mean batch {row['mean_batch']:.2f}  errors {row['errors']}")  # fmt: skip
+                print(
+                    f"  c={c:<3} max_batch={m:<3} {row['images_per_s']:8.3f} img/s  p50 {row['p50_s']:7.3f}s  "
+                    f"p95 {row['p95_s']:7.3f}s  mean batch {row['mean_batch']:.2f}  errors {row['errors']}"
+                )
         finally:
             stop_server(server, th)
     _summarise(res)
@@ -220,13 +272,17 @@ def run(model: str | None = None, size: int | None = None, steps: int = 8, cfg: 
 def _summarise(res: dict) -> None:
     rows = res["levels"]
     seq = next((r for r in rows if r["concurrency"] == 1 and r["max_batch"] == res["max_batch"]), None)
-    print(f"\n{'concurrency':>11} {'max batch':>9} {'img/s':>8} {'x seq':>6} {'p50 s':>8} {'p95 s':>8} "
-          f"{'mean batch':>10} {'errors':>6}")  # fmt: skip
+    print(
+        f"\n{'concurrency':>11} {'max batch':>9} {'img/s':>8} {'x seq':>6} {'p50 s':>8} {'p95 s':>8} "
+        f"{'mean batch':>10} {'errors':>6}"
+    )
     for r in rows:
         x = r["images_per_s"] / seq["images_per_s"] if seq and seq["images_per_s"] else float("nan")
         r["speedup_vs_sequential"] = round(x, 2)
-        print(f"{r['concurrency']:>11} {r['max_batch']:>9} {r['images_per_s']:>8.3f} {x:>6.2f} {r['p50_s']:>8.3f} "
-              f"{r['p95_s']:>8.3f} {r['mean_batch']:>10.2f} {r['errors']:>6}")  # fmt: skip
+        print(
+            f"{r['concurrency']:>11} {r['max_batch']:>9} {r['images_per_s']:>8.3f} {x:>6.2f} {r['p50_s']:>8.3f} "
+            f"{r['p95_s']:>8.3f} {r['mean_batch']:>10.2f} {r['errors']:>6}"
+        )
     top = max(
         (r for r in rows if r["max_batch"] == res["max_batch"]), key=lambda r: r["concurrency"], default=None
     )
@@ -235,7 +291,19 @@ def _summarise(res: dict) -> None:
 
 
 def run_from_args(a: argparse.Namespace) -> int:
-    run(model=a.model, size=a.size, steps=a.steps, cfg=a.cfg, concurrency=tuple(a.concurrency), requests=a.requests,
-        max_batch=a.max_batch, baseline=not a.no_baseline, layers=a.layers, device=a.device, dtype=a.dtype,
-        cuda_graphs=a.cuda_graphs, out_dir=results_dir(a.results))  # fmt: skip
+    run(
+        model=a.model,
+        size=a.size,
+        steps=a.steps,
+        cfg=a.cfg,
+        concurrency=tuple(a.concurrency),
+        requests=a.requests,
+        max_batch=a.max_batch,
+        baseline=not a.no_baseline,
+        layers=a.layers,
+        device=a.device,
+        dtype=a.dtype,
+        cuda_graphs=a.cuda_graphs,
+        out_dir=results_dir(a.results),
+    )
     return 0

@@ -33,7 +33,10 @@ PROMPT = "a lighthouse on a cliff at dusk, oil painting"
 def share_qkv(ours: torch.nn.Module, ref: torch.nn.Module) -> None:
     """Point diffusers' separate q/k/v Linears at row slices of our fused tensors (frees their copies)."""
     for mine, theirs in zip(ours.transformer_blocks, ref.transformer_blocks):
-        for fused, names in (("to_qkv", ("to_q", "to_k", "to_v")), ("add_qkv_proj", ("add_q_proj", "add_k_proj", "add_v_proj"))):  # fmt: skip
+        for fused, names in (
+            ("to_qkv", ("to_q", "to_k", "to_v")),
+            ("add_qkv_proj", ("add_q_proj", "add_k_proj", "add_v_proj")),
+        ):
             f = getattr(mine.attn, fused)
             for part, name in zip(zip(f.weight.chunk(3), f.bias.chunk(3)), names):
                 lin = getattr(theirs.attn, name)
@@ -80,17 +83,39 @@ class Env:
         self.dev = torch.device("cpu" if smoke else "cuda")
         self.dtype = torch.float32 if smoke else torch.bfloat16
         self.size, self.steps, self.res = (64, 2, 64) if smoke else (1024, 20, 640)
-        self.tcfg = dict(num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
-                         axes_dims_rope=(8, 12, 12)) if smoke else {}  # fmt: skip
+        self.tcfg = (
+            dict(
+                num_layers=2,
+                attention_head_dim=32,
+                num_attention_heads=2,
+                joint_attention_dim=64,
+                axes_dims_rope=(8, 12, 12),
+            )
+            if smoke
+            else {}
+        )
         te_cfg = json.loads(json.dumps(QWEN25_VL_7B))
         te_cfg["text_config"]["num_hidden_layers"] = 1
         if smoke:
-            te_cfg["text_config"].update(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                         num_key_value_heads=2, vocab_size=2048)  # fmt: skip
+            te_cfg["text_config"].update(
+                hidden_size=64,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=2048,
+            )
             te_cfg["text_config"]["rope_parameters"]["mrope_section"] = [4, 2, 2]
-            te_cfg["vision_config"].update(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
-                                           out_hidden_size=64, fullatt_block_indexes=[0])  # fmt: skip
-        self.te = _on(self.dev, self.dtype, lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**te_cfg)))
+            te_cfg["vision_config"].update(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=64,
+                fullatt_block_indexes=[0],
+            )
+        self.te = _on(
+            self.dev, self.dtype, lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**te_cfg))
+        )
         self.tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL / "tokenizer"))
         sched = {k: v for k, v in vars(QWEN_IMAGE_SCHEDULER).items() if not k.startswith("_")}
         self.sched_cfg = QWEN_IMAGE_SCHEDULER
@@ -104,7 +129,9 @@ class Env:
         from ..config import VAEConfig
         from ..models.vae import QwenImageVAE, convert_vae_state_dict
 
-        ref = _on(self.dev, self.dtype, lambda: diffusers.AutoencoderKLQwenImage(input_channels=channels, **kw))
+        ref = _on(
+            self.dev, self.dtype, lambda: diffusers.AutoencoderKLQwenImage(input_channels=channels, **kw)
+        )
         ours = QwenImageVAE(VAEConfig.from_dict(dict(ref.config))).to(self.dev, self.dtype).eval()
         ours.load_state_dict(convert_vae_state_dict(ref.state_dict()), strict=True)
         return ref, ours.requires_grad_(False)
@@ -139,7 +166,9 @@ class Env:
 
         yy, xx = np.mgrid[0:h, 0:w]
         rng = np.random.default_rng(seed)
-        chans = [np.sin(xx / (7 + 5 * rng.random()) + yy / (11 + 3 * rng.random()) + k) for k in range(len(mode))]
+        chans = [
+            np.sin(xx / (7 + 5 * rng.random()) + yy / (11 + 3 * rng.random()) + k) for k in range(len(mode))
+        ]
         return Image.fromarray((np.stack(chans, -1) * 127 + 128).astype(np.uint8), mode)
 
 
@@ -164,7 +193,9 @@ def _row(name: str, ours, ref, kw: dict, steps: int, seed_global: bool = False, 
     def run(p, n):
         if seed_global:
             torch.manual_seed(0)  # the inpainting ControlNet samples the masked latents from the global RNG
-        out = p(generator=torch.Generator("cpu").manual_seed(0), num_inference_steps=n, output_type="np", **kw)
+        out = p(
+            generator=torch.Generator("cpu").manual_seed(0), num_inference_steps=n, output_type="np", **kw
+        )
         return np.concatenate(out.images) if flat else out.images
 
     row, images = {"case": name}, {}
@@ -195,25 +226,48 @@ def run(smoke: bool = False, out_dir=None) -> dict:
         ref_vae, vae_ours = env.vaes[vae]
         ours = cls(ours_tr, vae_ours, te, env.sched_cfg, controlnet=net, model_path="random full size")
         ours.set_progress_bar_config(disable=True)
-        ref = ref_cls(scheduler=env.ref_sched, vae=ref_vae, text_encoder=env.te, tokenizer=env.tok,
-                      transformer=ref_tr, controlnet=ref_net)  # fmt: skip
+        ref = ref_cls(
+            scheduler=env.ref_sched,
+            vae=ref_vae,
+            text_encoder=env.te,
+            tokenizer=env.tok,
+            transformer=ref_tr,
+            controlnet=ref_net,
+        )
         ref.set_progress_bar_config(disable=True)
         return ours, ref
 
     tr, ref_tr = env.transformer()
     # a ControlNet of diffusers' default config (60 blocks at full size)
     net, ref_net = env.controlnet(None)
-    ours, ref = cn_pipes(tr, ref_tr, net, ref_net, QwenImageControlNetPipeline, diffusers.QwenImageControlNetPipeline)
+    ours, ref = cn_pipes(
+        tr, ref_tr, net, ref_net, QwenImageControlNetPipeline, diffusers.QwenImageControlNetPipeline
+    )
     kw = {**base, "control_image": env.picture(s, s, 1), "controlnet_conditioning_scale": 0.8}
     rows.append(_row("controlnet-60", ours, ref, kw, n))
-    del ref, ref_tr, ref_net  # diffusers' views keep our bf16 tensors alive: drop them before FP8 replaces ours
+    del (
+        ref,
+        ref_tr,
+        ref_net,
+    )  # diffusers' views keep our bf16 tensors alive: drop them before FP8 replaces ours
     _free()
     ours.configure(fp8=not smoke)  # FP8 for the transformer and the ControlNet (no FP8 GEMMs on the CPU)
-    img, r = _time(ours, "qwenfast", lambda: ours(generator=torch.Generator("cpu").manual_seed(0),
-                   num_inference_steps=n, output_type="np", **kw).images,
-                   lambda: ours(generator=torch.Generator("cpu").manual_seed(0), num_inference_steps=2,
-                                output_type="np", **kw))  # fmt: skip
-    rows[-1]["qwenfast_fp8"] = {**r, "mean_abs_diff_vs_diffusers": float(f"{np.abs(img - rows[-1]['_ref_images']).mean():.3e}")}  # fmt: skip
+    img, r = _time(
+        ours,
+        "qwenfast",
+        lambda: (
+            ours(
+                generator=torch.Generator("cpu").manual_seed(0), num_inference_steps=n, output_type="np", **kw
+            ).images
+        ),
+        lambda: ours(
+            generator=torch.Generator("cpu").manual_seed(0), num_inference_steps=2, output_type="np", **kw
+        ),
+    )
+    rows[-1]["qwenfast_fp8"] = {
+        **r,
+        "mean_abs_diff_vs_diffusers": float(f"{np.abs(img - rows[-1]['_ref_images']).mean():.3e}"),
+    }
     print(f"  {'controlnet-60':14s} {'fp8':10s} {json.dumps(rows[-1]['qwenfast_fp8'])}", flush=True)
     del ours, net, img, tr
     _free()
@@ -222,17 +276,33 @@ def run(smoke: bool = False, out_dir=None) -> dict:
     net, ref_net = env.controlnet(5)
     from ..models.controlnet import QwenImageMultiControlNetModel
 
-    ours, ref = cn_pipes(tr, ref_tr, QwenImageMultiControlNetModel([net]), diffusers.QwenImageMultiControlNetModel([ref_net]),
-                         QwenImageControlNetPipeline, diffusers.QwenImageControlNetPipeline)  # fmt: skip
-    kw = {**base, "control_image": [env.picture(s, s, 2), env.picture(s, s, 3)],
-          "controlnet_conditioning_scale": [0.6, 0.5], "control_guidance_end": [1.0, 0.6]}  # fmt: skip
+    ours, ref = cn_pipes(
+        tr,
+        ref_tr,
+        QwenImageMultiControlNetModel([net]),
+        diffusers.QwenImageMultiControlNetModel([ref_net]),
+        QwenImageControlNetPipeline,
+        diffusers.QwenImageControlNetPipeline,
+    )
+    kw = {
+        **base,
+        "control_image": [env.picture(s, s, 2), env.picture(s, s, 3)],
+        "controlnet_conditioning_scale": [0.6, 0.5],
+        "control_guidance_end": [1.0, 0.6],
+    }
     rows.append(_row("union-2cond", ours, ref, kw, n))
     del ours, ref, net, ref_net
     _free()
     # InstantX Inpainting (5 blocks, + mask channels)
     net, ref_net = env.controlnet(5, extra=4)
-    ours, ref = cn_pipes(tr, ref_tr, net, ref_net, QwenImageControlNetInpaintPipeline,
-                         diffusers.QwenImageControlNetInpaintPipeline)  # fmt: skip
+    ours, ref = cn_pipes(
+        tr,
+        ref_tr,
+        net,
+        ref_net,
+        QwenImageControlNetInpaintPipeline,
+        diffusers.QwenImageControlNetInpaintPipeline,
+    )
     mask = np.zeros((s, s), np.uint8)
     mask[s // 4 : 3 * s // 4, s // 4 : 3 * s // 4] = 255
     from PIL import Image
@@ -246,8 +316,14 @@ def run(smoke: bool = False, out_dir=None) -> dict:
     ref_vae, vae_ours = env.vaes[4]
     ours = QwenImageLayeredPipeline(tr, vae_ours, te, env.sched_cfg, model_path="random full size")
     ours.set_progress_bar_config(disable=True)
-    ref = diffusers.QwenImageLayeredPipeline(scheduler=env.ref_sched, vae=ref_vae, text_encoder=env.te,
-                                             tokenizer=env.tok, processor=None, transformer=ref_tr)  # fmt: skip
+    ref = diffusers.QwenImageLayeredPipeline(
+        scheduler=env.ref_sched,
+        vae=ref_vae,
+        text_encoder=env.te,
+        tokenizer=env.tok,
+        processor=None,
+        transformer=ref_tr,
+    )
     ref.set_progress_bar_config(disable=True)
     pic = env.picture(s, s * 3 // 4, 5, "RGBA")
     if smoke:  # diffusers takes the 640 / 1024 buckets only; the smoke run compares at 64
@@ -263,12 +339,19 @@ def run(smoke: bool = False, out_dir=None) -> dict:
             return ours(**{**k, **ours_kw})
 
     rows.append(_row("layered", _Ours(), ref, {**kw, "resolution": 640}, n, flat=True))
-    record = {"bench": "tasks_control", **versions(), "smoke": smoke, "steps": n,
-              "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}  # fmt: skip
+    record = {
+        "bench": "tasks_control",
+        **versions(),
+        "smoke": smoke,
+        "steps": n,
+        "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows],
+    }
     print("\ncase            diffusers_s  qwenfast_s  speedup  mean|Δ|")
     for r in record["rows"]:
-        print(f"{r['case']:15s} {r['diffusers']['total_s']:11.2f} {r['qwenfast']['total_s']:11.2f} "
-              f"{r['speedup']:8.2f}  {r['mean_abs_diff_images']:.2e}")  # fmt: skip
+        print(
+            f"{r['case']:15s} {r['diffusers']['total_s']:11.2f} {r['qwenfast']['total_s']:11.2f} "
+            f"{r['speedup']:8.2f}  {r['mean_abs_diff_images']:.2e}"
+        )
     emit(record, "tasks.jsonl", out_dir)
     return record
 

@@ -45,23 +45,50 @@ def _edit_pipes(ours, ref):
 
     te = ours.text_encoder
     tok = te.tokenizer
-    ids = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
-           "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}  # fmt: skip
-    for key, token in ids.items():  # the random 7B's config names the real tokenizer's ids; ours is the tiny one
+    ids = {
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+    }
+    for (
+        key,
+        token,
+    ) in ids.items():  # the random 7B's config names the real tokenizer's ids; ours is the tiny one
         setattr(te.model.config, key, tok.convert_tokens_to_ids(token))
-    edit = QwenImageEditPipeline(ours.transformer, ours.vae, te, ours.scheduler_config, model_path="random full size",
-                                 mode="edit", image_processor=load_image_processor(), options=ours.options,
-                                 device=ours.device)  # fmt: skip
-    d = diffusers.QwenImageEditInpaintPipeline(scheduler=ref.scheduler, vae=ref.vae, text_encoder=ref.text_encoder,
-                                               tokenizer=ref.tokenizer, processor=build_processor(ref.tokenizer),
-                                               transformer=ref.transformer)  # fmt: skip
+    edit = QwenImageEditPipeline(
+        ours.transformer,
+        ours.vae,
+        te,
+        ours.scheduler_config,
+        model_path="random full size",
+        mode="edit",
+        image_processor=load_image_processor(),
+        options=ours.options,
+        device=ours.device,
+    )
+    d = diffusers.QwenImageEditInpaintPipeline(
+        scheduler=ref.scheduler,
+        vae=ref.vae,
+        text_encoder=ref.text_encoder,
+        tokenizer=ref.tokenizer,
+        processor=build_processor(ref.tokenizer),
+        transformer=ref.transformer,
+    )
     edit.set_progress_bar_config(disable=True)
     return edit.for_task("edit-inpaint"), d
 
 
 def _kwargs(task: str, img, mask, size: int, steps: int, strength: float) -> dict:
-    kw = dict(negative_prompt=" ", true_cfg_scale=4.0, num_inference_steps=steps, strength=strength,
-              generator=torch.Generator("cpu").manual_seed(0), output_type="np", image=img)  # fmt: skip
+    kw = dict(
+        negative_prompt=" ",
+        true_cfg_scale=4.0,
+        num_inference_steps=steps,
+        strength=strength,
+        generator=torch.Generator("cpu").manual_seed(0),
+        output_type="np",
+        image=img,
+    )
     if task != "img2img":
         kw["mask_image"] = mask
     if task != "edit-inpaint":  # edit-inpaint follows the image (diffusers ignores height/width there)
@@ -69,8 +96,13 @@ def _kwargs(task: str, img, mask, size: int, steps: int, strength: float) -> dic
     return kw
 
 
-def run_tasks(tasks: list[str], smoke: bool = False, steps: int | None = None, size: int | None = None,
-              out_dir: Path | None = None) -> dict:  # fmt: skip
+def run_tasks(
+    tasks: list[str],
+    smoke: bool = False,
+    steps: int | None = None,
+    size: int | None = None,
+    out_dir: Path | None = None,
+) -> dict:
     import diffusers
 
     from . import save_record, stamp, versions
@@ -82,9 +114,17 @@ def run_tasks(tasks: list[str], smoke: bool = False, steps: int | None = None, s
     t0 = time.perf_counter()
     ours, ref = build(smoke)
     ours.set_progress_bar_config(disable=True)
-    record = {"bench": "tasks_inpaint", "device": _device_name(), "torch": torch.__version__,
-              "triton": versions()["triton"], "smoke": smoke, "steps": steps, "size": size,
-              "build_s": round(time.perf_counter() - t0, 1), "rows": {}}  # fmt: skip
+    record = {
+        "bench": "tasks_inpaint",
+        "device": _device_name(),
+        "torch": torch.__version__,
+        "triton": versions()["triton"],
+        "smoke": smoke,
+        "steps": steps,
+        "size": size,
+        "build_s": round(time.perf_counter() - t0, 1),
+        "rows": {},
+    }
     print(f"built in {record['build_s']} s on {record['device']}", flush=True)
     img, mask = _inputs(size)
     for task in tasks:
@@ -92,7 +132,11 @@ def run_tasks(tasks: list[str], smoke: bool = False, steps: int | None = None, s
         if task == "edit-inpaint":
             q, d = _edit_pipes(ours, ref)
         else:
-            cls = diffusers.QwenImageImg2ImgPipeline if task == "img2img" else diffusers.QwenImageInpaintPipeline
+            cls = (
+                diffusers.QwenImageImg2ImgPipeline
+                if task == "img2img"
+                else diffusers.QwenImageInpaintPipeline
+            )
             q, d = ours.for_task(task), cls(**ref.components)
         d.set_progress_bar_config(disable=True)
         row, images = {"strength": strength}, {}
@@ -117,8 +161,10 @@ def run_tasks(tasks: list[str], smoke: bool = False, steps: int | None = None, s
         _free()
     print(f"{'task':14s} {'diffusers s':>12s} {'qwenfast s':>11s} {'speedup':>8s} {'mean |d|':>10s}")
     for task, r in record["rows"].items():
-        print(f"{task:14s} {r['diffusers']['total_s']:12.2f} {r['qwenfast']['total_s']:11.2f} {r['speedup']:8.2f} "
-              f"{r['mean_abs_diff_images']:10.2e}")  # fmt: skip
+        print(
+            f"{task:14s} {r['diffusers']['total_s']:12.2f} {r['qwenfast']['total_s']:11.2f} {r['speedup']:8.2f} "
+            f"{r['mean_abs_diff_images']:10.2e}"
+        )
     record = stamp(record)
     print(json.dumps(record))
     if out_dir is not None:

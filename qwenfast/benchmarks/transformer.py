@@ -25,7 +25,6 @@ if TYPE_CHECKING:
 PEAK_TFLOPS = 809.0  # bf16 dense GEMM, measured on H200 (see shared facts)
 
 
-
 def _profile(fn) -> dict[str, float]:
     """Share of GPU kernel time by category for one call of fn."""
     from torch.profiler import ProfilerActivity, profile
@@ -87,15 +86,31 @@ def build(
     return ours, ref
 
 
-def run(sizes: Iterable[int] = (1024,), compare: bool = True, num_layers: int = 60, txt_len: int = 128,
-        warmup: int = 3, iters: int = 10, compile_: bool = True, variants: Sequence[str] | None = None,
-        out_dir: Path | None = None, fp8: bool = True) -> dict:  # fmt: skip
+def run(
+    sizes: Iterable[int] = (1024,),
+    compare: bool = True,
+    num_layers: int = 60,
+    txt_len: int = 128,
+    warmup: int = 3,
+    iters: int = 10,
+    compile_: bool = True,
+    variants: Sequence[str] | None = None,
+    out_dir: Path | None = None,
+    fp8: bool = True,
+) -> dict:
     from .. import kernels
     from ..runtime.cuda_graphs import CudaGraphRunner, compile_blocks
 
     ours, ref = build(num_layers, compare)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    res = {"bench": "transformer", **versions(), "kernels_backend": kernels.backend(), "layers": num_layers, "txt_len": txt_len, "sizes": {}}  # fmt: skip
+    res = {
+        "bench": "transformer",
+        **versions(),
+        "kernels_backend": kernels.backend(),
+        "layers": num_layers,
+        "txt_len": txt_len,
+        "sizes": {},
+    }
     print(f"GPU {res['gpu']}, torch {res['torch']}, triton {res['triton']}, kernels {res['kernels_backend']}")
     compiled_ref = compiled_ours = None
     fp8_sets, bf16_modules = {}, None
@@ -111,13 +126,20 @@ def run(sizes: Iterable[int] = (1024,), compare: bool = True, num_layers: int = 
         rows, outs = {}, {}
 
         def ref_fwd(model: torch.nn.Module) -> Callable[[], torch.Tensor]:
-            return lambda: model(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=None,
-                                 timestep=t, img_shapes=[shapes], return_dict=False)[0]  # fmt: skip
+            return lambda: model(
+                hidden_states=x,
+                encoder_hidden_states=txt,
+                encoder_hidden_states_mask=None,
+                timestep=t,
+                img_shapes=[shapes],
+                return_dict=False,
+            )[0]
 
         def ours_fwd(fused: bool, model: QwenImageTransformer = ours) -> Callable[[], torch.Tensor]:
             def f() -> torch.Tensor:
                 model.fused = fused
                 return model(x, txt, None, t, shapes)
+
             return f
 
         graphs = CudaGraphRunner(ours)
@@ -126,7 +148,10 @@ def run(sizes: Iterable[int] = (1024,), compare: bool = True, num_layers: int = 
             todo["diffusers eager"] = ref_fwd(ref)
         todo["qwenfast reference (eager)"] = ours_fwd(False)
         todo["qwenfast fused (eager)"] = ours_fwd(True)
-        todo["qwenfast fused + CUDA graph"] = lambda: (setattr(ours, "fused", True), graphs(x, txt, None, t, shapes))[1]
+        todo["qwenfast fused + CUDA graph"] = lambda: (
+            setattr(ours, "fused", True),
+            graphs(x, txt, None, t, shapes),
+        )[1]
         # the pipeline's default: the modulation rows come from its table (runtime/modulation.py), not 120 GEMVs
         todo["qwenfast fused + CUDA graph + modulation table"] = "table"
         if fp8:  # FP8 e4m3 block GEMMs (opt-in in the product: not bitwise diffusers)
@@ -178,21 +203,32 @@ def run(sizes: Iterable[int] = (1024,), compare: bool = True, num_layers: int = 
             if bf16_modules is not None:  # back to bf16 for the other variants and sizes
                 _swap(ours, bf16_modules)
                 bf16_modules = None
-            rows[name] = {"ms": round(ms, 2), "tflops": round(flops / ms / 1e9, 1),
-                          "pct_floor": round(100 * floor_ms / ms, 1), "setup_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+            rows[name] = {
+                "ms": round(ms, 2),
+                "tflops": round(flops / ms / 1e9, 1),
+                "pct_floor": round(100 * floor_ms / ms, 1),
+                "setup_s": round(time.perf_counter() - t0, 1),
+            }
         base = outs.get("diffusers eager")
         for name, r in rows.items():
             if base is not None:
                 r["rel_err_vs_diffusers"] = float(f"{rel_err(outs[name], base):.2e}")
                 r["speedup_vs_diffusers_eager"] = round(rows["diffusers eager"]["ms"] / r["ms"], 2)
                 if "diffusers regional compile" in rows:
-                    r["speedup_vs_diffusers_compile"] = round(rows["diffusers regional compile"]["ms"] / r["ms"], 2)
+                    r["speedup_vs_diffusers_compile"] = round(
+                        rows["diffusers regional compile"]["ms"] / r["ms"], 2
+                    )
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             ours.fused = True
             prof = _profile(lambda: ours(x, txt, None, t, shapes))
             cfg_check = _batched_cfg_check(ours, x, txt, t, shapes)
-        res["sizes"][size] = {"tflop": round(flops / 1e12, 2), "floor_ms": round(floor_ms, 1), "variants": rows,
-                              "profile_fused_eager_pct": prof, "batched_cfg_rel_err": cfg_check}  # fmt: skip
+        res["sizes"][size] = {
+            "tflop": round(flops / 1e12, 2),
+            "floor_ms": round(floor_ms, 1),
+            "variants": rows,
+            "profile_fused_eager_pct": prof,
+            "batched_cfg_rel_err": cfg_check,
+        }
         _print_table(size, flops, floor_ms, rows, prof, cfg_check)
     emit(res, "transformer.jsonl", out_dir)
     return res
@@ -219,8 +255,11 @@ def _fp8_modules(model, image_only: bool = False) -> dict:
     from ..models.transformer import BLOCK_LINEARS, IMAGE_LINEARS
 
     names = IMAGE_LINEARS if image_only else BLOCK_LINEARS
-    return {f"transformer_blocks.{i}.{n}": FP8Linear.from_linear(b.get_submodule(n))
-            for i, b in enumerate(model.transformer_blocks) for n in names}  # fmt: skip
+    return {
+        f"transformer_blocks.{i}.{n}": FP8Linear.from_linear(b.get_submodule(n))
+        for i, b in enumerate(model.transformer_blocks)
+        for n in names
+    }
 
 
 def _swap(model, modules: dict) -> dict:
@@ -249,12 +288,18 @@ def _batched_cfg_check(model, x, txt, t, shapes) -> float:
 
 
 def _print_table(size, flops, floor_ms, rows, prof, cfg_check):
-    print(f"\n{size}x{size}: {flops / 1e12:.1f} TFLOP per forward, floor {floor_ms:.1f} ms at {PEAK_TFLOPS:.0f} TFLOP/s")
+    print(
+        f"\n{size}x{size}: {flops / 1e12:.1f} TFLOP per forward, floor {floor_ms:.1f} ms at {PEAK_TFLOPS:.0f} TFLOP/s"
+    )
     print(f"{'variant':34}{'ms':>9}{'TFLOP/s':>9}{'%floor':>8}{'x eager':>9}{'x compile':>10}{'rel err':>10}")
     for name, r in rows.items():
-        print(f"{name:34}{r['ms']:>9.1f}{r['tflops']:>9.0f}{r['pct_floor']:>8.1f}"
-              f"{r.get('speedup_vs_diffusers_eager', float('nan')):>9.2f}"
-              f"{r.get('speedup_vs_diffusers_compile', float('nan')):>10.2f}"
-              f"{r.get('rel_err_vs_diffusers', float('nan')):>10.1e}")  # fmt: skip
-    print(f"kernel time (fused eager): GEMM {prof['gemm']}%  attention {prof['attention']}%  other {prof['other']}%"
-          f"  ({prof['total_ms']} ms);  batched CFG vs separate: rel err {cfg_check:.1e}")  # fmt: skip
+        print(
+            f"{name:34}{r['ms']:>9.1f}{r['tflops']:>9.0f}{r['pct_floor']:>8.1f}"
+            f"{r.get('speedup_vs_diffusers_eager', float('nan')):>9.2f}"
+            f"{r.get('speedup_vs_diffusers_compile', float('nan')):>10.2f}"
+            f"{r.get('rel_err_vs_diffusers', float('nan')):>10.1e}"
+        )
+    print(
+        f"kernel time (fused eager): GEMM {prof['gemm']}%  attention {prof['attention']}%  other {prof['other']}%"
+        f"  ({prof['total_ms']} ms);  batched CFG vs separate: rel err {cfg_check:.1e}"
+    )

@@ -51,8 +51,16 @@ def generate(
         for s in range(0, len(prompts), batch):
             chunk = prompts[s : s + batch]
             gens = [torch.Generator("cpu").manual_seed(seed0 + s + i) for i in range(len(chunk))]
-            res = pipe(chunk, negative_prompt=negative if cfg > 1 else None, height=size, width=size,
-                       num_inference_steps=steps, true_cfg_scale=cfg, generator=gens, output_type="np")  # fmt: skip
+            res = pipe(
+                chunk,
+                negative_prompt=negative if cfg > 1 else None,
+                height=size,
+                width=size,
+                num_inference_steps=steps,
+                true_cfg_scale=cfg,
+                generator=gens,
+                output_type="np",
+            )
             out += [S.to_uint8(a) for a in res.images]
             bar.update(len(chunk))
     return out
@@ -88,9 +96,15 @@ def run_edits(
     images = []
     with progress_bar(len(suite), "quality (edits)") as bar:
         for i, (before, instruction, _) in enumerate(suite):
-            res = pipe(D.render(before), instruction, negative_prompt=" " if cfg > 1 else None,
-                       num_inference_steps=steps, true_cfg_scale=cfg,
-                       generator=torch.Generator("cpu").manual_seed(seed0 + i), output_type="np")  # fmt: skip
+            res = pipe(
+                D.render(before),
+                instruction,
+                negative_prompt=" " if cfg > 1 else None,
+                num_inference_steps=steps,
+                true_cfg_scale=cfg,
+                generator=torch.Generator("cpu").manual_seed(seed0 + i),
+                output_type="np",
+            )
             images.append(S.to_uint8(res.images[0]))
             bar.update(1)
     befores = [b for b, _, _ in suite]
@@ -120,7 +134,11 @@ def is_edit(pipe: QwenImagePipeline) -> bool:
 
 
 def run_suite(
-    pipe: QwenImagePipeline, n: int | None = None, *, steps: int | None = None, cfg: float | None = None,
+    pipe: QwenImagePipeline,
+    n: int | None = None,
+    *,
+    steps: int | None = None,
+    cfg: float | None = None,
     batch: int = 16,
 ) -> tuple[S.SuiteResult, list[np.ndarray]]:
     """The pipeline's held-out suite: edits (n default 36) or text-to-image prompts (n default 120)."""
@@ -129,9 +147,16 @@ def run_suite(
     return run_t2i(pipe, n or 120, steps=steps, cfg=cfg, batch=batch)
 
 
-def quality(model: str | Path | None = None, n: int | None = None, device: torch.device | str | None = None,
-            dtype: torch.dtype | str | None = None, steps: int | None = None, cfg: float | None = None,
-            batch: int = 16, verbose: bool = False) -> dict:  # fmt: skip
+def quality(
+    model: str | Path | None = None,
+    n: int | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    steps: int | None = None,
+    cfg: float | None = None,
+    batch: int = 16,
+    verbose: bool = False,
+) -> dict:
     """Load a demo model folder (None = the embedded default, "edit" = the embedded edit model), print
     its held-out suite score (120 prompts, or 36 edit instructions) and return the benchmark record
     (`qwenfast bench quality` prints it as its final JSON line)."""
@@ -145,8 +170,10 @@ def quality(model: str | Path | None = None, n: int | None = None, device: torch
     d = pipe.defaults
     what = "edit instructions" if is_edit(pipe) else "prompts"
     print(f"model    {pipe.model_path}")
-    print(f"suite    {n} held-out {what} (seed i for item i), {steps or d['num_inference_steps']} steps, "
-          f"cfg {cfg if cfg is not None else d['true_cfg_scale']}, {pipe.device} {pipe.dtype}, {dt:.1f}s")  # fmt: skip
+    print(
+        f"suite    {n} held-out {what} (seed i for item i), {steps or d['num_inference_steps']} steps, "
+        f"cfg {cfg if cfg is not None else d['true_cfg_scale']}, {pipe.device} {pipe.dtype}, {dt:.1f}s"
+    )
     print(f"score    {res.score:.1f}% of {what} pass every check ({res.attribute:.1f}% of single checks)")
     print("checks   " + ", ".join(f"{k} {v:.1f}%" for k, v in res.per_check.items()))
     if verbose:
@@ -154,11 +181,19 @@ def quality(model: str | Path | None = None, n: int | None = None, device: torch
             if not it["pass"]:
                 bad = [k for k, v in it["checks"].items() if not v]
                 print(f"  FAIL {it['prompt']!r}: {', '.join(bad)}")
-    return {"bench": "quality", "model": "demo-t2i" if model is None else str(model), "n": n,
-            "steps": steps or d["num_inference_steps"], "cfg": cfg if cfg is not None else d["true_cfg_scale"],
-            "device": str(pipe.device), "dtype": str(pipe.dtype).replace("torch.", ""), "score": round(res.score, 2),
-            "attribute": round(res.attribute, 2), "per_check": {k: round(v, 2) for k, v in res.per_check.items()},
-            "seconds": round(dt, 1)}  # fmt: skip
+    return {
+        "bench": "quality",
+        "model": "demo-t2i" if model is None else str(model),
+        "n": n,
+        "steps": steps or d["num_inference_steps"],
+        "cfg": cfg if cfg is not None else d["true_cfg_scale"],
+        "device": str(pipe.device),
+        "dtype": str(pipe.dtype).replace("torch.", ""),
+        "score": round(res.score, 2),
+        "attribute": round(res.attribute, 2),
+        "per_check": {k: round(v, 2) for k, v in res.per_check.items()},
+        "seconds": round(dt, 1),
+    }
 
 
 # ------------------------------------------------------------------------------------ the gate per path
@@ -204,8 +239,12 @@ def quality_paths(
         t0 = time.perf_counter()
         with use_backend(kernels):  # also the VAE's kernels, which run outside the pipeline's call too
             res, _ = run_suite(pipe, n, batch=batch)
-        row = {"path": name, "score": round(res.score, 2), "attribute": round(res.attribute, 2),
-               "s": round(time.perf_counter() - t0, 1)}  # fmt: skip
+        row = {
+            "path": name,
+            "score": round(res.score, 2),
+            "attribute": round(res.attribute, 2),
+            "s": round(time.perf_counter() - t0, 1),
+        }
         ref = row["score"] if ref is None else ref
         row["gap"] = round(row["score"] - ref, 2)
         rows.append(row)
@@ -237,8 +276,16 @@ def ssim(a: np.ndarray, b: np.ndarray, win: int = 7) -> float:
     return float(s.mean())
 
 
-def quality_cache(model=None, caches=("balanced", "fast"), n: int | None = None, device=None, dtype=None,
-                  steps: int = 50, cfg=None, batch: int = 24) -> list[dict]:  # fmt: skip
+def quality_cache(
+    model=None,
+    caches=("balanced", "fast"),
+    n: int | None = None,
+    device=None,
+    dtype=None,
+    steps: int = 50,
+    cfg=None,
+    batch: int = 24,
+) -> list[dict]:
     """The held-out suite at `steps` steps (CFG on, the model's scale) uncached and with each step-cache
     policy, same seeds: score, the fraction of steps computed in full, PSNR / SSIM of each image vs the
     uncached one."""
@@ -260,8 +307,14 @@ def quality_cache(model=None, caches=("balanced", "fast"), n: int | None = None,
         else:
             ref = (row["score"], images)
         rows.append(row)
-        extra = "" if cache is None else (f"  computed {row['computed_fraction']:.0%}  PSNR {row['psnr_db']} dB  "
-                                          f"SSIM {row['ssim']}  (gap {row['gap']:+.1f})")  # fmt: skip
+        extra = (
+            ""
+            if cache is None
+            else (
+                f"  computed {row['computed_fraction']:.0%}  PSNR {row['psnr_db']} dB  "
+                f"SSIM {row['ssim']}  (gap {row['gap']:+.1f})"
+            )
+        )
         print(f"  cache {row['cache']:<9s} {row['score']:5.1f}%{extra}  {row['s']}s", flush=True)
     pipe.configure(cache=None)
     return rows

@@ -110,8 +110,10 @@ class Spec:
 
 def full_spec(scene: Scene) -> Spec:
     """Every attribute of a scene, sizes and positions included (the expected result of an edit)."""
-    return Spec(tuple(ObjSpec(o.colour, o.shape, size_of(o.r), nearest_position(o.cx, o.cy)) for o in scene.objects),
-                scene.bg)  # fmt: skip
+    return Spec(
+        tuple(ObjSpec(o.colour, o.shape, size_of(o.r), nearest_position(o.cx, o.cy)) for o in scene.objects),
+        scene.bg,
+    )
 
 
 def size_of(r: float) -> str:
@@ -135,9 +137,20 @@ def shape_polygon(shape: str, cx: float, cy: float, r: float) -> list[tuple[floa
         return [(cx, cy - r), (cx + r, cy), (cx, cy + r), (cx - r, cy)]
     if shape == "cross":
         a = 0.36 * r
-        return [(cx - a, cy - r), (cx + a, cy - r), (cx + a, cy - a), (cx + r, cy - a), (cx + r, cy + a),
-                (cx + a, cy + a), (cx + a, cy + r), (cx - a, cy + r), (cx - a, cy + a), (cx - r, cy + a),
-                (cx - r, cy - a), (cx - a, cy - a)]  # fmt: skip
+        return [
+            (cx - a, cy - r),
+            (cx + a, cy - r),
+            (cx + a, cy - a),
+            (cx + r, cy - a),
+            (cx + r, cy + a),
+            (cx + a, cy + a),
+            (cx + a, cy + r),
+            (cx - a, cy + r),
+            (cx - a, cy + a),
+            (cx - r, cy + a),
+            (cx - r, cy - a),
+            (cx - a, cy - a),
+        ]
     if shape == "star":
         pts = []
         for k in range(10):
@@ -224,7 +237,7 @@ def random_mention(rng: np.random.Generator, scene: Scene) -> Spec:
             o.shape,
             o.size if rng.random() < 0.5 else None,
             o.pos if (two or rng.random() < 0.7) else None,
-        )  # fmt: skip
+        )
         for o in scene.objects
     )
     return Spec(objs, scene.bg if rng.random() < 0.7 else None)
@@ -365,8 +378,13 @@ def _apply_random(rng, before: Scene, kind: str):
 
 
 def move_phrase(pos: str) -> str:
-    return {"centre": "centre", "top left": "top left corner", "top right": "top right corner",
-            "bottom left": "bottom left corner", "bottom right": "bottom right corner"}.get(pos, pos)  # fmt: skip
+    return {
+        "centre": "centre",
+        "top left": "top left corner",
+        "top right": "top right corner",
+        "bottom left": "bottom left corner",
+        "bottom right": "bottom right corner",
+    }.get(pos, pos)
 
 
 # --------------------------------------------------------------------------------------------- suites

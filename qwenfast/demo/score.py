@@ -185,8 +185,19 @@ def analyse(image: Image.Image | np.ndarray) -> Analysis:
             cx, cy = float(xs.mean()) + 0.5, float(ys.mean()) + 0.5
             # the star's centroid sits below its bbox centre; positions use the bbox centre
             bx, by = (xs.min() + xs.max() + 1) / 2, (ys.min() + ys.max() + 1) / 2
-            found.append(Found(_NAMES[ci], shape, nearest_position(bx, by), "small" if side <= SIZE_THRESHOLD else "large",
-                               cx, cy, side, int(comp.sum()), iou))  # fmt: skip
+            found.append(
+                Found(
+                    _NAMES[ci],
+                    shape,
+                    nearest_position(bx, by),
+                    "small" if side <= SIZE_THRESHOLD else "large",
+                    cx,
+                    cy,
+                    side,
+                    int(comp.sum()),
+                    iou,
+                )
+            )
     found.sort(key=lambda f: -f.area)
     return Analysis(_NAMES[bg], found)
 

@@ -73,8 +73,9 @@ class TransformerGraph(nn.Module):
         self.transformer, self.img_shapes = transformer, [(1, h // 2, w // 2)]
 
     def forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep):
-        return self.transformer(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
-                                self.img_shapes)  # fmt: skip
+        return self.transformer(
+            hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, self.img_shapes
+        )
 
 
 class TextEncoderGraph(nn.Module):
@@ -101,15 +102,21 @@ class Exported:
 
     def summary(self) -> str:
         ext = f" + {self.data_bytes / 2**20:.1f} MiB external data" if self.data_bytes else ""
-        return (f"{self.component}: {self.path} ({self.onnx_bytes / 2**20:.1f} MiB{ext}; opset {self.opset}; "
-                f"{self.seconds:.1f}s)")  # fmt: skip
+        return (
+            f"{self.component}: {self.path} ({self.onnx_bytes / 2**20:.1f} MiB{ext}; opset {self.opset}; "
+            f"{self.seconds:.1f}s)"
+        )
 
 
 @contextlib.contextmanager
 def _eager_attention(module: nn.Module):
     """transformers' attention of every config under `module` set to "eager" while tracing (see the module
     docstring: the SDPA decomposition cannot be exported in bf16)."""
-    configs = {id(m.config): m.config for m in module.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")}
+    configs = {
+        id(m.config): m.config
+        for m in module.modules()
+        if hasattr(getattr(m, "config", None), "_attn_implementation")
+    }
     old = {k: c._attn_implementation for k, c in configs.items()}
     try:
         for c in configs.values():
@@ -134,8 +141,9 @@ def _reference_modules(transformer=None):
         transformer.fused = old
 
 
-def build_graph(pipe, component: str, *, height: int = 1024, width: int = 1024, text_len: int = 128,
-                batch: int = 1) -> tuple[nn.Module, tuple, dict, list[str], list[str]]:  # fmt: skip
+def build_graph(
+    pipe, component: str, *, height: int = 1024, width: int = 1024, text_len: int = 128, batch: int = 1
+) -> tuple[nn.Module, tuple, dict, list[str], list[str]]:
     """(module, example inputs, dynamic axes, input names, output names) of one component of `pipe`."""
     from ..pipeline.sampling import latent_hw
 
@@ -143,12 +151,22 @@ def build_graph(pipe, component: str, *, height: int = 1024, width: int = 1024, 
     h, w = latent_hw(height, width, pipe.vae_scale_factor)
     if component == "vae-decoder":
         z = torch.randn(batch, pipe.vae.cfg.z_dim, h, w, device=dev, dtype=pipe.vae_dtype)
-        return (VaeDecoderGraph(pipe.vae), (z,), {"latents": {0: "batch", 2: "h", 3: "w"},
-                "images": {0: "batch", 2: "height", 3: "width"}}, ["latents"], ["images"])  # fmt: skip
+        return (
+            VaeDecoderGraph(pipe.vae),
+            (z,),
+            {"latents": {0: "batch", 2: "h", 3: "w"}, "images": {0: "batch", 2: "height", 3: "width"}},
+            ["latents"],
+            ["images"],
+        )
     if component == "vae-encoder":
         x = torch.rand(batch, 3, 8 * h, 8 * w, device=dev, dtype=pipe.vae_dtype) * 2 - 1
-        return (VaeEncoderGraph(pipe.vae), (x,), {"images": {0: "batch", 2: "height", 3: "width"},
-                "latent_mean": {0: "batch", 2: "h", 3: "w"}}, ["images"], ["latent_mean"])  # fmt: skip
+        return (
+            VaeEncoderGraph(pipe.vae),
+            (x,),
+            {"images": {0: "batch", 2: "height", 3: "width"}, "latent_mean": {0: "batch", 2: "h", 3: "w"}},
+            ["images"],
+            ["latent_mean"],
+        )
     if component == "transformer":
         cfg = pipe.transformer.cfg
         x = torch.randn(batch, (h // 2) * (w // 2), cfg.in_channels, device=dev, dtype=dt)
@@ -166,8 +184,11 @@ def build_graph(pipe, component: str, *, height: int = 1024, width: int = 1024, 
         ids = te.tokenizer([text_prompt_example()] * batch, return_tensors="pt").input_ids.to(dev)
         mask = torch.ones_like(ids)
         lm = language_model(te.model) or te.model
-        axes = {"input_ids": {0: "batch", 1: "tokens"}, "attention_mask": {0: "batch", 1: "tokens"},
-                "last_hidden_state": {0: "batch", 1: "tokens"}}  # fmt: skip
+        axes = {
+            "input_ids": {0: "batch", 1: "tokens"},
+            "attention_mask": {0: "batch", 1: "tokens"},
+            "last_hidden_state": {0: "batch", 1: "tokens"},
+        }
         return TextEncoderGraph(lm), (ids, mask), axes, ["input_ids", "attention_mask"], ["last_hidden_state"]
     raise ValueError(f"unknown component {component!r}; choose one of {', '.join(COMPONENTS)}")
 
@@ -178,8 +199,17 @@ def text_prompt_example() -> str:
     return T2I_TEMPLATE.format("a red fox in the snow, photograph")
 
 
-def export_onnx(pipe, component: str, output: str | Path, *, height: int = 1024, width: int = 1024,
-                text_len: int = 128, opset: int = OPSET, external: bool | None = None) -> Exported:  # fmt: skip
+def export_onnx(
+    pipe,
+    component: str,
+    output: str | Path,
+    *,
+    height: int = 1024,
+    width: int = 1024,
+    text_len: int = 128,
+    opset: int = OPSET,
+    external: bool | None = None,
+) -> Exported:
     """Export one component of a loaded pipeline (its dtype is the graph's) to `output` (.onnx).
 
     external: weights in `<output>.data` (None = when the weights exceed `EXTERNAL_ABOVE`).
@@ -193,20 +223,35 @@ def export_onnx(pipe, component: str, output: str | Path, *, height: int = 1024,
 
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    module, args, axes, inputs, outputs = build_graph(pipe, component, height=height, width=width, text_len=text_len)
+    module, args, axes, inputs, outputs = build_graph(
+        pipe, component, height=height, width=width, text_len=text_len
+    )
     weights = sum(p.numel() * p.element_size() for p in module.parameters())
     external = weights > EXTERNAL_ABOVE if external is None else external
     t0 = time.perf_counter()
     tmp = output.with_suffix(".tmp.onnx")
     eager = _eager_attention(module) if component == "text-encoder" else contextlib.nullcontext()
-    with torch.no_grad(), _reference_modules(pipe.transformer if component == "transformer" else None), eager, \
-            warnings.catch_warnings():  # fmt: skip
+    with (
+        torch.no_grad(),
+        _reference_modules(pipe.transformer if component == "transformer" else None),
+        eager,
+        warnings.catch_warnings(),
+    ):
         # expected and harmless here: shape checks traced as constants (the graphs' dynamic axes are tested),
         # and the exporter's note on how it writes advanced indexing
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         warnings.filterwarnings("ignore", message=".*advanced indexing.*")
-        torch.onnx.export(module.eval(), args, str(tmp), input_names=inputs, output_names=outputs,
-                          dynamic_axes=axes, opset_version=opset, do_constant_folding=True, dynamo=False)  # fmt: skip
+        torch.onnx.export(
+            module.eval(),
+            args,
+            str(tmp),
+            input_names=inputs,
+            output_names=outputs,
+            dynamic_axes=axes,
+            opset_version=opset,
+            do_constant_folding=True,
+            dynamo=False,
+        )
     model = onnx.load(str(tmp), load_external_data=True)
     for f in tmp.parent.glob(tmp.name + "*"):
         f.unlink()
@@ -216,11 +261,24 @@ def export_onnx(pipe, component: str, output: str | Path, *, height: int = 1024,
     if data.exists():
         data.unlink()
     if external:
-        onnx.save_model(model, str(output), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=data.name, size_threshold=1024)  # fmt: skip
+        onnx.save_model(
+            model,
+            str(output),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=data.name,
+            size_threshold=1024,
+        )
     else:
         onnx.save_model(model, str(output))
     seconds = time.perf_counter() - t0
     shapes = {n: tuple(a.shape) for n, a in zip(inputs, args)}
-    return Exported(output, component, shapes, output.stat().st_size, data.stat().st_size if data.exists() else 0,
-                    seconds, opset)  # fmt: skip
+    return Exported(
+        output,
+        component,
+        shapes,
+        output.stat().st_size,
+        data.stat().st_size if data.exists() else 0,
+        seconds,
+        opset,
+    )

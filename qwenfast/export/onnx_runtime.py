@@ -46,8 +46,13 @@ class OnnxComponent:
         for name, t in feeds.items():
             want = _NP.get(self.inputs[name].type)
             if want is None:
-                raise ValueError(f"input {name!r} has type {self.inputs[name].type}, which this runner does not feed")
-            arrays[name] = t.detach().cpu().float().numpy().astype(want) if want != np.int64 and want != np.int32 \
-                else t.detach().cpu().numpy().astype(want)  # fmt: skip
+                raise ValueError(
+                    f"input {name!r} has type {self.inputs[name].type}, which this runner does not feed"
+                )
+            arrays[name] = (
+                t.detach().cpu().float().numpy().astype(want)
+                if want != np.int64 and want != np.int32
+                else t.detach().cpu().numpy().astype(want)
+            )
         out = self.session.run(self.outputs[:1], arrays)[0]
         return torch.from_numpy(np.asarray(out))

@@ -29,8 +29,13 @@ from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, interpreting, tri
 from .fp8_linear import quantize_activation
 from .fp8_rows import QuantizedRows, empty_rows, quantize_rows_ref_padded
 
-__all__ = ["layernorm_modulate", "layernorm_modulate_ref", "layernorm_modulate_fp8", "layernorm_modulate_fp8_ref",
-           "select_rows"]  # fmt: skip
+__all__ = [
+    "layernorm_modulate",
+    "layernorm_modulate_ref",
+    "layernorm_modulate_fp8",
+    "layernorm_modulate_fp8_ref",
+    "select_rows",
+]
 
 EPS = 1e-6
 MAX_D = 65536  # one program holds a whole row in registers
@@ -60,8 +65,12 @@ if triton_available():
             if _ROUNDING == 0:
                 r = tl.inline_asm_elementwise(
                     "{ .reg .b16 t, z; mov.b16 z, 0; cvt.rn.bf16.f32 t, $1; mov.b32 $0, {z, t}; }",
-                    "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1,
-                )  # fmt: skip
+                    "=r,r",
+                    [v],
+                    dtype=tl.float32,
+                    is_pure=True,
+                    pack=1,
+                )
             elif _ROUNDING == 1:
                 u = v.to(tl.uint32, bitcast=True)
                 u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
@@ -72,8 +81,12 @@ if triton_available():
             if _ROUNDING == 0:
                 r = tl.inline_asm_elementwise(
                     "{ .reg .b16 t; cvt.rn.f16.f32 t, $1; cvt.f32.f16 $0, t; }",
-                    "=r,r", [v], dtype=tl.float32, is_pure=True, pack=1,
-                )  # fmt: skip
+                    "=r,r",
+                    [v],
+                    dtype=tl.float32,
+                    is_pure=True,
+                    pack=1,
+                )
             else:
                 r = v.to(DT).to(tl.float32)  # numpy's float16 cast rounds to nearest even
         return r
@@ -115,12 +128,28 @@ if triton_available():
 
     @triton.jit
     def _layernorm_modulate_kernel(
-        x_ptr, shift_ptr, scale_ptr, out_ptr, q_ptr, qs_ptr,
-        L, D, B, split,
-        sx_b, sx_l, so_b, so_l, s_shift, s_scale,
+        x_ptr,
+        shift_ptr,
+        scale_ptr,
+        out_ptr,
+        q_ptr,
+        qs_ptr,
+        L,
+        D,
+        B,
+        split,
+        sx_b,
+        sx_l,
+        so_b,
+        so_l,
+        s_shift,
+        s_scale,
         eps,
-        BLOCK: tl.constexpr, DT: tl.constexpr, STORE: tl.constexpr, QUANT: tl.constexpr,
-    ):  # fmt: skip
+        BLOCK: tl.constexpr,
+        DT: tl.constexpr,
+        STORE: tl.constexpr,
+        QUANT: tl.constexpr,
+    ):
         """STORE: write y (B, L, D) in DT; QUANT: write y's e4m3 rows (q (B*L, D), scales (B*L,)),
         quantised from y as stored (rounded to DT), i.e. `quantize_rows(y)` without re-reading y."""
         b, tok, cols, mask, mrow = _row_coords(L, D, B, split, BLOCK)
@@ -144,9 +173,13 @@ def select_rows(t: torch.Tensor, L: int, split: int | None) -> torch.Tensor:
 
 
 def layernorm_modulate_ref(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = EPS, split: int | None = None,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = EPS,
+    split: int | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Plain torch, op for op what the model does: `_modulate(LayerNorm(x), ...)`."""
     L, D = x.shape[1], x.shape[-1]
     n = F.layer_norm(x, (D,), eps=eps)
@@ -167,16 +200,26 @@ def _out_ok(out: torch.Tensor | None, x: torch.Tensor) -> bool:
 
 def _ok(x, shift, scale, split, out) -> bool:
     return (
-        x.dim() == 3 and x.dtype in FLOAT_DTYPES and x.stride(-1) == 1 and 0 < x.shape[-1] <= MAX_D
-        and x.numel() > 0 and _mod_ok(shift, x, split) and _mod_ok(scale, x, split) and _out_ok(out, x)
+        x.dim() == 3
+        and x.dtype in FLOAT_DTYPES
+        and x.stride(-1) == 1
+        and 0 < x.shape[-1] <= MAX_D
+        and x.numel() > 0
+        and _mod_ok(shift, x, split)
+        and _mod_ok(scale, x, split)
+        and _out_ok(out, x)
         and use_triton(x, shift, scale, *(() if out is None else (out,)))
-    )  # fmt: skip
+    )
 
 
 def layernorm_modulate(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = EPS, split: int | None = None,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = EPS,
+    split: int | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """`LayerNorm(x) * (1 + scale[:, None]) + shift[:, None]`, one fused pass on CUDA.
 
     x: (B, L, D) fp32/bf16/fp16, last dim contiguous (B and L strides free, e.g. a slice);
@@ -196,27 +239,53 @@ def _launch(x, shift, scale, eps, split, out, store: bool, quant: bool, qout=Non
     block = triton.next_power_of_2(D)
     with _on_device(x):
         _layernorm_modulate_kernel[(B * L,)](
-            x, shift, scale, y, q, qs,
-            L, D, B, L if split is None else split,
-            x.stride(0), x.stride(1), y.stride(0), y.stride(1), shift.stride(0), scale.stride(0),
+            x,
+            shift,
+            scale,
+            y,
+            q,
+            qs,
+            L,
+            D,
+            B,
+            L if split is None else split,
+            x.stride(0),
+            x.stride(1),
+            y.stride(0),
+            y.stride(1),
+            shift.stride(0),
+            scale.stride(0),
             eps,
-            BLOCK=block, DT=_tl_dtype(x.dtype), STORE=store, QUANT=quant, num_warps=_num_warps(block),
-        )  # fmt: skip
+            BLOCK=block,
+            DT=_tl_dtype(x.dtype),
+            STORE=store,
+            QUANT=quant,
+            num_warps=_num_warps(block),
+        )
     return (y if store else None), q, qs
 
 
 def layernorm_modulate_fp8_ref(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = EPS, split: int | None = None,
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = EPS,
+    split: int | None = None,
     keep: bool = False,
-) -> QuantizedRows:  # fmt: skip
+) -> QuantizedRows:
     """Plain torch: `layernorm_modulate_ref`, then `quantize_rows_ref` of its (B*L, D) rows."""
     return quantize_rows_ref_padded(layernorm_modulate_ref(x, shift, scale, eps, split), keep)
 
 
 def layernorm_modulate_fp8(
-    x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float = EPS, split: int | None = None,
-    keep: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> QuantizedRows:  # fmt: skip
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = EPS,
+    split: int | None = None,
+    keep: bool = False,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> QuantizedRows:
     """`layernorm_modulate` for an `FP8Linear` consumer: the output's rows in e4m3 + fp32 scales
     (`QuantizedRows`, padded to `gemm_rows`), written by the same pass; with `keep`, the (B, L, D)
     output in x.dtype too (for a LoRA side GEMM), from the same registers. `out`: (q, scale) buffers

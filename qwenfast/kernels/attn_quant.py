@@ -34,8 +34,17 @@ import torch
 from . import _on_device, triton_available, use_triton
 from .fp8_rows import FP8, FP8_MAX, codes_ref
 
-__all__ = ["quantize_qkv", "quantize_qkv_ref", "quantize_heads", "quantize_heads_ref", "dequantize", "descale_rows",
-           "FP8", "FP8_MAX", "MIN_DESCALE"]  # fmt: skip
+__all__ = [
+    "quantize_qkv",
+    "quantize_qkv_ref",
+    "quantize_heads",
+    "quantize_heads_ref",
+    "dequantize",
+    "descale_rows",
+    "FP8",
+    "FP8_MAX",
+    "MIN_DESCALE",
+]
 
 MIN_DESCALE = 1e-12  # an all-zero tensor: a tiny descale, never a division by zero
 
@@ -90,8 +99,7 @@ if triton_available():
         return tl.where(a < 0.015625, tl.where(bits < 0, -sub, sub), normal)  # sign kept (also of -0)
 
     @triton.jit
-    def _amax_kernel(x_ptr, amax_ptr, S, D, H, sb, sh, ss,
-                     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    def _amax_kernel(x_ptr, amax_ptr, S, D, H, sb, sh, ss, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         pid_s = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -105,9 +113,26 @@ if triton_available():
         tl.atomic_max(amax_ptr + bh, a)  # amax >= 0, so the float max is exact
 
     @triton.jit
-    def _quant_kernel(x_ptr, y_ptr, amax_ptr, desc_ptr, S, D, H, BH, sb, sh, ss, yb, yh, ys,
-                      PER_HEAD: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_BH: tl.constexpr):  # fmt: skip
+    def _quant_kernel(
+        x_ptr,
+        y_ptr,
+        amax_ptr,
+        desc_ptr,
+        S,
+        D,
+        H,
+        BH,
+        sb,
+        sh,
+        ss,
+        yb,
+        yh,
+        ys,
+        PER_HEAD: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_BH: tl.constexpr,
+    ):
         pid_s = tl.program_id(0)
         bh = tl.program_id(1)
         b = bh // H
@@ -124,19 +149,28 @@ if triton_available():
         cols = tl.arange(0, BLOCK_D)
         m = (rows < S)[:, None] & (cols < D)[None, :]
         r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + b.to(tl.int64) * sb + h.to(tl.int64) * sh + r64 * ss + cols[None, :],
-                    mask=m, other=0.0).to(tl.float32)  # fmt: skip
+        x = tl.load(
+            x_ptr + b.to(tl.int64) * sb + h.to(tl.int64) * sh + r64 * ss + cols[None, :], mask=m, other=0.0
+        ).to(tl.float32)
         y = _round_e4m3(tl.clamp(tl.div_rn(x, descale), -448.0, 448.0))  # IEEE division, as torch's
-        tl.store(y_ptr + b.to(tl.int64) * yb + h.to(tl.int64) * yh + r64 * ys + cols[None, :],
-                 y.to(tl.float8e4nv), mask=m)  # fmt: skip
+        tl.store(
+            y_ptr + b.to(tl.int64) * yb + h.to(tl.int64) * yh + r64 * ys + cols[None, :],
+            y.to(tl.float8e4nv),
+            mask=m,
+        )
 
 
 def _supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return (
-        q.dim() == 4 and q.shape == k.shape == v.shape and q.numel() > 0
-        and all(t.stride(-1) == 1 and t.dtype in (torch.bfloat16, torch.float16, torch.float32) for t in (q, k, v))
-        and q.shape[-1] <= 256 and q.shape[0] * q.shape[1] <= 65535
-    )  # fmt: skip
+        q.dim() == 4
+        and q.shape == k.shape == v.shape
+        and q.numel() > 0
+        and all(
+            t.stride(-1) == 1 and t.dtype in (torch.bfloat16, torch.float16, torch.float32) for t in (q, k, v)
+        )
+        and q.shape[-1] <= 256
+        and q.shape[0] * q.shape[1] <= 65535
+    )
 
 
 def descale_rows(n: int, B: int, H: int, device) -> torch.Tensor:
@@ -165,12 +199,40 @@ def quantize_heads(
     block_s = max(1, min(64, 8192 // block_d))
     grid = (triton.cdiv(S, block_s), B * H)
     with _on_device(x):
-        _amax_kernel[grid](x, amax, S, D, H, x.stride(0), x.stride(1), x.stride(2),
-                           BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)  # fmt: skip
-        _quant_kernel[grid](x, y, amax, desc, S, D, H, B * H,
-                            x.stride(0), x.stride(1), x.stride(2), y.stride(0), y.stride(1), y.stride(2),
-                            PER_HEAD=per_head, BLOCK_S=block_s, BLOCK_D=block_d,
-                            BLOCK_BH=triton.next_power_of_2(B * H), num_warps=4)  # fmt: skip
+        _amax_kernel[grid](
+            x,
+            amax,
+            S,
+            D,
+            H,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            BLOCK_S=block_s,
+            BLOCK_D=block_d,
+            num_warps=4,
+        )
+        _quant_kernel[grid](
+            x,
+            y,
+            amax,
+            desc,
+            S,
+            D,
+            H,
+            B * H,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            y.stride(0),
+            y.stride(1),
+            y.stride(2),
+            PER_HEAD=per_head,
+            BLOCK_S=block_s,
+            BLOCK_D=block_d,
+            BLOCK_BH=triton.next_power_of_2(B * H),
+            num_warps=4,
+        )
     return y, desc.view(B, H)
 
 

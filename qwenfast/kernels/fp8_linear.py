@@ -44,7 +44,13 @@ if triton_available():
     from .fp8_rows import _quant_rows_kernel
 
 __all__ = [
-    "FP8", "FP8_MAX", "MIN_ROWS", "MIN_SCALE", "QuantizedRows", "fp8_consumer", "quantize_activation",
+    "FP8",
+    "FP8_MAX",
+    "MIN_ROWS",
+    "MIN_SCALE",
+    "QuantizedRows",
+    "fp8_consumer",
+    "quantize_activation",
     "FP8Linear",
     "quantize_rows",
     "quantize_rows_ref",
@@ -89,8 +95,9 @@ def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tenso
     return q, s
 
 
-def quantize_activation(x: torch.Tensor, keep: bool = False,
-                        out: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedRows:  # fmt: skip
+def quantize_activation(
+    x: torch.Tensor, keep: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> QuantizedRows:
     """An (..., K) activation -> `QuantizedRows` by the separate pass (`quantize_rows`, padded to
     `gemm_rows`): what a fused producer's fallback returns; `keep` keeps `x` for a LoRA; `out`:
     (q, scale) buffers to copy the result into."""
@@ -115,8 +122,13 @@ def fp8_linear_ref(
 class FP8Linear(nn.Module):
     """Drop-in for an `nn.Linear` with e4m3 weights and per-channel scales (bias kept in bf16)."""
 
-    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                 out_dtype: torch.dtype):  # fmt: skip
+    def __init__(
+        self,
+        weight_fp8: torch.Tensor,
+        weight_scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+    ):
         super().__init__()
         self.register_buffer("weight_fp8", weight_fp8)  # (N, K) e4m3
         self.register_buffer("weight_scale", weight_scale)  # (N, 1) fp32
@@ -143,8 +155,12 @@ class FP8Linear(nn.Module):
         N, K = lin.weight.shape
         dev = lin.weight.device
         bias = None if lin.bias is None else torch.empty_like(lin.bias)
-        return cls(torch.empty(N, K, dtype=FP8, device=dev), torch.empty(N, 1, dtype=torch.float32, device=dev),
-                   bias, dtype or lin.weight.dtype)  # fmt: skip
+        return cls(
+            torch.empty(N, K, dtype=FP8, device=dev),
+            torch.empty(N, 1, dtype=torch.float32, device=dev),
+            bias,
+            dtype or lin.weight.dtype,
+        )
 
     def _add_lora(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
         """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, the sum in the GEMM's epilogue."""
@@ -156,8 +172,12 @@ class FP8Linear(nn.Module):
 
     def _fast(self, x: torch.Tensor | QuantizedRows) -> bool:
         """Whether `_scaled_mm` runs for this input (else the fp32 dequantised reference)."""
-        return (x.device.type == "cuda" and fp8_supported(x.device) and self.in_features % 16 == 0
-                and self.out_features % 16 == 0)  # fmt: skip
+        return (
+            x.device.type == "cuda"
+            and fp8_supported(x.device)
+            and self.in_features % 16 == 0
+            and self.out_features % 16 == 0
+        )
 
     def takes_rows(self, x: torch.Tensor) -> bool:
         """Whether the kernel producing this layer's input `x`-like activation should hand it over as
@@ -173,8 +193,10 @@ class FP8Linear(nn.Module):
             rows, shape, M = x, x.shape, x.rows
             x2 = None if x.x is None else x.x.reshape(-1, K)
             if self.lora is not None and x2 is None:
-                raise RuntimeError("FP8Linear with a LoRA got QuantizedRows without the activation (x=None): "
-                                   "the producer must keep it (keep=True) while a LoRA is active")  # fmt: skip
+                raise RuntimeError(
+                    "FP8Linear with a LoRA got QuantizedRows without the activation (x=None): "
+                    "the producer must keep it (keep=True) while a LoRA is active"
+                )
             if not self._fast(x):
                 y = (rows.q[:M].float() * rows.scale[:M]) @ (self.weight_fp8.float() * self.weight_scale).t()
                 if self.bias is not None:
@@ -200,22 +222,33 @@ class FP8Linear(nn.Module):
             x8, sx = quantize_rows(x2, rows=gemm_rows(M))
         return self._gemm(x8, sx, M, x2, x.device).view(*shape[:-1], N)
 
-    def _gemm(self, x8: torch.Tensor, sx: torch.Tensor, M: int, x2: torch.Tensor | None,
-              device: torch.device) -> torch.Tensor:  # fmt: skip
+    def _gemm(
+        self, x8: torch.Tensor, sx: torch.Tensor, M: int, x2: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor:
         """(M, N) = rows [0, M) of x8 (Mp, K) · sx times the FP8 weight, + bias (+ LoRA on x2)."""
         bias = None if self.bias is None else self.bias.to(self.out_dtype)
         key = (x8.shape[0], self.in_features, self.out_features, device.index)
         if key not in _REFUSED:
             try:
-                y = torch._scaled_mm(x8, self.weight_fp8.t(), scale_a=sx, scale_b=self.weight_scale.t(), bias=bias,
-                                     out_dtype=self.out_dtype, use_fast_accum=True)[:M]  # fmt: skip
+                y = torch._scaled_mm(
+                    x8,
+                    self.weight_fp8.t(),
+                    scale_a=sx,
+                    scale_b=self.weight_scale.t(),
+                    bias=bias,
+                    out_dtype=self.out_dtype,
+                    use_fast_accum=True,
+                )[:M]
                 return y if self.lora is None else self._add_lora(x2, y)
             except RuntimeError as e:  # the heuristic query fails on the host, before any launch
                 if "NOT_SUPPORTED" not in str(e):
                     raise
                 _REFUSED.add(key)
-                warnings.warn(f"FP8 GEMM {key[:3]} refused by cuBLASLt ({str(e).splitlines()[0][:60]}); "
-                              "this shape runs as a dequantised bf16 GEMM", stacklevel=3)  # fmt: skip
+                warnings.warn(
+                    f"FP8 GEMM {key[:3]} refused by cuBLASLt ({str(e).splitlines()[0][:60]}); "
+                    "this shape runs as a dequantised bf16 GEMM",
+                    stacklevel=3,
+                )
         # the same operands, dequantised: exact FP8 products, bf16 GEMM (small M only in practice)
         y = (x8[:M].to(self.out_dtype) * sx[:M].to(self.out_dtype)) @ (
             self.weight_fp8.to(self.out_dtype) * self.weight_scale.to(self.out_dtype)
@@ -235,8 +268,12 @@ def fp8_consumer(layer: nn.Module, x: torch.Tensor) -> FP8Linear | None:
     return layer if isinstance(layer, FP8Linear) and layer.takes_rows(x) else None
 
 
-def quantize_model(model: nn.Module, names: Sequence[str] | None = None, empty: bool = False,
-                   dtype: torch.dtype | None = None) -> int:  # fmt: skip
+def quantize_model(
+    model: nn.Module,
+    names: Sequence[str] | None = None,
+    empty: bool = False,
+    dtype: torch.dtype | None = None,
+) -> int:
     """Replace the Linears the model names (`names`, else `model.fp8_linears()`: module names, see
     `runtime.contract.BlockModel`) with `FP8Linear` in place; returns how many were replaced.
 

@@ -32,9 +32,18 @@ import torch
 from . import interpreting, triton_available
 
 __all__ = [
-    "FP8", "FP8_MAX", "MIN_SCALE", "MIN_ROWS", "QuantizedRows", "gemm_rows", "empty_rows", "quantize_rows_ref",
-    "quantize_rows_ref_padded", "fp8_fusion", "set_fp8_fusion",
-]  # fmt: skip
+    "FP8",
+    "FP8_MAX",
+    "MIN_SCALE",
+    "MIN_ROWS",
+    "QuantizedRows",
+    "gemm_rows",
+    "empty_rows",
+    "quantize_rows_ref",
+    "quantize_rows_ref_padded",
+    "fp8_fusion",
+    "set_fp8_fusion",
+]
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -81,8 +90,13 @@ def gemm_rows(m: int) -> int:
     return max(MIN_ROWS, -(-m // 16) * 16) if m > 1 else m
 
 
-def empty_rows(m: int, k: int, device: torch.device, rows: int | None = None,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def empty_rows(
+    m: int,
+    k: int,
+    device: torch.device,
+    rows: int | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 (rows, k), fp32 (rows, 1)) for a kernel to fill rows [0, m); rows [m, rows) are written
     here: zeros with scale 1. `rows` defaults to `gemm_rows(m)`; `out`: caller's buffers of that
     layout (contiguous) instead of new ones."""
@@ -95,8 +109,10 @@ def empty_rows(m: int, k: int, device: torch.device, rows: int | None = None,
         if (q.shape, q.dtype, s.shape, s.dtype) != ((rows, k), FP8, (rows, 1), torch.float32) or not (
             q.is_contiguous() and s.is_contiguous() and q.device == s.device == torch.device(device)
         ):
-            raise ValueError(f"out must be contiguous ({rows}, {k}) float8_e4m3fn and ({rows}, 1) float32 tensors "
-                             f"on {device}, got {tuple(q.shape)} {q.dtype} and {tuple(s.shape)} {s.dtype}")  # fmt: skip
+            raise ValueError(
+                f"out must be contiguous ({rows}, {k}) float8_e4m3fn and ({rows}, 1) float32 tensors "
+                f"on {device}, got {tuple(q.shape)} {q.dtype} and {tuple(s.shape)} {s.dtype}"
+            )
     if rows > m:
         q[m:].view(torch.uint8).zero_()
         s[m:].fill_(1.0)

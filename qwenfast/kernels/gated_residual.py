@@ -49,13 +49,37 @@ if triton_available():
 
     @triton.jit
     def _gated_residual_kernel(
-        x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, xo_ptr, mo_ptr, q_ptr, qs_ptr,
-        L, D, B, split,
-        sx_b, sx_l, sy_b, sy_l, sxo_b, sxo_l, smo_b, smo_l, s_gate, s_shift, s_scale,
+        x_ptr,
+        y_ptr,
+        gate_ptr,
+        shift_ptr,
+        scale_ptr,
+        xo_ptr,
+        mo_ptr,
+        q_ptr,
+        qs_ptr,
+        L,
+        D,
+        B,
+        split,
+        sx_b,
+        sx_l,
+        sy_b,
+        sy_l,
+        sxo_b,
+        sxo_l,
+        smo_b,
+        smo_l,
+        s_gate,
+        s_shift,
+        s_scale,
         eps,
-        BLOCK: tl.constexpr, DT: tl.constexpr, NORM: tl.constexpr, STORE: tl.constexpr = True,
+        BLOCK: tl.constexpr,
+        DT: tl.constexpr,
+        NORM: tl.constexpr,
+        STORE: tl.constexpr = True,
         QUANT: tl.constexpr = False,
-    ):  # fmt: skip
+    ):
         """NORM: also the LayerNorm + modulation h of the new residual; STORE: write h in DT; QUANT:
         write h's e4m3 rows (q (B*L, D), scales (B*L,)) as `quantize_rows(h)` would."""
         b, tok, cols, mask, mrow = _row_coords(L, D, B, split, BLOCK)
@@ -88,9 +112,16 @@ def gated_residual_ref(
 
 
 def gated_residual_layernorm_modulate_ref(
-    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-    eps: float = EPS, split: int | None = None, out_x: torch.Tensor | None = None, out_mod: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = EPS,
+    split: int | None = None,
+    out_x: torch.Tensor | None = None,
+    out_mod: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_new, LN(x_new)*(1+scale)+shift) in plain torch."""
     x_new = gated_residual_ref(x, y, gate, split, out_x)
     return x_new, layernorm_modulate_ref(x_new, shift, scale, eps, split, out_mod)
@@ -98,14 +129,34 @@ def gated_residual_layernorm_modulate_ref(
 
 def _inputs_ok(x, y, gate, split, outs) -> bool:
     return (
-        x.dim() == 3 and x.dtype in FLOAT_DTYPES and x.stride(-1) == 1 and 0 < x.shape[-1] <= MAX_D
-        and x.numel() > 0 and y.shape == x.shape and y.dtype == x.dtype and y.stride(-1) == 1
-        and _mod_ok(gate, x, split) and all(_out_ok(o, x) for o in outs)
-    )  # fmt: skip
+        x.dim() == 3
+        and x.dtype in FLOAT_DTYPES
+        and x.stride(-1) == 1
+        and 0 < x.shape[-1] <= MAX_D
+        and x.numel() > 0
+        and y.shape == x.shape
+        and y.dtype == x.dtype
+        and y.stride(-1) == 1
+        and _mod_ok(gate, x, split)
+        and all(_out_ok(o, x) for o in outs)
+    )
 
 
-def _launch(x, y, gate, shift, scale, eps, split, out_x, out_mod, norm: bool, store: bool = True,
-            quant: bool = False, qout=None):  # fmt: skip
+def _launch(
+    x,
+    y,
+    gate,
+    shift,
+    scale,
+    eps,
+    split,
+    out_x,
+    out_mod,
+    norm: bool,
+    store: bool = True,
+    quant: bool = False,
+    qout=None,
+):
     B, L, D = x.shape
     xo = torch.empty((B, L, D), dtype=x.dtype, device=x.device) if out_x is None else out_x
     mo = xo  # dummy when not normalising (never written)
@@ -117,13 +168,38 @@ def _launch(x, y, gate, shift, scale, eps, split, out_x, out_mod, norm: bool, st
     block = triton.next_power_of_2(D)
     with _on_device(x):
         _gated_residual_kernel[(B * L,)](
-            x, y, gate, shift, scale, xo, mo, q, qs,
-            L, D, B, L if split is None else split,
-            x.stride(0), x.stride(1), y.stride(0), y.stride(1), xo.stride(0), xo.stride(1),
-            mo.stride(0), mo.stride(1), gate.stride(0), shift.stride(0), scale.stride(0),
+            x,
+            y,
+            gate,
+            shift,
+            scale,
+            xo,
+            mo,
+            q,
+            qs,
+            L,
+            D,
+            B,
+            L if split is None else split,
+            x.stride(0),
+            x.stride(1),
+            y.stride(0),
+            y.stride(1),
+            xo.stride(0),
+            xo.stride(1),
+            mo.stride(0),
+            mo.stride(1),
+            gate.stride(0),
+            shift.stride(0),
+            scale.stride(0),
             eps,
-            BLOCK=block, DT=_tl_dtype(x.dtype), NORM=norm, STORE=store, QUANT=quant, num_warps=_num_warps(block),
-        )  # fmt: skip
+            BLOCK=block,
+            DT=_tl_dtype(x.dtype),
+            NORM=norm,
+            STORE=store,
+            QUANT=quant,
+            num_warps=_num_warps(block),
+        )
     if quant:
         return xo, QuantizedRows(q, qs, x.shape, x.dtype, mo if store else None)
     return xo, mo
@@ -147,9 +223,16 @@ def gated_residual(
 
 
 def gated_residual_layernorm_modulate(
-    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-    eps: float = EPS, split: int | None = None, out_x: torch.Tensor | None = None, out_mod: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = EPS,
+    split: int | None = None,
+    out_x: torch.Tensor | None = None,
+    out_mod: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`x_new = x + gate[:, None] * y; (x_new, LN(x_new) * (1 + scale[:, None]) + shift[:, None])`.
 
     One read of x and y, two writes. Shapes as `adaln.layernorm_modulate` (x, y (B, L, D) with the
@@ -159,28 +242,44 @@ def gated_residual_layernorm_modulate(
     """
     outs = tuple(o for o in (out_x, out_mod) if o is not None)
     ok = (
-        _inputs_ok(x, y, gate, split, outs) and _mod_ok(shift, x, split) and _mod_ok(scale, x, split)
+        _inputs_ok(x, y, gate, split, outs)
+        and _mod_ok(shift, x, split)
+        and _mod_ok(scale, x, split)
         and use_triton(x, y, gate, shift, scale, *outs)
-    )  # fmt: skip
+    )
     if not ok:
         return gated_residual_layernorm_modulate_ref(x, y, gate, shift, scale, eps, split, out_x, out_mod)
     return _launch(x, y, gate, shift, scale, eps, split, out_x, out_mod, norm=True)
 
 
 def gated_residual_layernorm_modulate_fp8_ref(
-    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-    eps: float = EPS, split: int | None = None, out_x: torch.Tensor | None = None, keep: bool = False,
-) -> tuple[torch.Tensor, QuantizedRows]:  # fmt: skip
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = EPS,
+    split: int | None = None,
+    out_x: torch.Tensor | None = None,
+    keep: bool = False,
+) -> tuple[torch.Tensor, QuantizedRows]:
     """Plain torch: `gated_residual_layernorm_modulate_ref`, then `quantize_rows_ref` of h's rows."""
     x_new, h = gated_residual_layernorm_modulate_ref(x, y, gate, shift, scale, eps, split, out_x)
     return x_new, quantize_rows_ref_padded(h, keep)
 
 
 def gated_residual_layernorm_modulate_fp8(
-    x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-    eps: float = EPS, split: int | None = None, out_x: torch.Tensor | None = None, keep: bool = False,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    shift: torch.Tensor,
+    scale: torch.Tensor,
+    eps: float = EPS,
+    split: int | None = None,
+    out_x: torch.Tensor | None = None,
+    keep: bool = False,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, QuantizedRows]:  # fmt: skip
+) -> tuple[torch.Tensor, QuantizedRows]:
     """`gated_residual_layernorm_modulate` for an `FP8Linear` consumer of h (the MLP's first Linear):
     (x_new, h as `QuantizedRows`), one pass; with `keep`, h in x.dtype too (for a LoRA side GEMM).
     `out`: (q, scale) buffers for h's rows (see `fp8_rows.empty_rows`).
@@ -190,10 +289,14 @@ def gated_residual_layernorm_modulate_fp8(
     """
     outs = () if out_x is None else (out_x,)
     ok = (
-        _inputs_ok(x, y, gate, split, outs) and _mod_ok(shift, x, split) and _mod_ok(scale, x, split)
+        _inputs_ok(x, y, gate, split, outs)
+        and _mod_ok(shift, x, split)
+        and _mod_ok(scale, x, split)
         and use_triton(x, y, gate, shift, scale, *outs)
-    )  # fmt: skip
+    )
     if not ok:
         x_new, h = gated_residual_layernorm_modulate(x, y, gate, shift, scale, eps, split, out_x)
         return x_new, quantize_activation(h, keep, out)
-    return _launch(x, y, gate, shift, scale, eps, split, out_x, None, norm=True, store=keep, quant=True, qout=out)
+    return _launch(
+        x, y, gate, shift, scale, eps, split, out_x, None, norm=True, store=keep, quant=True, qout=out
+    )

@@ -51,7 +51,10 @@ from .fp8_rows import QuantizedRows, empty_rows, quantize_rows_ref_padded
 __all__ = ["linear_gelu_tanh", "linear_gelu_tanh_ref", "gelu_tanh_fp8", "gelu_tanh_fp8_ref"]
 
 MAX_N = 65536  # longer rows take the unfused pair (the kernel itself walks any row in chunks)
-CONFIG = {"chunk": 2048, "warps": 8}  # the kernel's chunk of a row and its warps (module state: benchmark sweeps)
+CONFIG = {
+    "chunk": 2048,
+    "warps": 8,
+}  # the kernel's chunk of a row and its warps (module state: benchmark sweeps)
 
 if triton_available():
     import triton
@@ -78,8 +81,9 @@ if triton_available():
         return _round(0.5 * x * (1.0 + _tanh(inner)), DT)
 
     @triton.jit
-    def _gelu_fp8_kernel(h_ptr, g_ptr, q_ptr, qs_ptr, N, s_h, s_g, CH: tl.constexpr, DT: tl.constexpr,
-                         STORE: tl.constexpr):  # fmt: skip
+    def _gelu_fp8_kernel(
+        h_ptr, g_ptr, q_ptr, qs_ptr, N, s_h, s_g, CH: tl.constexpr, DT: tl.constexpr, STORE: tl.constexpr
+    ):
         """One row in chunks of CH. Pass 1 reads h only: its max. GELU rises monotonically above
         x = -0.75 and |GELU| < 0.17 below, so when GELU(max h) >= 0.171 it is the row's amax (the
         rounding to DT is monotonic too); otherwise (rare: rows with no value above ~0.3) pass 1b
@@ -90,7 +94,9 @@ if triton_available():
         hi = tl.full([CH], float("-inf"), dtype=tl.float32)
         for c in range(0, N, CH):
             m = c + offs < N
-            hi = tl.maximum(hi, tl.load(h_ptr + row * s_h + c + offs, mask=m, other=float("-inf")).to(tl.float32))
+            hi = tl.maximum(
+                hi, tl.load(h_ptr + row * s_h + c + offs, mask=m, other=float("-inf")).to(tl.float32)
+            )
         amax = _gelu(tl.max(hi, axis=0), DT)
         if amax < 0.171:
             acc = tl.zeros([CH], dtype=tl.float32)
@@ -121,11 +127,19 @@ def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     "torch", without a bias, or for mixed dtypes.
     """
     ok = (
-        backend() == "triton" and x.is_cuda and bias is not None and x.dtype in FLOAT_DTYPES
+        backend() == "triton"
+        and x.is_cuda
+        and bias is not None
+        and x.dtype in FLOAT_DTYPES
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or bias.requires_grad))
-        and weight.dtype == x.dtype and bias.dtype == x.dtype and weight.dim() == 2 and bias.dim() == 1
-        and x.shape[-1] == weight.shape[1] and bias.shape[0] == weight.shape[0] and x.numel() > 0
-    )  # fmt: skip
+        and weight.dtype == x.dtype
+        and bias.dtype == x.dtype
+        and weight.dim() == 2
+        and bias.dim() == 1
+        and x.shape[-1] == weight.shape[1]
+        and bias.shape[0] == weight.shape[0]
+        and x.numel() > 0
+    )
     if not ok:
         return linear_gelu_tanh_ref(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
@@ -138,8 +152,9 @@ def gelu_tanh_fp8_ref(h: torch.Tensor, keep: bool = False) -> QuantizedRows:
     return quantize_rows_ref_padded(F.gelu(h, approximate="tanh"), keep)
 
 
-def gelu_tanh_fp8(h: torch.Tensor, keep: bool = False,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantizedRows:  # fmt: skip
+def gelu_tanh_fp8(
+    h: torch.Tensor, keep: bool = False, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> QuantizedRows:
     """GELU(tanh) of h (..., N) as `QuantizedRows` for the MLP's second `FP8Linear`, one kernel; with
     `keep`, the GELU output in h.dtype too (for a LoRA side GEMM). Rows longer than MAX_N, other
     layouts or devices run the unfused pair (`F.gelu`, then the quantisation pass). `out`: (q, scale)
@@ -147,9 +162,13 @@ def gelu_tanh_fp8(h: torch.Tensor, keep: bool = False,
     N = h.shape[-1]
     h2 = h.reshape(-1, N) if h.dim() >= 2 else h
     ok = (
-        h.dim() >= 2 and h.dtype in FLOAT_DTYPES and 0 < N <= MAX_N and h2.shape[0] > 0 and h2.stride(-1) == 1
+        h.dim() >= 2
+        and h.dtype in FLOAT_DTYPES
+        and 0 < N <= MAX_N
+        and h2.shape[0] > 0
+        and h2.stride(-1) == 1
         and use_triton(h)
-    )  # fmt: skip
+    )
     if not ok:
         return quantize_activation(F.gelu(h, approximate="tanh"), keep, out)
     M = h2.shape[0]
@@ -157,6 +176,17 @@ def gelu_tanh_fp8(h: torch.Tensor, keep: bool = False,
     g = torch.empty(M, N, dtype=h.dtype, device=h.device) if keep else h2  # (h2: an unused pointer)
     ch = min(CONFIG["chunk"], triton.next_power_of_2(N))
     with _on_device(h):
-        _gelu_fp8_kernel[(M,)](h2, g, q, qs, N, h2.stride(0), g.stride(0), CH=ch, DT=_tl_dtype(h.dtype),
-                               STORE=keep, num_warps=CONFIG["warps"])  # fmt: skip
+        _gelu_fp8_kernel[(M,)](
+            h2,
+            g,
+            q,
+            qs,
+            N,
+            h2.stride(0),
+            g.stride(0),
+            CH=ch,
+            DT=_tl_dtype(h.dtype),
+            STORE=keep,
+            num_warps=CONFIG["warps"],
+        )
     return QuantizedRows(q, qs, h.shape, h.dtype, g.view(h.shape) if keep else None)

@@ -29,11 +29,15 @@ __all__ = ["head_scatter", "head_scatter_ref", "FIELDS", "entry"]
 FIELDS = ("dst_ptr", "dst_sc", "dst_sb", "dst_st", "dst_h0", "src_t0", "src_h0", "dst_t0", "count")
 
 
-def entry(dst: torch.Tensor, *, src_t0: int, src_h0: int, dst_t0: int, count: int, dst_h0: int = 0) -> list[int]:
+def entry(
+    dst: torch.Tensor, *, src_t0: int, src_h0: int, dst_t0: int, count: int, dst_h0: int = 0
+) -> list[int]:
     """The table row for destination `dst`, a (NC, B, T, H, D) view (NC = 1 or 3) of any memory."""
     sc, sb, st, sh, sd = dst.stride()
     if sd != 1 or sh != dst.shape[4]:
-        raise ValueError(f"destination heads must be contiguous (stride D, D contiguous), got strides {dst.stride()}")
+        raise ValueError(
+            f"destination heads must be contiguous (stride D, D contiguous), got strides {dst.stride()}"
+        )
     return [dst.data_ptr(), sc, sb, st, dst_h0, src_t0, src_h0, dst_t0, count]
 
 
@@ -43,9 +47,21 @@ if triton_available():
 
     @triton.jit
     def _head_scatter_kernel(
-        s0, s1, s2, table, ss_b, ss_t, ss_h, NH, D, E,
-        NC: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DT: tl.constexpr,
-    ):  # fmt: skip
+        s0,
+        s1,
+        s2,
+        table,
+        ss_b,
+        ss_t,
+        ss_h,
+        NH,
+        D,
+        E,
+        NC: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DT: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         t = pid // E  # the E entries of one token are neighbouring programs: every SM mixes local and
         row = table + (pid % E).to(tl.int64) * 9  # remote (NVLink) writes, not one phase after the other
@@ -67,7 +83,9 @@ if triton_available():
                 tl.store(dst + 2 * d_sc + dst_off, tl.load(s2 + src_off, mask=m), mask=m)
 
 
-def head_scatter_ref(srcs: list[torch.Tensor], table: list[list[int]], dsts: list[torch.Tensor], NH: int) -> None:
+def head_scatter_ref(
+    srcs: list[torch.Tensor], table: list[list[int]], dsts: list[torch.Tensor], NH: int
+) -> None:
     """Plain torch: `dsts[e]` is entry e's destination as a (NC, B, T, H, D) tensor (the same memory
     as its `dst_ptr`); srcs are (B, T, H, D) views."""
     for row, dst in zip(table, dsts):
@@ -76,22 +94,47 @@ def head_scatter_ref(srcs: list[torch.Tensor], table: list[list[int]], dsts: lis
             dst[c, :, dt0 : dt0 + n, dh0 : dh0 + NH].copy_(src[:, st0 : st0 + n, sh0 : sh0 + NH])
 
 
-def head_scatter(srcs: list[torch.Tensor], table: torch.Tensor, rows: list[list[int]], dsts: list[torch.Tensor],
-                 NH: int, max_count: int) -> None:  # fmt: skip
+def head_scatter(
+    srcs: list[torch.Tensor],
+    table: torch.Tensor,
+    rows: list[list[int]],
+    dsts: list[torch.Tensor],
+    NH: int,
+    max_count: int,
+) -> None:
     """srcs: 1 or 3 (B, T, H, D) views with equal strides and D contiguous (e.g. q, k, v);
     table: the int64 (E, 9) device tensor of `rows` (kept alive by the caller: a captured CUDA graph
     reads it); dsts: each row's destination as a tensor (for the torch path); max_count: max(count)."""
-    if len(srcs) not in (1, 3) or any(s.stride() != srcs[0].stride() or s.shape != srcs[0].shape for s in srcs):
+    if len(srcs) not in (1, 3) or any(
+        s.stride() != srcs[0].stride() or s.shape != srcs[0].shape for s in srcs
+    ):
         raise ValueError("head_scatter takes 1 or 3 sources of one shape and one layout")
     B, _, _, D = srcs[0].shape
     dt = _tl_dtype(srcs[0].dtype) if triton_available() else None
-    if (dt is None or srcs[0].stride(3) != 1 or not use_triton(*srcs, table)
-            or any(d.dtype != srcs[0].dtype for d in dsts)):  # fmt: skip
+    if (
+        dt is None
+        or srcs[0].stride(3) != 1
+        or not use_triton(*srcs, table)
+        or any(d.dtype != srcs[0].dtype for d in dsts)
+    ):
         return head_scatter_ref(srcs, rows, dsts, NH)
     s = srcs * 3 if len(srcs) == 1 else srcs
     bh, bd = triton.next_power_of_2(NH), triton.next_power_of_2(D)
     with _on_device(srcs[0]):
         _head_scatter_kernel[(max_count * len(rows), 1, B)](
-            s[0], s[1], s[2], table, srcs[0].stride(0), srcs[0].stride(1), srcs[0].stride(2), NH, D, len(rows),
-            NC=len(srcs), BLOCK_H=bh, BLOCK_D=bd, DT=dt, num_warps=4 if bh * bd >= 1024 else 1,
-        )  # fmt: skip
+            s[0],
+            s[1],
+            s[2],
+            table,
+            srcs[0].stride(0),
+            srcs[0].stride(1),
+            srcs[0].stride(2),
+            NH,
+            D,
+            len(rows),
+            NC=len(srcs),
+            BLOCK_H=bh,
+            BLOCK_D=bd,
+            DT=dt,
+            num_warps=4 if bh * bd >= 1024 else 1,
+        )

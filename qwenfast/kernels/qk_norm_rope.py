@@ -41,8 +41,16 @@ import torch
 from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, triton_available, use_triton
 from .fp8_rows import FP8, codes_ref
 
-__all__ = ["qk_norm_rope", "qk_norm_rope_groups", "group_row", "qk_norm_rope_ref", "rms_norm_ref", "apply_rope_ref",
-           "qk_descale", "joint_qkv"]  # fmt: skip
+__all__ = [
+    "qk_norm_rope",
+    "qk_norm_rope_groups",
+    "group_row",
+    "qk_norm_rope_ref",
+    "rms_norm_ref",
+    "apply_rope_ref",
+    "qk_descale",
+    "joint_qkv",
+]
 
 EPS = 1e-6
 QK_MARGIN = 1.02  # the bound's slack for the half-precision roundings between the norm and the store
@@ -64,8 +72,20 @@ if triton_available():
     from .fp8_rows import _codes
 
     @triton.jit
-    def _norm_rope(x, w_ptr, ds, dmask, c, s, Dh, eps,
-                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, YDT: tl.constexpr, W_HALF: tl.constexpr):  # fmt: skip
+    def _norm_rope(
+        x,
+        w_ptr,
+        ds,
+        dmask,
+        c,
+        s,
+        Dh,
+        eps,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        YDT: tl.constexpr,
+        W_HALF: tl.constexpr,
+    ):
         """RMSNorm over the last dim of an fp32 [BLOCK_H, BLOCK_D] tile, then RoPE; fp32 out."""
         ms = tl.sum(x * x, axis=1) / Dh
         y = x * tl.rsqrt(ms + eps)[:, None]
@@ -81,15 +101,50 @@ if triton_available():
 
     @triton.jit
     def _qk_norm_rope_kernel(
-        qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, oq_ptr, ok_ptr, ov_ptr, table_ptr, dq_ptr, dk_ptr,
-        L, H, Dh, offset, h0, HQ, NG,
-        s_b, s_l, s_cos, s_sin,
-        sq_b, sq_h, sq_s, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+        qkv_ptr,
+        wq_ptr,
+        wk_ptr,
+        cos_ptr,
+        sin_ptr,
+        oq_ptr,
+        ok_ptr,
+        ov_ptr,
+        table_ptr,
+        dq_ptr,
+        dk_ptr,
+        L,
+        H,
+        Dh,
+        offset,
+        h0,
+        HQ,
+        NG,
+        s_b,
+        s_l,
+        s_cos,
+        s_sin,
+        sq_b,
+        sq_h,
+        sq_s,
+        sk_b,
+        sk_h,
+        sk_s,
+        sv_b,
+        sv_h,
+        sv_s,
         eps,
-        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, YDT: tl.constexpr, W_HALF: tl.constexpr,
-        QDT: tl.constexpr, KDT: tl.constexpr, VDT: tl.constexpr, TABLE: tl.constexpr,
-        Q8: tl.constexpr, K8: tl.constexpr, HAS_V: tl.constexpr,
-    ):  # fmt: skip
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        YDT: tl.constexpr,
+        W_HALF: tl.constexpr,
+        QDT: tl.constexpr,
+        KDT: tl.constexpr,
+        VDT: tl.constexpr,
+        TABLE: tl.constexpr,
+        Q8: tl.constexpr,
+        K8: tl.constexpr,
+        HAS_V: tl.constexpr,
+    ):
         pid = tl.program_id(0).to(tl.int64)
         row = pid // NG  # token; the NG head groups of one token are neighbouring programs, so every
         if TABLE:  # SM mixes local and remote (NVLink) writes instead of one phase after the other
@@ -152,10 +207,20 @@ def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def qk_norm_rope_ref(
-    qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor | None, offset: int = 0, eps: float = EPS,
-    head0: int = 0, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    qkv: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out_q: torch.Tensor,
+    out_k: torch.Tensor,
+    out_v: torch.Tensor | None,
+    offset: int = 0,
+    eps: float = EPS,
+    head0: int = 0,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Plain torch: norm_q/norm_k + apply_rope of heads head0.. (as many as out_q has), then copy
     into out_*[:, :, offset:offset+L] (e4m3 out_q / out_k: the codes at descale_q / descale_k).
     out_v None: qkv is Q|K only (its V went elsewhere)."""
@@ -194,25 +259,47 @@ def _supported(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, head0=0, dq=N
         return False
     H, Dh, parts = out_q.shape[1], out_q.shape[3], len(outs)
     return (
-        Dh % 2 == 0 and qkv.shape[-1] % (parts * Dh) == 0 and 0 <= head0
-        and head0 + H <= qkv.shape[-1] // (parts * Dh) and H * Dh <= 65536 and 0 <= offset
+        Dh % 2 == 0
+        and qkv.shape[-1] % (parts * Dh) == 0
+        and 0 <= head0
+        and head0 + H <= qkv.shape[-1] // (parts * Dh)
+        and H * Dh <= 65536
+        and 0 <= offset
         and all(
-            o.shape[0] == B and o.shape[1] == H and o.shape[3] == Dh and o.shape[2] >= offset + L
+            o.shape[0] == B
+            and o.shape[1] == H
+            and o.shape[3] == Dh
+            and o.shape[2] >= offset + L
             and o.stride(-1) == 1
             for o in outs
         )
-        and _fp8_ok(out_q, dq) and _fp8_ok(out_k, dk) and (out_v is None or out_v.dtype in FLOAT_DTYPES)
+        and _fp8_ok(out_q, dq)
+        and _fp8_ok(out_k, dk)
+        and (out_v is None or out_v.dtype in FLOAT_DTYPES)
         and all(w.shape == (Dh,) and w.stride(0) == 1 for w in (wq, wk))
-        and wq.dtype == wk.dtype and wq.dtype in FLOAT_DTYPES
-        and all(t.dtype == torch.float32 and t.shape == (L, Dh // 2) and t.stride(-1) == 1 for t in (cos, sin))
-    )  # fmt: skip
+        and wq.dtype == wk.dtype
+        and wq.dtype in FLOAT_DTYPES
+        and all(
+            t.dtype == torch.float32 and t.shape == (L, Dh // 2) and t.stride(-1) == 1 for t in (cos, sin)
+        )
+    )
 
 
 def qk_norm_rope(
-    qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor | None, offset: int = 0, eps: float = EPS,
-    head0: int = 0, descale_q: torch.Tensor | None = None, descale_k: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    qkv: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    out_q: torch.Tensor,
+    out_k: torch.Tensor,
+    out_v: torch.Tensor | None,
+    offset: int = 0,
+    eps: float = EPS,
+    head0: int = 0,
+    descale_q: torch.Tensor | None = None,
+    descale_k: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """RMSNorm(q; wq), RMSNorm(k; wk), RoPE on both, and q, k, v -> out_*[:, :, offset:offset+L].
 
     qkv: (B, L, 3*HQ*Dh) fused projection (Q|K|V, heads contiguous), last dim contiguous; or
@@ -228,22 +315,32 @@ def qk_norm_rope(
     Unsupported layouts/devices run `qk_norm_rope_ref` (same result, no error).
     """
     args = (qkv, wq, wk, cos, sin, out_q, out_k, out_v)
-    if not (_supported(*args, offset, head0, descale_q, descale_k) and use_triton(*(t for t in args if t is not None))):
+    if not (
+        _supported(*args, offset, head0, descale_q, descale_k)
+        and use_triton(*(t for t in args if t is not None))
+    ):
         return qk_norm_rope_ref(*args, offset, eps, head0, descale_q, descale_k)
     _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset, eps, head0=head0, dq=descale_q, dk=descale_k)
     return out_q, out_k, out_v
 
 
-def joint_qkv(streams: list[tuple], heads: int, head_dim: int, qk_dtype: torch.dtype | None = None,
-              descale_qk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def joint_qkv(
+    streams: list[tuple],
+    heads: int,
+    head_dim: int,
+    qk_dtype: torch.dtype | None = None,
+    descale_qk: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The joint Q, K, V (B, H, S, D), views of fresh (B, S, H, D) buffers, each stream written at its
     offset by `qk_norm_rope`; streams: (qkv, q gain, k gain, cos, sin) each, in sequence order, as
     `runtime.attention.joint_attention` takes them. qk_dtype: Q's and K's (default the projections'
     dtype; e4m3 with `descale_qk`, fp32 (2,) = their descales); V keeps the projections' dtype."""
     qkv0 = streams[0][0]
     B, S, dev = qkv0.shape[0], sum(st[0].shape[1] for st in streams), qkv0.device
-    q, k = (torch.empty(B, S, heads, head_dim, dtype=qk_dtype or qkv0.dtype, device=dev).transpose(1, 2)
-            for _ in range(2))  # fmt: skip
+    q, k = (
+        torch.empty(B, S, heads, head_dim, dtype=qk_dtype or qkv0.dtype, device=dev).transpose(1, 2)
+        for _ in range(2)
+    )
     v = torch.empty(B, S, heads, head_dim, dtype=qkv0.dtype, device=dev).transpose(1, 2)
     dq, dk = (None, None) if descale_qk is None else (descale_qk[0:1], descale_qk[1:2])
     offset = 0
@@ -259,30 +356,59 @@ def group_row(out_q: torch.Tensor, out_k: torch.Tensor, out_v: torch.Tensor, hea
 
 
 def qk_norm_rope_groups(
-    qkv: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    table: torch.Tensor, groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], offset: int = 0,
+    qkv: torch.Tensor,
+    wq: torch.Tensor,
+    wk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    table: torch.Tensor,
+    groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]],
+    offset: int = 0,
     eps: float = EPS,
-) -> None:  # fmt: skip
+) -> None:
     """`qk_norm_rope(..., head0=h0)` into every group (out_q, out_k, out_v, h0) of `groups` in one
     launch: e.g. each Ulysses rank's head group straight into that rank's buffers, the remote writes
     of one group overlapping the others' work. `table`: the int64 (G, 4) device tensor of
     `group_row(*group)` per group (kept alive by the caller: a captured CUDA graph reads it). The
     groups' buffers share one shape, dtype and layout. Unsupported cases: one call per group."""
     q0, k0, v0, _ = groups[0]
-    same = all(q.shape == q0.shape and q.stride() == q0.stride() and k.stride() == k0.stride()
-               and v.stride() == v0.stride() and q.dtype == k.dtype == v.dtype == q0.dtype
-               for q, k, v, _ in groups)  # fmt: skip
+    same = all(
+        q.shape == q0.shape
+        and q.stride() == q0.stride()
+        and k.stride() == k0.stride()
+        and v.stride() == v0.stride()
+        and q.dtype == k.dtype == v.dtype == q0.dtype
+        for q, k, v, _ in groups
+    )
     args = (qkv, wq, wk, cos, sin, q0, k0, v0)
-    if not (same and all(_supported(*args[:5], q, k, v, offset, h) for q, k, v, h in groups)
-            and use_triton(*args, table)):  # fmt: skip
+    if not (
+        same
+        and all(_supported(*args[:5], q, k, v, offset, h) for q, k, v, h in groups)
+        and use_triton(*args, table)
+    ):
         for q, k, v, h in groups:
             qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, eps=eps, head0=h)
         return
     _launch(qkv, wq, wk, cos, sin, q0, k0, v0, offset, eps, table=table, groups=len(groups))
 
 
-def _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset: int, eps: float, head0: int = 0,
-            table: torch.Tensor | None = None, groups: int = 1, dq=None, dk=None) -> None:  # fmt: skip
+def _launch(
+    qkv,
+    wq,
+    wk,
+    cos,
+    sin,
+    out_q,
+    out_k,
+    out_v,
+    offset: int,
+    eps: float,
+    head0: int = 0,
+    table: torch.Tensor | None = None,
+    groups: int = 1,
+    dq=None,
+    dk=None,
+) -> None:
     """The kernel over B*L tokens (x `groups` head groups from `table`, else into out_* from head0)."""
     B, L, _ = qkv.shape
     H, Dh = out_q.shape[1], out_q.shape[3]
@@ -295,17 +421,48 @@ def _launch(qkv, wq, wk, cos, sin, out_q, out_k, out_v, offset: int, eps: float,
     ov = out_k if out_v is None else out_v  # (an unused pointer and strides when there is no V)
     with _on_device(qkv):
         _qk_norm_rope_kernel[(B * L * groups,)](
-            qkv, wq, wk, cos, sin, out_q, out_k, ov, qkv if table is None else table,
-            qkv if dq is None else dq, qkv if dk is None else dk,
-            L, H, Dh, offset, head0, hq, groups,
-            qkv.stride(0), qkv.stride(1), cos.stride(0), sin.stride(0),
-            out_q.stride(0), out_q.stride(1), out_q.stride(2),
-            out_k.stride(0), out_k.stride(1), out_k.stride(2),
-            ov.stride(0), ov.stride(1), ov.stride(2),
+            qkv,
+            wq,
+            wk,
+            cos,
+            sin,
+            out_q,
+            out_k,
+            ov,
+            qkv if table is None else table,
+            qkv if dq is None else dq,
+            qkv if dk is None else dk,
+            L,
+            H,
+            Dh,
+            offset,
+            head0,
+            hq,
+            groups,
+            qkv.stride(0),
+            qkv.stride(1),
+            cos.stride(0),
+            sin.stride(0),
+            out_q.stride(0),
+            out_q.stride(1),
+            out_q.stride(2),
+            out_k.stride(0),
+            out_k.stride(1),
+            out_k.stride(2),
+            ov.stride(0),
+            ov.stride(1),
+            ov.stride(2),
             eps,
-            BLOCK_H=block_h, BLOCK_D=block_d, YDT=_tl_dtype(wq.dtype) if w_half else tl.float32, W_HALF=w_half,
-            QDT=_tl_dtype(out_q.dtype) or tl.float8e4nv, KDT=_tl_dtype(out_k.dtype) or tl.float8e4nv,
-            VDT=_tl_dtype(ov.dtype) or tl.float8e4nv, TABLE=table is not None, Q8=out_q.dtype == FP8,
-            K8=out_k.dtype == FP8, HAS_V=out_v is not None,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            YDT=_tl_dtype(wq.dtype) if w_half else tl.float32,
+            W_HALF=w_half,
+            QDT=_tl_dtype(out_q.dtype) or tl.float8e4nv,
+            KDT=_tl_dtype(out_k.dtype) or tl.float8e4nv,
+            VDT=_tl_dtype(ov.dtype) or tl.float8e4nv,
+            TABLE=table is not None,
+            Q8=out_q.dtype == FP8,
+            K8=out_k.dtype == FP8,
+            HAS_V=out_v is not None,
             num_warps=_num_warps(block_h * block_d),
-        )  # fmt: skip
+        )

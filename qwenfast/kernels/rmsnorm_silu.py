@@ -37,12 +37,25 @@ if triton_available():
 
     @triton.jit
     def _rmsnorm_silu_kernel(
-        x_ptr, g_ptr, bias_ptr, out_ptr,
-        P, C, scale,
-        sx_b, sx_c, sx_p, so_b, so_c, so_p,
-        SILU: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+        x_ptr,
+        g_ptr,
+        bias_ptr,
+        out_ptr,
+        P,
+        C,
+        scale,
+        sx_b,
+        sx_c,
+        sx_p,
+        so_b,
+        so_c,
+        so_p,
+        SILU: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        BLOCK_P: tl.constexpr,
+        BLOCK_C: tl.constexpr,
         DT: tl.constexpr,
-    ):  # fmt: skip
+    ):
         b = tl.program_id(1).to(tl.int64)
         p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)  # (BLOCK_P,)
         c = tl.arange(0, BLOCK_C)  # (BLOCK_C,)
@@ -63,8 +76,9 @@ if triton_available():
         tl.store(out_ptr + o, _cast(y, DT), mask=mask)
 
 
-def rmsnorm_silu_ref(x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool = True,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def rmsnorm_silu_ref(
+    x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool = True, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Plain torch, op for op `qwenfast.models.vae.RMSNorm.forward` (then `F.silu` when `silu`).
 
     x: (B, C, H, W); gamma: (C, 1, 1) or (C,); scale = sqrt(C); bias: (C,) added to x first (the
@@ -90,7 +104,11 @@ def _pixel_stride(t: torch.Tensor) -> int | None:
 
 
 def rmsnorm_silu(
-    x: torch.Tensor, gamma: torch.Tensor, scale: float, silu: bool = True, out: torch.Tensor | None = None,
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    scale: float,
+    silu: bool = True,
+    out: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`silu(RMSNorm_C(x [+ bias]) * gamma)` (or without SiLU), one fused pass on CUDA; same layout out as in.
@@ -100,10 +118,18 @@ def rmsnorm_silu(
     else, CPU tensors, or backend "torch" -> the reference (copied into `out` when given).
     """
     ok = (
-        x.dim() == 4 and x.dtype in FLOAT_DTYPES and gamma.dtype == x.dtype and gamma.numel() == x.shape[1]
-        and 0 < x.shape[1] <= MAX_C and x.numel() > 0 and _pixel_stride(x) is not None and use_triton(x, gamma)
-        and (bias is None or (bias.dtype == x.dtype and bias.numel() == x.shape[1] and bias.device == x.device))
-    )  # fmt: skip
+        x.dim() == 4
+        and x.dtype in FLOAT_DTYPES
+        and gamma.dtype == x.dtype
+        and gamma.numel() == x.shape[1]
+        and 0 < x.shape[1] <= MAX_C
+        and x.numel() > 0
+        and _pixel_stride(x) is not None
+        and use_triton(x, gamma)
+        and (
+            bias is None or (bias.dtype == x.dtype and bias.numel() == x.shape[1] and bias.device == x.device)
+        )
+    )
     if out is not None:
         ok = ok and out.shape == x.shape and out.dtype == x.dtype and _pixel_stride(out) is not None
     if not ok:
@@ -121,9 +147,24 @@ def rmsnorm_silu(
     P = H * W
     with _on_device(x):
         _rmsnorm_silu_kernel[(triton.cdiv(P, block_p), B)](
-            x, g, g if bias is None else bias.reshape(-1).contiguous(), out, P, C, float(scale),
-            x.stride(0), x.stride(1), _pixel_stride(x), out.stride(0), out.stride(1), sp_out,
-            SILU=silu, HAS_BIAS=bias is not None, BLOCK_P=block_p, BLOCK_C=block_c, DT=_tl_dtype(x.dtype),
+            x,
+            g,
+            g if bias is None else bias.reshape(-1).contiguous(),
+            out,
+            P,
+            C,
+            float(scale),
+            x.stride(0),
+            x.stride(1),
+            _pixel_stride(x),
+            out.stride(0),
+            out.stride(1),
+            sp_out,
+            SILU=silu,
+            HAS_BIAS=bias is not None,
+            BLOCK_P=block_p,
+            BLOCK_C=block_c,
+            DT=_tl_dtype(x.dtype),
             num_warps=4,
-        )  # fmt: skip
+        )
     return out

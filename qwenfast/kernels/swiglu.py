@@ -48,9 +48,13 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of a fused (..., 2H) gate|up tensor (last dim contiguous, rows of any stride
     once flattened), one pass on CUDA; anything else returns `silu_mul_ref`."""
     ok = (
-        gu.dtype in FLOAT_DTYPES and gu.dim() >= 2 and gu.shape[-1] % 2 == 0 and gu.numel() > 0
-        and gu.stride(-1) == 1 and use_triton(gu)
-    )  # fmt: skip
+        gu.dtype in FLOAT_DTYPES
+        and gu.dim() >= 2
+        and gu.shape[-1] % 2 == 0
+        and gu.numel() > 0
+        and gu.stride(-1) == 1
+        and use_triton(gu)
+    )
     if not ok:
         return silu_mul_ref(gu)
     rows = gu.reshape(-1, gu.shape[-1])  # a view for the usual contiguous GEMM output

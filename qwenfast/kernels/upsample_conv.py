@@ -40,8 +40,9 @@ def subpixel_weights(w: torch.Tensor) -> torch.Tensor:
     return k.reshape(4 * w.shape[0], w.shape[1], 2, 2).to(w.dtype)
 
 
-def upsample_conv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                      add: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+def upsample_conv_ref(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, add: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """Plain torch: `conv2d(interpolate(x, 2, nearest), w, bias, padding=1)`; (B,Cin,H,W) -> (B,Cout,2H,2W);
     plus `add`'s four (B, Cout, H, W) phase planes interleaved (`pixel_shuffle`) when given."""
     y = F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), w, bias, padding=1)
@@ -50,8 +51,9 @@ def upsample_conv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | Non
     return y + F.pixel_shuffle(torch.stack(add, dim=2).flatten(1, 2), 2)
 
 
-def upsample_conv(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None,
-                  add: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+def upsample_conv(
+    x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None, add: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """The same as `upsample_conv_ref(x, w, bias, add)` given `w4 = subpixel_weights(w)`; no upsampled tensor.
 
     x: (B, Cin, H, W) in any memory format -> (B, Cout, 2H, 2W) in x's memory format. `add`: four
@@ -64,8 +66,11 @@ def upsample_conv(x: torch.Tensor, w4: torch.Tensor, bias: torch.Tensor | None,
     co = w4.shape[0] // 4
     y = F.conv2d(x, w4, bias.repeat(4) if bias is not None else None, padding=1)  # (B, 4Co, H+1, W+1)
     y = y.unflatten(1, (4, co))  # (B, 4, Co, H+1, W+1)
-    fmt = torch.channels_last if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) \
-        and not x.is_contiguous() else torch.contiguous_format  # fmt: skip
+    fmt = (
+        torch.channels_last
+        if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+        else torch.contiguous_format
+    )
     out = torch.empty((B, co, 2 * H, 2 * W), dtype=y.dtype, device=y.device, memory_format=fmt)
     o6 = out.unflatten(3, (W, 2)).unflatten(2, (H, 2))  # (B, Co, H, 2, W, 2), a view
     for a in (0, 1):

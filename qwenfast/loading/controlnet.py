@@ -38,9 +38,14 @@ def controlnet_folder(path: Path) -> Path | None:
     return None
 
 
-def load_controlnet(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                    config: ControlNetConfig | dict | str | Path | None = None,
-                    axes_dims_rope: tuple[int, int, int] | None = None, model_class: type | None = None):  # fmt: skip
+def load_controlnet(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    config: ControlNetConfig | dict | str | Path | None = None,
+    axes_dims_rope: tuple[int, int, int] | None = None,
+    model_class: type | None = None,
+):
     """A diffusers ControlNet folder or a single file -> `QwenImageControlNetModel` (or `model_class`, a subclass of
     X
 
@@ -57,13 +62,17 @@ def load_controlnet(path: str | Path, device: torch.device | str = "cpu", dtype:
     if p.is_dir():
         d = controlnet_folder(p)
         if d is None:
-            raise CheckpointError(f"{p} holds no ControlNet: expected config.json + {WEIGHTS_STEM}.safetensors "
-                                  "(a diffusers ControlNet folder such as InstantX/Qwen-Image-ControlNet-Union), "
-                                  "a controlnet/ subfolder, or pass the .safetensors file itself")  # fmt: skip
+            raise CheckpointError(
+                f"{p} holds no ControlNet: expected config.json + {WEIGHTS_STEM}.safetensors "
+                "(a diffusers ControlNet folder such as InstantX/Qwen-Image-ControlNet-Union), "
+                "a controlnet/ subfolder, or pass the .safetensors file itself"
+            )
         raw = read_json(d / "config.json")
         cls = raw.get("_class_name", "QwenImageControlNetModel")
         if cls != "QwenImageControlNetModel":
-            raise CheckpointError(f"{d}/config.json: {cls!r} is not a Qwen-Image ControlNet (QwenImageControlNetModel)")
+            raise CheckpointError(
+                f"{d}/config.json: {cls!r} is not a Qwen-Image ControlNet (QwenImageControlNetModel)"
+            )
         cfg = _make_config(ControlNetConfig, {}, raw if config is None else config, "controlnet", d)
         items = iter_safetensors(weight_files(d, WEIGHTS_STEM), device)
         where, convert = str(d), fuser
@@ -91,15 +100,25 @@ def inspect_controlnet(path: Path | str, config=None, axes_dims_rope=None) -> tu
     names = {k: k[len(prefix) :] for k in keys}
     shapes = {n: header.shapes[k] for k, n in names.items()}
     if "controlnet_x_embedder.weight" not in shapes or "controlnet_blocks.0.weight" not in shapes:
-        raise CheckpointError(_not_this(header, keys, "a Qwen-Image ControlNet (InstantX layout)", (
-            "diffusers QwenImageControlNetModel names ('controlnet_x_embedder.weight', 'controlnet_blocks.N.weight', "
-            "'transformer_blocks.N.attn.to_q.weight', ...), bare or prefixed 'controlnet.'")))  # fmt: skip
+        raise CheckpointError(
+            _not_this(
+                header,
+                keys,
+                "a Qwen-Image ControlNet (InstantX layout)",
+                (
+                    "diffusers QwenImageControlNetModel names ('controlnet_x_embedder.weight', 'controlnet_blocks.N.weight', "
+                    "'transformer_blocks.N.attn.to_q.weight', ...), bare or prefixed 'controlnet.'"
+                ),
+            )
+        )
     inferred = infer_controlnet_config(shapes, header.path)
     if inferred["axes_dims_rope"] is ASK and axes_dims_rope is not None:
         inferred["axes_dims_rope"] = tuple(axes_dims_rope)
     cfg = _make_config(ControlNetConfig, inferred, config, "controlnet", header.path)
     layout = f"ControlNet ({'prefix ' + repr(prefix) if prefix else 'no prefix'}, {cfg.num_layers} layers"
-    layout += f", +{cfg.extra_condition_channels} condition channels)" if cfg.extra_condition_channels else ")"
+    layout += (
+        f", +{cfg.extra_condition_channels} condition channels)" if cfg.extra_condition_channels else ")"
+    )
     return Source(header, quant, names, layout), cfg
 
 
@@ -108,7 +127,12 @@ def infer_controlnet_config(shapes: dict[str, tuple[int, ...]], path: Path | str
     blocks = sorted({int(m.group(1)) for n in shapes if (m := re.match(r"transformer_blocks\.(\d+)\.", n))})
     if not blocks or blocks != list(range(len(blocks))):
         raise CheckpointError(f"{path}: ControlNet transformer blocks are missing or not numbered 0..N-1")
-    need = ("img_in.weight", "txt_in.weight", "controlnet_x_embedder.weight", "transformer_blocks.0.attn.norm_q.weight")
+    need = (
+        "img_in.weight",
+        "txt_in.weight",
+        "controlnet_x_embedder.weight",
+        "transformer_blocks.0.attn.norm_q.weight",
+    )
     missing = [k for k in need if k not in shapes]
     if missing:
         raise CheckpointError(f"{path}: cannot infer the ControlNet config, keys missing: {missing}")

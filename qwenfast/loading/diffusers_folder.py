@@ -76,7 +76,9 @@ def inspect_folder(path: Path) -> tuple[str | None, list[str]]:
     kind = PIPELINE_CLASSES.get(cls)
     problems = []
     if kind is None:
-        problems.append(f"model_index.json: _class_name {cls!r} is not a Qwen-Image pipeline {sorted(PIPELINE_CLASSES)}")
+        problems.append(
+            f"model_index.json: _class_name {cls!r} is not a Qwen-Image pipeline {sorted(PIPELINE_CLASSES)}"
+        )
     needed = dict(REQUIRED)
     if kind in ("edit", "edit-plus", "layered"):
         needed["processor"] = (None, None)
@@ -96,7 +98,9 @@ def inspect_folder(path: Path) -> tuple[str | None, list[str]]:
     return kind, problems
 
 
-def load_transformer(folder: Path, device: torch.device | str, dtype: torch.dtype, fp8: bool = False) -> QwenImageTransformer:
+def load_transformer(
+    folder: Path, device: torch.device | str, dtype: torch.dtype, fp8: bool = False
+) -> QwenImageTransformer:
     """`fp8`: the block Linears are quantised to FP8 tensor by tensor as they stream in (no bf16 model
     on the device first); bitwise what `enable_fp8()` makes of the resident bf16 model."""
     from ..kernels.fp8_linear import quantize_model

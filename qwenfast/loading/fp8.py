@@ -268,9 +268,16 @@ def plan_quantization(header: Header) -> QuantPlan:
             f"{SUPPORTED}"
         )
     n_fp8 = sum(dtypes[k] in FP8 for k in keys if k not in aux)
-    how = [name for name, present in (("legacy scaled_fp8", sentinel), ("comfy_quant", markers),
-           ("_quantization_metadata", "_quantization_metadata" in header.metadata),
-           ("weight_scale", any(k.endswith(".weight_scale") for k in plan.scales.values()))) if present]  # fmt: skip
+    how = [
+        name
+        for name, present in (
+            ("legacy scaled_fp8", sentinel),
+            ("comfy_quant", markers),
+            ("_quantization_metadata", "_quantization_metadata" in header.metadata),
+            ("weight_scale", any(k.endswith(".weight_scale") for k in plan.scales.values())),
+        )
+        if present
+    ]
     if how or plan.scales:
         scaled = f"{len(plan.scales)} scaled / {n_fp8} fp8 tensors"
         plan.kind = f"fp8 scaled ({', '.join(how or ['scale_weight'])}; {scaled})"

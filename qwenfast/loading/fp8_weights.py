@@ -47,7 +47,11 @@ def fp8_rows(t: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> tuple[tor
     if isinstance(t, QuantizedWeight):
         w8, s = t.w8, t.scale
         N = w8.shape[0]
-        s = torch.ones((), dtype=torch.float32, device=w8.device) if s is None else s.to(w8.device, torch.float32)
+        s = (
+            torch.ones((), dtype=torch.float32, device=w8.device)
+            if s is None
+            else s.to(w8.device, torch.float32)
+        )
         if w8.dtype == FP8:
             if s.numel() == 1:
                 return w8, s.reshape(1, 1).expand(N, 1).contiguous()
@@ -65,8 +69,13 @@ class FP8Weights:
     layer a piece belongs to.
     """
 
-    def __init__(self, model: BlockModel, dtype: torch.dtype, then: Callable,
-                 fuse_key: Callable[[str], tuple[str, int] | None] = lambda k: None):  # fmt: skip
+    def __init__(
+        self,
+        model: BlockModel,
+        dtype: torch.dtype,
+        then: Callable,
+        fuse_key: Callable[[str], tuple[str, int] | None] = lambda k: None,
+    ):
         self.layers = {n for n in model.fp8_linears() if isinstance(model.get_submodule(n), FP8Linear)}
         self.dtype, self.then, self.fuse_key = dtype, then, fuse_key
         if hasattr(then, "check_done"):

@@ -139,7 +139,9 @@ class LoraDelta:
     """One low-rank update of one weight segment: W[rows] += strength · scale · up @ down."""
 
     module: str  # our module name, e.g. transformer_blocks.0.attn.to_qkv
-    slot: int | None  # piece of a fused projection (a Q/K/V third, 2.1's gate/up half), None = the whole weight
+    slot: (
+        int | None
+    )  # piece of a fused projection (a Q/K/V third, 2.1's gate/up half), None = the whole weight
     up: torch.Tensor  # (rows, r)
     down: torch.Tensor  # (r, in_features)
     scale: float  # alpha / rank (and the PEFT metadata scale)
@@ -192,7 +194,7 @@ class ModuleIndex:
             changed = False
             for p in _PREFIXES:
                 if key.startswith(p):
-                    key, changed = key[len(p):], True  # fmt: skip
+                    key, changed = key[len(p) :], True
         for p in _FLAT_PREFIXES:
             if key.startswith(p):
                 return self.flat.get(key[len(p) :], key)
@@ -222,8 +224,9 @@ def _peft_scale(meta: dict, name: str) -> float:
     return alpha / (math.sqrt(r) if meta.get("use_rslora") else r)
 
 
-def plan_lora(sd: dict[str, torch.Tensor], index: ModuleIndex, metadata: dict | None = None,
-              where: str = "LoRA") -> list[LoraDelta]:  # fmt: skip
+def plan_lora(
+    sd: dict[str, torch.Tensor], index: ModuleIndex, metadata: dict | None = None, where: str = "LoRA"
+) -> list[LoraDelta]:
     """Normalise a LoRA state dict to per-segment deltas for our model, checking everything first.
 
     Raises one LoraError listing every problem (unsupported adapter types, unknown tensor names,
@@ -290,7 +293,9 @@ def plan_lora(sd: dict[str, torch.Tensor], index: ModuleIndex, metadata: dict | 
         down, up = parts["down"][1], parts["up"][1]
         bias = parts["bias"][1] if "bias" in parts else None
         layer = index.linear[target[0]]
-        pieces = index.pieces.get(target[0], 1)  # > 1: a fused projection (Q|K|V thirds, 2.1's gate|up halves)
+        pieces = index.pieces.get(
+            target[0], 1
+        )  # > 1: a fused projection (Q|K|V thirds, 2.1's gate|up halves)
         rows = layer.out_features // pieces if target[1] is not None else layer.out_features
         fused_on_fused = target[1] is None and pieces > 1
         if down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:

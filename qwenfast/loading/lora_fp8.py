@@ -30,8 +30,9 @@ def bucket(rank: int) -> int:
 
 
 @torch.no_grad()
-def set_side_lora(layer: FP8Linear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]],
-                  pieces: int = 3) -> bool:  # fmt: skip
+def set_side_lora(
+    layer: FP8Linear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]], pieces: int = 3
+) -> bool:
     """Make `layer.lora` hold exactly `parts` [(slot, up (rows, r), down (r, K), factor), ...].
 
     Parts that share one `down` tensor (a LoRA on a fused Q|K|V split in three) share its columns.

@@ -145,7 +145,9 @@ class LoraManager:
         for src, s, n in new:  # read and check every new LoRA before changing anything
             entries.append(self._prepare(src, s, n, reserved))
             reserved.add(entries[-1].name)
-        self._remove(list(free) + [m.name for m, _ in restrength], free=False, sync=False)  # originals reused below
+        self._remove(
+            list(free) + [m.name for m, _ in restrength], free=False, sync=False
+        )  # originals reused below
         for m, s in restrength:
             m.strength = s
         self._apply_all([m for m, _ in restrength] + entries)
@@ -241,7 +243,9 @@ class LoraManager:
         """Rebuild the unmerged LoRA tensors of the FP8 layers touched since the last call."""
         if not self._side_dirty:
             return
-        parts: dict[str, list] = {mod: [] for mod in self._side_dirty}  # one pass over the deltas, in load order
+        parts: dict[str, list] = {
+            mod: [] for mod in self._side_dirty
+        }  # one pass over the deltas, in load order
         for e in self.active.values():
             if e.strength:
                 for d in e.deltas:
@@ -312,7 +316,9 @@ class LoraManager:
             _unpin(t)
 
     def _sync(self) -> None:
-        if any(t.is_cuda for m in self.index.linear.values() for t in (*m.parameters(False), *m.buffers(False))):
+        if any(
+            t.is_cuda for m in self.index.linear.values() for t in (*m.parameters(False), *m.buffers(False))
+        ):
             torch.cuda.synchronize()
 
 
@@ -348,7 +354,9 @@ def _unpin(t: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def _shared(t: torch.Tensor, dev: torch.device, dt: torch.dtype, moved: dict[int, torch.Tensor]) -> torch.Tensor:
+def _shared(
+    t: torch.Tensor, dev: torch.device, dt: torch.dtype, moved: dict[int, torch.Tensor]
+) -> torch.Tensor:
     """`t` on `dev` in `dt`, one copy per source tensor (deltas sharing a factor keep sharing it)."""
     if id(t) not in moved:
         moved[id(t)] = t.to(dev, dt)

@@ -50,8 +50,10 @@ class Fuser21:
 
     def check_done(self, where: str) -> None:
         if self.pending:
-            raise CheckpointError(f"{where}: incomplete fused groups (to_q/to_k/to_v or gate_layer/proj missing) "
-                                  f"for {sorted(self.pending)}")  # fmt: skip
+            raise CheckpointError(
+                f"{where}: incomplete fused groups (to_q/to_k/to_v or gate_layer/proj missing) "
+                f"for {sorted(self.pending)}"
+            )
 
 
 def _config(cls, path: Path):
@@ -61,10 +63,14 @@ def _config(cls, path: Path):
         raise CheckpointError(f"{path}: {e}") from e
 
 
-def load_transformer21(folder: Path, device: torch.device | str, dtype: torch.dtype) -> QwenImage21Transformer:
+def load_transformer21(
+    folder: Path, device: torch.device | str, dtype: torch.dtype
+) -> QwenImage21Transformer:
     folder = Path(folder)
     cfg = _config(Transformer21Config, folder / "config.json")
-    return load_transformer21_files(weight_files(folder, "diffusion_pytorch_model"), cfg, device, dtype, str(folder))
+    return load_transformer21_files(
+        weight_files(folder, "diffusion_pytorch_model"), cfg, device, dtype, str(folder)
+    )
 
 
 def load_transformer21_files(files: list[Path], cfg: Transformer21Config, device, dtype, where: str):
@@ -81,8 +87,11 @@ def load_transformer21_single_file(path: str | Path, device, dtype, config: dict
     keys = {k: v for k, v in keys.items() if k != "__metadata__"}
     plain = {k.removeprefix("model.diffusion_model."): v for k, v in keys.items()}
     if COMFY_MARKER not in plain:
-        hint = ("a Qwen-Image (1.x) transformer: load it with QwenImagePipeline.from_single_files"
-                if "txt_norm.weight" in plain else "no `txt_in.text_norm.weight` tensor")  # fmt: skip
+        hint = (
+            "a Qwen-Image (1.x) transformer: load it with QwenImagePipeline.from_single_files"
+            if "txt_norm.weight" in plain
+            else "no `txt_in.text_norm.weight` tensor"
+        )
         raise CheckpointError(f"{path} is not a Qwen-Image-2.1 transformer file ({hint})")
     if config is None:
         blocks = {int(k.split(".")[1]) for k in plain if k.startswith("transformer_blocks.")}
@@ -90,10 +99,18 @@ def load_transformer21_single_file(path: str | Path, device, dtype, config: dict
         hd = plain["transformer_blocks.0.attn.norm_q.weight"]["shape"][0]
         cin = plain["img_in.weight"]["shape"][1]
         if hd != 128:
-            raise CheckpointError(f"{path}: head dim {hd} is not Qwen-Image-2.1's 128; pass config= (the "
-                                  "transformer's config.json fields, RoPE axes included)")  # fmt: skip
-        config = {"num_layers": len(blocks), "context_in_dim": ctx, "attention_head_dim": hd,
-                  "num_attention_heads": dim // hd, "in_channels": cin, "out_channels": cin}  # fmt: skip
+            raise CheckpointError(
+                f"{path}: head dim {hd} is not Qwen-Image-2.1's 128; pass config= (the "
+                "transformer's config.json fields, RoPE axes included)"
+            )
+        config = {
+            "num_layers": len(blocks),
+            "context_in_dim": ctx,
+            "attention_head_dim": hd,
+            "num_attention_heads": dim // hd,
+            "in_channels": cin,
+            "out_channels": cin,
+        }
     cfg = Transformer21Config.from_dict(config)
     return load_transformer21_files([path], cfg, device, dtype, str(path))
 
@@ -112,10 +129,13 @@ def inspect_folder21(path: Path) -> list[str]:
     from .weights import check_weight_files
 
     problems = []
-    for comp, cfg_name, stem in (("transformer", "config.json", "diffusion_pytorch_model"),
-                                 ("vae", "config.json", "diffusion_pytorch_model"),
-                                 ("text_encoder", "config.json", "model"), ("scheduler", "scheduler_config.json", None),
-                                 ("processor", None, None)):  # fmt: skip
+    for comp, cfg_name, stem in (
+        ("transformer", "config.json", "diffusion_pytorch_model"),
+        ("vae", "config.json", "diffusion_pytorch_model"),
+        ("text_encoder", "config.json", "model"),
+        ("scheduler", "scheduler_config.json", None),
+        ("processor", None, None),
+    ):
         d = Path(path) / comp
         if not d.is_dir():
             problems.append(f"missing folder {comp}/")

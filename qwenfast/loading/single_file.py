@@ -92,7 +92,9 @@ class Source:
     ) -> Iterator[tuple[str, torch.Tensor, Path]]:
         """`raw(our name)` True: that tensor as stored if it is FP8 (see `iter_plain_tensors`)."""
         fp8 = None if raw is None else (lambda k: raw(self.names[k]))
-        return iter_plain_tensors(self.header, self.quant, device, dtype, keep=self.names.__contains__, raw=fp8)
+        return iter_plain_tensors(
+            self.header, self.quant, device, dtype, keep=self.names.__contains__, raw=fp8
+        )
 
     def describe(self) -> str:
         return f"{self.path.name}: {self.layout}, {self.quant.kind}"
@@ -164,9 +166,17 @@ def inspect_transformer(
     names = {k: k[len(prefix) :] for k in keys}
     shapes = {n: header.shapes[k] for k, n in names.items()}
     if "img_in.weight" not in shapes or not any(n.startswith("transformer_blocks.") for n in shapes):
-        raise CheckpointError(_not_this(header, keys, "a Qwen-Image transformer", (
-            "diffusers/ComfyUI Qwen-Image names ('img_in.weight', 'transformer_blocks.N.attn.to_q.weight' or "
-            "'...attn.add_qkv_proj.weight', ...), bare or prefixed 'model.diffusion_model.' / 'diffusion_model.'")))  # fmt: skip
+        raise CheckpointError(
+            _not_this(
+                header,
+                keys,
+                "a Qwen-Image transformer",
+                (
+                    "diffusers/ComfyUI Qwen-Image names ('img_in.weight', 'transformer_blocks.N.attn.to_q.weight' or "
+                    "'...attn.add_qkv_proj.weight', ...), bare or prefixed 'model.diffusion_model.' / 'diffusion_model.'"
+                ),
+            )
+        )
     marker = [k for k, n in names.items() if n == ZERO_COND_MARKER]
     for k in marker:
         del names[k]
@@ -246,6 +256,7 @@ def load_transformer_file(
 
 # ---------------------------------------------------------------------------------------------- VAE
 
+
 def inspect_vae(
     path: Path | str, config: VAEConfig | dict | Path | str | None = None
 ) -> tuple[Source, VAEConfig]:
@@ -270,8 +281,10 @@ def inspect_vae(
     return src, cfg
 
 
-_VAE_OK = ("Wan names ('decoder.middle.0.residual.0.gamma', 'decoder.upsamples.N...', 'conv1.weight', ...) or "
-           "diffusers names ('decoder.mid_block.resnets.0.norm1.gamma', ...), bare or prefixed 'first_stage_model.'/'vae.'")  # fmt: skip
+_VAE_OK = (
+    "Wan names ('decoder.middle.0.residual.0.gamma', 'decoder.upsamples.N...', 'conv1.weight', ...) or "
+    "diffusers names ('decoder.mid_block.resnets.0.norm1.gamma', ...), bare or prefixed 'first_stage_model.'/'vae.'"
+)
 
 
 def infer_vae_config(shapes: dict[str, tuple[int, ...]], path: Path | str = "") -> dict:
@@ -353,9 +366,17 @@ def inspect_text_encoder(
     names = {k: _te_name(k) for k in keys}
     unknown = [k for k, n in names.items() if n is None]
     if unknown or "model.language_model.embed_tokens.weight" not in names.values():
-        raise CheckpointError(_not_this(header, unknown or keys, "a Qwen2.5-VL text encoder", (
-            "'model.layers.N...' / 'model.embed_tokens.weight' / 'visual.blocks.N...' / 'lm_head.weight' (ComfyUI) "
-            "or 'model.language_model.*' / 'model.visual.*' (transformers 5)")))  # fmt: skip
+        raise CheckpointError(
+            _not_this(
+                header,
+                unknown or keys,
+                "a Qwen2.5-VL text encoder",
+                (
+                    "'model.layers.N...' / 'model.embed_tokens.weight' / 'visual.blocks.N...' / 'lm_head.weight' (ComfyUI) "
+                    "or 'model.language_model.*' / 'model.visual.*' (transformers 5)"
+                ),
+            )
+        )
     current = any(k.startswith("model.language_model.") for k in keys)
     src = Source(
         header,
@@ -424,8 +445,10 @@ def _parameters_on_meta():
 
 def resolve_tokenizer(tokenizer: Path | str | None) -> Path:
     """The tokenizer folder (or a model folder with `tokenizer/`); a clear error when there is none."""
-    how = ("ComfyUI single files carry no tokenizer: pass tokenizer=<folder> (CLI --tokenizer), e.g. the "
-           "tokenizer/ folder of Qwen/Qwen-Image, with tokenizer.json or vocab.json + merges.txt")  # fmt: skip
+    how = (
+        "ComfyUI single files carry no tokenizer: pass tokenizer=<folder> (CLI --tokenizer), e.g. the "
+        "tokenizer/ folder of Qwen/Qwen-Image, with tokenizer.json or vocab.json + merges.txt"
+    )
     if tokenizer is None:
         raise CheckpointError(f"no tokenizer given; {how}")
     p = Path(tokenizer)
@@ -559,8 +582,11 @@ def load_single_files(
             f"from_single_files needs transformer, vae and text_encoder; missing: {missing}"
         )
     tok_dir = resolve_tokenizer(tokenizer)
-    checks = {"transformer": (inspect_transformer, transformer_config), "vae": (inspect_vae, vae_config),
-              "text_encoder": (inspect_text_encoder, text_encoder_config)}  # fmt: skip
+    checks = {
+        "transformer": (inspect_transformer, transformer_config),
+        "vae": (inspect_vae, vae_config),
+        "text_encoder": (inspect_text_encoder, text_encoder_config),
+    }
     plans = {
         k: None if Path(given[k]).is_dir() else inspect(given[k], cfg) for k, (inspect, cfg) in checks.items()
     }

@@ -93,20 +93,26 @@ def read_safetensors_header(path: Path) -> dict:
         dtype, shape, offs = info["dtype"], info["shape"], info["data_offsets"]
         if dtype not in SAFETENSORS_BITS:
             raise bad(f"tensor {key!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):  # fmt: skip
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise bad(f"tensor {key!r}: shape {shape!r} is not a list of sizes")
-        if (not isinstance(offs, list) or len(offs) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
-                or offs[0] > offs[1]):  # fmt: skip
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)
+            or offs[0] > offs[1]
+        ):
             raise bad(f"tensor {key!r}: data_offsets {offs!r} are not [begin, end]")
         numel = 1
         for d in shape:
             numel *= d
         nbytes = (numel * SAFETENSORS_BITS[dtype] + 7) // 8
         if offs[1] - offs[0] != nbytes:
-            raise bad(f"tensor {key!r}: {dtype} {shape} needs {nbytes} bytes, data_offsets {offs} hold "
-                      f"{offs[1] - offs[0]}")  # fmt: skip
+            raise bad(
+                f"tensor {key!r}: {dtype} {shape} needs {nbytes} bytes, data_offsets {offs} hold "
+                f"{offs[1] - offs[0]}"
+            )
         spans.append((offs[0], offs[1], key))
     end = 0
     for begin, stop, key in sorted(spans):
@@ -138,7 +144,9 @@ def check_weight_files(folder: Path, stem: str) -> list[str]:
     return [why for f in files if (why := check_safetensors(f)) is not None]
 
 
-def iter_safetensors(files: Iterable[Path], device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor, Path]]:
+def iter_safetensors(
+    files: Iterable[Path], device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor, Path]]:
     """Yield (key, tensor, file) one tensor at a time, read directly onto `device`."""
     dev = str(torch.device(device))
     for f in files:
@@ -147,7 +155,9 @@ def iter_safetensors(files: Iterable[Path], device: torch.device | str = "cpu") 
                 for key in sf.keys():
                     yield key, sf.get_tensor(key), f
         except SafetensorError as e:
-            raise CheckpointError(f"{f}: cannot read safetensors file ({e}); is it truncated or corrupt?") from e
+            raise CheckpointError(
+                f"{f}: cannot read safetensors file ({e}); is it truncated or corrupt?"
+            ) from e
 
 
 def _set_tensor(module: nn.Module, name: str, value: torch.Tensor) -> None:

@@ -84,10 +84,15 @@ class QwenImageControlNetModel(BlockModel):
         img_shapes: list,  # [(1, h/16, w/16)] (or diffusers' per-sample nesting)
     ) -> list[torch.Tensor]:  # K x (B, N, D)
         cfg = self.cfg
-        if controlnet_cond.shape[:2] != hidden_states.shape[:2] or controlnet_cond.shape[2] != self.cond_channels:
-            raise ValueError(f"controlnet_cond has shape {tuple(controlnet_cond.shape)}; this ControlNet takes "
-                             f"{(*hidden_states.shape[:2], self.cond_channels)} (packed control latents of the "
-                             "output size)")  # fmt: skip
+        if (
+            controlnet_cond.shape[:2] != hidden_states.shape[:2]
+            or controlnet_cond.shape[2] != self.cond_channels
+        ):
+            raise ValueError(
+                f"controlnet_cond has shape {tuple(controlnet_cond.shape)}; this ControlNet takes "
+                f"{(*hidden_states.shape[:2], self.cond_channels)} (packed control latents of the "
+                "output size)"
+            )
         img = self.img_in(hidden_states)
         img = img + self.controlnet_x_embedder(controlnet_cond.to(img.dtype))  # (B, N, D)
         temb = self.time_text_embed(timestep.to(img.dtype), img.dtype)
@@ -115,21 +120,40 @@ class QwenImageMultiControlNetModel(nn.Module):
         if not len(self.nets):
             raise ValueError("QwenImageMultiControlNetModel needs at least one ControlNet")
         if len({n.cfg.num_layers for n in self.nets}) > 1:
-            raise ValueError("ControlNets with different numbers of layers cannot be summed (their residuals map "
-                             "onto different blocks); use nets of the same kind")  # fmt: skip
+            raise ValueError(
+                "ControlNets with different numbers of layers cannot be summed (their residuals map "
+                "onto different blocks); use nets of the same kind"
+            )
 
     def net_for(self, i: int) -> QwenImageControlNetModel:
         return self.nets[0] if len(self.nets) == 1 else self.nets[i]
 
-    def forward(self, hidden_states, controlnet_cond: Sequence[torch.Tensor], conditioning_scale: Sequence[float],
-                encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes) -> list[torch.Tensor]:  # fmt: skip
+    def forward(
+        self,
+        hidden_states,
+        controlnet_cond: Sequence[torch.Tensor],
+        conditioning_scale: Sequence[float],
+        encoder_hidden_states,
+        encoder_hidden_states_mask,
+        timestep,
+        img_shapes,
+    ) -> list[torch.Tensor]:
         if len(self.nets) > 1 and len(controlnet_cond) != len(self.nets):
-            raise ValueError(f"{len(self.nets)} ControlNets need {len(self.nets)} control images, got "
-                             f"{len(controlnet_cond)}")  # fmt: skip
+            raise ValueError(
+                f"{len(self.nets)} ControlNets need {len(self.nets)} control images, got "
+                f"{len(controlnet_cond)}"
+            )
         total = None
         for i, (cond, scale) in enumerate(zip(controlnet_cond, conditioning_scale)):
-            r = self.net_for(i)(hidden_states, cond, scale, encoder_hidden_states, encoder_hidden_states_mask,
-                                timestep, img_shapes)  # fmt: skip
+            r = self.net_for(i)(
+                hidden_states,
+                cond,
+                scale,
+                encoder_hidden_states,
+                encoder_hidden_states_mask,
+                timestep,
+                img_shapes,
+            )
             total = r if total is None else [a + b for a, b in zip(total, r)]
         return total
 

@@ -42,19 +42,25 @@ class PrefixKVCache:
             return
         self.ready = False
         self.q = qkv_buffer(B, H, S, Dh, dtype, device)
-        self.layers = [(qkv_buffer(B, H, S, Dh, dtype, device), qkv_buffer(B, H, S, Dh, dtype, device))
-                       for _ in self.layers]  # fmt: skip
+        self.layers = [
+            (qkv_buffer(B, H, S, Dh, dtype, device), qkv_buffer(B, H, S, Dh, dtype, device))
+            for _ in self.layers
+        ]
 
     def check(self, B: int, S: int, prefix: int) -> None:
         """A "cached" step must continue the layout its "extract" step stored."""
         if not self.ready:
             raise RuntimeError("kv_cache_mode='cached' before an 'extract' step filled the cache")
         if self.prefix != prefix or self.q.shape[0] != B or self.q.shape[2] != S:
-            raise ValueError(f"kv cache holds a batch of {self.q.shape[0]} x {self.q.shape[2]} tokens (prefix "
-                             f"{self.prefix}), this step has {B} x {S} (prefix {prefix}): run 'extract' again")  # fmt: skip
+            raise ValueError(
+                f"kv cache holds a batch of {self.q.shape[0]} x {self.q.shape[2]} tokens (prefix "
+                f"{self.prefix}), this step has {B} x {S} (prefix {prefix}): run 'extract' again"
+            )
 
 
-def project_qkv(lin: nn.Module, h: torch.Tensor, vb: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def project_qkv(
+    lin: nn.Module, h: torch.Tensor, vb: torch.Tensor, offset: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The fused Q|K|V Linear on h (B, L, D) for `qk_norm_rope` -> (projection, the V buffer it still
     has to fill, or None).
 
@@ -65,8 +71,13 @@ def project_qkv(lin: nn.Module, h: torch.Tensor, vb: torch.Tensor, offset: int) 
     wrapped Linears (and autograd, which `out=` cannot record) project all three as one GEMM.
     """
     w = getattr(lin, "weight", None)
-    if (type(lin) is not nn.Linear or lin.bias is not None or h.dim() != 3 or not w.dtype == vb.dtype == h.dtype
-            or (torch.is_grad_enabled() and w.requires_grad)):  # fmt: skip
+    if (
+        type(lin) is not nn.Linear
+        or lin.bias is not None
+        or h.dim() != 3
+        or not w.dtype == vb.dtype == h.dtype
+        or (torch.is_grad_enabled() and w.requires_grad)
+    ):
         return lin(h), vb
     B, L, _ = h.shape
     rows = vb.transpose(1, 2)[:, offset : offset + L]  # (B, L, H, Dh)

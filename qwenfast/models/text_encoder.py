@@ -79,8 +79,9 @@ class TextEncoder:
             else:
                 names = {id(m): n for n, m in self.model.named_modules()}
                 parts = (lm.embed_tokens, getattr(self.model, "lm_head", None))
-                self._host_parts = VISION_TOWER + tuple(names[id(m)] + "." for m in parts
-                                                        if m is not None and id(m) in names)  # fmt: skip
+                self._host_parts = VISION_TOWER + tuple(
+                    names[id(m)] + "." for m in parts if m is not None and id(m) in names
+                )
         return self._host_parts
 
     def _embeds_on_host(self) -> bool:
@@ -172,7 +173,10 @@ class TextEncoder:
             fresh = dict(zip(todo, self._hidden([template.format(p) for p in todo], drop))) if todo else {}
         for p, h in fresh.items():
             self._put((p, template, drop), h)
-        seqs = [(fresh[p] if p in fresh else self._get((p, template, drop)))[:max_sequence_length] for p in prompts]
+        seqs = [
+            (fresh[p] if p in fresh else self._get((p, template, drop)))[:max_sequence_length]
+            for p in prompts
+        ]
         return pad_embeddings(seqs)
 
     @torch.no_grad()
@@ -205,7 +209,9 @@ class TextEncoder:
             fresh = {}
         return pad_embeddings([fresh[k] if k in fresh else self._get(k) for k in keys])
 
-    def _hidden_vl(self, texts: list[str], images: list[list], image_processor, drop: int) -> list[torch.Tensor]:
+    def _hidden_vl(
+        self, texts: list[str], images: list[list], image_processor, drop: int
+    ) -> list[torch.Tensor]:
         """Last hidden states (template prefix dropped) of each text with its own list of PIL images."""
         flat = [im for ims in images for im in ims]
         vis = image_processor(images=flat, return_tensors="pt")
@@ -215,7 +221,9 @@ class TextEncoder:
         for text, ims in zip(texts, images):
             parts = text.split(IMAGE_PAD)
             if len(parts) - 1 != len(ims):
-                raise ValueError(f"the prompt holds {len(parts) - 1} image placeholders for {len(ims)} images")
+                raise ValueError(
+                    f"the prompt holds {len(parts) - 1} image placeholders for {len(ims)} images"
+                )
             counts = [int(grid[g + i].prod()) // merge for i in range(len(ims))]
             expanded.append(parts[0] + "".join(IMAGE_PAD * c + rest for c, rest in zip(counts, parts[1:])))
             g += len(ims)

@@ -25,9 +25,7 @@ from pathlib import Path
 import torch
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
-T2I_TEMPLATE = (
-    f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
-)
+T2I_TEMPLATE = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\n{{}}<|im_end|>\n<|im_start|>assistant\n"
 IMAGE_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 IMAGE_PAD = "<|image_pad|>"
 
@@ -61,7 +59,9 @@ class TextEncoder21:
         self.model = model
         self.tokenizer = tokenizer
         self.image_processor = image_processor
-        self.cuda_graphs = True  # text-only encodes replay a CUDA graph on CUDA (set by the pipeline's options)
+        self.cuda_graphs = (
+            True  # text-only encodes replay a CUDA graph on CUDA (set by the pipeline's options)
+        )
         self._graphs = None
         self.offloader = None
         self.layer_streamer = None
@@ -103,7 +103,9 @@ class TextEncoder21:
         try:
             model = Qwen3VLForConditionalGeneration.from_pretrained(str(text_encoder_dir), dtype=dtype)
         except Exception as e:
-            raise CheckpointError(f"cannot load the Qwen3-VL text encoder from {text_encoder_dir}: {e}") from e
+            raise CheckpointError(
+                f"cannot load the Qwen3-VL text encoder from {text_encoder_dir}: {e}"
+            ) from e
         finally:
             if bar:
                 hf_logging.enable_progress_bar()
@@ -138,7 +140,9 @@ class TextEncoder21:
                 parts = template.format(p).split(IMAGE_PAD)
                 if len(parts) - 1 != len(images):
                     raise ValueError(f"the prompt {p!r} itself contains {IMAGE_PAD}; remove it")
-                texts.append(parts[0] + "".join(IMAGE_PAD * counts[k + i] + rest for i, rest in enumerate(parts[1:])))
+                texts.append(
+                    parts[0] + "".join(IMAGE_PAD * counts[k + i] + rest for i, rest in enumerate(parts[1:]))
+                )
                 k += len(images)
         graphs = self._graph_runner() if vis is None else None
         # diffusers left-pads a batch; a graph needs real tokens first (causal attention: a pad after
@@ -150,15 +154,18 @@ class TextEncoder21:
             return self._gather(graphs(ids, attn), ids, attn)
         kwargs = {}
         if vis is not None:
-            kwargs = {"pixel_values": vis["pixel_values"].to(self.device, self.model.dtype),
-                      "image_grid_thw": vis["image_grid_thw"].to(self.device),
-                      "mm_token_type_ids": (ids == self.image_token_id).to(torch.int32)}  # fmt: skip
+            kwargs = {
+                "pixel_values": vis["pixel_values"].to(self.device, self.model.dtype),
+                "image_grid_thw": vis["image_grid_thw"].to(self.device),
+                "mm_token_type_ids": (ids == self.image_token_id).to(torch.int32),
+            }
         from ..runtime.cuda_graphs import final_norm_input
 
         with final_norm_input(self._lm), self.resident():
             # logits of one position only: the LM head over every token (151k x 4096) is never read
-            out = self.model(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1,
-                             **kwargs)  # fmt: skip
+            out = self.model(
+                input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1, **kwargs
+            )
         return self._gather(out.hidden_states[-1], ids, attn)  # (B, T, D), before the final norm
 
     def _graph_runner(self):
@@ -175,7 +182,9 @@ class TextEncoder21:
             self._graphs = False if pad is None else TextEncoderGraphs(self._lm, pad, pre_norm=True)
         return self._graphs or None
 
-    def _gather(self, hidden: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def _gather(
+        self, hidden: torch.Tensor, ids: torch.Tensor, attn: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """Each prompt's real tokens (system turn dropped), right-padded again with a key mask."""
         m = attn.bool()
         seqs = [h[r][self.drop_idx :] for h, r in zip(hidden, m)]

@@ -128,7 +128,9 @@ class FeedForward(nn.Module):
         if not isinstance(p, nn.Linear):  # FP8Linear: no cuBLASLt GELU epilogue for scaled GEMMs
             h = p(x)  # (B, L, 4D)
             c = fp8_consumer(out, h) if fp8_gelu_fusion() else None  # net.2 quantises it itself (faster)
-            return out(F.gelu(h, approximate="tanh") if c is None else gelu_tanh_fp8(h, keep=c.lora is not None))
+            return out(
+                F.gelu(h, approximate="tanh") if c is None else gelu_tanh_fp8(h, keep=c.lora is not None)
+            )
         return out(linear_gelu_tanh(x, p.weight, p.bias))
 
 
@@ -161,8 +163,12 @@ def _centred(n: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
-def _rope_tables_cpu(axes: tuple[int, int, int], img_shapes: tuple[tuple[int, int, int], ...], txt_len: int,
-                     layer3d: bool = False):  # fmt: skip
+def _rope_tables_cpu(
+    axes: tuple[int, int, int],
+    img_shapes: tuple[tuple[int, int, int], ...],
+    txt_len: int,
+    layer3d: bool = False,
+):
     parts, max_idx = [], 0
     last = len(img_shapes) - 1
     for idx, (f, h, w) in enumerate(img_shapes):
@@ -269,8 +275,10 @@ class JointAttention(nn.Module):
         H, Dh = self.heads, self.head_dim
         icos, isin, tcos, tsin = rope
         qkv_i, qkv_t = self.to_qkv(img), self.add_qkv_proj(txt)  # (B, L, 3*H*Dh)
-        streams = [(qkv_t, self.norm_added_q.weight, self.norm_added_k.weight, tcos, tsin),
-                   (qkv_i, self.norm_q.weight, self.norm_k.weight, icos, isin)]  # joint order: [text; image]
+        streams = [
+            (qkv_t, self.norm_added_q.weight, self.norm_added_k.weight, tcos, tsin),
+            (qkv_i, self.norm_q.weight, self.norm_k.weight, icos, isin),
+        ]  # joint order: [text; image]
         o = joint_attention(streams, H, Dh, attn_mask).transpose(1, 2).reshape(B, Lt + Li, H * Dh)
         return self.to_out[0](o[:, Lt:]), self.to_add_out(o[:, :Lt])
 
@@ -289,7 +297,9 @@ def _residual_norm_modulate(x, y, gate, shift, scale, split, consumer: nn.Module
     c = fp8_consumer(consumer, x)
     if c is None:
         return gated_residual_layernorm_modulate(x, y, gate, shift, scale, split=split)
-    return gated_residual_layernorm_modulate_fp8(x, y, gate, shift, scale, split=split, keep=c.lora is not None)
+    return gated_residual_layernorm_modulate_fp8(
+        x, y, gate, shift, scale, split=split, keep=c.lora is not None
+    )
 
 
 def _modulate(x, mod, split):
@@ -374,8 +384,12 @@ class TransformerBlock(nn.Module):
         img_in = _norm_modulate(img, i_sh1, i_sc1, split, self.attn.to_qkv)
         txt_in = _norm_modulate(txt, t_sh1, t_sc1, None, self.attn.add_qkv_proj)
         img_attn, txt_attn = self.attn.forward_fused(img_in, txt_in, attn_mask, rope)
-        img, img_in = _residual_norm_modulate(img, img_attn, i_g1, i_sh2, i_sc2, split, self.img_mlp.net[0].proj)
-        txt, txt_in = _residual_norm_modulate(txt, txt_attn, t_g1, t_sh2, t_sc2, None, self.txt_mlp.net[0].proj)
+        img, img_in = _residual_norm_modulate(
+            img, img_attn, i_g1, i_sh2, i_sc2, split, self.img_mlp.net[0].proj
+        )
+        txt, txt_in = _residual_norm_modulate(
+            txt, txt_attn, t_g1, t_sh2, t_sc2, None, self.txt_mlp.net[0].proj
+        )
         img = gated_residual(img, self.img_mlp.forward_fused(img_in), i_g2, split=split)
         txt = gated_residual(txt, self.txt_mlp.forward_fused(txt_in), t_g2)
         if txt.dtype == torch.float16:
@@ -391,7 +405,12 @@ class TransformerBlock(nn.Module):
 # precision-sensitive path), the embedders and the output projection stay bf16.
 BLOCK_LINEARS = ("attn.to_qkv", "attn.add_qkv_proj", "attn.to_out.0", "attn.to_add_out",
                  "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj", "txt_mlp.net.2")  # fmt: skip
-IMAGE_LINEARS = ("attn.to_qkv", "attn.to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2")  # 97% of the FLOPs at 1024²
+IMAGE_LINEARS = (
+    "attn.to_qkv",
+    "attn.to_out.0",
+    "img_mlp.net.0.proj",
+    "img_mlp.net.2",
+)  # 97% of the FLOPs at 1024²
 
 
 def block_linears(prefix: str, n_blocks: int, names: Sequence[str] = BLOCK_LINEARS) -> list[str]:
@@ -470,8 +489,10 @@ class QwenImageTransformer(DenoisableTransformer):
         n_img = sum(f * h * w for f, h, w in img_shapes)
         start, end = shard if shard is not None else (0, n_img)
         if hidden_states.shape[1] != end - start or not 0 <= start <= end <= n_img:
-            raise ValueError(f"hidden_states has {hidden_states.shape[1]} tokens but img_shapes {img_shapes} give "
-                             f"{n_img}" + (f" (shard {shard})" if shard is not None else ""))  # fmt: skip
+            raise ValueError(
+                f"hidden_states has {hidden_states.shape[1]} tokens but img_shapes {img_shapes} give "
+                f"{n_img}" + (f" (shard {shard})" if shard is not None else "")
+            )
         img = self.img_in(hidden_states)
         t = timestep.to(img.dtype)
         split = None  # zero_cond_t: tokens after the first image are modulated with t=0
@@ -483,7 +504,9 @@ class QwenImageTransformer(DenoisableTransformer):
         temb = self.time_text_embed(t, img.dtype, additional_t_cond)
 
         attn_mask = joint_attention_mask(encoder_hidden_states_mask, img.shape[1])
-        res, every = _residual_plan(block_residuals, len(self.transformer_blocks), img.shape, start, end, n_img)
+        res, every = _residual_plan(
+            block_residuals, len(self.transformer_blocks), img.shape, start, end, n_img
+        )
         rope = rope_tables(cfg.axes_dims_rope, img_shapes, txt.shape[1], img.device, cfg.use_layer3d_rope)
         if shard is not None:  # this rank's image positions (the text is whole on every rank)
             rope = (rope[0][start:end], rope[1][start:end], rope[2], rope[3])
@@ -492,9 +515,13 @@ class QwenImageTransformer(DenoisableTransformer):
         blocks = self.transformer_blocks
         runner = self.block_runner
         mods = modulations
-        if mods is not None and (mods.shape[0] != len(blocks) or mods.shape[1] != temb.shape[0] + img.shape[0]):
-            raise ValueError(f"modulations {tuple(mods.shape)} do not fit {len(blocks)} blocks and "
-                             f"{temb.shape[0]} + {img.shape[0]} embedding rows")  # fmt: skip
+        if mods is not None and (
+            mods.shape[0] != len(blocks) or mods.shape[1] != temb.shape[0] + img.shape[0]
+        ):
+            raise ValueError(
+                f"modulations {tuple(mods.shape)} do not fit {len(blocks)} blocks and "
+                f"{temb.shape[0]} + {img.shape[0]} embedding rows"
+            )
         if mods is None and runner.every_block_resident:  # sequence parallel: each rank computes a share
             mods = split_over_ranks(len(blocks), lambda i: blocks[i].modulations(temb))
 
@@ -526,7 +553,10 @@ class QwenImageTransformer(DenoisableTransformer):
         dtype = self.dtype
         tembs = [self.time_text_embed(t.to(dtype), dtype) for t in ts]  # (1, D) each
         blocks = self.transformer_blocks
-        out = [torch.empty(len(blocks), 2, 6 * self.cfg.inner_dim, device=te.device, dtype=te.dtype) for te in tembs]
+        out = [
+            torch.empty(len(blocks), 2, 6 * self.cfg.inner_dim, device=te.device, dtype=te.dtype)
+            for te in tembs
+        ]
         for i, block in enumerate(blocks):
             with self.block_runner.bring(block.img_mod, block.txt_mod):
                 for e, temb in zip(out, tembs):
@@ -544,8 +574,9 @@ def joint_attention_mask(txt_mask: torch.Tensor | None, n_img: int) -> torch.Ten
     return torch.cat([m, ones], dim=1)[:, None, None, :]
 
 
-def _residual_plan(res: Sequence[torch.Tensor] | None, n_blocks: int, img_shape: torch.Size, start: int, end: int,
-                   n_img: int) -> tuple[list[torch.Tensor] | None, int]:  # fmt: skip
+def _residual_plan(
+    res: Sequence[torch.Tensor] | None, n_blocks: int, img_shape: torch.Size, start: int, end: int, n_img: int
+) -> tuple[list[torch.Tensor] | None, int]:
     """ControlNet residuals checked against the image stream (sliced to a sequence-parallel shard) and
     diffusers' block interval ceil(n_blocks / K)."""
     if res is None:
@@ -559,16 +590,21 @@ def _residual_plan(res: Sequence[torch.Tensor] | None, n_blocks: int, img_shape:
         if r.shape[1] == n_img and n != n_img:
             r = r[:, start:end]
         if tuple(r.shape) != (B, n, D):
-            raise ValueError(f"block_residuals[{k}] has shape {tuple(r.shape)}, the image stream is {(B, n, D)}: "
-                             "a ControlNet conditions the noise tokens only (no reference images)")  # fmt: skip
+            raise ValueError(
+                f"block_residuals[{k}] has shape {tuple(r.shape)}, the image stream is {(B, n, D)}: "
+                "a ControlNet conditions the noise tokens only (no reference images)"
+            )
         out.append(r)
     return out, math.ceil(n_blocks / len(out))
 
 
 def _normalize_shapes(img_shapes) -> list[tuple[int, int, int]]:
     """Accept diffusers' nested per-sample form [[(1,h,w), ...], ...] or a flat [(1,h,w), ...]."""
-    if len(img_shapes) and isinstance(img_shapes[0], (list, tuple)) and len(img_shapes[0]) and isinstance(
-        img_shapes[0][0], (list, tuple)
+    if (
+        len(img_shapes)
+        and isinstance(img_shapes[0], (list, tuple))
+        and len(img_shapes[0])
+        and isinstance(img_shapes[0][0], (list, tuple))
     ):
         img_shapes = img_shapes[0]  # diffusers uses the first sample's shapes for the whole batch
     return [tuple(int(v) for v in s) for s in img_shapes]

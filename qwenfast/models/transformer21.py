@@ -73,17 +73,23 @@ class Transformer21Config:
 
     def __post_init__(self):
         if self.patch_size != 1:
-            raise ConfigError(f"transformer config: patch_size {self.patch_size} is not supported (2.1 uses 1)")
+            raise ConfigError(
+                f"transformer config: patch_size {self.patch_size} is not supported (2.1 uses 1)"
+            )
         if sum(self.axes_dims_rope) != self.attention_head_dim or any(a % 2 for a in self.axes_dims_rope):
-            raise ConfigError(f"transformer config: axes_dims_rope {tuple(self.axes_dims_rope)} must be even and sum "
-                              f"to attention_head_dim {self.attention_head_dim}")  # fmt: skip
+            raise ConfigError(
+                f"transformer config: axes_dims_rope {tuple(self.axes_dims_rope)} must be even and sum "
+                f"to attention_head_dim {self.attention_head_dim}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict) -> Transformer21Config:
         names = {f.name for f in fields(cls)}
         unknown = sorted(k for k in d if not k.startswith("_") and k not in names)
         if unknown:
-            raise ConfigError(f"transformer/config.json: unknown config fields {unknown}; is this Qwen-Image-2.1?")
+            raise ConfigError(
+                f"transformer/config.json: unknown config fields {unknown}; is this Qwen-Image-2.1?"
+            )
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
 
     def flops_per_forward(self, tokens: int, batch: int = 1) -> float:
@@ -133,16 +139,19 @@ def _frame_positions(is_img: list[bool], img_shapes) -> tuple[list[int], list[in
     return frame, ih, iw
 
 
-def build_layout(vl_mask: tuple[bool, ...], img_shapes: tuple[tuple[int, int, int], ...],
-                 axes: tuple[int, int, int]) -> Layout21:  # fmt: skip
+def build_layout(
+    vl_mask: tuple[bool, ...], img_shapes: tuple[tuple[int, int, int], ...], axes: tuple[int, int, int]
+) -> Layout21:
     """The layout of the sequence whose vision-language slots are `vl_mask` (text L + target slots)."""
     vm = torch.tensor(vl_mask, dtype=torch.bool)
     is_img = torch.repeat_interleave(vm, torch.where(vm, SLOT, 1))  # (S,)
     lengths = [f * h * w for f, h, w in img_shapes]
     img_pos = is_img.nonzero(as_tuple=True)[0]
     if sum(lengths) != img_pos.numel():
-        raise ValueError(f"img_shapes account for {sum(lengths)} image tokens but the prompt's image slots hold "
-                         f"{img_pos.numel()}")  # fmt: skip
+        raise ValueError(
+            f"img_shapes account for {sum(lengths)} image tokens but the prompt's image slots hold "
+            f"{img_pos.numel()}"
+        )
     S = is_img.numel()
     prefix = S - lengths[-1]
     if not bool(is_img[prefix:].all()):
@@ -159,8 +168,16 @@ def build_layout(vl_mask: tuple[bool, ...], img_shapes: tuple[tuple[int, int, in
     h, w = f.clone(), f.clone()
     h[is_img], w[is_img] = torch.tensor(ih, dtype=torch.long), torch.tensor(iw, dtype=torch.long)
     ang = torch.cat([_axis_angles(p, d) for p, d in zip((f, h, w), axes)], dim=-1)  # (S, Dh/2)
-    return Layout21(S, prefix, (~is_img).nonzero(as_tuple=True)[0], (~vm).nonzero(as_tuple=True)[0], img_pos,
-                    tuple(runs), ang.cos(), ang.sin())  # fmt: skip
+    return Layout21(
+        S,
+        prefix,
+        (~is_img).nonzero(as_tuple=True)[0],
+        (~vm).nonzero(as_tuple=True)[0],
+        img_pos,
+        tuple(runs),
+        ang.cos(),
+        ang.sin(),
+    )
 
 
 def shard_layout(lay: Layout21, start: int, end: int) -> Layout21:
@@ -171,8 +188,9 @@ def shard_layout(lay: Layout21, start: int, end: int) -> Layout21:
         raise ValueError(f"shard [{start}, {end}) is not a non-empty part of the {N} target tokens")
     keep = torch.cat([torch.arange(P), torch.arange(P + start, P + end)])
     img_pos = torch.cat([lay.img_pos[: lay.img_pos.numel() - N], torch.arange(P, P + end - start)])
-    return Layout21(P + end - start, P, lay.text_pos, lay.vl_text, img_pos, lay.segments, lay.cos[keep],
-                    lay.sin[keep])  # fmt: skip
+    return Layout21(
+        P + end - start, P, lay.text_pos, lay.vl_text, img_pos, lay.segments, lay.cos[keep], lay.sin[keep]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,13 +305,20 @@ def block_causal_attention(q, k, v, segments, prefix: int, key_valid: torch.Tens
         mask = None
         if is_text:
             n = end - start
-            mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=q.device),
-                              torch.tril(torch.ones(n, n, dtype=torch.bool, device=q.device))], dim=1)[None, None]  # fmt: skip
+            mask = torch.cat(
+                [
+                    torch.ones(n, start, dtype=torch.bool, device=q.device),
+                    torch.tril(torch.ones(n, n, dtype=torch.bool, device=q.device)),
+                ],
+                dim=1,
+            )[None, None]
         if key_valid is not None:
             kv = key_valid[:, None, None, :end]
             mask = kv if mask is None else mask & kv
         o[:, :, start:end] = attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask)
-    o[:, :, prefix:] = attention(q[:, :, prefix:], k, v, None if key_valid is None else key_valid[:, None, None, :])
+    o[:, :, prefix:] = attention(
+        q[:, :, prefix:], k, v, None if key_valid is None else key_valid[:, None, None, :]
+    )
     return o
 
 
@@ -328,8 +353,15 @@ class Block21(nn.Module):
         x = x + g2.tanh() * self.img_mlp(self._norm(x) * (1 + sc2))
         return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
-    def forward_fused(self, x: torch.Tensor, mod: tuple[torch.Tensor, ...], ctx: _Ctx, i: int,
-                      h: torch.Tensor | None = None, norm_next: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def forward_fused(
+        self,
+        x: torch.Tensor,
+        mod: tuple[torch.Tensor, ...],
+        ctx: _Ctx,
+        i: int,
+        h: torch.Tensor | None = None,
+        norm_next: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same block with fused kernels: LayerNorm + scale in one pass, QK-norm + RoPE written
         straight into the (B, H, S, Dh) query/key/value buffers (the KV cache's when there is one),
         the attention residual fused with the next LayerNorm + scale, SwiGLU's silu * up in one pass.
@@ -348,7 +380,9 @@ class Block21(nn.Module):
         if h is None:
             h = layernorm_modulate(x, zero, sc1, self.eps, split)
         qkv, v_out = project_qkv(a.to_qkv, h, vb, ctx.offset)  # (B, L, 3|2 H Dh)
-        qk_norm_rope(qkv, a.norm_q.weight, a.norm_k.weight, ctx.cos, ctx.sin, qb, kb, v_out, offset=ctx.offset)
+        qk_norm_rope(
+            qkv, a.norm_q.weight, a.norm_k.weight, ctx.cos, ctx.sin, qb, kb, v_out, offset=ctx.offset
+        )
         if ctx.mode == "cached":
             o = attention(qb[:, :, ctx.prefix :], kb, vb, ctx.key_mask)
         else:
@@ -433,8 +467,11 @@ class QwenImage21Transformer(DenoisableTransformer):
         if key not in self._layouts:
             if len(self._layouts) >= 16:
                 self._layouts.popitem(last=False)
-            self._layouts[key] = (build_layout(key[0], shapes, tuple(self.cfg.axes_dims_rope)) if shard is None
-                                  else shard_layout(self.layout(vl_mask, img_shapes), *shard))  # fmt: skip
+            self._layouts[key] = (
+                build_layout(key[0], shapes, tuple(self.cfg.axes_dims_rope))
+                if shard is None
+                else shard_layout(self.layout(vl_mask, img_shapes), *shard)
+            )
         self._layouts.move_to_end(key)
         return self._layouts[key]
 
@@ -443,8 +480,10 @@ class QwenImage21Transformer(DenoisableTransformer):
         if key not in self._dev_layouts:
             if len(self._dev_layouts) >= 16:
                 self._dev_layouts.popitem(last=False)
-            self._dev_layouts[key] = (lay, *(t.to(device) for t in (lay.text_pos, lay.vl_text, lay.img_pos,
-                                                                    lay.cos, lay.sin)))  # fmt: skip
+            self._dev_layouts[key] = (
+                lay,
+                *(t.to(device) for t in (lay.text_pos, lay.vl_text, lay.img_pos, lay.cos, lay.sin)),
+            )
         return self._dev_layouts[key][1:]
 
     def forward(
@@ -453,7 +492,9 @@ class QwenImage21Transformer(DenoisableTransformer):
         encoder_hidden_states: torch.Tensor,  # (B, L, context_in_dim) prompt embedding (with image slots)
         encoder_hidden_states_mask: torch.Tensor | None,  # (B, L) 1 = real token; None = all real
         timestep: torch.Tensor,  # (B,) sigma in [0, 1]
-        img_shapes: list[tuple[int, int, int]],  # (1, h, w) latent grid per image, condition first, target last
+        img_shapes: list[
+            tuple[int, int, int]
+        ],  # (1, h, w) latent grid per image, condition first, target last
         img_mask: torch.Tensor,  # (L + N/4,) or (B, L + N/4) bool: image slots (row 0 is the layout)
         kv_cache: PrefixKVCache | None = None,
         kv_cache_mode: str | None = None,  # None | "extract" (prefill, store) | "cached" (target only)
@@ -462,13 +503,17 @@ class QwenImage21Transformer(DenoisableTransformer):
     ) -> torch.Tensor:  # (B, N | end - start, out_channels): the target image's (shard's) prediction
         cfg = self.cfg
         if kv_cache is not None and not cfg.causal_condition:
-            raise ValueError("kv_cache requires causal_condition=True (prefix activations must not depend on t)")
+            raise ValueError(
+                "kv_cache requires causal_condition=True (prefix activations must not depend on t)"
+            )
         if (kv_cache is None) != (kv_cache_mode is None) or kv_cache_mode not in (None, "extract", "cached"):
             raise ValueError(f"kv_cache_mode {kv_cache_mode!r} needs a kv_cache (and 'extract' or 'cached')")
         B = hidden_states.shape[0]
         vl = img_mask[0] if img_mask.dim() == 2 else img_mask
         lay = self.layout(vl, img_shapes, shard)
-        N = lay.S - lay.prefix  # the target tokens this forward runs (a shard's only, under sequence parallel)
+        N = (
+            lay.S - lay.prefix
+        )  # the target tokens this forward runs (a shard's only, under sequence parallel)
         text_pos, vl_text, img_pos, cos, sin = self._on_device(lay, hidden_states.device)
         cached = kv_cache_mode == "cached"
         H, Dh = cfg.num_attention_heads, cfg.attention_head_dim
@@ -570,8 +615,10 @@ def checkpoint_key(key: str) -> tuple[str, int, int] | tuple[str, None, None]:
 
 def diffusers_keys(key: str) -> list[str]:
     """Inverse of `checkpoint_key`: the diffusers keys whose tensors make up our tensor `key`."""
-    for fused, parts in (("attn.to_qkv.", ("attn.to_q.", "attn.to_k.", "attn.to_v.")),
-                         ("img_mlp.gate_up.", ("img_mlp.gate_layer.", "img_mlp.proj."))):  # fmt: skip
+    for fused, parts in (
+        ("attn.to_qkv.", ("attn.to_q.", "attn.to_k.", "attn.to_v.")),
+        ("img_mlp.gate_up.", ("img_mlp.gate_layer.", "img_mlp.proj.")),
+    ):
         if fused in key:
             return [key.replace(fused, p) for p in parts]
     if key.startswith("norm_out_linear."):

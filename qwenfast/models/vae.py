@@ -143,8 +143,9 @@ class Resample(nn.Module):
         return subpixel_upsample(self, self.resample[1], x)
 
 
-def subpixel_upsample(owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor,
-                      add: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+def subpixel_upsample(
+    owner: nn.Module, conv: nn.Conv2d, x: torch.Tensor, add: list[torch.Tensor] | None = None
+) -> torch.Tensor:
     """`conv(nearest2x(x))` for a 3x3 `conv` with padding 1, as `upsample_conv` on x (plus its `add`
     phase planes), with the sub-pixel weights cached on `owner` (built once after loading; rebuilt
     if the weight changes)."""
@@ -395,7 +396,9 @@ class QwenImageVAE(nn.Module):
         r = self.spatial_compression_ratio
         tmin, stride = self.tile_sample_min // r, self.tile_sample_stride // r  # latent units
         blend = self.tile_sample_min - self.tile_sample_stride  # pixels
-        return self._tiled(z, self._decode_tile, tmin, stride, self.tile_sample_stride, blend, r, self.cfg.input_channels)
+        return self._tiled(
+            z, self._decode_tile, tmin, stride, self.tile_sample_stride, blend, r, self.cfg.input_channels
+        )
 
     def tiled_encode(self, x: torch.Tensor) -> torch.Tensor:
         """Encode overlapping image tiles and blend the latent seams: (B, 3, H, W) -> (B, 2z, H/8, W/8) raw

@@ -50,20 +50,26 @@ class VAE21Config:
 
     def __post_init__(self):
         if not self.is_residual or self.patch_size not in (None, 1) or self.attn_scales:
-            raise ConfigError("vae config: only the residual 2.1 VAE without patchify or attention scales is "
-                              "supported (is_residual=true, patch_size=null, attn_scales=[])")  # fmt: skip
+            raise ConfigError(
+                "vae config: only the residual 2.1 VAE without patchify or attention scales is "
+                "supported (is_residual=true, patch_size=null, attn_scales=[])"
+            )
         if len(self.latents_mean) != self.z_dim or len(self.latents_std) != self.z_dim:
             raise ConfigError(f"vae config: latents_mean/latents_std must have z_dim={self.z_dim} entries")
         if self.scale_factor != (self.scale_factor_spatial or 16):
-            raise ConfigError(f"vae config: dim_mult gives {self.scale_factor}x, scale_factor_spatial says "
-                              f"{self.scale_factor_spatial}")  # fmt: skip
+            raise ConfigError(
+                f"vae config: dim_mult gives {self.scale_factor}x, scale_factor_spatial says "
+                f"{self.scale_factor_spatial}"
+            )
 
     @classmethod
     def from_dict(cls, d: dict) -> VAE21Config:
         names = {f.name for f in fields(cls)}
         unknown = sorted(k for k in d if not k.startswith("_") and k not in names)
         if unknown:
-            raise ConfigError(f"vae/config.json: unknown config fields {unknown}; is this Qwen-Image-2.1's VAE?")
+            raise ConfigError(
+                f"vae/config.json: unknown config fields {unknown}; is this Qwen-Image-2.1's VAE?"
+            )
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names})
 
 
@@ -201,10 +207,14 @@ class Encoder(nn.Module):
         dims = [cfg.base_dim * u for u in (1, *cfg.dim_mult)]
         last = len(cfg.dim_mult) - 1
         self.conv_in = nn.Conv2d(cfg.in_channels, dims[0], 3, padding=1)
-        self.down_blocks = nn.ModuleList([
-            DownBlock(a, b, cfg.num_res_blocks, cfg.temperal_downsample[i] if i != last else False, i != last)
-            for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))
-        ])  # fmt: skip
+        self.down_blocks = nn.ModuleList(
+            [
+                DownBlock(
+                    a, b, cfg.num_res_blocks, cfg.temperal_downsample[i] if i != last else False, i != last
+                )
+                for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))
+            ]
+        )
         self.mid_block = MidBlock(dims[-1])
         self.norm_out = RMSNorm2d(dims[-1])
         self.conv_out = nn.Conv2d(dims[-1], 2 * cfg.z_dim, 3, padding=1)
@@ -231,10 +241,12 @@ class Decoder(nn.Module):
         last = len(cfg.dim_mult) - 1
         self.conv_in = nn.Conv2d(cfg.z_dim, dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
-        self.up_blocks = nn.ModuleList([
-            UpBlock(a, b, cfg.num_res_blocks, tup[i] if i != last else False, i != last)
-            for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))
-        ])  # fmt: skip
+        self.up_blocks = nn.ModuleList(
+            [
+                UpBlock(a, b, cfg.num_res_blocks, tup[i] if i != last else False, i != last)
+                for i, (a, b) in enumerate(zip(dims[:-1], dims[1:]))
+            ]
+        )
         self.norm_out = RMSNorm2d(dims[-1])
         self.conv_out = nn.Conv2d(dims[-1], cfg.out_channels, 3, padding=1)
 

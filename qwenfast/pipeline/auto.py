@@ -70,31 +70,46 @@ def pipeline_class(path: str | Path | None, task: str | None = None, controlnet:
         raise ValueError(f"{path}: {e}" if path is not None else str(e)) from None
 
 
-def from_pretrained(path: str | Path | None, device: str | torch.device | None = None,
-                    dtype: str | torch.dtype | None = None, task: str | None = None, **kwargs: Any) -> Any:  # fmt: skip
+def from_pretrained(
+    path: str | Path | None,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    task: str | None = None,
+    **kwargs: Any,
+) -> Any:
     """Load any Qwen-Image diffusers folder (or hub repo id) with the right pipeline class; `task` where
     one folder serves several; None path: the embedded demo model of the task's class. `kwargs` as the
     class's `from_pretrained` (`options=`, `offload=`, `fp8=`, `cuda_graphs=`, and `controlnet=` for
     the ControlNet pipelines)."""
     from .diffusers_compat import HUB_ARGS, resolve_model_path
 
-    path = resolve_model_path(kwargs.pop("pretrained_model_name_or_path", path),
-                              {k: kwargs[k] for k in HUB_ARGS if k in kwargs})  # a hub repo id -> its folder
+    path = resolve_model_path(
+        kwargs.pop("pretrained_model_name_or_path", path), {k: kwargs[k] for k in HUB_ARGS if k in kwargs}
+    )  # a hub repo id -> its folder
     cls = pipeline_class(path, task, controlnet=kwargs.get("controlnet") is not None)
     if kwargs.get("controlnet") is not None and "controlnet" not in cls.needs:
         raise ValueError(f"controlnet= was given but {cls.__name__} takes no ControlNet (task={task!r})")
     return cls.from_pretrained(path, device=device, dtype=dtype, **kwargs)
 
 
-def from_single_files(transformer: str | Path, vae: str | Path, text_encoder: str | Path,
-                      tokenizer: str | Path | None = None, *, task: str = "text-to-image", **kwargs: Any) -> Any:  # fmt: skip
+def from_single_files(
+    transformer: str | Path,
+    vae: str | Path,
+    text_encoder: str | Path,
+    tokenizer: str | Path | None = None,
+    *,
+    task: str = "text-to-image",
+    **kwargs: Any,
+) -> Any:
     """ComfyUI single files (bf16 or FP8) under the class of `task` (single files do not say which model
     they hold; `mode="edit"` for Qwen-Image-Edit v1 files); `kwargs` as `QwenImagePipeline.from_single_files`."""
     runs = [c for c in PIPELINES if ALIASES.get(task, task) in c.CAPABILITIES.tasks]
     cls = next((c for c in runs if c.CAPABILITIES.single_files), None)
     if cls is None:
         task_class(None, task)  # an unknown task: say so
-        raise ValueError(f"task {task!r} loads from a model folder only (no single files); give --model / a folder")
+        raise ValueError(
+            f"task {task!r} loads from a model folder only (no single files); give --model / a folder"
+        )
     return cls.from_single_files(transformer, vae, text_encoder, tokenizer, **kwargs)
 
 

@@ -59,9 +59,19 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
     checkpoints = ""
     CAPABILITIES: Capabilities
 
-    def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config: SchedulerConfig, *,
-                 model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
-                 device: torch.device | str | None = None, extra: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        transformer,
+        vae,
+        text_encoder: TextEncoder,
+        scheduler_config: SchedulerConfig,
+        *,
+        model_path: str = "",
+        defaults: dict | None = None,
+        options: EngineOptions | None = None,
+        device: torch.device | str | None = None,
+        extra: dict | None = None,
+    ):
         self.transformer = transformer
         self.vae = vae
         self.text_encoder = text_encoder
@@ -82,7 +92,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         self._parallel = None  # runtime.parallel.ParallelGroups when options.parallel is set
         self._vae_offloader: ModelOffloader | None = None
         opts = options if options is not None else EngineOptions.from_env()
-        self.configure(**{f.name: getattr(opts, f.name) for f in fields(opts)})  # not asdict: keeps nested configs
+        self.configure(
+            **{f.name: getattr(opts, f.name) for f in fields(opts)}
+        )  # not asdict: keeps nested configs
 
     # ---------------------------------------------------------------- options
     @property
@@ -118,8 +130,10 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             heads = self.transformer.cfg.num_attention_heads
             if new.parallel is not None and heads % new.parallel.ulysses:
                 ok = [g for g in range(2, heads + 1) if heads % g == 0]
-                raise OptionsError(f"ulysses={new.parallel.ulysses} must divide the model's {heads} attention heads "
-                                   f"(possible: {ok})")  # fmt: skip
+                raise OptionsError(
+                    f"ulysses={new.parallel.ulysses} must divide the model's {heads} attention heads "
+                    f"(possible: {ok})"
+                )
 
             self._parallel = ParallelGroups(new.parallel) if new.parallel is not None else None
         if new.parallel is not None and new.parallel.world > 1:
@@ -127,11 +141,21 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             new = new.replace(batched_cfg=True if new.parallel.cfg == 2 else new.batched_cfg)
         if new.cache != old.cache:
             policy = resolve_policy(new.cache)
-            self.transformer.set_block_runner(StepCacheRunner(policy) if policy is not None else BlockRunner())
+            self.transformer.set_block_runner(
+                StepCacheRunner(policy) if policy is not None else BlockRunner()
+            )
         self.transformer.set_fused(new.fused)
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
-        if new.changed(old) & {"fp8", "offload", "offload_budget", "fused", "attention", "kernels", "cuda_graphs",
-                               "cache"}:  # fmt: skip
+        if new.changed(old) & {
+            "fp8",
+            "offload",
+            "offload_budget",
+            "fused",
+            "attention",
+            "kernels",
+            "cuda_graphs",
+            "cache",
+        }:
             self._graphs.clear()  # captured with the old weights (addresses) / kernels
             self._clear_modulations()
         self._options = new
@@ -143,7 +167,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         if table is not None:
             table.clear()
 
-    def enable_offload(self, mode: str = "model", device: torch.device | str | None = None, vae: bool = False, ring: int = 2) -> None:
+    def enable_offload(
+        self, mode: str = "model", device: torch.device | str | None = None, vae: bool = False, ring: int = 2
+    ) -> None:
         """Fit smaller GPUs: "model" keeps the text encoder in pinned host memory (its layers streamed
         while encoding; with `vae=True` the VAE too); "blocks" also streams the transformer blocks
         through a ring of `ring` GPU buffers. Same images; "blocks" is PCIe-bound. Load LoRAs before;
@@ -156,7 +182,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         if mode == self._options.offload:
             return
         if self._options.offload != "none" and not (self._options.offload == "model" and mode == "blocks"):
-            raise RuntimeError(f"offload is already {self._options.offload!r}; load the model again to use {mode!r}")
+            raise RuntimeError(
+                f"offload is already {self._options.offload!r}; load the model again to use {mode!r}"
+            )
         self.configure(offload=mode)
 
     def enable_fp8(self) -> int:
@@ -215,8 +243,14 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         self._block_streamer = None  # the old one's host buffers go before the new ones are pinned
         n, te_layers = self._resident_blocks(device, budget)
         resident = spread(len(tr.blocks), n)
-        self._block_streamer = BlockStreamer(tr.blocks, device, ring=getattr(self, "_ring", 2),
-                                             hooks=False, resident=resident, on_host=self._modulation_modules())  # fmt: skip
+        self._block_streamer = BlockStreamer(
+            tr.blocks,
+            device,
+            ring=getattr(self, "_ring", 2),
+            hooks=False,
+            resident=resident,
+            on_host=self._modulation_modules(),
+        )
         tr.set_block_runner(StreamingBlockRunner(self._block_streamer))
         te_stream = getattr(self.text_encoder, "layer_streamer", None)
         if te_stream is not None:  # what the transformer leaves of the budget keeps encoder layers resident
@@ -238,7 +272,14 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         if table is None:
             return 0
         entries = min(table.max_entries, int(self.defaults.get("num_inference_steps", 50)) + 1)
-        return entries * len(tr.blocks) * 2 * 6 * tr.cfg.inner_dim * torch.empty((), dtype=tr.dtype).element_size()
+        return (
+            entries
+            * len(tr.blocks)
+            * 2
+            * 6
+            * tr.cfg.inner_dim
+            * torch.empty((), dtype=tr.dtype).element_size()
+        )
 
     def _resident_blocks(self, device: torch.device, budget: float | None) -> tuple[int, int]:
         """offload="blocks": how many transformer blocks, and then (once all of those fit) how many
@@ -255,7 +296,11 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         limit -= self._modulation_table_bytes()
         planner = MemoryPlanner.from_pipeline(self)
         d = self.defaults
-        kw = dict(cfg=d.get("true_cfg_scale", 1) > 1, dtype=self.dtype, modulation_on_host=bool(self._modulation_modules()))
+        kw = dict(
+            cfg=d.get("true_cfg_scale", 1) > 1,
+            dtype=self.dtype,
+            modulation_on_host=bool(self._modulation_modules()),
+        )
         n = planner.resident_blocks(limit, d["height"], d["width"], 1, **kw)
         if n < planner.sizes.num_blocks:
             return n, 0
@@ -321,8 +366,11 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         server to show once; the call itself does not warn (see `qwenfast.validation.size_note`)."""
         from ..validation import parse_trained_size, size_note
 
-        return size_note(parse_trained_size(self.extra.get("trained_size"), self.model_path or "qwenfast.json"),
-                         width, height)  # fmt: skip
+        return size_note(
+            parse_trained_size(self.extra.get("trained_size"), self.model_path or "qwenfast.json"),
+            width,
+            height,
+        )
 
     # ---------------------------------------------------------------- LoRA and presets (loading/lora.py)
     @property
@@ -391,7 +439,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         return self.scheduler_config.replace(**merged) if merged else self.scheduler_config
 
     # ---------------------------------------------------------------- conditioning pieces
-    def encode_prompt(self, prompts: list[str], num_images_per_prompt: int = 1, max_sequence_length: int = 512):
+    def encode_prompt(
+        self, prompts: list[str], num_images_per_prompt: int = 1, max_sequence_length: int = 512
+    ):
         emb, mask = self.text_encoder.encode(prompts, max_sequence_length=max_sequence_length)
         return self._repeat(emb, mask, num_images_per_prompt)
 
@@ -401,8 +451,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             mask = mask.to(self.device).repeat_interleave(n, dim=0)
         return emb, mask
 
-    def initial_latents(self, B: int, h: int, w: int, generator: Generators,
-                        latents: torch.Tensor | None = None) -> torch.Tensor:
+    def initial_latents(
+        self, B: int, h: int, w: int, generator: Generators, latents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Packed starting noise (B, h/2*w/2, 64) drawn as diffusers draws it, or the caller's `latents`."""
         if latents is None:
             noise = randn_tensor((B, 1, 16, h, w), generator, self.device, self.dtype)
@@ -413,9 +464,18 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         return latents.to(self.device, self.dtype)
 
     # ---------------------------------------------------------------- the shared generation path
-    def _forward(self, x, emb, mask, t, img_shapes, step: StepContext | None = None,
-                 shard: tuple[int, int] | None = None, additional_t_cond: torch.Tensor | None = None,
-                 block_residuals: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    def _forward(
+        self,
+        x,
+        emb,
+        mask,
+        t,
+        img_shapes,
+        step: StepContext | None = None,
+        shard: tuple[int, int] | None = None,
+        additional_t_cond: torch.Tensor | None = None,
+        block_residuals: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """What the denoise core calls: the transformer, replayed as a CUDA graph where possible.
         `additional_t_cond` (Layered) and `block_residuals` (ControlNet) go to the transformer as is."""
         kw = {"step": step, "shard": shard, "block_residuals": block_residuals}
@@ -426,8 +486,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             return self._graphs(x, emb, mask, t, img_shapes, additional_t_cond, **kw)
         return self.transformer(x, emb, mask, t, img_shapes, additional_t_cond, **kw)
 
-    def _modulations(self, t: torch.Tensor, step: StepContext | None,
-                     additional_t_cond: torch.Tensor | None) -> torch.Tensor | None:  # fmt: skip
+    def _modulations(
+        self, t: torch.Tensor, step: StepContext | None, additional_t_cond: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """Every block's modulation rows for this forward from the modulation table, or None (no
         table, or a call from outside the denoise core: no step; Layered's extra condition). The
         denoise core gives all rows one timestep; its sigma (a host float) is the key."""
@@ -460,11 +521,27 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
 
         return ParallelForward(self._forward, self._parallel)
 
-    def _generate(self, *, B: int, h: int, w: int, cond: S.TextCond, uncond: S.TextCond | None, cfg_scale: float,
-                  steps: int, generator, latents, output_type: str, sigmas, scheduler_overrides: dict | None,
-                  callback: Callable | None, ref: tuple[torch.Tensor, list] | None = None,
-                  forward_for: Callable[[Callable, int, int], Callable] | None = None,
-                  start: Callable | None = None, step_end: S.StepEndHook | None = None) -> QwenImageOutput:  # fmt: skip
+    def _generate(
+        self,
+        *,
+        B: int,
+        h: int,
+        w: int,
+        cond: S.TextCond,
+        uncond: S.TextCond | None,
+        cfg_scale: float,
+        steps: int,
+        generator,
+        latents,
+        output_type: str,
+        sigmas,
+        scheduler_overrides: dict | None,
+        callback: Callable | None,
+        ref: tuple[torch.Tensor, list] | None = None,
+        forward_for: Callable[[Callable, int, int], Callable] | None = None,
+        start: Callable | None = None,
+        step_end: S.StepEndHook | None = None,
+    ) -> QwenImageOutput:
         """Noise for the whole batch, then the denoise core (split on OOM), then decode.
 
         h, w: latent grid (pixels / 8, even). ref: (packed reference latents (B, M, 64), their
@@ -477,30 +554,60 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         """
         par = self._options.parallel
         if par is not None and par.cfg == 2 and uncond is None:
-            raise ValueError(f"parallel {par} splits true CFG over two ranks, but this call has no CFG (give a "
-                             "negative prompt and true_cfg_scale > 1, or use --parallel ulysses=N alone)")  # fmt: skip
+            raise ValueError(
+                f"parallel {par} splits true CFG over two ranks, but this call has no CFG (give a "
+                "negative prompt and true_cfg_scale > 1, or use --parallel ulysses=N alone)"
+            )
         x = self.initial_latents(B, h, w, generator, latents)  # (B, h/2*w/2, 64)
         img_shapes = [(1, h // 2, w // 2), *(ref[1] if ref is not None else [])]
-        sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(self.device)
+        sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(
+            self.device
+        )
         blend = None
         if start is not None:  # starts part-way along the schedule, from the image
             x, sig, blend = start(x, sig)
         events: list[str] = []
         with self._engine():
             self._fill_modulations(sig, x.dtype)
-            x = self._denoise_batch(self._core_forward(), x, sig, img_shapes, cond, uncond, cfg_scale,
-                                    None if ref is None else ref[0], callback, forward_for=forward_for,
-                                    blend=blend, events=events, step_end=step_end)  # fmt: skip
+            x = self._denoise_batch(
+                self._core_forward(),
+                x,
+                sig,
+                img_shapes,
+                cond,
+                uncond,
+                cfg_scale,
+                None if ref is None else ref[0],
+                callback,
+                forward_for=forward_for,
+                blend=blend,
+                events=events,
+                step_end=step_end,
+            )
             info = {"oom_backoff": events} if events else {}
             if output_type == "latent":
                 return QwenImageOutput(images=x, info=info)
             return QwenImageOutput(images=postprocess(self.decode_latents(x, h, w), output_type), info=info)
 
-    def _denoise_batch(self, forward: Callable, x: torch.Tensor, sig: torch.Tensor, img_shapes: list,
-                       cond: S.TextCond, uncond: S.TextCond | None, cfg_scale: float, ref_latents: torch.Tensor | None,
-                       callback: Callable | None, *, forward_for: Callable | None = None, blend=None,
-                       guidance: Callable = S.true_cfg, events: list[str] | None = None,
-                       step_end: S.StepEndHook | None = None, batched_cfg: bool | str | None = None) -> torch.Tensor:  # fmt: skip
+    def _denoise_batch(
+        self,
+        forward: Callable,
+        x: torch.Tensor,
+        sig: torch.Tensor,
+        img_shapes: list,
+        cond: S.TextCond,
+        uncond: S.TextCond | None,
+        cfg_scale: float,
+        ref_latents: torch.Tensor | None,
+        callback: Callable | None,
+        *,
+        forward_for: Callable | None = None,
+        blend=None,
+        guidance: Callable = S.true_cfg,
+        events: list[str] | None = None,
+        step_end: S.StepEndHook | None = None,
+        batched_cfg: bool | str | None = None,
+    ) -> torch.Tensor:
         """The denoise core over the batch x (B, N, C), split into row chunks on CUDA OOM (the `oom`
         option): each chunk gets its rows of the conditioning, of `forward_for(forward, i, j)` and of
         `blend.rows(i, j)`, and a split batch's callbacks and step-end hook still see the whole batch
@@ -514,6 +621,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             if (i, j) != (0, B) and (callback is not None or step_end is not None) and not held:
                 held.append(x.clone())
             if callback is not None and (i, j) != (0, B):  # a split batch: callbacks see the whole batch
+
                 def cb(k, n, xc, _i=i, _j=j):  # noqa: E306
                     held[0][_i:_j] = xc
                     callback(k, n, held[0])
@@ -521,12 +629,22 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             if step_end is not None and (i, j) != (0, B):
                 hook = S.rows_hook(step_end, held[0], cond, i, j)
             fwd = forward if forward_for is None else forward_for(forward, i, j)
-            return S.denoise(fwd, x[i:j], sig, img_shapes, cond.rows(i, j),
-                             None if uncond is None else uncond.rows(i, j), cfg_scale,
-                             None if ref_latents is None else ref_latents[i:j],
-                             self._options.batched_cfg if batched_cfg is None else batched_cfg, cb,
-                             progress=self._progress(), guidance=guidance,
-                             blend=None if blend is None else blend.rows(i, j), step_end=hook)  # fmt: skip
+            return S.denoise(
+                fwd,
+                x[i:j],
+                sig,
+                img_shapes,
+                cond.rows(i, j),
+                None if uncond is None else uncond.rows(i, j),
+                cfg_scale,
+                None if ref_latents is None else ref_latents[i:j],
+                self._options.batched_cfg if batched_cfg is None else batched_cfg,
+                cb,
+                progress=self._progress(),
+                guidance=guidance,
+                blend=None if blend is None else blend.rows(i, j),
+                step_end=hook,
+            )
 
         if self._options.oom != "backoff":  # per call: nothing stays switched on afterwards
             return chunk(0, B)
@@ -552,7 +670,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             return torch.cat([vae_decode(self.vae, z[r : r + 1]) for r in range(z.shape[0])])
 
     def _vae_resident(self):
-        return self._vae_offloader.on_device() if self._vae_offloader is not None else contextlib.nullcontext()
+        return (
+            self._vae_offloader.on_device() if self._vae_offloader is not None else contextlib.nullcontext()
+        )
 
     def preview_images(self, latents: torch.Tensor, height: int, width: int, max_px: int = 192) -> list:
         """PIL previews (long side <= max_px) of a step callback's latents for a `height` x `width` call.
@@ -566,7 +686,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         lim = max(2, max_px // self.vae_scale_factor)
         scale = min(1.0, lim / max(h, w))
         if scale < 1.0:
-            z = F.interpolate(z.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area")
+            z = F.interpolate(
+                z.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area"
+            )
         hh, ww = z.shape[-2:]
         hh, ww = hh - hh % 2, ww - ww % 2
         z = z[..., :hh, :ww]
@@ -586,7 +708,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
                 f"{height // mult * mult}x{width // mult * mult} (as diffusers does)",
                 stacklevel=3,
             )
-        if sigmas is None and (not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1):
+        if sigmas is None and (
+            not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 1
+        ):
             raise ValueError(f"`num_inference_steps` must be an integer >= 1, got {steps!r}")
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"`num_images_per_prompt` must be an integer >= 1, got {n!r}")
@@ -595,4 +719,3 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         if not 1 <= max_sequence_length <= 1024:
             raise ValueError(f"`max_sequence_length` must be in 1..1024, got {max_sequence_length}")
         return S.latent_hw(height, width, self.vae_scale_factor)
-

@@ -35,8 +35,15 @@ class QwenImageOutput:
     info: dict = field(default_factory=dict)
 
 
-def load_folder(path: str | Path, device: Device, dtype: DType, offload: str, kinds: tuple[str, ...], wrong_kind: str,
-                fp8: bool = False) -> SimpleNamespace:  # fmt: skip
+def load_folder(
+    path: str | Path,
+    device: Device,
+    dtype: DType,
+    offload: str,
+    kinds: tuple[str, ...],
+    wrong_kind: str,
+    fp8: bool = False,
+) -> SimpleNamespace:
     """Check a diffusers folder and load its components where an offload mode wants them (offloaded
     parts on the CPU, so the GPU never holds them all). Also reads the optional qwenfast.json (`extra`:
     sampling defaults, image areas). `wrong_kind` says what to use when the folder's kind is not in
@@ -48,18 +55,25 @@ def load_folder(path: str | Path, device: Device, dtype: DType, offload: str, ki
     dt = resolve_dtype(dtype, dev)
     kind, problems = inspect_folder(path)
     if problems:
-        raise CheckpointError(f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems))
+        raise CheckpointError(
+            f"{path} is not a complete Qwen-Image model folder:\n  - " + "\n  - ".join(problems)
+        )
     if kind not in kinds:
         raise CheckpointError(f"{path} is a Qwen-Image {kind} model; {wrong_kind}")
     cpu = torch.device("cpu")
     extra = json.loads((path / "qwenfast.json").read_text()) if (path / "qwenfast.json").is_file() else {}
     return SimpleNamespace(
-        path=path, device=dev, kind=kind, extra=extra,
+        path=path,
+        device=dev,
+        kind=kind,
+        extra=extra,
         transformer=load_transformer(path / "transformer", cpu if offload == "blocks" else dev, dt, fp8=fp8),
         vae=load_vae(path / "vae", dev, dt),
-        te=TextEncoder.from_pretrained(path / "text_encoder", path / "tokenizer", cpu if offload != "none" else dev, dt),
+        te=TextEncoder.from_pretrained(
+            path / "text_encoder", path / "tokenizer", cpu if offload != "none" else dev, dt
+        ),
         sched=load_scheduler_config(path / "scheduler"),
-    )  # fmt: skip
+    )
 
 
 def engine_options(options: EngineOptions | None, shortcuts: dict[str, Any]) -> EngineOptions:
@@ -92,7 +106,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
-def randn_tensor(shape: tuple[int, ...], generator: Generators, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def randn_tensor(
+    shape: tuple[int, ...], generator: Generators, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """diffusers' `randn_tensor`: draw where the generator lives (CPU generators draw on CPU), then move.
 
     A list of generators draws one sample each. Same generator + same shape/dtype = same noise as diffusers.
@@ -110,7 +126,9 @@ def randn_tensor(shape: tuple[int, ...], generator: Generators, device: torch.de
         if len(generator) != shape[0]:
             raise ValueError(f"got {len(generator)} generators for a batch of {shape[0]} images")
         one = (1, *shape[1:])
-        return torch.cat([torch.randn(one, generator=g, device=rand_device, dtype=dtype) for g in generator]).to(device)
+        return torch.cat(
+            [torch.randn(one, generator=g, device=rand_device, dtype=dtype) for g in generator]
+        ).to(device)
     return torch.randn(shape, generator=generator, device=rand_device, dtype=dtype).to(device)
 
 

@@ -47,7 +47,12 @@ from .sampling import StepCallback
 from .tasks import Capabilities
 from .text_to_image import DEFAULT_MODEL, QwenImagePipeline
 
-__all__ = ["QwenImageControlNetPipeline", "QwenImageControlNetInpaintPipeline", "ControlForward", "load_controlnets"]
+__all__ = [
+    "QwenImageControlNetPipeline",
+    "QwenImageControlNetInpaintPipeline",
+    "ControlForward",
+    "load_controlnets",
+]
 
 KINDS = ("text-to-image", "controlnet", "controlnet-inpaint")
 
@@ -68,7 +73,9 @@ class QwenImageControlNetModel(cn.QwenImageControlNetModel):
         return load_controlnet(path, "cpu", dtype if dtype is not None else torch.float32, model_class=cls)
 
 
-def load_controlnets(controlnet, device: torch.device, dtype: torch.dtype, axes_dims_rope=None) -> ControlNets:
+def load_controlnets(
+    controlnet, device: torch.device, dtype: torch.dtype, axes_dims_rope=None
+) -> ControlNets:
     """A ControlNet model, a path (diffusers folder or single file), or a list of them (-> Multi).
     `axes_dims_rope`: the transformer's, for single files that do not say (non-standard head dims)."""
     from ..loading.controlnet import load_controlnet
@@ -87,15 +94,19 @@ def load_controlnets(controlnet, device: torch.device, dtype: torch.dtype, axes_
     return one(controlnet)
 
 
-def image_batch(image, height: int, width: int, mult: int, where: str, spec: ImageSpec = IMAGE) -> torch.Tensor:
+def image_batch(
+    image, height: int, width: int, mult: int, where: str, spec: ImageSpec = IMAGE
+) -> torch.Tensor:
     """diffusers' `prepare_image`: a tensor passes through as it is (so it must already be what the
     VAE takes, [-1, 1]; integer tensors are refused); anything else (one image or a list: PIL / path /
     array) goes through diffusers' `VaeImageProcessor.preprocess` (`images.py`) -> (n, C, H, W)
     float32, resized to (height, width) floored to `mult`, in [-1, 1] (masks: 0/1)."""
     if isinstance(image, torch.Tensor):
         if not (image.is_floating_point() or spec.binarize):
-            raise ValueError(f"{where}: an integer ({image.dtype}) tensor would reach the VAE as 0..255 values; "
-                             "give floats in [-1, 1]")  # fmt: skip
+            raise ValueError(
+                f"{where}: an integer ({image.dtype}) tensor would reach the VAE as 0..255 values; "
+                "give floats in [-1, 1]"
+            )
         if image.ndim == 3:
             image = image[None]
         if image.ndim != 4:
@@ -171,7 +182,9 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
     checkpoints = "a text-to-image model (Qwen-Image, -2512) and a ControlNet"
     CAPABILITIES = Capabilities("qwen-image", tasks=("controlnet",), max_images=1, parallel=())
 
-    def __init__(self, transformer, vae, text_encoder, scheduler_config, *, controlnet: ControlNets, **kwargs):
+    def __init__(
+        self, transformer, vae, text_encoder, scheduler_config, *, controlnet: ControlNets, **kwargs
+    ):
         self.controlnet = controlnet  # before the base init: its configure() reaches the ControlNet
         super().__init__(transformer, vae, text_encoder, scheduler_config, **kwargs)
 
@@ -179,7 +192,11 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         """Engine options as for every pipeline; FP8 and the fused kernels apply to the ControlNet too."""
         old = self._options
         new = super().configure(**changes)
-        nets = list(self.controlnet.nets) if isinstance(self.controlnet, QwenImageMultiControlNetModel) else [self.controlnet]
+        nets = (
+            list(self.controlnet.nets)
+            if isinstance(self.controlnet, QwenImageMultiControlNetModel)
+            else [self.controlnet]
+        )
         if new.fp8 and not old.fp8:
             from ..kernels.fp8_linear import quantize_model
 
@@ -190,27 +207,58 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         return new
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, controlnet=None, device: Device = None,
-                        dtype: DType = None, offload: str | None = None, *, options: EngineOptions | None = None,
-                        fp8: bool | None = None, cuda_graphs: bool | None = None, cache: object = None, **kwargs):  # fmt: skip
+    def from_pretrained(
+        cls,
+        path: str | Path | None = None,
+        controlnet=None,
+        device: Device = None,
+        dtype: DType = None,
+        offload: str | None = None,
+        *,
+        options: EngineOptions | None = None,
+        fp8: bool | None = None,
+        cuda_graphs: bool | None = None,
+        cache: object = None,
+        **kwargs,
+    ):
         """A Qwen-Image text-to-image folder plus `controlnet=` (see the class docstring), or a saved
         diffusers ControlNet pipeline folder (its `controlnet/` is used when `controlnet` is None).
         The ControlNet is loaded onto the compute device in the pipeline's dtype (also with offload).
         diffusers' keyword arguments (`torch_dtype=`, ...) as for `QwenImagePipeline.from_pretrained`."""
         path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
-        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
-        f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, opts.offload, KINDS,
-                        f"{cls.__name__} runs Qwen-Image text-to-image checkpoints with a ControlNet")  # fmt: skip
+        opts = engine_options(
+            options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache}
+        )
+        f = load_folder(
+            path if path is not None else DEFAULT_MODEL,
+            device,
+            dtype,
+            opts.offload,
+            KINDS,
+            f"{cls.__name__} runs Qwen-Image text-to-image checkpoints with a ControlNet",
+        )
         if controlnet is None:
             if not (f.path / "controlnet").is_dir():
-                raise ValueError(f"{cls.__name__}.from_pretrained needs controlnet= (a ControlNet folder or "
-                                 "file, e.g. InstantX/Qwen-Image-ControlNet-Union)")  # fmt: skip
+                raise ValueError(
+                    f"{cls.__name__}.from_pretrained needs controlnet= (a ControlNet folder or "
+                    "file, e.g. InstantX/Qwen-Image-ControlNet-Union)"
+                )
             controlnet = f.path / "controlnet"
         dt = f.transformer.dtype
         net = load_controlnets(controlnet, f.device, dt, f.transformer.cfg.axes_dims_rope)
         net.to(f.device, dt)
-        return cls(f.transformer, f.vae, f.te, f.sched, controlnet=net, model_path=str(f.path),
-                   defaults=f.extra.get("defaults"), options=opts, device=f.device, extra=f.extra)  # fmt: skip
+        return cls(
+            f.transformer,
+            f.vae,
+            f.te,
+            f.sched,
+            controlnet=net,
+            model_path=str(f.path),
+            defaults=f.extra.get("defaults"),
+            options=opts,
+            device=f.device,
+            extra=f.extra,
+        )
 
     # ---------------------------------------------------------------- control latents
     def encode_control(self, pixels: torch.Tensor, generator, batch: int, n: int) -> torch.Tensor:
@@ -237,11 +285,15 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         """The control image entry of each condition (one for a single ControlNet)."""
         multi = isinstance(self.controlnet, QwenImageMultiControlNetModel)
         if control_image is None:
-            raise ValueError("control_image is required (the picture the ControlNet follows: canny, depth, pose, ...)")
+            raise ValueError(
+                "control_image is required (the picture the ControlNet follows: canny, depth, pose, ...)"
+            )
         items = list(control_image) if multi and isinstance(control_image, (list, tuple)) else [control_image]
         if multi and len(self.controlnet.nets) > 1 and len(items) != len(self.controlnet.nets):
-            raise ValueError(f"{len(self.controlnet.nets)} ControlNets need {len(items)} == "
-                             f"{len(self.controlnet.nets)} control images")  # fmt: skip
+            raise ValueError(
+                f"{len(self.controlnet.nets)} ControlNets need {len(items)} == "
+                f"{len(self.controlnet.nets)} control images"
+            )
         return items
 
     def _control_latents(self, items: list, height: int, width: int, generator, batch: int, n: int):
@@ -256,11 +308,15 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
                 raise ValueError(f"control image tensors must have 3 channels, got {tuple(px.shape)}")
             height, width = px.shape[-2:]
             if height % mult or width % mult:
-                raise ValueError(f"control image tensors must be multiples of {mult} pixels, got {width}x{height}")
+                raise ValueError(
+                    f"control image tensors must be multiples of {mult} pixels, got {width}x{height}"
+                )
             conds.append(self.encode_control(px, generator, batch, n))
         if len({c.shape[1] for c in conds}) > 1:
-            raise ValueError("the control images have different sizes; give them at one size (or as PIL images, "
-                             "which are resized to height x width)")  # fmt: skip
+            raise ValueError(
+                "the control images have different sizes; give them at one size (or as PIL images, "
+                "which are resized to height x width)"
+            )
         return conds, int(height), int(width)
 
     @staticmethod
@@ -273,15 +329,23 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         elif not isinstance(start, (list, tuple)):
             start, end = [start] * (n_cond if multi else 1), [end] * (n_cond if multi else 1)
         if len(start) != len(end):
-            raise ValueError(f"control_guidance_start has {len(start)} entries, control_guidance_end {len(end)}")
+            raise ValueError(
+                f"control_guidance_start has {len(start)} entries, control_guidance_end {len(end)}"
+            )
         for s, e in zip(start, end):
             if not 0.0 <= s < e <= 1.0:
-                raise ValueError(f"control guidance must satisfy 0 <= start < end <= 1, got start={s}, end={e}")
+                raise ValueError(
+                    f"control guidance must satisfy 0 <= start < end <= 1, got start={s}, end={e}"
+                )
         scales = list(scale) if isinstance(scale, (list, tuple)) else [scale] * n_cond
         if multi and len(scales) != n_cond:
-            raise ValueError(f"controlnet_conditioning_scale has {len(scales)} entries for {n_cond} control images")
+            raise ValueError(
+                f"controlnet_conditioning_scale has {len(scales)} entries for {n_cond} control images"
+            )
         if multi and len(start) != n_cond:
-            raise ValueError(f"control_guidance_start/end have {len(start)} entries for {n_cond} control images")
+            raise ValueError(
+                f"control_guidance_start/end have {len(start)} entries for {n_cond} control images"
+            )
         out = []
         for i in range(steps):
             keep = [1.0 - float(i / steps < s or (i + 1) / steps > e) for s, e in zip(start, end)]
@@ -302,28 +366,59 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
         cfg_scale = d["true_cfg_scale"] if a["true_cfg_scale"] is None else a["true_cfg_scale"]
         n, sigmas = a["num_images_per_prompt"], a["sigmas"]
         self._check(height, width, steps, n, a["output_type"], a["max_sequence_length"], sigmas)
-        scales_of(max(1, len(sigmas) if sigmas is not None else steps))  # bad values fail before the prompt encode
-        with DiffusersCall(self, a["guidance_scale"], a["attention_kwargs"], a["callback_on_step_end"],
-                           a["callback_on_step_end_tensor_inputs"], warn_guidance="controlnet" in self.CAPABILITIES.tasks) as call:  # fmt: skip
-            cond, uncond, k = self._prompt_conds(a["prompt"], a["negative_prompt"], cfg_scale, n,
-                                                 a["max_sequence_length"], a["prompt_embeds"], a["prompt_embeds_mask"],
-                                                 a["negative_prompt_embeds"], a["negative_prompt_embeds_mask"])  # fmt: skip
+        scales_of(
+            max(1, len(sigmas) if sigmas is not None else steps)
+        )  # bad values fail before the prompt encode
+        with DiffusersCall(
+            self,
+            a["guidance_scale"],
+            a["attention_kwargs"],
+            a["callback_on_step_end"],
+            a["callback_on_step_end_tensor_inputs"],
+            warn_guidance="controlnet" in self.CAPABILITIES.tasks,
+        ) as call:
+            cond, uncond, k = self._prompt_conds(
+                a["prompt"],
+                a["negative_prompt"],
+                cfg_scale,
+                n,
+                a["max_sequence_length"],
+                a["prompt_embeds"],
+                a["prompt_embeds_mask"],
+                a["negative_prompt_embeds"],
+                a["negative_prompt_embeds_mask"],
+            )
             conds, height, width = make_conds(k * n, n, height, width)
             h, w = S.latent_hw(height, width, self.vae_scale_factor)
             N = (h // 2) * (w // 2)
             for c in conds:
                 if c.shape[1] != N:
-                    raise ValueError(f"control latents have {c.shape[1]} tokens, the output {N}: give control "
-                                     "images of the output size")  # fmt: skip
+                    raise ValueError(
+                        f"control latents have {c.shape[1]} tokens, the output {N}: give control "
+                        "images of the output size"
+                    )
             scales = scales_of(len(sigmas) if sigmas is not None else steps)
 
             def forward_for(fwd, i, j):
                 return ControlForward(fwd, self.controlnet, [c[i:j] for c in conds], scales)
 
-            out = self._generate(B=k * n, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
-                                 generator=a["generator"], latents=a["latents"], output_type=a["output_type"],
-                                 sigmas=sigmas, scheduler_overrides=a["scheduler_overrides"], callback=a["callback"],
-                                 forward_for=forward_for, step_end=call.step_end)  # fmt: skip
+            out = self._generate(
+                B=k * n,
+                h=h,
+                w=w,
+                cond=cond,
+                uncond=uncond,
+                cfg_scale=cfg_scale,
+                steps=steps,
+                generator=a["generator"],
+                latents=a["latents"],
+                output_type=a["output_type"],
+                sigmas=sigmas,
+                scheduler_overrides=a["scheduler_overrides"],
+                callback=a["callback"],
+                forward_for=forward_for,
+                step_end=call.step_end,
+            )
         return call.output(out, a["return_dict"])
 
     @torch.no_grad()
@@ -369,8 +464,14 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
             return self._control_latents(items, height, width, generator, B, n)
 
         def scales_of(n_steps):
-            return self._step_scales(n_steps, len(items), controlnet_conditioning_scale, control_guidance_start,
-                                     control_guidance_end, multi)  # fmt: skip
+            return self._step_scales(
+                n_steps,
+                len(items),
+                controlnet_conditioning_scale,
+                control_guidance_start,
+                control_guidance_end,
+                multi,
+            )
 
         return self._run(a, make_conds, scales_of)
 
@@ -381,7 +482,9 @@ class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
 
     folder_kinds = ("text-to-image", "controlnet-inpaint")
     checkpoints = "a text-to-image model (Qwen-Image, -2512) and an inpainting ControlNet"
-    CAPABILITIES = Capabilities("qwen-image", tasks=("controlnet-inpaint",), max_images=1, mask=True, parallel=())
+    CAPABILITIES = Capabilities(
+        "qwen-image", tasks=("controlnet-inpaint",), max_images=1, mask=True, parallel=()
+    )
 
     def encode_masked(self, image, mask, height: int, width: int, batch: int, n: int) -> torch.Tensor:
         """diffusers' `prepare_image_with_mask` -> packed (batch, N, 68) [masked latents, 1 - mask]."""
@@ -397,8 +500,10 @@ class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
             m = image_batch(mask, height, width, mult, "control_mask", MASK)
         m = _repeat_rows(m, batch, n).to(self.device, self.vae_dtype)  # (B, 1, H, W)
         if m.shape[-2:] != px.shape[-2:]:
-            raise ValueError(f"control_mask is {tuple(m.shape[-2:])} pixels, control_image {tuple(px.shape[-2:])}: "
-                             "give them at one size (PIL images are both resized to height x width)")  # fmt: skip
+            raise ValueError(
+                f"control_mask is {tuple(m.shape[-2:])} pixels, control_image {tuple(px.shape[-2:])}: "
+                "give them at one size (PIL images are both resized to height x width)"
+            )
         x = px.to(self.device, self.vae_dtype)
         x = x.masked_fill((m > 0.5).expand_as(x), -1.0)
         with self._vae_resident():
@@ -448,9 +553,11 @@ class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
         if isinstance(self.controlnet, QwenImageMultiControlNetModel):
             raise ValueError("QwenImageControlNetInpaintPipeline takes one ControlNet (the inpainting one)")
         if self.controlnet.cfg.extra_condition_channels != 4:
-            raise ValueError("this ControlNet is not an inpainting ControlNet (extra_condition_channels "
-                             f"{self.controlnet.cfg.extra_condition_channels}, expected 4: InstantX "
-                             "Qwen-Image-ControlNet-Inpainting); use QwenImageControlNetPipeline")  # fmt: skip
+            raise ValueError(
+                "this ControlNet is not an inpainting ControlNet (extra_condition_channels "
+                f"{self.controlnet.cfg.extra_condition_channels}, expected 4: InstantX "
+                "Qwen-Image-ControlNet-Inpainting); use QwenImageControlNetPipeline"
+            )
         if control_image is None:
             raise ValueError("control_image is required (the picture to inpaint)")
 
@@ -458,7 +565,8 @@ class QwenImageControlNetInpaintPipeline(QwenImageControlNetPipeline):
             return [self.encode_masked(control_image, control_mask, height, width, B, n)], height, width
 
         def scales_of(n_steps):
-            return self._step_scales(n_steps, 1, controlnet_conditioning_scale, control_guidance_start,
-                                     control_guidance_end, False)  # fmt: skip
+            return self._step_scales(
+                n_steps, 1, controlnet_conditioning_scale, control_guidance_start, control_guidance_end, False
+            )
 
         return self._run(a, make_conds, scales_of)

@@ -51,24 +51,36 @@ class DiffusersCall:
       `pipe.num_timesteps`, the step's timestep `pipe.current_timestep`, as in diffusers.
     """
 
-    def __init__(self, pipe, guidance_scale: float | None = None, attention_kwargs: dict | None = None,
-                 callback_on_step_end: Callable | None = None,
-                 callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",), *,
-                 warn_guidance: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        pipe,
+        guidance_scale: float | None = None,
+        attention_kwargs: dict | None = None,
+        callback_on_step_end: Callable | None = None,
+        callback_on_step_end_tensor_inputs: Sequence[str] = ("latents",),
+        *,
+        warn_guidance: bool = True,
+    ) -> None:
         self.pipe = pipe
         if callback_on_step_end is not None and not callable(callback_on_step_end):
-            raise TypeError(f"callback_on_step_end must be callable (pipe, step, timestep, callback_kwargs) -> dict, "
-                            f"got {type(callback_on_step_end).__name__}")  # fmt: skip
+            raise TypeError(
+                f"callback_on_step_end must be callable (pipe, step, timestep, callback_kwargs) -> dict, "
+                f"got {type(callback_on_step_end).__name__}"
+            )
         inputs = list(callback_on_step_end_tensor_inputs or ())
         bad = [k for k in inputs if k not in CALLBACK_TENSOR_INPUTS]
         if bad:  # diffusers' check_inputs message
-            raise ValueError(f"`callback_on_step_end_tensor_inputs` has to be in {list(CALLBACK_TENSOR_INPUTS)}, "
-                             f"but found {bad}")  # fmt: skip
+            raise ValueError(
+                f"`callback_on_step_end_tensor_inputs` has to be in {list(CALLBACK_TENSOR_INPUTS)}, "
+                f"but found {bad}"
+            )
         self.callback, self.inputs = callback_on_step_end, inputs
         self.guidance_scale = guidance_scale
         if guidance_scale is not None and warn_guidance:
-            log.warning("guidance_scale is passed as %s, but ignored since the model is not guidance-distilled.",
-                        guidance_scale)  # fmt: skip
+            log.warning(
+                "guidance_scale is passed as %s, but ignored since the model is not guidance-distilled.",
+                guidance_scale,
+            )
         self.attention_kwargs = dict(attention_kwargs or {})
         self.lora_scale = self._check_attention_kwargs(self.attention_kwargs)
         self._restore: list[tuple[dict, float, str]] | None = None
@@ -76,20 +88,29 @@ class DiffusersCall:
     def _check_attention_kwargs(self, kw: dict) -> float:
         """The LoRA scale of `attention_kwargs` (1.0 when not given); refuses what diffusers refuses."""
         if not isinstance(kw, dict):
-            raise TypeError(f"attention_kwargs must be a dict (e.g. {{'scale': 0.8}}), got {type(kw).__name__}")
+            raise TypeError(
+                f"attention_kwargs must be a dict (e.g. {{'scale': 0.8}}), got {type(kw).__name__}"
+            )
         scale = kw.get("scale", 1.0)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)):
             raise TypeError(f"attention_kwargs['scale'] (the LoRA scale) must be a number, got {scale!r}")
         if "attention_mask" in kw and getattr(self.pipe, "_attention_mask_refused", True):
-            raise ValueError("attention_kwargs['attention_mask'] is not accepted (diffusers' Qwen-Image attention "
-                             "refuses it too): padding masks come from prompt_embeds_mask")  # fmt: skip
+            raise ValueError(
+                "attention_kwargs['attention_mask'] is not accepted (diffusers' Qwen-Image attention "
+                "refuses it too): padding masks come from prompt_embeds_mask"
+            )
         clash = [k for k in _PROCESSOR_ARGS if k in kw]
         if clash:
-            raise TypeError(f"attention_kwargs {clash} are arguments the attention computes itself; remove them")
+            raise TypeError(
+                f"attention_kwargs {clash} are arguments the attention computes itself; remove them"
+            )
         ignored = sorted(k for k in kw if k not in ("scale", "attention_mask"))
         if ignored:
-            log.warning("attention_kwargs %s are not used by Qwen-Image's attention and are ignored "
-                        "(as diffusers ignores them); only 'scale' (the LoRA scale) has an effect", ignored)  # fmt: skip
+            log.warning(
+                "attention_kwargs %s are not used by Qwen-Image's attention and are ignored "
+                "(as diffusers ignores them); only 'scale' (the LoRA scale) has an effect",
+                ignored,
+            )
         return float(scale)
 
     # ------------------------------------------------------------ the call
@@ -123,18 +144,24 @@ class DiffusersCall:
         kwargs = {k: given[k] for k in self.inputs}
         out = self.callback(p, i, t, kwargs)
         if not isinstance(out, dict):
-            raise TypeError(f"callback_on_step_end must return a dict (diffusers' convention: return "
-                            f"callback_kwargs, with any tensor you changed), got {type(out).__name__}")  # fmt: skip
+            raise TypeError(
+                f"callback_on_step_end must return a dict (diffusers' convention: return "
+                f"callback_kwargs, with any tensor you changed), got {type(out).__name__}"
+            )
         latents = out.get("latents", given["latents"])
         cond = state.cond
         emb = out.get("prompt_embeds", given.get("prompt_embeds"))
         if emb is not None:
             if not isinstance(emb, torch.Tensor) or tuple(emb.shape) != tuple(cond.emb.shape):
-                raise ValueError(f"callback_on_step_end returned prompt_embeds of shape {tuple(getattr(emb, 'shape', ()))}; "
-                                 f"they must keep the shape {tuple(cond.emb.shape)} (the padding mask stays)")  # fmt: skip
+                raise ValueError(
+                    f"callback_on_step_end returned prompt_embeds of shape {tuple(getattr(emb, 'shape', ()))}; "
+                    f"they must keep the shape {tuple(cond.emb.shape)} (the padding mask stays)"
+                )
             cond = TextCond(emb.to(cond.emb.device, cond.emb.dtype), cond.mask)
         if not isinstance(latents, torch.Tensor):
-            raise TypeError(f"callback_on_step_end returned latents of type {type(latents).__name__}, not a tensor")
+            raise TypeError(
+                f"callback_on_step_end returned latents of type {type(latents).__name__}, not a tensor"
+            )
         return StepEnd(latents, cond, bool(p._interrupt))
 
     @staticmethod
@@ -202,8 +229,10 @@ class DiffusersMethods:
             else:
                 raise TypeError(f"to() takes a device and/or a torch.dtype, got {a!r}")
         if dtype is not None and dtype != self.dtype:
-            raise ValueError(f"this pipeline's weights are {self.dtype}; qwenfast does not cast a loaded pipeline to "
-                             f"{dtype}: load it with from_pretrained(..., torch_dtype={dtype})")  # fmt: skip
+            raise ValueError(
+                f"this pipeline's weights are {self.dtype}; qwenfast does not cast a loaded pipeline to "
+                f"{dtype}: load it with from_pretrained(..., torch_dtype={dtype})"
+            )
         if device is not None:
             self._move_to(torch.device(device))
         return self
@@ -216,8 +245,10 @@ class DiffusersMethods:
             return
         dev = resolve_device(dev)
         if self._options.offload != "none":
-            raise ValueError(f"this pipeline offloads ({self._options.offload!r}) to {cur}; load it again with "
-                             f"device={str(dev)!r} instead of moving it")  # fmt: skip
+            raise ValueError(
+                f"this pipeline offloads ({self._options.offload!r}) to {cur}; load it again with "
+                f"device={str(dev)!r} instead of moving it"
+            )
         if self._options.parallel is not None:
             raise ValueError("a pipeline with parallel options cannot be moved; load it on its device")
         for m in (self.transformer, self.vae, getattr(self, "controlnet", None)):
@@ -232,12 +263,16 @@ class DiffusersMethods:
         self._compute_device = dev
         self.release_graphs()
 
-    def enable_model_cpu_offload(self, gpu_id: int | None = None, device: torch.device | str | None = None) -> None:
+    def enable_model_cpu_offload(
+        self, gpu_id: int | None = None, device: torch.device | str | None = None
+    ) -> None:
         """diffusers' model offload -> qwenfast's `offload="model"` (text encoder and VAE in pinned host
         memory, brought to the GPU while they run). Same images; needs a GPU."""
         self.enable_offload("model", device=_offload_device(self, gpu_id, device), vae=True)
 
-    def enable_sequential_cpu_offload(self, gpu_id: int | None = None, device: torch.device | str | None = None) -> None:
+    def enable_sequential_cpu_offload(
+        self, gpu_id: int | None = None, device: torch.device | str | None = None
+    ) -> None:
         """diffusers' sequential offload -> qwenfast's `offload="blocks"` (the transformer blocks streamed
         from pinned host memory as well). Same images; needs a GPU."""
         dev = _offload_device(self, gpu_id, device)
@@ -251,8 +286,10 @@ def _offload_device(pipe, gpu_id: int | None, device) -> torch.device:
     if gpu_id is not None:
         dev = torch.device(dev.type, gpu_id)
     if dev.type != "cuda" or not torch.cuda.is_available():
-        raise RuntimeError("CPU offload needs a CUDA GPU (the models live in host memory and run on the GPU); "
-                           "on a CPU-only machine leave it out")  # fmt: skip
+        raise RuntimeError(
+            "CPU offload needs a CUDA GPU (the models live in host memory and run on the GPU); "
+            "on a CPU-only machine leave it out"
+        )
     return dev
 
 
@@ -260,7 +297,11 @@ def _offload_device(pipe, gpu_id: int | None, device) -> torch.device:
 # from_pretrained keyword arguments
 
 HUB_ARGS = ("cache_dir", "revision", "token", "local_files_only", "force_download", "proxies")
-_NO_EFFECT = ("low_cpu_mem_usage", "disable_mmap", "silence_dtype_warnings")  # qwenfast streams weights anyway
+_NO_EFFECT = (
+    "low_cpu_mem_usage",
+    "disable_mmap",
+    "silence_dtype_warnings",
+)  # qwenfast streams weights anyway
 _REFUSED = {
     "device_map": "qwenfast places the models itself: use device= (and offload='model' / 'blocks' for small GPUs)",
     "max_memory": "use offload='blocks' with EngineOptions(offload_budget=GiB)",
@@ -292,7 +333,9 @@ def loading_args(cls_name: str, path, dtype, kwargs: dict) -> tuple[Any, Any]:
         path = kwargs.pop("pretrained_model_name_or_path")
     td = kwargs.pop("torch_dtype", None)
     if td is not None and dtype is not None and td != dtype:
-        raise ValueError(f"{cls_name}.from_pretrained got dtype={dtype} and torch_dtype={td}; give one of them")
+        raise ValueError(
+            f"{cls_name}.from_pretrained got dtype={dtype} and torch_dtype={td}; give one of them"
+        )
     dtype = dtype if dtype is not None else td
     hub = {k: kwargs.pop(k) for k in HUB_ARGS if k in kwargs}
     for k in _NO_EFFECT:
@@ -301,14 +344,18 @@ def loading_args(cls_name: str, path, dtype, kwargs: dict) -> tuple[Any, Any]:
         raise ValueError("use_safetensors=False: qwenfast reads .safetensors weights only")
     variant = kwargs.pop("variant", None)
     if variant is not None:
-        raise ValueError(f"variant={variant!r}: qwenfast reads the default weight files "
-                         "(diffusion_pytorch_model*.safetensors / model*.safetensors); give a folder holding them")  # fmt: skip
+        raise ValueError(
+            f"variant={variant!r}: qwenfast reads the default weight files "
+            "(diffusion_pytorch_model*.safetensors / model*.safetensors); give a folder holding them"
+        )
     for k in list(kwargs):
         if k in _REFUSED:
             raise ValueError(f"{cls_name}.from_pretrained: `{k}` is not supported by qwenfast: {_REFUSED[k]}")
         if k in _COMPONENTS:
-            raise ValueError(f"{cls_name}.from_pretrained: `{k}=` (a component object) is not supported: qwenfast "
-                             f"loads its own {k} from the model folder")  # fmt: skip
+            raise ValueError(
+                f"{cls_name}.from_pretrained: `{k}=` (a component object) is not supported: qwenfast "
+                f"loads its own {k} from the model folder"
+            )
     if kwargs:
         raise TypeError(f"{cls_name}.from_pretrained() got unexpected keyword arguments {sorted(kwargs)}")
     return resolve_model_path(path, hub), dtype
@@ -322,10 +369,14 @@ def resolve_model_path(path, hub: dict | None = None):
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ValueError(f"{path!r} is not a local folder, and huggingface_hub (to download it as a hub repo) is not "
-                         "installed; pip install huggingface_hub, or pass a folder") from None  # fmt: skip
+        raise ValueError(
+            f"{path!r} is not a local folder, and huggingface_hub (to download it as a hub repo) is not "
+            "installed; pip install huggingface_hub, or pass a folder"
+        ) from None
     try:
         return snapshot_download(path, **(hub or {}))
     except Exception as e:  # noqa: BLE001 - the hub raises many types; say what was tried
-        raise ValueError(f"{path!r} is not a local folder, and downloading it as a Hugging Face hub repo failed: "
-                         f"{type(e).__name__}: {e}") from e  # fmt: skip
+        raise ValueError(
+            f"{path!r} is not a local folder, and downloading it as a Hugging Face hub repo failed: "
+            f"{type(e).__name__}: {e}"
+        ) from e

@@ -88,12 +88,16 @@ def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
 def check_image_areas(areas: dict, where: str) -> dict:
     """{"vl_area": px, "vae_area": px} (either optional) -> the same dict, or a ValueError naming the field."""
     if not isinstance(areas, dict):
-        raise ValueError(f"{where}: image_areas must be an object like {{'vl_area': 4096, 'vae_area': 16384}}")
+        raise ValueError(
+            f"{where}: image_areas must be an object like {{'vl_area': 4096, 'vae_area': 16384}}"
+        )
     for k, v in areas.items():
         if k not in ("vl_area", "vae_area"):
             raise ValueError(f"{where}: unknown image_areas field {k!r} (allowed: vl_area, vae_area)")
         if not isinstance(v, int) or isinstance(v, bool) or not 32 * 32 <= v <= 4096 * 4096:
-            raise ValueError(f"{where}: image_areas.{k} must be a whole number of pixels in [1024, 4096²], got {v!r}")
+            raise ValueError(
+                f"{where}: image_areas.{k} must be a whole number of pixels in [1024, 4096²], got {v!r}"
+            )
     return dict(areas)
 
 
@@ -138,15 +142,41 @@ class QwenImageEditPipeline(QwenImagePipeline):
     folder_kinds = MODES
     checkpoints = "an edit model (Qwen-Image-Edit, -2509, -2511)"
     # Edit-2509/2511's; a loaded model answers for its folder (`_capabilities_of`: MAX_IMAGES by mode)
-    CAPABILITIES = Capabilities("qwen-image-edit-plus", tasks=("edit",), max_images=MAX_IMAGES["edit-plus"],
-                                single_files=True, variant="edit-plus")
+    CAPABILITIES = Capabilities(
+        "qwen-image-edit-plus",
+        tasks=("edit",),
+        max_images=MAX_IMAGES["edit-plus"],
+        single_files=True,
+        variant="edit-plus",
+    )
 
-    def __init__(self, transformer, vae, text_encoder: TextEncoder, scheduler_config, *, model_path: str = "",
-                 defaults: dict | None = None, mode: str = "edit-plus", image_processor=None,
-                 image_areas: dict | None = None, options: EngineOptions | None = None, device=None,
-                 extra: dict | None = None):  # fmt: skip
-        super().__init__(transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=defaults,
-                         options=options, device=device, extra=extra)  # fmt: skip
+    def __init__(
+        self,
+        transformer,
+        vae,
+        text_encoder: TextEncoder,
+        scheduler_config,
+        *,
+        model_path: str = "",
+        defaults: dict | None = None,
+        mode: str = "edit-plus",
+        image_processor=None,
+        image_areas: dict | None = None,
+        options: EngineOptions | None = None,
+        device=None,
+        extra: dict | None = None,
+    ):
+        super().__init__(
+            transformer,
+            vae,
+            text_encoder,
+            scheduler_config,
+            model_path=model_path,
+            defaults=defaults,
+            options=options,
+            device=device,
+            extra=extra,
+        )
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
@@ -160,22 +190,52 @@ class QwenImageEditPipeline(QwenImagePipeline):
         self.defaults.pop("width", None)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device: Device = None, dtype: DType = None, offload: str | None = None,
-                        *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None, cache: object = None, **kwargs) -> QwenImageEditPipeline:  # fmt: skip
+    def from_pretrained(
+        cls,
+        path: str | Path | None = None,
+        device: Device = None,
+        dtype: DType = None,
+        offload: str | None = None,
+        *,
+        options: EngineOptions | None = None,
+        fp8: bool | None = None,
+        cuda_graphs: bool | None = None,
+        cache: object = None,
+        **kwargs,
+    ) -> QwenImageEditPipeline:
         """Load a diffusers-layout edit folder or hub repo id (None = the embedded demo edit model).
 
         Engine options, the `offload` / `fp8` / `cuda_graphs` shortcuts and diffusers' keyword
         arguments (`torch_dtype=`, ...) as for `QwenImagePipeline.from_pretrained`.
         """
         path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
-        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
-        f = load_folder(path if path is not None else DEFAULT_EDIT_MODEL, device, dtype, opts.offload, MODES,
-                        "QwenImageEditPipeline runs Qwen-Image-Edit checkpoints (use QwenImagePipeline, or "
-                        "qwenfast.from_pretrained which picks the class)", fp8=opts.fp8)  # fmt: skip
-        return cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"),
-                   mode=f.kind, image_processor=load_image_processor(f.path / "processor"),
-                   image_areas=f.extra.get("image_areas"), options=opts, device=f.device, extra=f.extra)  # fmt: skip
+        opts = engine_options(
+            options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache}
+        )
+        f = load_folder(
+            path if path is not None else DEFAULT_EDIT_MODEL,
+            device,
+            dtype,
+            opts.offload,
+            MODES,
+            "QwenImageEditPipeline runs Qwen-Image-Edit checkpoints (use QwenImagePipeline, or "
+            "qwenfast.from_pretrained which picks the class)",
+            fp8=opts.fp8,
+        )
+        return cls(
+            f.transformer,
+            f.vae,
+            f.te,
+            f.sched,
+            model_path=str(f.path),
+            defaults=f.extra.get("defaults"),
+            mode=f.kind,
+            image_processor=load_image_processor(f.path / "processor"),
+            image_areas=f.extra.get("image_areas"),
+            options=opts,
+            device=f.device,
+            extra=f.extra,
+        )
 
     @classmethod
     def from_single_files(cls, *args, mode: str = "edit-plus", **kwargs) -> QwenImageEditPipeline:
@@ -190,8 +250,12 @@ class QwenImageEditPipeline(QwenImagePipeline):
     def _capabilities_of(self, cls: type) -> Capabilities:
         """The rule of the edit classes: the model type, and at most MAX_IMAGES[mode] images, by folder."""
         c = cls.CAPABILITIES
-        return replace(c, model_type=f"qwen-image-{self.mode}", variant=self.mode,
-                       max_images=min(c.max_images, MAX_IMAGES[self.mode]))  # fmt: skip
+        return replace(
+            c,
+            model_type=f"qwen-image-{self.mode}",
+            variant=self.mode,
+            max_images=min(c.max_images, MAX_IMAGES[self.mode]),
+        )
 
     # ---------------------------------------------------------------- preprocessing
     def prepare_images(self, images: list) -> tuple[list, list, tuple[int, int]]:
@@ -260,7 +324,11 @@ class QwenImageEditPipeline(QwenImagePipeline):
         dw, dh = calculate_dimensions(self.image_areas.get("vae_area", VAE_AREA), ref.width / ref.height)
         height, width = call_args.get("height") or dh, call_args.get("width") or dw
         mult = self.vae_scale_factor * 2
-        return (height // mult * mult, width // mult * mult) if height >= mult and width >= mult else (height, width)
+        return (
+            (height // mult * mult, width // mult * mult)
+            if height >= mult and width >= mult
+            else (height, width)
+        )
 
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
@@ -318,17 +386,39 @@ class QwenImageEditPipeline(QwenImagePipeline):
             height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas
         )
         n = num_images_per_prompt
-        with DiffusersCall(self, guidance_scale, attention_kwargs, callback_on_step_end,
-                           callback_on_step_end_tensor_inputs) as call:  # fmt: skip
-            cond, uncond, k = self._prompt_conds(prompt, negative_prompt, cfg_scale, n, None, prompt_embeds,
-                                                 prompt_embeds_mask, negative_prompt_embeds,
-                                                 negative_prompt_embeds_mask,
-                                                 encode=lambda texts: self.encode_edit_prompt(texts, vl_images, n))  # fmt: skip
+        with DiffusersCall(
+            self, guidance_scale, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs
+        ) as call:
+            cond, uncond, k = self._prompt_conds(
+                prompt,
+                negative_prompt,
+                cfg_scale,
+                n,
+                None,
+                prompt_embeds,
+                prompt_embeds_mask,
+                negative_prompt_embeds,
+                negative_prompt_embeds_mask,
+                encode=lambda texts: self.encode_edit_prompt(texts, vl_images, n),
+            )
             B = k * n
-            out = self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
-                                 generator=generator, latents=latents, output_type=output_type, sigmas=sigmas,
-                                 scheduler_overrides=scheduler_overrides, callback=callback,
-                                 ref=self.encode_images(vae_in, B), step_end=call.step_end)  # fmt: skip
+            out = self._generate(
+                B=B,
+                h=h,
+                w=w,
+                cond=cond,
+                uncond=uncond,
+                cfg_scale=cfg_scale,
+                steps=steps,
+                generator=generator,
+                latents=latents,
+                output_type=output_type,
+                sigmas=sigmas,
+                scheduler_overrides=scheduler_overrides,
+                callback=callback,
+                ref=self.encode_images(vae_in, B),
+                step_end=call.step_end,
+            )
         return call.output(out, return_dict)
 
 

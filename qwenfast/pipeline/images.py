@@ -79,14 +79,17 @@ def _check_values(x, spec: ImageSpec, where: str):
         return x.to(torch.uint8) if isinstance(x, torch.Tensor) else x.astype(np.uint8)
     is_int = not (x.is_floating_point() if isinstance(x, torch.Tensor) else np.issubdtype(dt, np.floating))
     if is_int and not spec.binarize:
-        raise ValueError(f"{where}: an integer ({dt}) image array is taken by diffusers as values in [0, 1], not "
-                         "0..255 pixels, which gives a blown-out picture: pass `arr / 255` as float, or "
-                         "`PIL.Image.fromarray(arr)`")  # fmt: skip
+        raise ValueError(
+            f"{where}: an integer ({dt}) image array is taken by diffusers as values in [0, 1], not "
+            "0..255 pixels, which gives a blown-out picture: pass `arr / 255` as float, or "
+            "`PIL.Image.fromarray(arr)`"
+        )
     return x
 
 
-def preprocess(image, height: int, width: int, spec: ImageSpec = IMAGE, *, mult: int = 16,
-               where: str = "image") -> torch.Tensor:  # fmt: skip
+def preprocess(
+    image, height: int, width: int, spec: ImageSpec = IMAGE, *, mult: int = 16, where: str = "image"
+) -> torch.Tensor:
     """diffusers' `VaeImageProcessor(vae_scale_factor=mult, ...).preprocess(image, height, width)`:
     one image or a list (PIL / path / array / tensor), or a batch array/tensor -> (k, C, H, W) float32,
     H x W = height x width floored to `mult` (a latents tensor keeps its own size)."""
@@ -107,18 +110,25 @@ def preprocess(image, height: int, width: int, spec: ImageSpec = IMAGE, *, mult:
         elif image.shape[-1] == 1:
             image = image[None]
         elif image.shape[-1] in (3, 4):
-            raise ValueError(f"{where}: an HxWx{image.shape[-1]} mask array is read by diffusers as a batch of "
-                             f"{image.shape[0]} masks; give HxW (one channel)")  # fmt: skip
+            raise ValueError(
+                f"{where}: an HxWx{image.shape[-1]} mask array is read by diffusers as a batch of "
+                f"{image.shape[0]} masks; give HxW (one channel)"
+            )
         else:
             image = image[..., None]
     if isinstance(image, list) and isinstance(image[0], (np.ndarray, torch.Tensor)) and image[0].ndim == 4:
         image = np.concatenate(image) if isinstance(image[0], np.ndarray) else torch.cat(image)
-    valid = (isinstance(image, (np.ndarray, torch.Tensor)) and image.ndim == 4) or _is_image(image) or (
-        isinstance(image, list) and all(_is_image(im) for im in image))  # fmt: skip
+    valid = (
+        (isinstance(image, (np.ndarray, torch.Tensor)) and image.ndim == 4)
+        or _is_image(image)
+        or (isinstance(image, list) and all(_is_image(im) for im in image))
+    )
     if not valid:
         got = type(image).__name__ if not isinstance(image, list) else f"a list of {type(image[0]).__name__}"
-        raise TypeError(f"{where} must be a PIL image, a path, a numpy array or a torch tensor (or a list of them), "
-                        f"got {got} of shape {getattr(image, 'shape', '?')}")  # fmt: skip
+        raise TypeError(
+            f"{where} must be a PIL image, a path, a numpy array or a torch tensor (or a list of them), "
+            f"got {got} of shape {getattr(image, 'shape', '?')}"
+        )
     items = image if isinstance(image, list) else [image]
     if len({type(im).__name__ for im in items}) > 1 and not all(isinstance(im, Image.Image) for im in items):
         raise TypeError(f"{where}: a list must hold one kind of image (all PIL, all arrays or all tensors)")
@@ -144,9 +154,13 @@ def preprocess(image, height: int, width: int, spec: ImageSpec = IMAGE, *, mult:
     x = x.to(torch.float32)
     if spec.normalize:
         if x.min() < 0:
-            warnings.warn("Passing `image` as torch tensor with value range in [-1,1] is deprecated. The expected value "
-                          "range for image tensor is [0,1] when passing as pytorch tensor or numpy Array. You passed "
-                          f"`image` with value range [{x.min()},{x.max()}]", FutureWarning, stacklevel=3)  # fmt: skip
+            warnings.warn(
+                "Passing `image` as torch tensor with value range in [-1,1] is deprecated. The expected value "
+                "range for image tensor is [0,1] when passing as pytorch tensor or numpy Array. You passed "
+                f"`image` with value range [{x.min()},{x.max()}]",
+                FutureWarning,
+                stacklevel=3,
+            )
         else:
             x = 2.0 * x - 1.0
     if spec.binarize:

@@ -39,8 +39,10 @@ def check_strength(strength: float, num_steps: int) -> None:
         raise ValueError(f"`strength` must be a number in [0.0, 1.0], got {strength!r}")
     left = num_steps - start_step(num_steps, strength)
     if left < 1:
-        raise ValueError(f"strength {strength} with {num_steps} steps leaves {left} denoising steps; raise "
-                         "`strength` or `num_inference_steps`")  # fmt: skip
+        raise ValueError(
+            f"strength {strength} with {num_steps} steps leaves {left} denoising steps; raise "
+            "`strength` or `num_inference_steps`"
+        )
 
 
 def image_tensor(images: list, height: int, width: int) -> torch.Tensor:
@@ -48,8 +50,12 @@ def image_tensor(images: list, height: int, width: int) -> torch.Tensor:
     (Lanczos resize to exactly height x width, /255, *2-1)."""
     from PIL import Image
 
-    arr = np.stack([np.asarray(im.resize((width, height), resample=Image.LANCZOS)).astype(np.float32) / 255.0
-                    for im in images])  # fmt: skip  # (k, H, W, 3)
+    arr = np.stack(
+        [
+            np.asarray(im.resize((width, height), resample=Image.LANCZOS)).astype(np.float32) / 255.0
+            for im in images
+        ]
+    )  # (k, H, W, 3)
     return torch.from_numpy(arr).permute(0, 3, 1, 2) * 2.0 - 1.0
 
 
@@ -57,7 +63,9 @@ def load_masks(mask: object) -> list:
     """Mask(s) -> a list, paths opened as PIL images (the CLI's `--mask`); arrays, tensors and PIL
     images stay as they are (`mask_tensor` reads them as diffusers does)."""
     if mask is None:
-        raise ValueError("`mask_image` is required: white (>= 50% grey) pixels are repainted, black ones kept")
+        raise ValueError(
+            "`mask_image` is required: white (>= 50% grey) pixels are repainted, black ones kept"
+        )
     items = list(mask) if isinstance(mask, (list, tuple)) else [mask]
     if not items:
         raise ValueError("`mask_image` is an empty list")
@@ -70,10 +78,14 @@ def mask_tensor(mask: object, height: int, width: int) -> torch.Tensor:
     diffusers' mask processor (resize, greyscale, binarised at 0.5: soft edges become hard at half
     grey, and a 0/1 or 0/255 array both work). 1 = repaint."""
     if mask is None:
-        raise ValueError("`mask_image` is required: white (>= 50% grey) pixels are repainted, black ones kept")
+        raise ValueError(
+            "`mask_image` is required: white (>= 50% grey) pixels are repainted, black ones kept"
+        )
     m = preprocess(mask, height, width, MASK, where="mask_image")
     if m.shape[1] != 1:
-        raise ValueError(f"mask_image has {m.shape[1]} channels after diffusers' mask processing; give one channel")
+        raise ValueError(
+            f"mask_image has {m.shape[1]} channels after diffusers' mask processing; give one channel"
+        )
     return m
 
 
@@ -88,7 +100,9 @@ def tile_rows(t: torch.Tensor, batch: int, what: str) -> torch.Tensor:
     """k rows -> `batch` rows as diffusers repeats them (whole-batch copies); k must divide batch."""
     k = t.shape[0]
     if k > batch or batch % k:
-        raise ValueError(f"{k} {what} cannot be spread over {batch} images; give 1 {what[:-1]} or one per image")
+        raise ValueError(
+            f"{k} {what} cannot be spread over {batch} images; give 1 {what[:-1]} or one per image"
+        )
     return t if k == batch else torch.cat([t] * (batch // k))
 
 
@@ -102,7 +116,11 @@ class ImageLatents:
         """x (k, 3, H, W) in [-1, 1] -> (k, 16, H/8, W/8) in the pipeline's dtype."""
         vcfg = pipe.vae.cfg
         x = x.to(pipe.device, pipe.dtype)
-        rows = [(x[i : i + 1], generator[i]) for i in range(x.shape[0])] if isinstance(generator, list) else [(x, generator)]
+        rows = (
+            [(x[i : i + 1], generator[i]) for i in range(x.shape[0])]
+            if isinstance(generator, list)
+            else [(x, generator)]
+        )
         zs = []
         with pipe._vae_resident():
             for xi, g in rows:
@@ -199,39 +217,76 @@ class QwenImageImg2ImgPipeline(QwenImagePipeline):
         width = d["width"] if a["width"] is None else a["width"]
         steps = d["num_inference_steps"] if a["num_inference_steps"] is None else a["num_inference_steps"]
         cfg_scale = d["true_cfg_scale"] if a["true_cfg_scale"] is None else a["true_cfg_scale"]
-        n, sigmas, strength, generator = a["num_images_per_prompt"], a["sigmas"], a["strength"], a["generator"]
+        n, sigmas, strength, generator = (
+            a["num_images_per_prompt"],
+            a["sigmas"],
+            a["strength"],
+            a["generator"],
+        )
         h, w = self._check(height, width, steps, n, a["output_type"], a["max_sequence_length"], sigmas)
         check_strength(strength, len(sigmas) if sigmas is not None else steps)
         px = preprocess(a["image"], height, width, IMAGE_LATENTS, where="image")  # (k, 3, 8h, 8w) or latents
         given_z = px.shape[1] == IMAGE_LATENTS.latent_channels
         if given_z and (inpaint or tuple(px.shape[-2:]) != (h, w)):
-            raise ValueError(f"a {IMAGE_LATENTS.latent_channels}-channel image tensor is taken as image latents, which "
-                             f"img2img takes at the latent size {h}x{w} only; give the picture itself"
-                             + (" for inpainting" if inpaint else ""))  # fmt: skip
+            raise ValueError(
+                f"a {IMAGE_LATENTS.latent_channels}-channel image tensor is taken as image latents, which "
+                f"img2img takes at the latent size {h}x{w} only; give the picture itself"
+                + (" for inpainting" if inpaint else "")
+            )
         if not given_z and px.shape[1] != 3:
             raise ValueError(f"image has {px.shape[1]} channels; give RGB pictures (3 channels)")
         mask = mask_tensor(mask_image, height, width) if inpaint else None  # (k, 1, 8h, 8w)
         if a["latents"] is not None and inpaint:  # diffusers 0.42.1 fails on it too
             raise ValueError("`latents` is not supported for inpainting; give `generator` (a seed) instead")
-        with DiffusersCall(self, a["guidance_scale"], a["attention_kwargs"], a["callback_on_step_end"],
-                           a["callback_on_step_end_tensor_inputs"]) as call:  # fmt: skip
-            cond, uncond, k = self._prompt_conds(a["prompt"], a["negative_prompt"], cfg_scale, n,
-                                                 a["max_sequence_length"], a["prompt_embeds"], a["prompt_embeds_mask"],
-                                                 a["negative_prompt_embeds"], a["negative_prompt_embeds_mask"])  # fmt: skip
+        with DiffusersCall(
+            self,
+            a["guidance_scale"],
+            a["attention_kwargs"],
+            a["callback_on_step_end"],
+            a["callback_on_step_end_tensor_inputs"],
+        ) as call:
+            cond, uncond, k = self._prompt_conds(
+                a["prompt"],
+                a["negative_prompt"],
+                cfg_scale,
+                n,
+                a["max_sequence_length"],
+                a["prompt_embeds"],
+                a["prompt_embeds_mask"],
+                a["negative_prompt_embeds"],
+                a["negative_prompt_embeds_mask"],
+            )
             B = k * n
             if isinstance(generator, list) and len(generator) != B:
                 raise ValueError(f"got {len(generator)} generators for a batch of {B} images")
-            if a["latents"] is None:  # diffusers: given latents are the start point, and the image is not encoded
-                z = px.to(self.device, self.dtype) if given_z else ImageLatents.encode(self, px, generator)  # (k, 16, h, w)
+            if (
+                a["latents"] is None
+            ):  # diffusers: given latents are the start point, and the image is not encoded
+                z = (
+                    px.to(self.device, self.dtype) if given_z else ImageLatents.encode(self, px, generator)
+                )  # (k, 16, h, w)
                 packed = S.pack_latents(tile_rows(z, B, "images"))
                 lmask = None if mask is None else latent_mask(mask, h, w, B, self.device, self.dtype)
                 start = inpaint_start(packed, lmask, strength)
             else:
                 start = _sliced(strength)
-            out = self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
-                                 generator=generator, latents=a["latents"], output_type=a["output_type"], sigmas=sigmas,
-                                 scheduler_overrides=a["scheduler_overrides"], callback=a["callback"], start=start,
-                                 step_end=call.step_end)  # fmt: skip
+            out = self._generate(
+                B=B,
+                h=h,
+                w=w,
+                cond=cond,
+                uncond=uncond,
+                cfg_scale=cfg_scale,
+                steps=steps,
+                generator=generator,
+                latents=a["latents"],
+                output_type=a["output_type"],
+                sigmas=sigmas,
+                scheduler_overrides=a["scheduler_overrides"],
+                callback=a["callback"],
+                start=start,
+                step_end=call.step_end,
+            )
         return call.output(out, a["return_dict"])
 
 

@@ -37,8 +37,10 @@ from .text_to_image import log
 
 def _no_crop(padding_mask_crop) -> None:
     if padding_mask_crop is not None:
-        raise ValueError("`padding_mask_crop` is not supported by qwenfast; crop the image and the mask to the "
-                         "region first, inpaint, and paste the result back")  # fmt: skip
+        raise ValueError(
+            "`padding_mask_crop` is not supported by qwenfast; crop the image and the mask to the "
+            "region first, inpaint, and paste the result back"
+        )
 
 
 class QwenImageInpaintPipeline(QwenImageImg2ImgPipeline):
@@ -99,8 +101,14 @@ class QwenImageEditInpaintPipeline(QwenImageEditPipeline):
     read as diffusers' mask processor reads it (`images.py`).
     """
 
-    CAPABILITIES = Capabilities("qwen-image-edit-plus", tasks=("edit-inpaint",), max_images=1, mask=True,
-                                single_files=True, variant="edit-plus")  # answered per folder: `_capabilities_of`
+    CAPABILITIES = Capabilities(
+        "qwen-image-edit-plus",
+        tasks=("edit-inpaint",),
+        max_images=1,
+        mask=True,
+        single_files=True,
+        variant="edit-plus",
+    )  # answered per folder: `_capabilities_of`
 
     def output_size(self, call_args: dict) -> tuple[int, int]:
         """(height, width): the image's aspect at the model's VAE area, whatever height/width say."""
@@ -149,7 +157,9 @@ class QwenImageEditInpaintPipeline(QwenImageEditPipeline):
         vl_images, vae_in, _ = self.prepare_images(images)
         out_h, out_w = self.output_size({"image": images})
         if (height is not None and height != out_h) or (width is not None and width != out_w):
-            log.info("edit inpainting follows the image's size (%dx%d); height/width are ignored", out_w, out_h)
+            log.info(
+                "edit inpainting follows the image's size (%dx%d); height/width are ignored", out_w, out_h
+            )
         d = self.defaults
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
@@ -159,21 +169,47 @@ class QwenImageEditInpaintPipeline(QwenImageEditPipeline):
         mask = mask_tensor(mask_image, out_h, out_w)  # (k, 1, 8h, 8w)
         if mask.shape[0] != 1:
             raise ValueError(f"edit inpainting takes exactly 1 image and 1 mask, got {mask.shape[0]} masks")
-        with DiffusersCall(self, guidance_scale, attention_kwargs, callback_on_step_end,
-                           callback_on_step_end_tensor_inputs) as call:  # fmt: skip
-            cond, uncond, k = self._prompt_conds(prompt, negative_prompt, cfg_scale, n, None, prompt_embeds,
-                                                 prompt_embeds_mask, negative_prompt_embeds,
-                                                 negative_prompt_embeds_mask,
-                                                 encode=lambda texts: self.encode_edit_prompt(texts, vl_images, n))  # fmt: skip
+        with DiffusersCall(
+            self, guidance_scale, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs
+        ) as call:
+            cond, uncond, k = self._prompt_conds(
+                prompt,
+                negative_prompt,
+                cfg_scale,
+                n,
+                None,
+                prompt_embeds,
+                prompt_embeds_mask,
+                negative_prompt_embeds,
+                negative_prompt_embeds_mask,
+                encode=lambda texts: self.encode_edit_prompt(texts, vl_images, n),
+            )
             B = k * n
             if isinstance(generator, list) and len(generator) != B:
                 raise ValueError(f"got {len(generator)} generators for a batch of {B} images")
-            z = ImageLatents.encode(self, image_tensor(vae_in, 8 * h, 8 * w), generator)  # (1, 16, h, w): a sample
-            packed = pack_latents(tile_rows(z, B, "images"))  # the reference tokens and the kept region's target
+            z = ImageLatents.encode(
+                self, image_tensor(vae_in, 8 * h, 8 * w), generator
+            )  # (1, 16, h, w): a sample
+            packed = pack_latents(
+                tile_rows(z, B, "images")
+            )  # the reference tokens and the kept region's target
             lmask = latent_mask(mask, h, w, B, self.device, self.dtype)
-            out = self._generate(B=B, h=h, w=w, cond=cond, uncond=uncond, cfg_scale=cfg_scale, steps=steps,
-                                 generator=generator, latents=None, output_type=output_type, sigmas=sigmas,
-                                 scheduler_overrides=scheduler_overrides, callback=callback,
-                                 ref=(packed, [(1, h // 2, w // 2)]), start=inpaint_start(packed, lmask, strength),
-                                 step_end=call.step_end)  # fmt: skip
+            out = self._generate(
+                B=B,
+                h=h,
+                w=w,
+                cond=cond,
+                uncond=uncond,
+                cfg_scale=cfg_scale,
+                steps=steps,
+                generator=generator,
+                latents=None,
+                output_type=output_type,
+                sigmas=sigmas,
+                scheduler_overrides=scheduler_overrides,
+                callback=callback,
+                ref=(packed, [(1, h // 2, w // 2)]),
+                start=inpaint_start(packed, lmask, strength),
+                step_end=call.step_end,
+            )
         return call.output(out, return_dict)

@@ -73,45 +73,89 @@ class QwenImageLayeredPipeline(PipelineBase):
 
     folder_kinds = ("layered",)
     checkpoints = "a layered model (Qwen-Image-Layered)"
-    CAPABILITIES = Capabilities("qwen-image-layered", tasks=("layered",), max_images=1, rgba=True, parallel=())
+    CAPABILITIES = Capabilities(
+        "qwen-image-layered", tasks=("layered",), max_images=1, rgba=True, parallel=()
+    )
 
     def __init__(self, transformer, vae, text_encoder, scheduler_config, *, image_processor=None, **kwargs):
         super().__init__(transformer, vae, text_encoder, scheduler_config, **kwargs)
         cfg = transformer.cfg
         if not (cfg.use_layer3d_rope and cfg.use_additional_t_cond):
-            raise ValueError("QwenImageLayeredPipeline needs a Qwen-Image-Layered transformer (use_layer3d_rope and "
-                             "use_additional_t_cond in its config)")  # fmt: skip
+            raise ValueError(
+                "QwenImageLayeredPipeline needs a Qwen-Image-Layered transformer (use_layer3d_rope and "
+                "use_additional_t_cond in its config)"
+            )
         self.image_processor = image_processor  # Qwen2-VL image processor, for captions only
         self.defaults.pop("height", None)  # the size follows the picture and `resolution`
         self.defaults.pop("width", None)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: Device = None, dtype: DType = None, offload: str | None = None,
-                        *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None, cache: object = None, **kwargs) -> QwenImageLayeredPipeline:  # fmt: skip
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: Device = None,
+        dtype: DType = None,
+        offload: str | None = None,
+        *,
+        options: EngineOptions | None = None,
+        fp8: bool | None = None,
+        cuda_graphs: bool | None = None,
+        cache: object = None,
+        **kwargs,
+    ) -> QwenImageLayeredPipeline:
         """Load a Qwen-Image-Layered diffusers folder (or hub repo id); engine options and diffusers'
         keyword arguments (`torch_dtype=`, ...) as `QwenImagePipeline.from_pretrained`."""
         path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
-        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
-        f = load_folder(path, device, dtype, opts.offload, cls.folder_kinds,
-                        "QwenImageLayeredPipeline runs Qwen-Image-Layered checkpoints")  # fmt: skip
-        return cls(f.transformer, f.vae, f.te, f.sched, image_processor=load_image_processor(f.path / "processor"),
-                   model_path=str(f.path), defaults=f.extra.get("defaults"), options=opts, device=f.device,
-                   extra=f.extra)  # fmt: skip
+        opts = engine_options(
+            options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache}
+        )
+        f = load_folder(
+            path,
+            device,
+            dtype,
+            opts.offload,
+            cls.folder_kinds,
+            "QwenImageLayeredPipeline runs Qwen-Image-Layered checkpoints",
+        )
+        return cls(
+            f.transformer,
+            f.vae,
+            f.te,
+            f.sched,
+            image_processor=load_image_processor(f.path / "processor"),
+            model_path=str(f.path),
+            defaults=f.extra.get("defaults"),
+            options=opts,
+            device=f.device,
+            extra=f.extra,
+        )
 
     # ---------------------------------------------------------------- conditioning
     def picture(self, image, resolution: int):
         """-> (resized PIL picture, (height, width)) as diffusers: ~resolution² area, sides multiples of 32."""
         from PIL import Image
 
-        if not isinstance(resolution, int) or isinstance(resolution, bool) or resolution % 32 or not 64 <= resolution <= 2048:
-            raise ValueError(f"resolution must be a multiple of 32 in 64..2048 (the model was trained at {RESOLUTIONS}; "
-                             f"640 is recommended), got {resolution!r}")  # fmt: skip
-        if resolution not in RESOLUTIONS:  # diffusers refuses these; smaller ones are handy for tests and drafts
-            log.warning("resolution %s is not one of Qwen-Image-Layered's buckets %s", resolution, RESOLUTIONS)
+        if (
+            not isinstance(resolution, int)
+            or isinstance(resolution, bool)
+            or resolution % 32
+            or not 64 <= resolution <= 2048
+        ):
+            raise ValueError(
+                f"resolution must be a multiple of 32 in 64..2048 (the model was trained at {RESOLUTIONS}; "
+                f"640 is recommended), got {resolution!r}"
+            )
+        if (
+            resolution not in RESOLUTIONS
+        ):  # diffusers refuses these; smaller ones are handy for tests and drafts
+            log.warning(
+                "resolution %s is not one of Qwen-Image-Layered's buckets %s", resolution, RESOLUTIONS
+            )
         if isinstance(image, (list, tuple)):
             if len(image) != 1:
-                raise ValueError("QwenImageLayeredPipeline decomposes one picture per call (batch with a prompt list)")
+                raise ValueError(
+                    "QwenImageLayeredPipeline decomposes one picture per call (batch with a prompt list)"
+                )
             image = image[0]
         im = pil_image(image, "image")
         cw, ch = calculate_dimensions(resolution * resolution, im.width / im.height)
@@ -122,7 +166,9 @@ class QwenImageLayeredPipeline(PipelineBase):
         c = self.vae.cfg
         mode = {3: "RGB", 4: "RGBA"}.get(c.input_channels)
         if mode is None:
-            raise ValueError(f"the VAE takes {c.input_channels} channels; Qwen-Image-Layered's takes 4 (RGBA)")
+            raise ValueError(
+                f"the VAE takes {c.input_channels} channels; Qwen-Image-Layered's takes 4 (RGBA)"
+            )
         a = np.array(im if im.mode == mode else im.convert(mode)).astype(np.float32) / 255.0
         x = (torch.from_numpy(a).permute(2, 0, 1)[None] * 2.0 - 1.0).to(self.device, self.dtype)
         with self._vae_resident():
@@ -143,16 +189,23 @@ class QwenImageLayeredPipeline(PipelineBase):
         grid = vis["image_grid_thw"]
         text = CAPTION_EN if use_en_prompt else CAPTION_CN
         n = int(grid[0].prod()) // self.image_processor.merge_size**2
-        tok = te.tokenizer([text.replace(IMAGE_PAD, IMAGE_PAD * n)], padding=True, return_tensors="pt").to(te.device)
+        tok = te.tokenizer([text.replace(IMAGE_PAD, IMAGE_PAD * n)], padding=True, return_tensors="pt").to(
+            te.device
+        )
         kw = {"pixel_values": vis["pixel_values"].to(te.device), "image_grid_thw": grid.to(te.device)}
         if "mm_token_type_ids" in inspect.signature(te.model.forward).parameters:  # transformers 5: the RoPE
-            image_id = te.model.config.image_token_id  # index follows it (Qwen2VLProcessor makes it: 1 = image)
+            image_id = (
+                te.model.config.image_token_id
+            )  # index follows it (Qwen2VLProcessor makes it: 1 = image)
             kw["mm_token_type_ids"] = (tok.input_ids == image_id).long()
         with te.resident():
-            out = te.model.generate(input_ids=tok.input_ids, attention_mask=tok.attention_mask, max_new_tokens=512,
-                                    **kw)  # fmt: skip
+            out = te.model.generate(
+                input_ids=tok.input_ids, attention_mask=tok.attention_mask, max_new_tokens=512, **kw
+            )
         new = out[:, tok.input_ids.shape[1] :]
-        return te.tokenizer.batch_decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)[0].strip()
+        return te.tokenizer.batch_decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False)[
+            0
+        ].strip()
 
     # ---------------------------------------------------------------- generation
     @torch.no_grad()
@@ -200,13 +253,24 @@ class QwenImageLayeredPipeline(PipelineBase):
         d = self.defaults
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
+        h, w = self._check(
+            height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas
+        )
         n = num_images_per_prompt
-        with DiffusersCall(self, guidance_scale, attention_kwargs, callback_on_step_end,
-                           callback_on_step_end_tensor_inputs) as call:  # fmt: skip
-            cond, uncond, k = self._prompt_conds(prompt, negative_prompt, cfg_scale, n, max_sequence_length,
-                                                 prompt_embeds, prompt_embeds_mask, negative_prompt_embeds,
-                                                 negative_prompt_embeds_mask)  # fmt: skip
+        with DiffusersCall(
+            self, guidance_scale, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs
+        ) as call:
+            cond, uncond, k = self._prompt_conds(
+                prompt,
+                negative_prompt,
+                cfg_scale,
+                n,
+                max_sequence_length,
+                prompt_embeds,
+                prompt_embeds_mask,
+                negative_prompt_embeds,
+                negative_prompt_embeds_mask,
+            )
             B = k * n
             ref = self.encode_picture(im).expand(B, -1, -1)  # (B, m, 64)
             F = layers + 1  # frame 0: the recomposed picture
@@ -216,28 +280,47 @@ class QwenImageLayeredPipeline(PipelineBase):
                 x = S.pack_latents(noise.reshape(B * F, 16, h, w)).reshape(B, F * frame_tokens, 64)
             else:
                 if tuple(latents.shape) != (B, F * frame_tokens, 64):
-                    raise ValueError(f"latents must have shape {(B, F * frame_tokens, 64)} (packed), got "
-                                     f"{tuple(latents.shape)}")  # fmt: skip
+                    raise ValueError(
+                        f"latents must have shape {(B, F * frame_tokens, 64)} (packed), got "
+                        f"{tuple(latents.shape)}"
+                    )
                 x = latents.to(self.device, self.dtype)
             img_shapes = [(1, h // 2, w // 2)] * F + [(1, height // 16, width // 16)]
             if sigmas is None:
                 sigmas = np.linspace(1.0, 0, steps + 1)[:-1]
             mu = (ref.shape[1] / (256 * 256 / 16 / 16)) ** 0.5
-            sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], list(sigmas), mu=mu)
-            x = self._denoise(x, sig.to(self.device), img_shapes, cond, uncond, cfg_scale, ref, callback,
-                              cfg_normalize, call.step_end)  # fmt: skip
+            sig = S.get_sigmas(
+                self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], list(sigmas), mu=mu
+            )
+            x = self._denoise(
+                x,
+                sig.to(self.device),
+                img_shapes,
+                cond,
+                uncond,
+                cfg_scale,
+                ref,
+                callback,
+                cfg_normalize,
+                call.step_end,
+            )
         if output_type == "latent":
             return call.output(QwenImageOutput(images=x), return_dict)
         z = x.view(B, F, frame_tokens, 64)[:, 1:].reshape(B * layers, frame_tokens, 64)
         with self._engine():
             imgs = postprocess(self.decode_latents(z, h, w), output_type)  # (B * layers) images
-        return call.output(QwenImageOutput(images=[imgs[b * layers : (b + 1) * layers] for b in range(B)]), return_dict)
+        return call.output(
+            QwenImageOutput(images=[imgs[b * layers : (b + 1) * layers] for b in range(B)]), return_dict
+        )
 
-    def _denoise(self, x, sig, img_shapes, cond, uncond, cfg_scale, ref, callback, cfg_normalize,
-                 step_end=None) -> torch.Tensor:  # fmt: skip
+    def _denoise(
+        self, x, sig, img_shapes, cond, uncond, cfg_scale, ref, callback, cfg_normalize, step_end=None
+    ) -> torch.Tensor:
         """The shared denoise core with `additional_t_cond` bound, split into chunks on CUDA OOM."""
         if self._parallel is not None:
-            raise RuntimeError("QwenImageLayeredPipeline does not support parallel options yet; run on one GPU")
+            raise RuntimeError(
+                "QwenImageLayeredPipeline does not support parallel options yet; run on one GPU"
+            )
         rgb: dict[int, torch.Tensor] = {}
 
         def forward(x, emb, mask, t, shapes, step=None):
@@ -246,6 +329,16 @@ class QwenImageLayeredPipeline(PipelineBase):
             return self._forward(x, emb, mask, t, shapes, step, additional_t_cond=rgb[x.shape[0]])
 
         with self._engine():
-            return self._denoise_batch(forward, x, sig, img_shapes, cond, uncond, cfg_scale, ref, callback,
-                                       guidance=S.true_cfg if cfg_normalize else S.plain_cfg,
-                                       step_end=step_end)  # fmt: skip
+            return self._denoise_batch(
+                forward,
+                x,
+                sig,
+                img_shapes,
+                cond,
+                uncond,
+                cfg_scale,
+                ref,
+                callback,
+                guidance=S.true_cfg if cfg_normalize else S.plain_cfg,
+                step_end=step_end,
+            )

@@ -20,10 +20,19 @@ class PromptConds:
     """`_prompt_conds` and `_given_embeds` (see the module docstring); needs `encode_prompt`,
     `_repeat` and `transformer` from `PipelineBase`."""
 
-    def _prompt_conds(self, prompt, negative_prompt, cfg_scale: float, n: int, max_sequence_length: int | None,
-                      prompt_embeds=None, prompt_embeds_mask=None, negative_prompt_embeds=None,
-                      negative_prompt_embeds_mask=None,
-                      encode: Callable | None = None) -> tuple[TextCond, TextCond | None, int]:  # fmt: skip
+    def _prompt_conds(
+        self,
+        prompt,
+        negative_prompt,
+        cfg_scale: float,
+        n: int,
+        max_sequence_length: int | None,
+        prompt_embeds=None,
+        prompt_embeds_mask=None,
+        negative_prompt_embeds=None,
+        negative_prompt_embeds_mask=None,
+        encode: Callable | None = None,
+    ) -> tuple[TextCond, TextCond | None, int]:
         """The call's prompt conditioning, as diffusers builds it: (cond, uncond or None, number of
         prompts), each repeated `n` times per prompt. Texts go through `encode(texts)` (default: the
         text encoder, cut to `max_sequence_length`); caller-encoded embeddings are used as they are (cut
@@ -56,24 +65,33 @@ class PromptConds:
             raise ValueError(f"got {ne.shape[0]} negative_prompt_embeds rows for {len(prompts)} prompts")
         return cond, TextCond(*self._given_embeds(ne, nm, n, max_sequence_length)), len(prompts)
 
-    def _given_embeds(self, emb: torch.Tensor, mask: torch.Tensor | None, n: int,
-                      max_sequence_length: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    def _given_embeds(
+        self, emb: torch.Tensor, mask: torch.Tensor | None, n: int, max_sequence_length: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Caller-encoded prompt embeddings (B, L, D) and mask (B, L) -> repeated per image, as diffusers'
         `encode_prompt` treats them: cut to `max_sequence_length` (None: not cut), no mask when every
         token is real."""
         if not isinstance(emb, torch.Tensor) or emb.ndim != 3:
-            raise ValueError(f"prompt embeddings must be a (batch, tokens, dim) tensor, got {getattr(emb, 'shape', emb)}")
+            raise ValueError(
+                f"prompt embeddings must be a (batch, tokens, dim) tensor, got {getattr(emb, 'shape', emb)}"
+            )
         dim = self.transformer.cfg.joint_attention_dim
         if emb.shape[2] != dim:
-            raise ValueError(f"prompt embeddings have width {emb.shape[2]}, this model's text width is {dim} "
-                             "(encode the prompt with this model's text encoder)")  # fmt: skip
+            raise ValueError(
+                f"prompt embeddings have width {emb.shape[2]}, this model's text width is {dim} "
+                "(encode the prompt with this model's text encoder)"
+            )
         emb = emb[:, :max_sequence_length]
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.ndim != 2:
-                raise ValueError(f"prompt masks must be (batch, tokens) tensors, got {getattr(mask, 'shape', mask)}")
+                raise ValueError(
+                    f"prompt masks must be (batch, tokens) tensors, got {getattr(mask, 'shape', mask)}"
+                )
             mask = mask[:, :max_sequence_length].to(emb.device, torch.long)  # (B, L)
             if tuple(mask.shape) != tuple(emb.shape[:2]):
-                raise ValueError(f"prompt mask shape {tuple(mask.shape)} does not match embeddings {tuple(emb.shape)}")
+                raise ValueError(
+                    f"prompt mask shape {tuple(mask.shape)} does not match embeddings {tuple(emb.shape)}"
+                )
             if bool(mask.all()):
                 mask = None
         return self._repeat(emb, mask, n)
@@ -87,4 +105,6 @@ def check_prompt_args(prompt, prompt_embeds, negative_prompt, negative_prompt_em
     if prompt is None and prompt_embeds is None:
         raise ValueError("give `prompt` (text) or `prompt_embeds` (encoded); both are None")
     if negative_prompt is not None and negative_prompt_embeds is not None:
-        raise ValueError("give either `negative_prompt` or `negative_prompt_embeds`, not both (as in diffusers)")
+        raise ValueError(
+            "give either `negative_prompt` or `negative_prompt_embeds`, not both (as in diffusers)"
+        )

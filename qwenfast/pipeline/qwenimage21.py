@@ -53,7 +53,6 @@ log = logging.getLogger("qwenfast")
 MAX_IMAGES = 10
 
 
-
 def calculate_dimensions(target_area: float, ratio: float) -> tuple[int, int]:
     """diffusers' (width, height) with about `target_area` pixels, multiples of 32 (at least 32)."""
     width = math.sqrt(target_area * ratio)
@@ -76,11 +75,15 @@ def load_condition_images(image: Any) -> list:
         elif isinstance(im, np.ndarray):
             im = Image.fromarray(im)
         elif isinstance(im, (list, tuple)):
-            raise ValueError("`image` is one flat set of condition images shared by every prompt, not one list "
-                             "per prompt; call the pipeline once per prompt for different images")  # fmt: skip
+            raise ValueError(
+                "`image` is one flat set of condition images shared by every prompt, not one list "
+                "per prompt; call the pipeline once per prompt for different images"
+            )
         elif not isinstance(im, Image.Image):
-            raise ValueError(f"image[{i}] must be a PIL image, an array or a path, got {type(im).__name__} "
-                             "(latents cannot stand in: the text encoder must see the image)")  # fmt: skip
+            raise ValueError(
+                f"image[{i}] must be a PIL image, an array or a path, got {type(im).__name__} "
+                "(latents cannot stand in: the text encoder must see the image)"
+            )
         out.append(im)
     if not 1 <= len(out) <= MAX_IMAGES:
         raise ValueError(f"Qwen-Image-2.1 takes 1 to {MAX_IMAGES} condition images, got {len(out)}")
@@ -121,7 +124,9 @@ class _Forward21:
         """Tokens before the target in this branch's joint sequence (text and condition latents)."""
         return self.pipe.transformer.layout(*self._layout(emb, img_shapes, step)).prefix
 
-    def __call__(self, inp, emb, mask, t, img_shapes, step: StepContext, shard: tuple[int, int] | None = None):
+    def __call__(
+        self, inp, emb, mask, t, img_shapes, step: StepContext, shard: tuple[int, int] | None = None
+    ):
         (_, h, w), refs = img_shapes[0], img_shapes[1:]
         N = h * w if shard is None else shard[1] - shard[0]  # the target tokens in `inp` (first)
         hidden = torch.cat([inp[:, N:], inp[:, :N]], dim=1) if refs else inp
@@ -132,21 +137,35 @@ class _Forward21:
         graphs = self.pipe.options.cuda_graphs and hidden.is_cuda and tr.block_runner.graph_safe
         if step.step == 0:
             key = (step.branch, tuple(hidden.shape), tuple(vl.tolist()), tuple(shapes), shard)
-            self.caches[step.branch] = (self.pipe._static_cache(key) if graphs
-                                        else PrefixKVCache(len(tr.blocks)))  # fmt: skip
+            self.caches[step.branch] = (
+                self.pipe._static_cache(key) if graphs else PrefixKVCache(len(tr.blocks))
+            )
             return tr(hidden, emb, mask, t, shapes, vl, self.caches[step.branch], "extract", None, shard)
         cache = self.caches[step.branch]
-        step = StepContext(step.step - 1, step.steps - 1, step.sigma, step.branch)  # the runner's run: see above
+        step = StepContext(
+            step.step - 1, step.steps - 1, step.sigma, step.branch
+        )  # the runner's run: see above
         if not graphs:
             return tr(hidden, emb, mask, t, shapes, vl, cache, "cached", step, shard)
 
         def cached_step(hidden: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
-            return tr(hidden, emb, mask, t, shapes, vl, cache, "cached", step, shard)  # emb: unused when cached
+            return tr(
+                hidden, emb, mask, t, shapes, vl, cache, "cached", step, shard
+            )  # emb: unused when cached
 
         tr.block_runner.prepare(step, hidden.device)  # host-side step state (a replay runs no Python)
-        key = ("qwen-image-2.1 cached", id(cache), tuple(hidden.shape), hidden.dtype, str(hidden.device),
-               None if mask is None else tuple(mask.shape), tuple(vl.tolist()), tuple(shapes), shard,
-               tr.block_runner.variant(step))  # fmt: skip
+        key = (
+            "qwen-image-2.1 cached",
+            id(cache),
+            tuple(hidden.shape),
+            hidden.dtype,
+            str(hidden.device),
+            None if mask is None else tuple(mask.shape),
+            tuple(vl.tolist()),
+            tuple(shapes),
+            shard,
+            tr.block_runner.variant(step),
+        )
         return self.pipe._graphs.run(key, cached_step, hidden, mask, t)
 
 
@@ -156,17 +175,43 @@ class QwenImage21Pipeline(PipelineBase):
     folder_kinds = ("qwen-image-2.1",)
     checkpoints = "a Qwen-Image-2.1 model"
     # one class for both tasks; no per-call step cache (a pipeline-wide `cache` option works)
-    CAPABILITIES = Capabilities("qwen-image-2.1", tasks=("text-to-image", "edit"), max_images=MAX_IMAGES, rgba=True,
-                                step_cache=False, size_multiple=32)
+    CAPABILITIES = Capabilities(
+        "qwen-image-2.1",
+        tasks=("text-to-image", "edit"),
+        max_images=MAX_IMAGES,
+        rgba=True,
+        step_cache=False,
+        size_multiple=32,
+    )
     _attention_mask_refused = False  # diffusers' 2.1 transformer ignores attention_kwargs other than `scale`
 
-    def __init__(self, transformer, vae, text_encoder: TextEncoder21, scheduler_config, *, sample_sigmas=None,
-                 model_path: str = "", defaults: dict | None = None, options: EngineOptions | None = None,
-                 device=None, extra: dict | None = None):  # fmt: skip
+    def __init__(
+        self,
+        transformer,
+        vae,
+        text_encoder: TextEncoder21,
+        scheduler_config,
+        *,
+        sample_sigmas=None,
+        model_path: str = "",
+        defaults: dict | None = None,
+        options: EngineOptions | None = None,
+        device=None,
+        extra: dict | None = None,
+    ):
         d = {"num_inference_steps": 40, "true_cfg_scale": 1.0, "output_resolution": 1024, **(defaults or {})}
         self._static_caches: OrderedDict[tuple, PrefixKVCache] = OrderedDict()  # see _static_cache
-        super().__init__(transformer, vae, text_encoder, scheduler_config, model_path=model_path, defaults=d,
-                         options=options, device=device, extra=extra)  # fmt: skip
+        super().__init__(
+            transformer,
+            vae,
+            text_encoder,
+            scheduler_config,
+            model_path=model_path,
+            defaults=d,
+            options=options,
+            device=device,
+            extra=extra,
+        )
         self.defaults.pop("height", None)
         self.defaults.pop("width", None)
         self.sample_sigmas = None if sample_sigmas is None else [float(s) for s in sample_sigmas]
@@ -194,33 +239,59 @@ class QwenImage21Pipeline(PipelineBase):
         return inspect_folder21(path)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: Device = None, dtype: DType = None, offload: str | None = None,
-                        *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None, cache: object = None, **kwargs) -> QwenImage21Pipeline:  # fmt: skip
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        device: Device = None,
+        dtype: DType = None,
+        offload: str | None = None,
+        *,
+        options: EngineOptions | None = None,
+        fp8: bool | None = None,
+        cuda_graphs: bool | None = None,
+        cache: object = None,
+        **kwargs,
+    ) -> QwenImage21Pipeline:
         """Load a diffusers-layout Qwen-Image-2.1 folder (model_index.json `QwenImage21Pipeline`) or hub repo
         id; an optional qwenfast.json `{"defaults": {...}}` changes the call defaults (e.g.
         `output_resolution`). diffusers' keyword arguments (`dtype=` / `torch_dtype=`, ...) as
         `QwenImagePipeline.from_pretrained`."""
         path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
-        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
+        opts = engine_options(
+            options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache}
+        )
         path = Path(path)
         index = read_json(path / "model_index.json")
         if index.get("_class_name") != PIPELINE_CLASS:
-            raise CheckpointError(f"{path} holds a {index.get('_class_name')!r}, not a {PIPELINE_CLASS}; use "
-                                  "qwenfast.from_pretrained to pick the pipeline from the folder")  # fmt: skip
+            raise CheckpointError(
+                f"{path} holds a {index.get('_class_name')!r}, not a {PIPELINE_CLASS}; use "
+                "qwenfast.from_pretrained to pick the pipeline from the folder"
+            )
         problems = inspect_folder21(path)
         if problems:
-            raise CheckpointError(f"{path} is not a complete Qwen-Image-2.1 folder:\n  - " + "\n  - ".join(problems))
+            raise CheckpointError(
+                f"{path} is not a complete Qwen-Image-2.1 folder:\n  - " + "\n  - ".join(problems)
+            )
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         cpu = torch.device("cpu")
         tr = load_transformer21(path / "transformer", cpu if opts.offload == "blocks" else dev, dt)
-        te = TextEncoder21.from_pretrained(path / "text_encoder", path / "processor",
-                                           cpu if opts.offload != "none" else dev, dt)  # fmt: skip
+        te = TextEncoder21.from_pretrained(
+            path / "text_encoder", path / "processor", cpu if opts.offload != "none" else dev, dt
+        )
         extra = read_json(path / "qwenfast.json") if (path / "qwenfast.json").is_file() else {}
-        return cls(tr, load_vae21(path / "vae", dev, dt), te, load_scheduler_config(path / "scheduler"),
-                   sample_sigmas=index.get("sample_sigmas"), model_path=str(path), defaults=extra.get("defaults"),
-                   options=opts, device=dev, extra=extra)  # fmt: skip
+        return cls(
+            tr,
+            load_vae21(path / "vae", dev, dt),
+            te,
+            load_scheduler_config(path / "scheduler"),
+            sample_sigmas=index.get("sample_sigmas"),
+            model_path=str(path),
+            defaults=extra.get("defaults"),
+            options=opts,
+            device=dev,
+            extra=extra,
+        )
 
     def apply_preset(self, name: str) -> None:
         """A turbo schedule (`TURBO_SIGMAS`: "turbo-8", "turbo-4"): its sigmas and no CFG for every call."""
@@ -272,7 +343,8 @@ class QwenImage21Pipeline(PipelineBase):
         vcfg, vdt = self.vae.cfg, self.vae_dtype
         z = x.transpose(1, 2).reshape(x.shape[0], -1, h, w).to(vdt)
         z = z * torch.tensor(vcfg.latents_std).view(1, -1, 1, 1).to(z) + torch.tensor(vcfg.latents_mean).view(
-            1, -1, 1, 1).to(z)  # fmt: skip
+            1, -1, 1, 1
+        ).to(z)
         with self._vae_resident():
             if not self._options.decode_per_image:
                 return vae_decode(self.vae, z)
@@ -287,7 +359,9 @@ class QwenImage21Pipeline(PipelineBase):
         z = latents.transpose(1, 2).reshape(latents.shape[0], -1, h, w)  # (B, C, h, w)
         scale = min(1.0, max(2, max_px // 16) / max(h, w))
         if scale < 1.0:
-            z = F.interpolate(z.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area")
+            z = F.interpolate(
+                z.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area"
+            )
         hh, ww = z.shape[-2:]
         with torch.no_grad():
             img = self.decode_latents(z.flatten(2).transpose(1, 2).to(latents.dtype), hh, ww)
@@ -324,12 +398,15 @@ class QwenImage21Pipeline(PipelineBase):
         """diffusers' `QwenImage21Pipeline.__call__` arguments and defaults. `image`: 1-10 condition
         images (PIL, array or path; RGBA kept), one set shared by every prompt. `callback(i, n,
         latents)` after each step, as the other qwenfast pipelines."""
-        call = DiffusersCall(self, None, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs)
+        call = DiffusersCall(
+            self, None, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs
+        )
         d = self.defaults
         res = d["output_resolution"] if output_resolution is None else output_resolution
         images = load_condition_images(image) if image is not None else None
-        height, width = self.output_size({"image": images, "height": height, "width": width,
-                                          "output_resolution": res})  # fmt: skip
+        height, width = self.output_size(
+            {"image": images, "height": height, "width": width, "output_resolution": res}
+        )
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
         if sigmas is None:
@@ -356,8 +433,10 @@ class QwenImage21Pipeline(PipelineBase):
         par = self._options.parallel
         cfg_split = par is not None and par.cfg == 2
         if cfg_split and not do_cfg:
-            raise OptionsError(f"parallel {par} splits CFG over two ranks, but this call has no CFG (give a "
-                               "negative_prompt and true_cfg_scale > 1, or use parallel 'ulysses=N' alone)")  # fmt: skip
+            raise OptionsError(
+                f"parallel {par} splits CFG over two ranks, but this call has no CFG (give a "
+                "negative_prompt and true_cfg_scale > 1, or use parallel 'ulysses=N' alone)"
+            )
         cond, slot_rows = self._cond(emb, mask, slots, n)
         uncond, neg_slots = None, None
         if do_cfg:
@@ -370,15 +449,24 @@ class QwenImage21Pipeline(PipelineBase):
         ref = self.encode_images(vae_in, B) if vae_in is not None else None
         C = self.transformer.cfg.in_channels
         if latents is None:
-            x = randn_tensor((B, 1, C, h, w), generator, self.device, self.dtype).view(B, C, h * w).transpose(1, 2)
+            x = (
+                randn_tensor((B, 1, C, h, w), generator, self.device, self.dtype)
+                .view(B, C, h * w)
+                .transpose(1, 2)
+            )
         elif tuple(latents.shape) != (B, h * w, C):
             raise ValueError(f"latents must have shape {(B, h * w, C)} (packed), got {tuple(latents.shape)}")
         else:
             x = latents.to(self.device, self.dtype)
         img_shapes = [(1, h, w), *(ref[1] if ref is not None else [])]
-        sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(self.device)
-        forward = _Forward21(self, {"cond": slot_rows, "uncond": neg_slots},
-                             use_kv_cache and self.transformer.cfg.causal_condition)  # fmt: skip
+        sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(
+            self.device
+        )
+        forward = _Forward21(
+            self,
+            {"cond": slot_rows, "uncond": neg_slots},
+            use_kv_cache and self.transformer.cfg.causal_condition,
+        )
         if self._parallel is not None:  # the prefix whole on every rank, the target tokens sharded
             from ..runtime.parallel21 import PrefixParallelForward
 
@@ -387,9 +475,21 @@ class QwenImage21Pipeline(PipelineBase):
         with self._engine(), call:
             # one CFG forward per branch (their layouts differ); cfg=2 takes them as one batched call
             # that it splits back into the two branches, one per rank
-            x = self._denoise_batch(forward, x, sig, img_shapes, cond, uncond, cfg_scale,
-                                    None if ref is None else ref[0], callback, guidance=S.plain_cfg, events=events,
-                                    step_end=call.step_end, batched_cfg=cfg_split)  # fmt: skip
+            x = self._denoise_batch(
+                forward,
+                x,
+                sig,
+                img_shapes,
+                cond,
+                uncond,
+                cfg_scale,
+                None if ref is None else ref[0],
+                callback,
+                guidance=S.plain_cfg,
+                events=events,
+                step_end=call.step_end,
+                batched_cfg=cfg_split,
+            )
             info = {"oom_backoff": events} if events else {}
             if self._parallel is not None:
                 info["parallel"] = {"layout": str(par), **forward.stats}

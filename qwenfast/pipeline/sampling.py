@@ -37,7 +37,10 @@ def calculate_shift(image_seq_len: int, cfg: SchedulerConfig) -> float:
 
 
 def get_sigmas(
-    cfg: SchedulerConfig, num_inference_steps: int, image_seq_len: int, sigmas: list[float] | None = None,
+    cfg: SchedulerConfig,
+    num_inference_steps: int,
+    image_seq_len: int,
+    sigmas: list[float] | None = None,
     mu: float | None = None,
 ) -> torch.Tensor:
     """The N+1 noise levels (last one 0) as float32; timestep for the model = sigma. `mu`: the
@@ -79,7 +82,9 @@ def model_timestep(t: torch.Tensor, batch: int, dtype: torch.dtype) -> torch.Ten
     return t.expand(batch).to(dtype) / 1000
 
 
-def euler_step(sample: torch.Tensor, pred: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
+def euler_step(
+    sample: torch.Tensor, pred: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor
+) -> torch.Tensor:
     """x_{t-1} = x_t + (sigma_next - sigma) * v, accumulated in fp32 and cast back to pred's dtype."""
     dt = sigma_next - sigma  # 0-d fp32: keeps pred's dtype in the product, as diffusers does
     return (sample.to(torch.float32) + dt * pred).to(pred.dtype)
@@ -189,8 +194,9 @@ def rows_hook(step_end: StepEndHook, buf: torch.Tensor, cond: TextCond, i: int, 
     return hook
 
 
-def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
-              nmask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+def join_text(
+    emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor, nmask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stack conditional and negative prompt embeddings into one batch for a single forward.
 
     The shorter side is right-padded with zeros and masked out as attention keys, which makes each
@@ -213,12 +219,22 @@ def join_text(emb: torch.Tensor, mask: torch.Tensor | None, nemb: torch.Tensor,
     return torch.cat([e1, e2]), (None if bool(m.all()) else m)
 
 
-def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes: list[tuple[int, int, int]],
-            cond: TextCond, uncond: TextCond | None = None, cfg_scale: float = 1.0,
-            ref_latents: torch.Tensor | None = None, batched_cfg: bool | str = "auto",
-            callback: StepCallback | None = None, progress: bool | dict = False,
-            guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = true_cfg,
-            blend: StepBlend | None = None, step_end: StepEndHook | None = None) -> torch.Tensor:  # fmt: skip
+def denoise(
+    forward: Forward,
+    x: torch.Tensor,
+    sigmas: torch.Tensor,
+    img_shapes: list[tuple[int, int, int]],
+    cond: TextCond,
+    uncond: TextCond | None = None,
+    cfg_scale: float = 1.0,
+    ref_latents: torch.Tensor | None = None,
+    batched_cfg: bool | str = "auto",
+    callback: StepCallback | None = None,
+    progress: bool | dict = False,
+    guidance: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = true_cfg,
+    blend: StepBlend | None = None,
+    step_end: StepEndHook | None = None,
+) -> torch.Tensor:
     """Euler steps over `sigmas` (fp32 math) from the noise `x` (B, N, 64) -> the final latents (B, N, 64).
 
     cond / uncond: prompt conditioning (uncond None = no true CFG). ref_latents (B, M, 64): packed
@@ -244,14 +260,21 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
         emb2, mask2 = join_text(cond.emb, cond.mask, uncond.emb, uncond.mask)
         if batched_cfg == "auto" and mask2 is not None:
             batched = False
-    bar = {"desc": "denoising", "unit": "step", "leave": False, **(progress if isinstance(progress, dict) else {})}
+    bar = {
+        "desc": "denoising",
+        "unit": "step",
+        "leave": False,
+        **(progress if isinstance(progress, dict) else {}),
+    }
     for i in tqdm(range(n), disable=progress is False or progress is None, **bar):
         t = model_timestep(ts[i], B, x.dtype)
         sigma = levels[i]
         inp = x if ref_latents is None else torch.cat([x, ref_latents], dim=1)
         if batched:
             step = StepContext(i, n, sigma, "both")
-            pred, neg = forward(torch.cat([inp, inp]), emb2, mask2, torch.cat([t, t]), img_shapes, step).chunk(2)
+            pred, neg = forward(
+                torch.cat([inp, inp]), emb2, mask2, torch.cat([t, t]), img_shapes, step
+            ).chunk(2)
             pred = guidance(pred[:, :N], neg[:, :N], cfg_scale)
         else:
             pred = forward(inp, cond.emb, cond.mask, t, img_shapes, StepContext(i, n, sigma, "cond"))[:, :N]
@@ -266,8 +289,10 @@ def denoise(forward: Forward, x: torch.Tensor, sigmas: torch.Tensor, img_shapes:
         if step_end is not None:
             state = step_end(i, n, ts[i], StepEnd(x, cond))
             if tuple(state.latents.shape) != tuple(x.shape):
-                raise ValueError(f"callback_on_step_end returned latents of shape {tuple(state.latents.shape)}; "
-                                 f"they must keep the shape {tuple(x.shape)}")  # fmt: skip
+                raise ValueError(
+                    f"callback_on_step_end returned latents of shape {tuple(state.latents.shape)}; "
+                    f"they must keep the shape {tuple(x.shape)}"
+                )
             x, stop = state.latents.to(x.device, x.dtype), state.stop
             if state.cond is not cond:  # new prompt embeddings for the following steps
                 cond = state.cond

@@ -31,8 +31,12 @@ class Capabilities:
     """What a pipeline class can do (`CAPABILITIES`), or a loaded model (`pipe.capabilities`: every task
     it runs through `for_task`, the largest image count and any mask among them)."""
 
-    model_type: str  # the model's name in the server's /health and /v1/models: "qwen-image", "qwen-image-2.1", ...
-    tasks: tuple[str, ...]  # the tasks it runs, in registry order: "text-to-image", "img2img", "inpaint", "edit", ...
+    model_type: (
+        str  # the model's name in the server's /health and /v1/models: "qwen-image", "qwen-image-2.1", ...
+    )
+    tasks: tuple[
+        str, ...
+    ]  # the tasks it runs, in registry order: "text-to-image", "img2img", "inpaint", "edit", ...
     max_images: int = 0  # input images one call takes at most (0: none)
     rgba: bool = False  # input images keep their alpha channel, outputs are RGBA
     mask: bool = False  # inpaints: a call takes a mask
@@ -69,7 +73,11 @@ def _resolve(task: str, available: list[str]) -> str:
     """`task` as the registry names it: its aliases, and "inpaint" where only "edit-inpaint" is available
     (an edit model's inpainting, which diffusers has no name for)."""
     task = ALIASES.get(task, task)
-    return "edit-inpaint" if task == "inpaint" and "inpaint" not in available and "edit-inpaint" in available else task
+    return (
+        "edit-inpaint"
+        if task == "inpaint" and "inpaint" not in available and "edit-inpaint" in available
+        else task
+    )
 
 
 def folder_tasks(kind: str) -> list[str]:
@@ -103,8 +111,10 @@ def task_class(kind: str | None, task: str | None = None, controlnet: bool = Fal
     for c in runs:
         if _fits(c, kind):
             return c
-    raise ValueError(f"task {task!r} needs {runs[0].checkpoints}; this folder holds {describe(kind)}, which runs the "
-                     f"tasks {folder_tasks(kind)}")  # fmt: skip
+    raise ValueError(
+        f"task {task!r} needs {runs[0].checkpoints}; this folder holds {describe(kind)}, which runs the "
+        f"tasks {folder_tasks(kind)}"
+    )
 
 
 def view_class(cls: type, task: str) -> type:
@@ -117,8 +127,10 @@ def view_class(cls: type, task: str) -> type:
     for c in runs:
         if _reaches(cls, c):
             return c
-    raise ValueError(f"a loaded {cls.__name__} does not run {task!r}, which needs {runs[0].checkpoints}; it runs "
-                     f"{_reachable_tasks(cls)}")  # fmt: skip
+    raise ValueError(
+        f"a loaded {cls.__name__} does not run {task!r}, which needs {runs[0].checkpoints}; it runs "
+        f"{_reachable_tasks(cls)}"
+    )
 
 
 def _reaches(cls: type, other: type) -> bool:
@@ -138,5 +150,9 @@ def model_capabilities(pipe: Any) -> Capabilities:
     `for_task` reaches (registry order), the most images and any mask among those tasks."""
     own = pipe._capabilities_of(type(pipe))
     others = [pipe._capabilities_of(c) for c in _reachable(type(pipe))]
-    return replace(own, tasks=tuple(dict.fromkeys(t for c in others for t in c.tasks)),
-                   max_images=max(c.max_images for c in others), mask=any(c.mask for c in others))  # fmt: skip
+    return replace(
+        own,
+        tasks=tuple(dict.fromkeys(t for c in others for t in c.tasks)),
+        max_images=max(c.max_images for c in others),
+        mask=any(c.mask for c in others),
+    )

@@ -49,9 +49,19 @@ class QwenImagePipeline(PipelineBase):
 
     # ---------------------------------------------------------------- loading
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device: Device = None, dtype: DType = None, offload: str | None = None,
-                        *, options: EngineOptions | None = None, fp8: bool | None = None,
-                        cuda_graphs: bool | None = None, cache: object = None, **kwargs: Any) -> QwenImagePipeline:  # fmt: skip
+    def from_pretrained(
+        cls,
+        path: str | Path | None = None,
+        device: Device = None,
+        dtype: DType = None,
+        offload: str | None = None,
+        *,
+        options: EngineOptions | None = None,
+        fp8: bool | None = None,
+        cuda_graphs: bool | None = None,
+        cache: object = None,
+        **kwargs: Any,
+    ) -> QwenImagePipeline:
         """Load a diffusers-layout folder or hub repo id (None = the embedded tiny default model).
 
         `options`: the engine options (default: `EngineOptions.from_env()`); `offload`, `fp8` and
@@ -62,19 +72,47 @@ class QwenImagePipeline(PipelineBase):
         `diffusers_compat.loading_args`, which refuses the others with what to do instead).
         """
         path, dtype = loading_args(cls.__name__, path, dtype, kwargs)
-        opts = engine_options(options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache})
-        f = load_folder(path if path is not None else DEFAULT_MODEL, device, dtype, opts.offload, cls.folder_kinds,
-                        "QwenImagePipeline runs text-to-image checkpoints (use QwenImageEditPipeline or "
-                        "`qwenfast edit`)", fp8=opts.fp8)  # fmt: skip
-        return cls(f.transformer, f.vae, f.te, f.sched, model_path=str(f.path), defaults=f.extra.get("defaults"),
-                   options=opts, device=f.device, extra=f.extra)  # fmt: skip
+        opts = engine_options(
+            options, {"offload": offload, "fp8": fp8, "cuda_graphs": cuda_graphs, "cache": cache}
+        )
+        f = load_folder(
+            path if path is not None else DEFAULT_MODEL,
+            device,
+            dtype,
+            opts.offload,
+            cls.folder_kinds,
+            "QwenImagePipeline runs text-to-image checkpoints (use QwenImageEditPipeline or `qwenfast edit`)",
+            fp8=opts.fp8,
+        )
+        return cls(
+            f.transformer,
+            f.vae,
+            f.te,
+            f.sched,
+            model_path=str(f.path),
+            defaults=f.extra.get("defaults"),
+            options=opts,
+            device=f.device,
+            extra=f.extra,
+        )
 
     @classmethod
-    def from_single_files(cls, transformer: str | Path, vae: str | Path, text_encoder: str | Path,
-                          tokenizer: str | Path | None = None, device: Device = None, dtype: DType = None,
-                          scheduler: str | Path | dict | None = None, *, transformer_config: Config = None,
-                          vae_config: Config = None, text_encoder_config: Config = None,
-                          options: EngineOptions | None = None, **kwargs: Any) -> QwenImagePipeline:  # fmt: skip
+    def from_single_files(
+        cls,
+        transformer: str | Path,
+        vae: str | Path,
+        text_encoder: str | Path,
+        tokenizer: str | Path | None = None,
+        device: Device = None,
+        dtype: DType = None,
+        scheduler: str | Path | dict | None = None,
+        *,
+        transformer_config: Config = None,
+        vae_config: Config = None,
+        text_encoder_config: Config = None,
+        options: EngineOptions | None = None,
+        **kwargs: Any,
+    ) -> QwenImagePipeline:
         """Load ComfyUI-style single files (bf16 or FP8) + a tokenizer folder; see `qwenfast.loading.single_file`.
 
         Configs are inferred from the tensors; `*_config` (dict of fields, or a config.json path) override
@@ -86,11 +124,28 @@ class QwenImagePipeline(PipelineBase):
 
         dev = resolve_device(device)
         opts = engine_options(options, kwargs)
-        c = load_single_files(transformer, vae, text_encoder, tokenizer, device=dev, dtype=resolve_dtype(dtype, dev),
-                              scheduler=scheduler, transformer_config=transformer_config, vae_config=vae_config,
-                              text_encoder_config=text_encoder_config, fp8=opts.fp8)  # fmt: skip
-        return cls(c.transformer, c.vae, c.text_encoder, c.scheduler_config, model_path=c.model_path,
-                   options=opts, device=dev)  # fmt: skip
+        c = load_single_files(
+            transformer,
+            vae,
+            text_encoder,
+            tokenizer,
+            device=dev,
+            dtype=resolve_dtype(dtype, dev),
+            scheduler=scheduler,
+            transformer_config=transformer_config,
+            vae_config=vae_config,
+            text_encoder_config=text_encoder_config,
+            fp8=opts.fp8,
+        )
+        return cls(
+            c.transformer,
+            c.vae,
+            c.text_encoder,
+            c.scheduler_config,
+            model_path=c.model_path,
+            options=opts,
+            device=dev,
+        )
 
     # ---------------------------------------------------------------- generation
     def output_size(self, call_args: dict) -> tuple[int, int]:
@@ -135,14 +190,37 @@ class QwenImagePipeline(PipelineBase):
         width = d["width"] if width is None else width
         steps = d["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         cfg_scale = d["true_cfg_scale"] if true_cfg_scale is None else true_cfg_scale
-        h, w = self._check(height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas)
-        with DiffusersCall(self, guidance_scale, attention_kwargs, callback_on_step_end,
-                           callback_on_step_end_tensor_inputs) as call:  # fmt: skip
-            cond, uncond, k = self._prompt_conds(prompt, negative_prompt, cfg_scale, num_images_per_prompt,
-                                                 max_sequence_length, prompt_embeds, prompt_embeds_mask,
-                                                 negative_prompt_embeds, negative_prompt_embeds_mask)  # fmt: skip
-            out = self._generate(B=k * num_images_per_prompt, h=h, w=w, cond=cond, uncond=uncond,
-                                 cfg_scale=cfg_scale, steps=steps, generator=generator, latents=latents,
-                                 output_type=output_type, sigmas=sigmas, scheduler_overrides=scheduler_overrides,
-                                 callback=callback, step_end=call.step_end)  # fmt: skip
+        h, w = self._check(
+            height, width, steps, num_images_per_prompt, output_type, max_sequence_length, sigmas
+        )
+        with DiffusersCall(
+            self, guidance_scale, attention_kwargs, callback_on_step_end, callback_on_step_end_tensor_inputs
+        ) as call:
+            cond, uncond, k = self._prompt_conds(
+                prompt,
+                negative_prompt,
+                cfg_scale,
+                num_images_per_prompt,
+                max_sequence_length,
+                prompt_embeds,
+                prompt_embeds_mask,
+                negative_prompt_embeds,
+                negative_prompt_embeds_mask,
+            )
+            out = self._generate(
+                B=k * num_images_per_prompt,
+                h=h,
+                w=w,
+                cond=cond,
+                uncond=uncond,
+                cfg_scale=cfg_scale,
+                steps=steps,
+                generator=generator,
+                latents=latents,
+                output_type=output_type,
+                sigmas=sigmas,
+                scheduler_overrides=scheduler_overrides,
+                callback=callback,
+                step_end=call.step_end,
+            )
         return call.output(out, return_dict)

@@ -131,7 +131,9 @@ class RowTrim:
     def __init__(self):
         self._seen: tuple | None = None  # (mask, its version, rows, text length kept, mask kept?)
 
-    def __call__(self, emb: torch.Tensor, mask: torch.Tensor | None, rows: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(
+        self, emb: torch.Tensor, mask: torch.Tensor | None, rows: slice
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if mask is None:
             return emb[rows], None
         c = self._seen
@@ -155,7 +157,9 @@ def wrap_attention(wrapper: Callable[..., torch.Tensor]) -> Iterator[None]:
         _wrappers.remove(wrapper)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """q, k, v (B, H, S, Dh) (any strides with Dh contiguous); mask (B, 1, 1, S) bool or None -> (B, H, S, Dh)."""
     fn: AttentionFn = _attention
     for w in _wrappers:  # the first registered ends up innermost
@@ -166,14 +170,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 JointStream = tuple  # (qkv (B, L, 3*H*D), q-norm gain (D,), k-norm gain (D,), cos (L, D/2), sin (L, D/2))
 
 
-def joint_attention(streams: list[JointStream], heads: int, head_dim: int, mask: torch.Tensor | None) -> torch.Tensor:
+def joint_attention(
+    streams: list[JointStream], heads: int, head_dim: int, mask: torch.Tensor | None
+) -> torch.Tensor:
     """Attention over the concatenated streams (sequence order = list order), from their fused QKV
     projections: QK RMSNorm + RoPE (`kernels.qk_norm_rope`) then `attention()`. -> (B, H, S, D), a
     view of (B, S, H, D) memory (the out projections reshape it without a copy). The result may live
     in a buffer that the next `joint_attention` call reuses: consume it before calling again."""
     if len(_wrappers) == 1 and hasattr(_wrappers[0], "joint"):
         return _wrappers[0].joint(streams, heads, head_dim, mask, _attention)
-    if attention_backend() == "fp8" and not _wrappers:  # Q, K written in e4m3 by the norm kernel (when an engine runs)
+    if (
+        attention_backend() == "fp8" and not _wrappers
+    ):  # Q, K written in e4m3 by the norm kernel (when an engine runs)
         from .attention_fp8 import fp8_joint_attention
 
         out = fp8_joint_attention(streams, heads, head_dim, mask, fallback=_cudnn_bf16)
@@ -196,8 +204,14 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         return fp8_attention(q, k, v, mask, fallback=_cudnn_bf16)
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    if (choice in ("fa3", "auto") and mask is None and q.dtype in (torch.bfloat16, torch.float16)
-            and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0 and _hopper(q.device)):  # fmt: skip
+    if (
+        choice in ("fa3", "auto")
+        and mask is None
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+        and _hopper(q.device)
+    ):
         fa3 = _fa3(allow_fwd=q.dtype == torch.bfloat16)  # fa3-fwd ships no fp16 kernels
         if fa3 is not None:
             out = fa3.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))

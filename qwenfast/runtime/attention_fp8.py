@@ -59,8 +59,13 @@ def _warn_once(key: str, msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
-def fp8_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-                      per_head: bool = False) -> torch.Tensor:  # fmt: skip
+def fp8_attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    per_head: bool = False,
+) -> torch.Tensor:
     """quantise -> dequantise -> exact SDPA in fp32 -> q's dtype; q, k, v (B, H, S, D), mask (B, 1, 1, S) bool."""
     q8, k8, v8, d = quantize_qkv_ref(q, k, v, per_head)
     qd, kd, vd = dequantize(q8, d[0]), dequantize(k8, d[1]), dequantize(v8, d[2])
@@ -107,13 +112,16 @@ class CudnnFP8:
         self.graphs: dict[tuple, tuple] = {}
         self.handles: dict[int, object] = {}
         self.consts: dict[int, torch.Tensor] = {}
-        self.api: dict[tuple, str] = {}  # key -> which builder worked and O's dtype, e.g. "pygraph O=bfloat16"
+        self.api: dict[
+            tuple, str
+        ] = {}  # key -> which builder worked and O's dtype, e.g. "pygraph O=bfloat16"
 
     def version(self) -> str:
         c = self.cudnn
         built = sorted(set(self.api.values()))
         return f"frontend {getattr(c, '__version__', '?')}, cuDNN {c.backend_version_string()}" + (
-            f", graphs: {', '.join(built)}" if built else "")
+            f", graphs: {', '.join(built)}" if built else ""
+        )
 
     def _handle(self, dev: int):
         if dev not in self.handles:
@@ -148,8 +156,12 @@ class CudnnFP8:
         for (api, make), o_dtype in ((b, o) for b in builders for o in outs):
             odt = cdt[o_dtype]
             try:
-                g = make(io_data_type=cudnn.data_type.FP8_E4M3, intermediate_data_type=cudnn.data_type.FLOAT,
-                         compute_data_type=cudnn.data_type.FLOAT, handle=self._raw_handle(dev, api))  # fmt: skip
+                g = make(
+                    io_data_type=cudnn.data_type.FP8_E4M3,
+                    intermediate_data_type=cudnn.data_type.FLOAT,
+                    compute_data_type=cudnn.data_type.FLOAT,
+                    handle=self._raw_handle(dev, api),
+                )
 
                 def t(uid, dim, stride, dt=cudnn.data_type.FP8_E4M3, g=g):
                     return g.tensor(uid=uid, dim=dim, stride=stride, data_type=dt)
@@ -160,9 +172,19 @@ class CudnnFP8:
                 q, k, v = t(1, (B, H, S, D), bshd), t(2, (B, H, Skv, D), kv), t(3, (B, H, Skv, D), kv)
                 dq, dk, dv, ds, ss, so = (t(uid, *one, dt=f32) for uid in (4, 5, 6, 7, 8, 9))
                 o, _stats, amax_s, amax_o = g.sdpa_fp8(
-                    q=q, k=k, v=v, descale_q=dq, descale_k=dk, descale_v=dv, descale_s=ds, scale_s=ss,
-                    scale_o=so, generate_stats=False, attn_scale=1.0 / math.sqrt(D), use_causal_mask=False,
-                )  # fmt: skip
+                    q=q,
+                    k=k,
+                    v=v,
+                    descale_q=dq,
+                    descale_k=dk,
+                    descale_v=dv,
+                    descale_s=ds,
+                    scale_s=ss,
+                    scale_o=so,
+                    generate_stats=False,
+                    attn_scale=1.0 / math.sqrt(D),
+                    use_causal_mask=False,
+                )
                 o.set_uid(10).set_output(True).set_dim((B, H, S, D)).set_stride(bshd).set_data_type(odt)
                 for uid, a in ((11, amax_s), (12, amax_o)):
                     a.set_uid(uid).set_output(True).set_dim(one[0]).set_stride(one[1]).set_data_type(f32)
@@ -196,8 +218,20 @@ class CudnnFP8:
         scratch = torch.empty(8, dtype=torch.float32, device=q8.device)
         c = self._consts(dev)
         ws = torch.empty(max(ws_size, 1), dtype=torch.uint8, device=q8.device)
-        pack = {1: q8, 2: k8, 3: v8, 4: desc[0, 0, :1], 5: desc[1, 0, :1], 6: desc[2, 0, :1],
-                7: c[0:1], 8: c[4:5], 9: c[8:9], 10: out, 11: scratch[0:1], 12: scratch[4:5]}  # fmt: skip
+        pack = {
+            1: q8,
+            2: k8,
+            3: v8,
+            4: desc[0, 0, :1],
+            5: desc[1, 0, :1],
+            6: desc[2, 0, :1],
+            7: c[0:1],
+            8: c[4:5],
+            9: c[8:9],
+            10: out,
+            11: scratch[0:1],
+            12: scratch[4:5],
+        }
         pack = {uid: t.data_ptr() for uid, t in pack.items()}
         if self.api[key].startswith("pygraph"):
             g.execute(pack, ws, handle=handle)
@@ -233,8 +267,14 @@ class FA3FP8:
         return f"{self.mod.__name__} {getattr(self.mod, '__version__', '')}".strip()
 
     def __call__(self, q8, k8, v8, desc, out_dtype: torch.dtype) -> torch.Tensor:
-        out = self.mod.flash_attn_func(q8.transpose(1, 2), k8.transpose(1, 2), v8.transpose(1, 2),
-                                       q_descale=desc[0], k_descale=desc[1], v_descale=desc[2])  # fmt: skip
+        out = self.mod.flash_attn_func(
+            q8.transpose(1, 2),
+            k8.transpose(1, 2),
+            v8.transpose(1, 2),
+            q_descale=desc[0],
+            k_descale=desc[1],
+            v_descale=desc[2],
+        )
         out = out[0] if isinstance(out, tuple) else out  # (B, S, H, D) bf16
         return out.transpose(1, 2).to(out_dtype)
 
@@ -246,7 +286,9 @@ class ReferenceFP8:
     name = "reference"
     per_head = False
 
-    def __call__(self, q8, k8, v8, desc, out_dtype: torch.dtype, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, q8, k8, v8, desc, out_dtype: torch.dtype, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         qd, kd, vd = (dequantize(x, d) for x, d in zip((q8, k8, v8), desc))
         return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).to(out_dtype)
 
@@ -296,7 +338,9 @@ def _why_not(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return _why_not_meta(q.dtype, q.device, q.shape[-1], mask)
 
 
-def _why_not_meta(dtype: torch.dtype, device: torch.device, head_dim: int, mask: torch.Tensor | None) -> str | None:
+def _why_not_meta(
+    dtype: torch.dtype, device: torch.device, head_dim: int, mask: torch.Tensor | None
+) -> str | None:
     if mask is not None:
         return "a padding mask (the FP8 kernels take none here)"
     if dtype not in (torch.bfloat16, torch.float16):
@@ -308,8 +352,13 @@ def _why_not_meta(dtype: torch.dtype, device: torch.device, head_dim: int, mask:
     return None
 
 
-def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  fallback: Callable[..., torch.Tensor]) -> torch.Tensor:  # fmt: skip
+def fp8_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    fallback: Callable[..., torch.Tensor],
+) -> torch.Tensor:
     """The "fp8" backend: CPU -> the reference; CUDA -> an FP8 engine, or `fallback(q, k, v, mask)`
     (cuDNN bf16) with a one-time warning saying why."""
     if not q.is_cuda:
@@ -337,10 +386,12 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
                 raise  # a capture must fail loudly (the graph runner then runs eagerly and warns)
             _engine_errors[key] = f"{type(e).__name__}: {e}"
             _warn_once(str(key), f"attention='fp8': the {name} FP8 engine failed on {tuple(q.shape)}: {e}")
-    reasons = "; ".join(f"{n}: {engine_error(n) or 'failed on this shape'}"
-                        for n in names)  # fmt: skip
+    reasons = "; ".join(f"{n}: {engine_error(n) or 'failed on this shape'}" for n in names)
     CALLS["bf16 fallback: no engine"] += 1
-    _warn_once("none:" + reasons, f"attention='fp8': no FP8 attention engine ({reasons}); running cuDNN bf16 attention")
+    _warn_once(
+        "none:" + reasons,
+        f"attention='fp8': no FP8 attention engine ({reasons}); running cuDNN bf16 attention",
+    )
     return fallback(q, k, v, mask)
 
 
@@ -387,8 +438,13 @@ def joint_engine(x: torch.Tensor, head_dim: int, mask: torch.Tensor | None):
     return None
 
 
-def fp8_joint_attention(streams: list[tuple], heads: int, head_dim: int, mask: torch.Tensor | None,
-                        fallback: Callable[..., torch.Tensor]) -> torch.Tensor | None:  # fmt: skip
+def fp8_joint_attention(
+    streams: list[tuple],
+    heads: int,
+    head_dim: int,
+    mask: torch.Tensor | None,
+    fallback: Callable[..., torch.Tensor],
+) -> torch.Tensor | None:
     """`joint_attention` with 8-bit attention: Q and K written in e4m3 by the QK-norm + RoPE kernel at
     their bound descales, V in the model's dtype then `quantize_heads`, one FP8 engine call -> (B, H,
     S, D). None where no engine takes it (the caller then runs the plain path). An engine that fails
@@ -416,8 +472,11 @@ def fp8_joint_attention(streams: list[tuple], heads: int, head_dim: int, mask: t
         if qkv0.is_cuda and torch.cuda.is_current_stream_capturing():
             raise
         _engine_errors[(eng.name, "joint")] = f"{type(e).__name__}: {e}"
-        _warn_once(f"joint:{eng.name}", f"attention='fp8': the {eng.name} FP8 engine failed on the joint "
-                                        f"attention {(B, H, S, D)}: {e}; running cuDNN bf16 attention")  # fmt: skip
+        _warn_once(
+            f"joint:{eng.name}",
+            f"attention='fp8': the {eng.name} FP8 engine failed on the joint "
+            f"attention {(B, H, S, D)}: {e}; running cuDNN bf16 attention",
+        )
         CALLS["bf16 fallback: engine failed"] += 1
         return fallback(dequantize(q8, desc[0]).to(v.dtype), dequantize(k8, desc[1]).to(v.dtype), v, mask)
     CALLS[eng.name + " (joint)"] += 1

@@ -71,8 +71,14 @@ class BlockRunner:
         """Host-side work before a forward, outside any CUDA graph (a replayed graph runs no Python):
         e.g. a step cache writes the coming step's factors into device scalars. Idempotent per step."""
 
-    def run(self, blocks: Sequence[nn.Module], call: BlockCall, img: torch.Tensor, txt: torch.Tensor,
-            step: StepContext | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def run(
+        self,
+        blocks: Sequence[nn.Module],
+        call: BlockCall,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        step: StepContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         for i, block in enumerate(blocks):
             img, txt = call(i, block, img, txt)
         return img, txt
@@ -112,8 +118,14 @@ class StreamingBlockRunner(BlockRunner):
     def __init__(self, streamer):
         self.streamer = streamer
 
-    def run(self, blocks: Sequence[nn.Module], call: BlockCall, img: torch.Tensor, txt: torch.Tensor,
-            step: StepContext | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def run(
+        self,
+        blocks: Sequence[nn.Module],
+        call: BlockCall,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        step: StepContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.streamer
         for i, block in enumerate(blocks):
             s.before(i)

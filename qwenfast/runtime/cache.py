@@ -101,7 +101,9 @@ class StepCacheRunner(BlockRunner):
         f.fill_((step.step - full[-1]) / gap if gap else 0.0)
 
     def snapshot(self) -> object:
-        return {k: [t.clone() for t in (*st.res, *(st.prev or ()))] for k, st in self.states.items() if st.res}
+        return {
+            k: [t.clone() for t in (*st.res, *(st.prev or ()))] for k, st in self.states.items() if st.res
+        }
 
     def restore(self, snap: object) -> None:
         for k, st in self.states.items():
@@ -112,8 +114,14 @@ class StepCacheRunner(BlockRunner):
                 dst.copy_(src)
 
     # ------------------------------------------------------------------ the block loop
-    def run(self, blocks: Sequence[nn.Module], call: BlockCall, img: torch.Tensor, txt: torch.Tensor,
-            step: StepContext | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def run(
+        self,
+        blocks: Sequence[nn.Module],
+        call: BlockCall,
+        img: torch.Tensor,
+        txt: torch.Tensor,
+        step: StepContext | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         p = self.policy
         n = len(blocks)
         first, last = min(p.first, n), min(p.last, max(0, n - p.first))
@@ -177,7 +185,9 @@ class StepCacheRunner(BlockRunner):
         if st.res is None or st.probe is None or edge:
             skip = torch.zeros(B, dtype=torch.bool, device=img.device)
         else:
-            d = (probe - st.probe).abs().flatten(1).mean(1) / st.probe.abs().flatten(1).mean(1).clamp_min(1e-12)
+            d = (probe - st.probe).abs().flatten(1).mean(1) / st.probe.abs().flatten(1).mean(1).clamp_min(
+                1e-12
+            )
             skip = (d < p.threshold) & (st.skips < p.max_skips)
         skip_rows = skip.tolist()  # the host decides (one sync per step)
         if all(skip_rows):

@@ -100,7 +100,9 @@ class DenoisableTransformer(BlockModel):
     def set_block_runner(self, runner: BlockRunner) -> None:
         """Hand the block loop to `runner` (captured CUDA graphs of the old runner are the caller's to drop)."""
         if not isinstance(runner, BlockRunner):
-            raise TypeError(f"a block runner must be a runtime.blocks.BlockRunner, got {type(runner).__name__}")
+            raise TypeError(
+                f"a block runner must be a runtime.blocks.BlockRunner, got {type(runner).__name__}"
+            )
         self._block_runner = runner
 
     @property

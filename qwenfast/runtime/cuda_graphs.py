@@ -127,32 +127,81 @@ class CudaGraphRunner(_GraphCache):
             runner, snap = state
             runner.restore(snap)
 
-    def __call__(self, x, txt, mask, t, img_shapes, additional_t_cond=None, step=None, shard=None,
-                 block_residuals=None, modulations=None):  # fmt: skip
+    def __call__(
+        self,
+        x,
+        txt,
+        mask,
+        t,
+        img_shapes,
+        additional_t_cond=None,
+        step=None,
+        shard=None,
+        block_residuals=None,
+        modulations=None,
+    ):
         """`block_residuals` (ControlNet) and `modulations` (the modulation table's rows) are graph
         inputs like x: copied into the graph's static buffers on every replay, and their presence and
         shapes are part of the key (a graph captured without them is never replayed for them)."""
         runner = self._runner()
         res = None if block_residuals is None else tuple(block_residuals)
         mkw = {} if modulations is None else {"modulations": modulations}
-        if not (self.enabled and x.is_cuda) or (runner is not None and not runner.can_graph(modulations is not None)):
-            return self.model(x, txt, mask, t, img_shapes, additional_t_cond, step=step, shard=shard,
-                              block_residuals=res, **mkw)  # fmt: skip
+        if not (self.enabled and x.is_cuda) or (
+            runner is not None and not runner.can_graph(modulations is not None)
+        ):
+            return self.model(
+                x,
+                txt,
+                mask,
+                t,
+                img_shapes,
+                additional_t_cond,
+                step=step,
+                shard=shard,
+                block_residuals=res,
+                **mkw,
+            )
         # one graph per block-runner variant: a runner whose steps compute different things (a step
         # cache's full and cached steps) gets a graph for each
         variant = runner.variant(step) if runner is not None else None
         if runner is not None:
             runner.prepare(step, x.device)  # host-side step state: a replay runs no Python
-        key = (tuple(x.shape), tuple(txt.shape), mask is None, tuple(map(tuple, img_shapes)), x.dtype,
-               str(x.device), additional_t_cond is None, shard,
-               None if res is None else tuple((tuple(r.shape), r.dtype) for r in res),
-               None if modulations is None else tuple(modulations.shape), variant)  # fmt: skip
+        key = (
+            tuple(x.shape),
+            tuple(txt.shape),
+            mask is None,
+            tuple(map(tuple, img_shapes)),
+            x.dtype,
+            str(x.device),
+            additional_t_cond is None,
+            shard,
+            None if res is None else tuple((tuple(r.shape), r.dtype) for r in res),
+            None if modulations is None else tuple(modulations.shape),
+            variant,
+        )
 
-        def fn(x: torch.Tensor, txt: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor,
-               extra: torch.Tensor | None, mods: torch.Tensor | None, *res: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        def fn(
+            x: torch.Tensor,
+            txt: torch.Tensor,
+            mask: torch.Tensor | None,
+            t: torch.Tensor,
+            extra: torch.Tensor | None,
+            mods: torch.Tensor | None,
+            *res: torch.Tensor,
+        ) -> torch.Tensor:
             # a sequence-parallel shard's collectives (attention seam) are captured with the rest
-            return self.model(x, txt, mask, t, img_shapes, extra, step=step, shard=shard,
-                              block_residuals=res or None, **({} if mods is None else {"modulations": mods}))  # fmt: skip
+            return self.model(
+                x,
+                txt,
+                mask,
+                t,
+                img_shapes,
+                extra,
+                step=step,
+                shard=shard,
+                block_residuals=res or None,
+                **({} if mods is None else {"modulations": mods}),
+            )
 
         return self._run(key, fn, (x, txt, mask, t, additional_t_cond, modulations, *(res or ())))
 
@@ -181,13 +230,22 @@ class TextEncoderGraphs(_GraphCache):
 
     what = "text encoder CUDA graph"
 
-    def __init__(self, language_model: torch.nn.Module, pad_id: int, bucket: int = 64, max_graphs: int = 8,
-                 warmup: int = 2, pre_norm: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        language_model: torch.nn.Module,
+        pad_id: int,
+        bucket: int = 64,
+        max_graphs: int = 8,
+        warmup: int = 2,
+        pre_norm: bool = False,
+    ):
         super().__init__(max_graphs, warmup)
         self.lm = language_model
         self.pad_id = pad_id
         self.bucket = bucket
-        self.pre_norm = pre_norm  # the last layer's output before the final norm (Qwen-Image-2.1's conditioning)
+        self.pre_norm = (
+            pre_norm  # the last layer's output before the final norm (Qwen-Image-2.1's conditioning)
+        )
         self._where = None
 
     def padded(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

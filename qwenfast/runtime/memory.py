@@ -85,8 +85,12 @@ class ModelSizes:
     te_block: int = 0  # the largest text-encoder decoder layer (offload streams these through a ring)
     te_blocks: int = 0
     te_vision: int = 0  # the text encoder's vision tower: not moved in for a text-only encode when offloaded
-    block_modulation: int = 0  # a block's modulation Linears (host memory under offload with a modulation table)
-    te_embed: int = 0  # the text encoder's token embedding + LM head: left on the host by an offloaded text-only encode
+    block_modulation: int = (
+        0  # a block's modulation Linears (host memory under offload with a modulation table)
+    )
+    te_embed: int = (
+        0  # the text encoder's token embedding + LM head: left on the host by an offloaded text-only encode
+    )
     dim: int = 3072  # transformer inner dim
     te_hidden: int = 3584
     vae_base_dim: int = 96
@@ -100,9 +104,17 @@ class ModelSizes:
         block = 339_725_312  # parameters of one of the 60 transformer blocks
         mod = 2 * (3072 * 18432 + 18432)  # img_mod + txt_mod of one block
         te_layer = 233_057_792  # one of Qwen2.5-VL-7B's 28 decoder layers
-        return cls(transformer=20_430_401_088 * e, transformer_block=block * e, num_blocks=60,
-                   text_encoder=8_292_166_656 * e, vae=126_892_531 * e, te_block=te_layer * e,
-                   te_blocks=28, block_modulation=mod * e, te_embed=2 * 152_064 * 3584 * e)  # fmt: skip
+        return cls(
+            transformer=20_430_401_088 * e,
+            transformer_block=block * e,
+            num_blocks=60,
+            text_encoder=8_292_166_656 * e,
+            vae=126_892_531 * e,
+            te_block=te_layer * e,
+            te_blocks=28,
+            block_modulation=mod * e,
+            te_embed=2 * 152_064 * 3584 * e,
+        )
 
     @classmethod
     def from_pipeline(cls, pipe: Any) -> ModelSizes:  # a qwenfast pipeline, duck-typed (runtime is below it)
@@ -116,19 +128,34 @@ class ModelSizes:
         te_hidden = getattr(getattr(te_cfg, "text_config", te_cfg), "hidden_size", 3584)
         layers = getattr(pipe.text_encoder, "decoder_layers", None)  # models.text_encoder.TextEncoder
         te_layers = list((layers() if layers is not None else None) or [])
-        vision = getattr(getattr(te_model, "model", None), "visual", None) or getattr(te_model, "visual", None)
+        vision = getattr(getattr(te_model, "model", None), "visual", None) or getattr(
+            te_model, "visual", None
+        )
         mods = tr.modulation_modules()[:1]  # the first block's (all blocks are alike); none per block: 0
         host_parts = getattr(pipe.text_encoder, "host_parts", None)  # models.text_encoder.TextEncoder
         prefixes = host_parts() if host_parts is not None else ()
-        te_embed = sum(t.numel() * t.element_size() for n, t in te_model.named_parameters()
-                       if n.startswith(prefixes) and "visual." not in n)  # fmt: skip
-        return cls(block_modulation=sum(nbytes(m) for ms in mods for m in ms), te_embed=te_embed,
-                   transformer=nbytes(tr), transformer_block=max(nbytes(b) for b in blocks), num_blocks=len(blocks),
-                   text_encoder=nbytes(te_model), vae=nbytes(pipe.vae), dim=tr.cfg.inner_dim, te_hidden=te_hidden,
-                   te_block=max((nbytes(b) for b in te_layers), default=0), te_blocks=len(te_layers),
-                   te_vision=nbytes(vision) if isinstance(vision, torch.nn.Module) else 0,
-                   vae_base_dim=pipe.vae.cfg.base_dim, vae_scale=pipe.vae.cfg.scale_factor,
-                   patch=tr.cfg.patch_size)  # fmt: skip
+        te_embed = sum(
+            t.numel() * t.element_size()
+            for n, t in te_model.named_parameters()
+            if n.startswith(prefixes) and "visual." not in n
+        )
+        return cls(
+            block_modulation=sum(nbytes(m) for ms in mods for m in ms),
+            te_embed=te_embed,
+            transformer=nbytes(tr),
+            transformer_block=max(nbytes(b) for b in blocks),
+            num_blocks=len(blocks),
+            text_encoder=nbytes(te_model),
+            vae=nbytes(pipe.vae),
+            dim=tr.cfg.inner_dim,
+            te_hidden=te_hidden,
+            te_block=max((nbytes(b) for b in te_layers), default=0),
+            te_blocks=len(te_layers),
+            te_vision=nbytes(vision) if isinstance(vision, torch.nn.Module) else 0,
+            vae_base_dim=pipe.vae.cfg.base_dim,
+            vae_scale=pipe.vae.cfg.scale_factor,
+            patch=tr.cfg.patch_size,
+        )
 
 
 @dataclass
@@ -145,9 +172,17 @@ def _elem(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def vae_activation_bytes(vae_cfg: VAEConfig, batch: int, height: int, width: int, dtype: torch.dtype, *,
-                         encode: bool, fast: bool = True,
-                         calib: Calibration | None = None) -> int:  # fmt: skip
+def vae_activation_bytes(
+    vae_cfg: VAEConfig,
+    batch: int,
+    height: int,
+    width: int,
+    dtype: torch.dtype,
+    *,
+    encode: bool,
+    fast: bool = True,
+    calib: Calibration | None = None,
+) -> int:
     """Predicted VAE activation peak for one untiled pass over (batch, height, width) pixels."""
     c = calib or Calibration.load()
     px = batch * height * width
@@ -207,8 +242,14 @@ class MemoryPlanner:
     def with_calibration(self, **kw: Any) -> MemoryPlanner:  # Calibration fields
         return MemoryPlanner(self.sizes, replace(self.calib, **kw), self.ring)
 
-    def resident(self, offload: str, offload_vae: bool = False, resident_blocks: int = 0,
-                 modulation_on_host: bool = False, te_resident_layers: int = 0) -> int:  # fmt: skip
+    def resident(
+        self,
+        offload: str,
+        offload_vae: bool = False,
+        resident_blocks: int = 0,
+        modulation_on_host: bool = False,
+        te_resident_layers: int = 0,
+    ) -> int:
         """Weights on the GPU while denoising (`resident_blocks`: blocks kept on it under "blocks";
         `modulation_on_host`: their modulation Linears stay in host memory, a modulation table serving
         them; `te_resident_layers`: text-encoder layers that stay on it instead of streaming)."""
@@ -234,17 +275,36 @@ class MemoryPlanner:
         s = self.sizes
         return s.text_encoder - s.te_blocks * s.te_block - s.te_vision - s.te_embed
 
-    def predict(self, height: int, width: int, batch: int = 1, *, cfg: bool = True, batched_cfg: bool = True,
-                offload: str = "none", dtype: torch.dtype = torch.bfloat16, txt_len: int = 256,
-                decode_batch: int | None = None, tile: int | None = None, fast_vae: bool = True,
-                offload_vae: bool = False, resident_blocks: int = 0, modulation_on_host: bool = False,
-                te_resident_layers: int = 0) -> Prediction:  # fmt: skip
+    def predict(
+        self,
+        height: int,
+        width: int,
+        batch: int = 1,
+        *,
+        cfg: bool = True,
+        batched_cfg: bool = True,
+        offload: str = "none",
+        dtype: torch.dtype = torch.bfloat16,
+        txt_len: int = 256,
+        decode_batch: int | None = None,
+        tile: int | None = None,
+        fast_vae: bool = True,
+        offload_vae: bool = False,
+        resident_blocks: int = 0,
+        modulation_on_host: bool = False,
+        te_resident_layers: int = 0,
+    ) -> Prediction:
         """Peak bytes of one call generating `batch` images of height x width (pixels)."""
         if batch < 1 or height < 1 or width < 1:
             raise ValueError(f"batch, height and width must be >= 1, got {batch}, {height}, {width}")
         s, c, e = self.sizes, self.calib, _elem(dtype)
-        res = self.resident(offload, offload_vae, resident_blocks, modulation_on_host and offload == "blocks",
-                            te_resident_layers if offload != "none" else 0)  # fmt: skip
+        res = self.resident(
+            offload,
+            offload_vae,
+            resident_blocks,
+            modulation_on_host and offload == "blocks",
+            te_resident_layers if offload != "none" else 0,
+        )
         # text encoder: moved in for the encode when offloaded; prompts + negatives
         te_in = self.text_encoder_moved_in() if offload in ("model", "blocks") else 0
         prompts = batch * (2 if cfg else 1)
@@ -276,14 +336,18 @@ class MemoryPlanner:
         n = self.sizes.num_blocks
         if self.predict(height, width, batch, resident_blocks=n, **kw).peak <= budget:
             return n
-        return _largest(n, lambda k: self.predict(height, width, batch, resident_blocks=k, **kw).peak <= budget)
+        return _largest(
+            n, lambda k: self.predict(height, width, batch, resident_blocks=k, **kw).peak <= budget
+        )
 
     def te_resident_layers(self, budget: int, height: int, width: int, batch: int = 1, **kw: Any) -> int:
         """Under offload="blocks" with every transformer block resident (`kw` as for `predict`): how many
         text-encoder layers can stay on the GPU too (they stream for every new prompt otherwise)."""
         kw["offload"] = "blocks"
-        return _largest(self.sizes.te_blocks,
-                        lambda k: self.predict(height, width, batch, te_resident_layers=k, **kw).peak <= budget)
+        return _largest(
+            self.sizes.te_blocks,
+            lambda k: self.predict(height, width, batch, te_resident_layers=k, **kw).peak <= budget,
+        )
 
     def max_batch(
         self, height: int, width: int, budget: int | None = None, limit: int = 64, **kw: Any

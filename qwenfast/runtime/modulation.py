@@ -54,8 +54,12 @@ class ModulationTable:
         """Forget every entry (the weights changed)."""
         self.entries.clear()
 
-    def fill(self, keys: Sequence[Hashable], ts: Sequence[torch.Tensor],
-             compute: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> None:  # fmt: skip
+    def fill(
+        self,
+        keys: Sequence[Hashable],
+        ts: Sequence[torch.Tensor],
+        compute: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    ) -> None:
         """Make sure `keys[k]` is in the table, computing the missing ones in one call of
         `compute(list of timestep tensors (1,)) -> list of (n_blocks, 2, 6D)` (one pass over the
         blocks' weights for all of them: what a schedule's worth of misses costs under offload)."""
@@ -68,8 +72,9 @@ class ModulationTable:
             for k, e in zip(todo, compute(list(todo.values()))):
                 self._put(k, e)
 
-    def get(self, key: Hashable, t: torch.Tensor,
-            compute: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> torch.Tensor:  # fmt: skip
+    def get(
+        self, key: Hashable, t: torch.Tensor, compute: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+    ) -> torch.Tensor:
         """The entry for `key` (computed from timestep `t` (1,) on a miss)."""
         e = self.entries.get(key)
         if e is None:

@@ -73,8 +73,13 @@ def _pin(t: torch.Tensor, pin: bool) -> torch.Tensor:
 class ModelOffloader:
     """A module whose weights stay in (pinned) host memory except inside `with offloader.on_device():`."""
 
-    def __init__(self, module: nn.Module, device: torch.device | str, pin: bool | None = None,
-                 skip: nn.Module | None = None):  # fmt: skip
+    def __init__(
+        self,
+        module: nn.Module,
+        device: torch.device | str,
+        pin: bool | None = None,
+        skip: nn.Module | None = None,
+    ):
         """`skip`: a submodule whose tensors are handled elsewhere (a `BlockStreamer`'s blocks)."""
         self.module = module
         self.device = torch.device(device)
@@ -87,7 +92,9 @@ class ModelOffloader:
                 continue
             host = _pin(_get(owner, name, is_param).detach().to("cpu"), pin)
             _point(owner, name, is_param, host)
-            self.entries.append((owner, name, is_param, host, f"{path.get(id(owner), '')}.{name}".lstrip(".")))
+            self.entries.append(
+                (owner, name, is_param, host, f"{path.get(id(owner), '')}.{name}".lstrip("."))
+            )
         self.depth = 0
 
     @contextmanager
@@ -112,8 +119,16 @@ class ModelOffloader:
 class BlockStreamer:
     """Streams `blocks` (an nn.ModuleList) through a ring of device buffers; see the module docstring."""
 
-    def __init__(self, blocks: nn.ModuleList, device: torch.device | str, ring: int = 2, pin: bool | None = None,
-                 hooks: bool = True, resident: Collection[int] = (), on_host: Collection[nn.Module] = ()):  # fmt: skip
+    def __init__(
+        self,
+        blocks: nn.ModuleList,
+        device: torch.device | str,
+        ring: int = 2,
+        pin: bool | None = None,
+        hooks: bool = True,
+        resident: Collection[int] = (),
+        on_host: Collection[nn.Module] = (),
+    ):
         """`hooks`: bring each block in through forward hooks on the block modules (for models whose
         loop we do not own, e.g. the text encoder's decoder layers); False when a block runner
         (`runtime.blocks.StreamingBlockRunner`) calls `before(i)` / `after(i)` itself.
@@ -182,7 +197,9 @@ class BlockStreamer:
         if hooks:  # PyTorch's own seam; always_call: the block is released even when it raises
             for i, block in enumerate(self.blocks):
                 self._handles.append(block.register_forward_pre_hook(lambda m, a, i=i: self.before(i)))
-                self._handles.append(block.register_forward_hook(lambda m, a, o, i=i: self.after(i), always_call=True))
+                self._handles.append(
+                    block.register_forward_hook(lambda m, a, o, i=i: self.after(i), always_call=True)
+                )
 
     def _next_streamed(self, i: int) -> int | None:
         """The first streamed block after block i (cyclic: the last one prefetches for the next step)."""
@@ -195,7 +212,11 @@ class BlockStreamer:
         if i in self.resident:
             return
         slot = self.pos[i] % self.ring
-        busy = self.active is not None and self.active not in self.resident and self.pos[self.active] % self.ring == slot
+        busy = (
+            self.active is not None
+            and self.active not in self.resident
+            and self.pos[self.active] % self.ring == slot
+        )
         if self.in_slot[slot] == i or busy:
             return  # there already, or the slot is computing (odd block counts): before(i) loads it later
         dst = self.slots[slot][: self.host[i].numel()]
@@ -246,7 +267,9 @@ class BlockStreamer:
         want = frozenset(i for i in indices if 0 <= i < len(self.blocks))
         stuck = sorted(i for i in self.resident - want if not self.layout[i])
         if stuck:
-            raise ValueError(f"blocks {stuck} were resident from the start (no host copy): they cannot stream")
+            raise ValueError(
+                f"blocks {stuck} were resident from the start (no host copy): they cannot stream"
+            )
         if self.cuda:
             torch.cuda.synchronize(self.device)  # no copy in flight into a slot whose owner changes
         for i in sorted(want - self.resident):
@@ -272,7 +295,9 @@ class BlockStreamer:
             for owner, name, is_param in _tensors(m):
                 t = _get(owner, name, is_param)
                 if t.device.type != self.device.type:  # one GPU per process: the type says where
-                    moved.append((owner, name, is_param, t.data if is_param else t))  # (not the Parameter itself)
+                    moved.append(
+                        (owner, name, is_param, t.data if is_param else t)
+                    )  # (not the Parameter itself)
                     _point(owner, name, is_param, t.to(self.device, non_blocking=True))
         try:
             yield
@@ -282,8 +307,12 @@ class BlockStreamer:
 
     def device_bytes(self) -> int:
         """The ring's buffers plus the resident blocks."""
-        res = sum(t.numel() * t.element_size() for i in self.resident
-                  for t in (*self.blocks[i].parameters(), *self.blocks[i].buffers()) if id(t) not in self.held)
+        res = sum(
+            t.numel() * t.element_size()
+            for i in self.resident
+            for t in (*self.blocks[i].parameters(), *self.blocks[i].buffers())
+            if id(t) not in self.held
+        )
         return sum(s.numel() for s in self.slots) + res
 
 
@@ -296,9 +325,12 @@ def spread(n: int, k: int) -> list[int]:
     return sorted({min(n - 1, int((j + 0.5) * n / k)) for j in range(k)})
 
 
-def offload_module(module: nn.Module, device: torch.device | str, layers: nn.ModuleList | None = None,
-                   ring: int = 2) -> tuple[ModelOffloader, BlockStreamer | None]:  # fmt: skip
+def offload_module(
+    module: nn.Module, device: torch.device | str, layers: nn.ModuleList | None = None, ring: int = 2
+) -> tuple[ModelOffloader, BlockStreamer | None]:
     """Move `module` to pinned host memory: `layers` (if given) stream through a ring while it runs
     (hooks on each layer), the rest is copied in by the returned offloader's `on_device()`."""
-    streamer = BlockStreamer(layers, device, ring=ring, hooks=True) if layers is not None and len(layers) else None
+    streamer = (
+        BlockStreamer(layers, device, ring=ring, hooks=True) if layers is not None and len(layers) else None
+    )
     return ModelOffloader(module, device, skip=layers if streamer is not None else None), streamer

@@ -42,9 +42,15 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_in_chunks(fn: Callable[[int, int], object], n: int, *, start: int | None = None,
-                  fallbacks: Sequence[tuple[str, Callable[[], None]]] = (), what: str = "batch",
-                  events: list | None = None) -> list:  # fmt: skip
+def run_in_chunks(
+    fn: Callable[[int, int], object],
+    n: int,
+    *,
+    start: int | None = None,
+    fallbacks: Sequence[tuple[str, Callable[[], None]]] = (),
+    what: str = "batch",
+    events: list | None = None,
+) -> list:
     """Call fn(i, j) over [0, n) in chunks, halving the chunk on OOM, then trying `fallbacks`.
 
     Returns the chunk results in order. `events` (if given) receives one line per back-off step.
@@ -92,8 +98,13 @@ def vae_decode(vae: torch.nn.Module, z: torch.Tensor, events: list | None = None
         vae.tiling = True
 
     try:
-        parts = run_in_chunks(lambda i, j: vae.decode(z[i:j]), z.shape[0], fallbacks=[("VAE tiling", tiles)],
-                              what="VAE decode batch", events=events)  # fmt: skip
+        parts = run_in_chunks(
+            lambda i, j: vae.decode(z[i:j]),
+            z.shape[0],
+            fallbacks=[("VAE tiling", tiles)],
+            what="VAE decode batch",
+            events=events,
+        )
     finally:
         vae.tiling = saved
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -34,7 +34,14 @@ from .attention import RowTrim, wrap_attention
 from .blocks import StepContext
 from .ulysses_peer import PeerUlyssesAttention, exchange_choice
 
-__all__ = ["ParallelConfig", "ParallelGroups", "ParallelForward", "split_sizes", "split_over_ranks", "UlyssesAttention"]
+__all__ = [
+    "ParallelConfig",
+    "ParallelGroups",
+    "ParallelForward",
+    "split_sizes",
+    "split_over_ranks",
+    "UlyssesAttention",
+]
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -47,8 +54,10 @@ class ParallelGroups:
 
     def __init__(self, config: ParallelConfig, exchange: str | None = None):
         if not dist.is_initialized():
-            raise RuntimeError(f"parallel {config} needs torch.distributed: start it with `qwenfast generate "
-                               f"--parallel {config}` (one process per GPU) or under torchrun")  # fmt: skip
+            raise RuntimeError(
+                f"parallel {config} needs torch.distributed: start it with `qwenfast generate "
+                f"--parallel {config}` (one process per GPU) or under torchrun"
+            )
         world, rank = dist.get_world_size(), dist.get_rank()
         if world != config.world:
             raise RuntimeError(f"parallel {config} needs {config.world} processes, this run has {world}")
@@ -102,8 +111,9 @@ class UlyssesAttention:
         self.g, self.sizes, self.txt_len = groups, sizes, txt_len
         self.chunks = chunks if chunks is not None else int(os.environ.get("QWENFAST_ULYSSES_CHUNKS", "1"))
 
-    def __call__(self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         G, r, Lt = self.g.sp_size, self.g.sp_rank, self.txt_len
         B, H, _, D = q.shape
         if H % G:
@@ -122,8 +132,16 @@ class UlyssesAttention:
         for ci, (work, recv) in enumerate(inbound):
             work.wait()
             mine = slice(r * h + ci * hc, r * h + (ci + 1) * hc)
-            full = [torch.cat([x[:, mine, :Lt], torch.cat([recv[j, i, :, :, : self.sizes[j]] for j in range(G)], dim=2)],
-                              dim=2) for i, x in enumerate((q, k, v))]  # fmt: skip
+            full = [
+                torch.cat(
+                    [
+                        x[:, mine, :Lt],
+                        torch.cat([recv[j, i, :, :, : self.sizes[j]] for j in range(G)], dim=2),
+                    ],
+                    dim=2,
+                )
+                for i, x in enumerate((q, k, v))
+            ]
             o = inner(*full, mask)  # (B, hc, Lt + N, D)
             o_txt.append(o[:, :, :Lt])
             outbound.append(self._return_seq(o[:, :, Lt:], hc))
@@ -153,7 +171,9 @@ class UlyssesAttention:
         sizes = self.sizes
         B, _, N, D = o.shape
         m = max(sizes)
-        send = o.new_zeros(len(sizes), B, hc, m, D) if min(sizes) < m else o.new_empty(len(sizes), B, hc, m, D)
+        send = (
+            o.new_zeros(len(sizes), B, hc, m, D) if min(sizes) < m else o.new_empty(len(sizes), B, hc, m, D)
+        )
         s = 0
         for j, n in enumerate(sizes):
             send[j, :, :, :n] = o[:, :, s : s + n]
@@ -192,13 +212,22 @@ class ParallelForward:
         self.fn, self.g = fn, groups
         self._trim = RowTrim()  # each cfg rank's rows of the batched text, trimmed once per mask
 
-    def __call__(self, x: torch.Tensor, emb: torch.Tensor, mask: torch.Tensor | None, t: torch.Tensor,
-                 img_shapes: list, step: StepContext | None = None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self,
+        x: torch.Tensor,
+        emb: torch.Tensor,
+        mask: torch.Tensor | None,
+        t: torch.Tensor,
+        img_shapes: list,
+        step: StepContext | None = None,
+    ) -> torch.Tensor:
         g = self.g
         if g.config.cfg == 2:
             if step is None or step.branch != "both":
-                raise RuntimeError("cfg=2 runs the cond and uncond passes of one batched CFG forward; this call "
-                                   "has no CFG (use ulysses alone, or true_cfg_scale > 1 with a negative prompt)")  # fmt: skip
+                raise RuntimeError(
+                    "cfg=2 runs the cond and uncond passes of one batched CFG forward; this call "
+                    "has no CFG (use ulysses alone, or true_cfg_scale > 1 with a negative prompt)"
+                )
             half = x.shape[0] // 2
             rows = slice(0, half) if g.cfg_rank == 0 else slice(half, None)
             e, m = self._trim(emb, mask, rows)
@@ -224,7 +253,9 @@ class ParallelForward:
         _sharing.append(g)
         try:
             with wrap_attention(wrapper):
-                out = self.fn(x[:, start : start + n], emb, mask, t, img_shapes, step, shard=(start, start + n))
+                out = self.fn(
+                    x[:, start : start + n], emb, mask, t, img_shapes, step, shard=(start, start + n)
+                )
         finally:
             _sharing.remove(g)
         m = max(sizes)

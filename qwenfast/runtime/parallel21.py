@@ -49,20 +49,25 @@ class PrefixUlyssesAttention:
         self.g, self.sizes, self.prefix = groups, sizes, prefix
         self.stats = stats if stats is not None else {}
 
-    def __call__(self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         P, G, r = self.prefix, self.g.sp_size, self.g.sp_rank
         if k.shape[2] <= P:  # a prefix run: its keys are prefix keys, whole on this rank
             return inner(q, k, v, mask)
         n, N = self.sizes[r], sum(self.sizes)
         B, H, _, D = q.shape
         if q.shape[2] != n or k.shape[2] != P + n:
-            raise ValueError(f"sequence-parallel attention expects this rank's {n} target queries against {P} prefix "
-                             f"+ {n} target keys, got {q.shape[2]} queries and {k.shape[2]} keys")  # fmt: skip
+            raise ValueError(
+                f"sequence-parallel attention expects this rank's {n} target queries against {P} prefix "
+                f"+ {n} target keys, got {q.shape[2]} queries and {k.shape[2]} keys"
+            )
         if H % G:
             raise ValueError(f"ulysses={G} needs a head count divisible by {G}; this model has {H} heads")
         h = H // G
-        qt, kt, vt = self._to_heads([q, k[:, :, P:], v[:, :, P:]])  # (B, h, N, D) each: all target tokens, my heads
+        qt, kt, vt = self._to_heads(
+            [q, k[:, :, P:], v[:, :, P:]]
+        )  # (B, h, N, D) each: all target tokens, my heads
         mine = slice(r * h, (r + 1) * h)
         kf = torch.cat([k[:, mine, :P], kt], dim=2)  # (B, h, P + N, D)
         vf = torch.cat([v[:, mine, :P], vt], dim=2)
@@ -107,8 +112,12 @@ class PrefixParallelForward(ParallelForward):
     is gathered. `stats`: sharded forwards and target attention exchanges this rank ran in Python (a
     replayed CUDA graph runs none: there they count the capture)."""
 
-    def __init__(self, fn: Callable[..., torch.Tensor], groups: ParallelGroups,
-                 prefix_len: Callable[[torch.Tensor, list, StepContext], int]):  # fmt: skip
+    def __init__(
+        self,
+        fn: Callable[..., torch.Tensor],
+        groups: ParallelGroups,
+        prefix_len: Callable[[torch.Tensor, list, StepContext], int],
+    ):
         super().__init__(fn, groups)
         self.prefix_len = prefix_len
         self.stats = {"sharded_forwards": 0, "exchanges": 0}
@@ -124,7 +133,9 @@ class PrefixParallelForward(ParallelForward):
         sizes = split_sizes(N, G)
         start = sum(sizes[: g.sp_rank])
         n = sizes[g.sp_rank]
-        mine = torch.cat([x[:, start : start + n], x[:, N:]], dim=1)  # my target chunk + every condition token
+        mine = torch.cat(
+            [x[:, start : start + n], x[:, N:]], dim=1
+        )  # my target chunk + every condition token
         attn = PrefixUlyssesAttention(g, sizes, self.prefix_len(emb, img_shapes, step), self.stats)
         with wrap_attention(attn):
             out = self.fn(mine, emb, mask, t, img_shapes, step, shard=(start, start + n))  # (B, n, C)

@@ -63,8 +63,10 @@ class PeerBuffer:
                 symm.enable_symm_mem_for_group(self.group.group_name)
         self.local = symm.empty(self.numel, dtype=self.dtype, device=self.device)
         self._handle = symm.rendezvous(self.local, self.group.group_name)
-        self._peers = [self.local if j == self.rank else self._handle.get_buffer(j, (self.numel,), self.dtype)
-                       for j in range(self.size)]  # fmt: skip
+        self._peers = [
+            self.local if j == self.rank else self._handle.get_buffer(j, (self.numel,), self.dtype)
+            for j in range(self.size)
+        ]
 
     def _init_cpu(self):
         tag = [uuid.uuid4().hex if self.rank == 0 else None]

@@ -65,8 +65,19 @@ class _Plan:
     graphs write into them): at 1024², B = 1, 2 ranks, IN is 39 MB and OUT 13 MB per rank, so a
     server that sees many sizes holds that much per size."""
 
-    def __init__(self, group, rank: int, G: int, B: int, H: int, D: int, Lt: int, sizes: list[int],
-                 dtype: torch.dtype, device: torch.device):  # fmt: skip
+    def __init__(
+        self,
+        group,
+        rank: int,
+        G: int,
+        B: int,
+        H: int,
+        D: int,
+        Lt: int,
+        sizes: list[int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         h, S, m = H // G, Lt + sum(sizes), max(sizes)
         starts = [sum(sizes[:j]) for j in range(G)]
         self.IN = PeerBuffer(group, 3 * B * S * h * D, dtype, device)
@@ -79,17 +90,22 @@ class _Plan:
         self.in_dsts = [ins[rank]] + ins
         self.out_rows, self.out_dsts = [], []
         for j in range(G):  # the text rows and j's image rows of my heads -> j, at heads rank*h
-            self.out_rows += [entry(outs[j], src_t0=0, src_h0=0, dst_t0=0, count=Lt, dst_h0=rank * h),
-                              entry(outs[j], src_t0=Lt + starts[j], src_h0=0, dst_t0=Lt, count=sizes[j],
-                                    dst_h0=rank * h)]  # fmt: skip
+            self.out_rows += [
+                entry(outs[j], src_t0=0, src_h0=0, dst_t0=0, count=Lt, dst_h0=rank * h),
+                entry(outs[j], src_t0=Lt + starts[j], src_h0=0, dst_t0=Lt, count=sizes[j], dst_h0=rank * h),
+            ]
             self.out_dsts += [outs[j], outs[j]]
         self.in_table = torch.tensor(self.in_rows, dtype=torch.int64, device=device)
         self.out_table = torch.tensor(self.out_rows, dtype=torch.int64, device=device)
-        self.qkv = [tuple(x[c].transpose(1, 2) for c in range(3)) for x in ins]  # rank j's q, k, v (B, h, S, D)
+        self.qkv = [
+            tuple(x[c].transpose(1, 2) for c in range(3)) for x in ins
+        ]  # rank j's q, k, v (B, h, S, D)
         self.q, self.k, self.v = self.qkv[rank]
         # `joint`: the image rows' head groups, rank j's into rank j's IN, in one QK-norm + RoPE launch
         self.img_groups = [(*self.qkv[j], j * h) for j in range(G)]
-        self.img_table = torch.tensor([group_row(*grp) for grp in self.img_groups], dtype=torch.int64, device=device)
+        self.img_table = torch.tensor(
+            [group_row(*grp) for grp in self.img_groups], dtype=torch.int64, device=device
+        )
         self.mine = outs[rank][0]  # (B, Lt + n, H, D)
         self.h, self.start, self.in_max, self.out_max = h, s, max(Lt, n), max(Lt, m)
 
@@ -108,11 +124,14 @@ class PeerUlyssesAttention:
         key = (B, H, D, self.txt_len, tuple(self.sizes), dtype, str(device))
         if key not in self.plans:
             g = self.g
-            self.plans[key] = _Plan(g.sp_group, g.sp_rank, G, B, H, D, self.txt_len, self.sizes, dtype, device)
+            self.plans[key] = _Plan(
+                g.sp_group, g.sp_rank, G, B, H, D, self.txt_len, self.sizes, dtype, device
+            )
         return self.plans[key]
 
-    def __call__(self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self, inner: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         B, H, _, D = q.shape
         p = self._plan(B, H, D, q.dtype, q.device)
         src = [x.transpose(1, 2) for x in (q, k, v)]  # (B, T, H, D) views
@@ -121,7 +140,9 @@ class PeerUlyssesAttention:
         head_scatter(src, p.in_table, p.in_rows, p.in_dsts, p.h, p.in_max)
         return self._attend(p, inner, mask, B)
 
-    def joint(self, streams: list, H: int, D: int, mask: torch.Tensor | None, inner: Callable) -> torch.Tensor:
+    def joint(
+        self, streams: list, H: int, D: int, mask: torch.Tensor | None, inner: Callable
+    ) -> torch.Tensor:
         """`attention.joint_attention` for [text; image]: the QK-norm + RoPE kernel writes my text rows
         of my heads into my IN, and my image rows of head group j straight into rank j's IN (no
         local Q/K/V buffer, no separate copy)."""
@@ -134,7 +155,9 @@ class PeerUlyssesAttention:
         qk_norm_rope_groups(qkv_i, *norm_i, p.img_table, p.img_groups, offset=self.txt_len + p.start)
         return self._attend(p, inner, mask, B, keep=False)
 
-    def _attend(self, p: _Plan, inner: Callable, mask: torch.Tensor | None, B: int, keep: bool = True) -> torch.Tensor:
+    def _attend(
+        self, p: _Plan, inner: Callable, mask: torch.Tensor | None, B: int, keep: bool = True
+    ) -> torch.Tensor:
         """Steps 1 (barrier) to 4 of the module docstring, once IN holds this rank's rows. keep=False
         (`joint_attention`, whose caller consumes the result before its next call): OUT itself is
         returned, no copy - the other ranks write OUT again only after this rank's next barrier."""

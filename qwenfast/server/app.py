@@ -56,7 +56,7 @@ def app_path(scope) -> str:
     """The path inside this app: without `root_path`, which a mount point (Ray Serve's route prefix, a
     proxy's --root-path) leaves in `path`. Auth and limits must look at this one, never at the raw path."""
     path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root):] or "/" if root and path.startswith(root) else path
+    return path[len(root) :] or "/" if root and path.startswith(root) else path
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -83,8 +83,12 @@ class Guard:
             return await self.app(scope, receive, send)
         path = app_path(scope)
         if self._key is not None and path.startswith("/v1/") and not self._authorized(scope):
-            e = APIError(401, "missing or wrong API key: send `Authorization: Bearer <key>`", code="invalid_api_key",
-                         headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+            e = APIError(
+                401,
+                "missing or wrong API key: send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             return await _error_response(e)(scope, receive, send)
         limit = self.cfg.limits.max_upload_bytes if path == EDITS else self.cfg.limits.max_json_bytes
         for k, v in scope.get("headers") or []:
@@ -92,9 +96,9 @@ class Guard:
                 try:
                     n = int(v)
                 except ValueError:
-                    return await _error_response(APIError(400, "bad Content-Length header", code="invalid_request"))(
-                        scope, receive, send
-                    )
+                    return await _error_response(
+                        APIError(400, "bad Content-Length header", code="invalid_request")
+                    )(scope, receive, send)
                 if n > limit:
                     return await _error_response(_too_large(limit))(scope, receive, send)
         seen = 0
@@ -151,7 +155,9 @@ class UrlStore:
             self.size -= len(d)
 
 
-def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[Metrics], Any] | None = None) -> FastAPI:
+def create_app(
+    pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[Metrics], Any] | None = None
+) -> FastAPI:
     """The app for `pipe`. `scheduler(metrics)` replaces the local batcher with another one that has its
     methods (start, submit, cancel, depth, stop; optionally `health()` for /health and `render_metrics()`
     for /metrics): Ray Serve's ingress passes one that forwards to engine replicas (ray_remote.py), with a
@@ -176,6 +182,7 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         note = pipe.size_note(p.width, p.height)
         if note:
             log.warning("%s", note)
+
     multiple = 2 * pipe.vae_scale_factor
     gen_defaults = dict(pipe.defaults)
     if caps.generations and not gen_defaults.get("width"):  # Qwen-Image-2.1: output_resolution² by default
@@ -209,8 +216,10 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
-        msg = {404: f"no such endpoint: {request.method} {request.url.path}",
-               405: f"{request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))  # fmt: skip
+        msg = {
+            404: f"no such endpoint: {request.method} {request.url.path}",
+            405: f"{request.method} is not allowed on {request.url.path}",
+        }.get(e.status_code, str(e.detail))
         return _error_response(APIError(e.status_code, msg, headers=dict(e.headers or {})))
 
     @app.exception_handler(Exception)
@@ -221,9 +230,14 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     # ------------------------------------------------------------------ pages and status
     @app.get("/", include_in_schema=False)
     async def index():
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache", "Content-Security-Policy":
-                            "default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
-                            "script-src 'self' 'unsafe-inline'"})  # fmt: skip
+        return HTMLResponse(
+            page,
+            headers={
+                "Cache-Control": "no-cache",
+                "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; style-src 'self' 'unsafe-inline'; "
+                "script-src 'self' 'unsafe-inline'",
+            },
+        )
 
     @app.get("/favicon.ico", include_in_schema=False)
     async def favicon():
@@ -232,13 +246,24 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     @app.get("/health")
     async def health():
         q, qi, run = sched.depth()
-        body = {"status": "shutting_down" if state["stopping"] else "ok", "model": model_id,
-                "kind": caps.kind, "model_type": caps.model_type, "device": str(pipe.device), "dtype": str(pipe.dtype),
-                "queue": {"requests": q, "images": qi, "running": run, "max": cfg.max_queue},
-                "max_batch": cfg.max_batch, "auth": cfg.api_key is not None, "loras": loras.dir is not None,
-                "lora_support": caps.lora, "defaults": dict(pipe.defaults), "size_multiple": multiple,
-                "tasks": tasks, "max_images": max_images,
-                "limits": {**vars(cfg.limits), "max_images": max_images}}  # fmt: skip
+        body = {
+            "status": "shutting_down" if state["stopping"] else "ok",
+            "model": model_id,
+            "kind": caps.kind,
+            "model_type": caps.model_type,
+            "device": str(pipe.device),
+            "dtype": str(pipe.dtype),
+            "queue": {"requests": q, "images": qi, "running": run, "max": cfg.max_queue},
+            "max_batch": cfg.max_batch,
+            "auth": cfg.api_key is not None,
+            "loras": loras.dir is not None,
+            "lora_support": caps.lora,
+            "defaults": dict(pipe.defaults),
+            "size_multiple": multiple,
+            "tasks": tasks,
+            "max_images": max_images,
+            "limits": {**vars(cfg.limits), "max_images": max_images},
+        }
         if hasattr(sched, "health"):  # Ray Serve: replicas up/total; none up -> 503
             body.update(await asyncio.to_thread(sched.health))
         if body["status"] != "ok":
@@ -262,8 +287,12 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     @app.get("/v1/models/{name:path}")
     async def model(name: str):
         if name != model_id:
-            raise APIError(404, f"model {name[:80]!r} is not served here; this server serves {model_id!r}",
-                           code="model_not_found", param="model")  # fmt: skip
+            raise APIError(
+                404,
+                f"model {name[:80]!r} is not served here; this server serves {model_id!r}",
+                code="model_not_found",
+                param="model",
+            )
         return _model_card(model_id, metrics.started, caps)
 
     @app.get("/v1/loras")
@@ -275,27 +304,48 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     async def files(token: str):
         hit = urls.get(token)
         if hit is None:
-            raise APIError(404, "this image URL has expired or never existed (URLs live "
-                                f"{cfg.url_ttl_s:g} s; use response_format=b64_json to keep images)", code="expired")  # fmt: skip
+            raise APIError(
+                404,
+                "this image URL has expired or never existed (URLs live "
+                f"{cfg.url_ttl_s:g} s; use response_format=b64_json to keep images)",
+                code="expired",
+            )
         return Response(hit[0], media_type=hit[1], headers={"Cache-Control": "private, max-age=3600"})
 
     # ------------------------------------------------------------------ image endpoints
     def _check_common(body: dict, p, endpoint: str) -> tuple:
         name = body.get("model")
         if name is not None and name != model_id:
-            raise APIError(404, f"model {str(name)[:80]!r} is not served here; this server serves {model_id!r} "
-                                "(GET /v1/models)", code="model_not_found", param="model")  # fmt: skip
+            raise APIError(
+                404,
+                f"model {str(name)[:80]!r} is not served here; this server serves {model_id!r} "
+                "(GET /v1/models)",
+                code="model_not_found",
+                param="model",
+            )
         par = pipe.options.parallel
         if par is not None and par.cfg == 2 and (p.negative is None or p.cfg <= 1):
-            raise APIError(400, f"this server splits true CFG over two GPUs (--parallel {par}): send a "
-                                "`negative_prompt` (\" \" is fine) and `true_cfg_scale` > 1", param="true_cfg_scale",
-                           code="cfg_required")  # fmt: skip
+            raise APIError(
+                400,
+                f"this server splits true CFG over two GPUs (--parallel {par}): send a "
+                '`negative_prompt` (" " is fine) and `true_cfg_scale` > 1',
+                param="true_cfg_scale",
+                code="cfg_required",
+            )
         if p.cache not in (None, "off") and not caps.request_cache:
-            raise APIError(400, f"this model ({caps.model_type}) has no step cache: leave `cache` out (or \"off\")",
-                           param="cache", code="unsupported_parameter")  # fmt: skip
+            raise APIError(
+                400,
+                f'this model ({caps.model_type}) has no step cache: leave `cache` out (or "off")',
+                param="cache",
+                code="unsupported_parameter",
+            )
         if p.loras and not caps.lora:  # 400, not 501: clients must not retry it
-            raise APIError(400, f"this model ({caps.model_type}) cannot apply LoRAs: leave `lora` out",
-                           param="lora", code="lora_unsupported")  # fmt: skip
+            raise APIError(
+                400,
+                f"this model ({caps.model_type}) cannot apply LoRAs: leave `lora` out",
+                param="lora",
+                code="lora_unsupported",
+            )
         return loras.resolve_all(p.loras)
 
     @app.post("/v1/images/generations")
@@ -303,12 +353,18 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         t0 = time.monotonic()
         try:
             if not caps.generations:  # first: no body of any shape can succeed here
-                raise APIError(400, f"the loaded model ({model_id}) is an edit model; use POST /v1/images/edits",
-                               code="wrong_endpoint")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"the loaded model ({model_id}) is an edit model; use POST /v1/images/edits",
+                    code="wrong_endpoint",
+                )
             ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
             if ctype != "application/json":
-                raise APIError(415, f"send the request as JSON with `Content-Type: application/json` (got {ctype[:60]!r})",
-                               code="unsupported_media_type")  # fmt: skip
+                raise APIError(
+                    415,
+                    f"send the request as JSON with `Content-Type: application/json` (got {ctype[:60]!r})",
+                    code="unsupported_media_type",
+                )
             body = parse_json_body(await request.body())
             p = validate(body, cfg.limits, gen_defaults, multiple=multiple)
             size_note(p)
@@ -323,14 +379,21 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
     async def edits(request: Request):
         t0 = time.monotonic()
         try:
-            if not caps.edits and not can_inpaint:  # first: no form of any shape can succeed here (400: no retries)
-                why = (f"the loaded model ({model_id}) is a text-to-image model; use POST /v1/images/generations, "
-                       "or start `qwenfast serve --model` with a Qwen-Image-Edit or Qwen-Image-2.1 folder to edit images")  # fmt: skip
+            if (
+                not caps.edits and not can_inpaint
+            ):  # first: no form of any shape can succeed here (400: no retries)
+                why = (
+                    f"the loaded model ({model_id}) is a text-to-image model; use POST /v1/images/generations, "
+                    "or start `qwenfast serve --model` with a Qwen-Image-Edit or Qwen-Image-2.1 folder to edit images"
+                )
                 raise APIError(400, f"image edits are not available: {why}", code="wrong_endpoint")
             ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
             if ctype != "multipart/form-data":
-                raise APIError(415, "send edits as multipart/form-data with the image in `image` (or `image[]`)",
-                               code="unsupported_media_type")  # fmt: skip
+                raise APIError(
+                    415,
+                    "send edits as multipart/form-data with the image in `image` (or `image[]`)",
+                    code="unsupported_media_type",
+                )
             lim = cfg.limits
             try:
                 form = await request.form(max_files=max_images + 2, max_fields=64, max_part_size=1 << 20)
@@ -339,19 +402,30 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
             except StarletteHTTPException as e:
                 raise APIError(400, f"malformed multipart form: {e.detail}", code="invalid_request") from None
             except Exception as e:
-                raise APIError(400, f"malformed multipart form: {type(e).__name__}: {str(e)[:200]}",
-                               code="invalid_request") from None  # fmt: skip
+                raise APIError(
+                    400,
+                    f"malformed multipart form: {type(e).__name__}: {str(e)[:200]}",
+                    code="invalid_request",
+                ) from None
             files, fields, mask = [], {}, None
             for k, v in form.multi_items():
                 if k == "mask":
                     if not hasattr(v, "read") or mask is not None:
-                        raise APIError(400, "`mask` must be one PNG file whose transparent pixels mark the area to "
-                                            "repaint", param="mask", code="invalid_mask")  # fmt: skip
+                        raise APIError(
+                            400,
+                            "`mask` must be one PNG file whose transparent pixels mark the area to repaint",
+                            param="mask",
+                            code="invalid_mask",
+                        )
                     mask = v
                 elif hasattr(v, "read"):
                     if k not in ("image", "image[]"):
-                        raise APIError(400, f"unexpected file field `{k[:40]}`; send images as `image` or `image[]`",
-                                       param=k[:40], code="invalid_request")  # fmt: skip
+                        raise APIError(
+                            400,
+                            f"unexpected file field `{k[:40]}`; send images as `image` or `image[]`",
+                            param=k[:40],
+                            code="invalid_request",
+                        )
                     files.append(v)
                 elif k in fields:
                     raise APIError(400, f"`{k[:40]}` is given twice", param=k[:40], code="invalid_request")
@@ -359,32 +433,61 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                     fields[k] = v
             if not files:
                 n = "1 image" if max_images == 1 else f"1 to {max_images} images"
-                raise APIError(400, f"missing `image`: attach {n} as `image` or `image[]`", param="image",
-                               code="missing_required_parameter")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"missing `image`: attach {n} as `image` or `image[]`",
+                    param="image",
+                    code="missing_required_parameter",
+                )
             if len(files) > max_images:
                 who = caps.model_type if max_images == caps.max_images else "this server"
-                raise APIError(400, f"{len(files)} images attached; {who} takes at most {max_images} per request",
-                               param="image", code="too_many_images")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"{len(files)} images attached; {who} takes at most {max_images} per request",
+                    param="image",
+                    code="too_many_images",
+                )
             body = form_to_dict(fields)
             p = validate(body, lim, pipe.defaults, multiple=multiple, edit=True)
             kind = _edit_task(p, mask is not None, len(files))
             size_note(p)
             datas = [await f.read() for f in files]
-            images = [await asyncio.to_thread(load_upload, d, f"image {i + 1} ({(f.filename or '')[:40]!r})",
-                                              lim.image_formats, lim.max_input_pixels, caps.rgba)
-                      for i, (f, d) in enumerate(zip(files, datas))]  # fmt: skip
+            images = [
+                await asyncio.to_thread(
+                    load_upload,
+                    d,
+                    f"image {i + 1} ({(f.filename or '')[:40]!r})",
+                    lim.image_formats,
+                    lim.max_input_pixels,
+                    caps.rgba,
+                )
+                for i, (f, d) in enumerate(zip(files, datas))
+            ]
             mask_image = None
             if mask is not None:
-                mask_image = await asyncio.to_thread(load_mask, await mask.read(), f"mask ({(mask.filename or '')[:40]!r})",
-                                                     lim.image_formats, lim.max_input_pixels, images[0].size)  # fmt: skip
+                mask_image = await asyncio.to_thread(
+                    load_mask,
+                    await mask.read(),
+                    f"mask ({(mask.filename or '')[:40]!r})",
+                    lim.image_formats,
+                    lim.max_input_pixels,
+                    images[0].size,
+                )
             resolved = _check_common(body, p, "edits")
             if kind != "edit":
                 _task_size(p, images[0], kind)
             elif p.size_auto:  # the size follows the last image: hold it to the same limits as a given size
                 h, w = pipe.output_size({"image": images, "height": None, "width": None})
                 _within_limits(w, h, "the input image's aspect")
-            job = Job(p, asyncio.get_running_loop(), kind=kind, loras=resolved, images=images,
-                      stream_events=p.stream, mask=mask_image)  # fmt: skip
+            job = Job(
+                p,
+                asyncio.get_running_loop(),
+                kind=kind,
+                loras=resolved,
+                images=images,
+                stream_events=p.stream,
+                mask=mask_image,
+            )
             return await _respond(request, job, "edits", t0)
         except APIError as e:
             metrics.request("edits", e.status)
@@ -395,42 +498,69 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         if caps.edits and caps.generations:  # one model for both (Qwen-Image-2.1): reference edits only
             if masked or p.strength is not None:
                 what = "a `mask`" if masked else "`strength`"
-                raise APIError(400, f"this model ({caps.model_type}) does not inpaint or run img2img: send the "
-                                    f"images and a prompt without {what}", param="mask" if masked else "strength",
-                               code="unsupported_parameter")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"this model ({caps.model_type}) does not inpaint or run img2img: send the "
+                    f"images and a prompt without {what}",
+                    param="mask" if masked else "strength",
+                    code="unsupported_parameter",
+                )
             return "edit"
         if caps.edits:
             kind = "edit-inpaint" if masked else "edit"
             if kind == "edit" and p.strength is not None:
-                raise APIError(400, "`strength` applies to inpainting (with a `mask`) on an edit model",
-                               param="strength", code="unsupported_parameter")  # fmt: skip
+                raise APIError(
+                    400,
+                    "`strength` applies to inpainting (with a `mask`) on an edit model",
+                    param="strength",
+                    code="unsupported_parameter",
+                )
         elif masked or p.strength is not None:
             kind = "inpaint" if masked else "img2img"
         else:
-            raise APIError(400, f"the loaded model ({model_id}) is a text-to-image model: send a `mask` (its "
-                                "transparent pixels are repainted) to inpaint, or a `strength` (0..1) for img2img; "
-                                "or use POST /v1/images/generations", code="wrong_endpoint")  # fmt: skip
+            raise APIError(
+                400,
+                f"the loaded model ({model_id}) is a text-to-image model: send a `mask` (its "
+                "transparent pixels are repainted) to inpaint, or a `strength` (0..1) for img2img; "
+                "or use POST /v1/images/generations",
+                code="wrong_endpoint",
+            )
         if kind != "edit" and not can_inpaint:
-            raise APIError(400, f"this model ({caps.model_type}) does not inpaint or run img2img", param="mask",
-                           code="unsupported_parameter")  # fmt: skip
+            raise APIError(
+                400,
+                f"this model ({caps.model_type}) does not inpaint or run img2img",
+                param="mask",
+                code="unsupported_parameter",
+            )
         if kind != "edit" and n_images != 1:
-            raise APIError(400, f"{kind} takes exactly 1 image; got {n_images}", param="image", code="too_many_images")
+            raise APIError(
+                400, f"{kind} takes exactly 1 image; got {n_images}", param="image", code="too_many_images"
+            )
         return kind
 
     def _within_limits(w: int, h: int, what: str) -> None:
         lim = cfg.limits
         if max(w, h) > lim.max_side or w * h > lim.max_pixels or min(w, h) < lim.min_side:
-            raise APIError(400, f"the output size follows {what} ({w}x{h}), which is beyond this server's limits "
-                                f"(sides {lim.min_side} to {lim.max_side}, {lim.max_pixels} pixels); give `size`",
-                           param="size", code="invalid_size")  # fmt: skip
+            raise APIError(
+                400,
+                f"the output size follows {what} ({w}x{h}), which is beyond this server's limits "
+                f"(sides {lim.min_side} to {lim.max_side}, {lim.max_pixels} pixels); give `size`",
+                param="size",
+                code="invalid_size",
+            )
 
     def _task_size(p: Params, image, kind: str) -> None:
         """Fill in the output size of img2img / inpainting (the image's, unless given) and the default strength."""
         if kind == "edit-inpaint":  # the output follows the image at the model's area, as diffusers
             h, w = pipe.for_task("edit-inpaint").output_size({"image": [image]})
             if not p.size_auto and (p.width, p.height) != (w, h):
-                raise APIError(400, f"with a mask, an edit model's output follows the image: give size \"auto\" "
-                                    f"(here {w}x{h})", param="size", code="invalid_size")  # fmt: skip
+                raise APIError(
+                    400,
+                    f'with a mask, an edit model\'s output follows the image: give size "auto" '
+                    f"(here {w}x{h})",
+                    param="size",
+                    code="invalid_size",
+                )
             _within_limits(w, h, "the input image's aspect")
         elif p.size_auto:
             w, h = round_size(image.width, image.height, multiple)
@@ -450,12 +580,18 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
         deadline = t0 + cfg.timeout_s
         base = str(request.base_url)
         if job.params.stream:
-            return StreamingResponse(_sse(job, endpoint, t0, deadline, base, position), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+            return StreamingResponse(
+                _sse(job, endpoint, t0, deadline, base, position),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         watch = asyncio.create_task(_wait_disconnect(request))
         try:
-            done, _ = await asyncio.wait({job.future, watch}, timeout=max(0.0, deadline - time.monotonic()),
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            done, _ = await asyncio.wait(
+                {job.future, watch},
+                timeout=max(0.0, deadline - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         except asyncio.CancelledError:  # server shutting down past its grace period
             sched.cancel(job, "shutdown")
             raise
@@ -467,21 +603,38 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 metrics.request(endpoint, 499)
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
             sched.cancel(job, "timeout")
-            raise APIError(504, f"the request did not finish within {cfg.timeout_s:g} s (queue wait included)",
-                           code="timeout")  # fmt: skip
+            raise APIError(
+                504,
+                f"the request did not finish within {cfg.timeout_s:g} s (queue wait included)",
+                code="timeout",
+            )
         images = job.future.result()  # raises the job's APIError
         data = await asyncio.to_thread(_encode_all, job, images, base)
         metrics.request(endpoint, 200, time.monotonic() - t0)
         p = job.params
-        return {"created": int(time.time()), "data": data, "size": f"{images[0].width}x{images[0].height}",
-                "output_format": p.output_format, "quality": "auto", "background": "opaque"}  # fmt: skip
+        return {
+            "created": int(time.time()),
+            "data": data,
+            "size": f"{images[0].width}x{images[0].height}",
+            "output_format": p.output_format,
+            "quality": "auto",
+            "background": "opaque",
+        }
 
     def _encode_all(job: Job, images: list, base: str) -> list[dict]:
         p, out = job.params, []
         for i, img in enumerate(images):
-            meta = {"prompt": p.prompt, "negative_prompt": p.negative or "", "seed": str(job.seeds[i]),
-                    "steps": str(p.steps), "cfg": str(p.cfg), "size": f"{img.width}x{img.height}", "model": model_id,
-                    "loras": json.dumps(p.loras), "generator": "qwenfast serve"}  # fmt: skip
+            meta = {
+                "prompt": p.prompt,
+                "negative_prompt": p.negative or "",
+                "seed": str(job.seeds[i]),
+                "steps": str(p.steps),
+                "cfg": str(p.cfg),
+                "size": f"{img.width}x{img.height}",
+                "model": model_id,
+                "loras": json.dumps(p.loras),
+                "generator": "qwenfast serve",
+            }
             data = encode_image(img, p.output_format, p.compression, meta)
             item = {"seed": job.seeds[i], "revised_prompt": None}
             if p.response_format == "url":
@@ -493,8 +646,12 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
 
     async def _sse(job: Job, endpoint: str, t0: float, deadline: float, base: str, position: int):
         p, status = job.params, 499
-        extra = {"size": f"{p.width}x{p.height}" if not p.size_auto else "auto", "output_format": p.output_format,
-                 "quality": "auto", "background": "opaque"}  # fmt: skip
+        extra = {
+            "size": f"{p.width}x{p.height}" if not p.size_auto else "auto",
+            "output_format": p.output_format,
+            "quality": "auto",
+            "background": "opaque",
+        }
         try:
             if p.progress:
                 yield _event(
@@ -502,8 +659,11 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 )
             while True:
                 get = asyncio.ensure_future(job.events.get())
-                done, _ = await asyncio.wait({get, job.future}, timeout=min(2.0, max(0.0, deadline - time.monotonic())),
-                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                done, _ = await asyncio.wait(
+                    {get, job.future},
+                    timeout=min(2.0, max(0.0, deadline - time.monotonic())),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
                 if get in done:
                     ev = get.result()
                     if ev["type"] == "image_generation.partial_image":
@@ -517,8 +677,14 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 if time.monotonic() >= deadline:
                     sched.cancel(job, "timeout")
                     status = 504
-                    yield _event({"type": "error", "error": APIError(504, f"the request did not finish within "
-                                  f"{cfg.timeout_s:g} s", code="timeout").body()["error"]})  # fmt: skip
+                    yield _event(
+                        {
+                            "type": "error",
+                            "error": APIError(
+                                504, f"the request did not finish within {cfg.timeout_s:g} s", code="timeout"
+                            ).body()["error"],
+                        }
+                    )
                     return
                 yield ": keep-alive\n\n"  # also notices a vanished client while queued
             exc = job.future.exception()
@@ -527,16 +693,27 @@ def create_app(pipe: Any, cfg: ServerConfig | None = None, scheduler: Callable[[
                 err = (
                     exc.body()["error"]
                     if isinstance(exc, APIError)  # anything else: its text may hold host paths
-                    else {"message": f"internal error: {type(exc).__name__}", "type": "server_error", "param": None,
-                          "code": "internal_error"}  # fmt: skip
+                    else {
+                        "message": f"internal error: {type(exc).__name__}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "internal_error",
+                    }
                 )
                 yield _event({"type": "error", "error": err})
                 return
             images = job.future.result()
             data = await asyncio.to_thread(_encode_all, job, images, base)
             for i, d in enumerate(data):
-                ev = {"type": "image_generation.completed", "index": i, "created_at": int(time.time()), **extra,
-                      "size": f"{images[i].width}x{images[i].height}", "usage": _NO_USAGE, **d}  # fmt: skip
+                ev = {
+                    "type": "image_generation.completed",
+                    "index": i,
+                    "created_at": int(time.time()),
+                    **extra,
+                    "size": f"{images[i].width}x{images[i].height}",
+                    "usage": _NO_USAGE,
+                    **d,
+                }
                 if "b64_json" not in ev:  # streams always carry the image; url is extra
                     ev["b64_json"] = b64(encode_image(images[i], p.output_format, p.compression))
                 yield _event(ev)
@@ -573,9 +750,14 @@ def _favicon() -> bytes:
 
 
 def _model_card(model_id: str, created: float, caps) -> dict:
-    return {"id": model_id, "object": "model", "created": int(created), "owned_by": "qwenfast",
-            "model_type": caps.model_type, "tasks": list(caps.tasks)}  # fmt: skip
-
+    return {
+        "id": model_id,
+        "object": "model",
+        "created": int(created),
+        "owned_by": "qwenfast",
+        "model_type": caps.model_type,
+        "tasks": list(caps.tasks),
+    }
 
 
 async def _wait_disconnect(request: Request) -> None:

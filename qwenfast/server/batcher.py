@@ -43,9 +43,17 @@ class Cancelled(Exception):
 class Job:
     """One HTTP request: n images, their results, and (if streaming) an event queue for the client."""
 
-    def __init__(self, params: Params, loop: asyncio.AbstractEventLoop, *, kind: str = "t2i",
-                 loras: tuple = (), images: list | None = None, stream_events: bool = False,
-                 mask=None):  # fmt: skip
+    def __init__(
+        self,
+        params: Params,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        kind: str = "t2i",
+        loras: tuple = (),
+        images: list | None = None,
+        stream_events: bool = False,
+        mask=None,
+    ):
         self.id = uuid.uuid4().hex
         self.params, self.kind, self.loras, self.images, self.mask = params, kind, loras, images, mask
         self.seeds = params.seeds()
@@ -114,8 +122,12 @@ class Scheduler:
             if len(self.queued) >= self.cfg.max_queue:
                 self.metrics.reject("queue_full")
                 wait = self.retry_after()
-                raise APIError(429, f"the queue is full ({len(self.queued)} requests waiting); retry in ~{wait} s",
-                               code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
+                raise APIError(
+                    429,
+                    f"the queue is full ({len(self.queued)} requests waiting); retry in ~{wait} s",
+                    code="queue_full",
+                    headers={"Retry-After": str(wait)},
+                )
             self.pending.extend(Item(job, i) for i in range(job.params.n))
             self.queued.add(job)
             self.cond.notify_all()
@@ -164,7 +176,9 @@ class Scheduler:
                 self._run(batch)
             except BaseException as e:  # never let the worker die: that would hang every request
                 log.exception("worker: unexpected error")
-                err = APIError(500, f"internal error: {type(e).__name__} (see the server log)", code="internal_error")
+                err = APIError(
+                    500, f"internal error: {type(e).__name__} (see the server log)", code="internal_error"
+                )
                 for job in {it.job for it in batch}:
                     self._finish(job, err)
             finally:
@@ -220,15 +234,25 @@ class Scheduler:
         except Exception as e:
             self._empty_cache()
             if len(jobs) > 1:  # find the culprit: one bad request must not fail its batch-mates
-                log.warning("batch of %d failed (%s: %s); retrying its requests one by one", len(items),
-                            type(e).__name__, e)  # fmt: skip
+                log.warning(
+                    "batch of %d failed (%s: %s); retrying its requests one by one",
+                    len(items),
+                    type(e).__name__,
+                    e,
+                )
                 for job in jobs:
                     self._run([it for it in items if it.job is job])
                 return
             log.exception("generation failed")
             # the exception's text stays in the log: it may name files on this host
-            self._finish(jobs[0], APIError(500, f"generation failed ({type(e).__name__}); the server log has the "
-                                                "details", code="generation_failed"))  # fmt: skip
+            self._finish(
+                jobs[0],
+                APIError(
+                    500,
+                    f"generation failed ({type(e).__name__}); the server log has the details",
+                    code="generation_failed",
+                ),
+            )
             return
         dt = time.perf_counter() - t0
         self.avg_batch_s = 0.8 * self.avg_batch_s + 0.2 * dt
@@ -270,9 +294,13 @@ class Scheduler:
             names = [Path(path).stem for path, _ in loras]
             bad = [Path(path).stem for path, _ in loras if Path(path).name in str(e)] or names
             log.error("LoRA set %s could not be applied: %s: %s", [p for p, _ in loras], type(e).__name__, e)
-            raise APIError(422, f"LoRA {', '.join(repr(n) for n in bad)} could not be loaded: the file in the "
-                                "server's LoRA folder is not a valid LoRA (the server log says why)",
-                           param="lora", code="invalid_lora") from None  # fmt: skip
+            raise APIError(
+                422,
+                f"LoRA {', '.join(repr(n) for n in bad)} could not be loaded: the file in the "
+                "server's LoRA folder is not a valid LoRA (the server log says why)",
+                param="lora",
+                code="invalid_lora",
+            ) from None
         self._loras = loras
 
     def _apply_cache(self, cache: str | None) -> None:
@@ -291,8 +319,10 @@ class Scheduler:
         self._apply_loras(job0.loras)
         self._apply_cache(p.cache)
         # previews only for clients that stream: nobody else would receive them (a decode each)
-        preview_at = {job: _preview_steps(job.params.steps, job.params.partial_images if job.events else 0)
-                      for job in jobs}  # fmt: skip
+        preview_at = {
+            job: _preview_steps(job.params.steps, job.params.partial_images if job.events else 0)
+            for job in jobs
+        }
         sent = {job: 0 for job in jobs}
 
         def callback(i: int, n: int, x) -> None:
@@ -309,8 +339,16 @@ class Scheduler:
                     return
                 for r, im in zip(rows, previews):
                     it = items[r]
-                    it.job.post({"type": "image_generation.partial_image", "b64_json": jpeg_b64(im), "index": it.index,
-                                 "partial_image_index": sent[it.job], "step": i + 1, "steps": n})  # fmt: skip
+                    it.job.post(
+                        {
+                            "type": "image_generation.partial_image",
+                            "b64_json": jpeg_b64(im),
+                            "index": it.index,
+                            "partial_image_index": sent[it.job],
+                            "step": i + 1,
+                            "steps": n,
+                        }
+                    )
                 for job in {items[r].job for r in rows}:
                     sent[job] += 1
 
@@ -320,21 +358,37 @@ class Scheduler:
             out = []
             for it, g in zip(items, gens):
                 hw = {} if p.size_auto else {"height": p.height, "width": p.width}
-                out += self.pipe(image=it.job.images, prompt=p.prompt, negative_prompt=p.negative, generator=g,
-                                 **hw, **common).images  # fmt: skip
+                out += self.pipe(
+                    image=it.job.images,
+                    prompt=p.prompt,
+                    negative_prompt=p.negative,
+                    generator=g,
+                    **hw,
+                    **common,
+                ).images
             return out
         if job0.kind != "t2i":  # img2img, inpaint, edit-inpaint: the loaded model under that task's class
             run, out = self.pipe.for_task(job0.kind), []
             mask = {} if job0.mask is None else {"mask_image": job0.mask}
             for it, g in zip(items, gens):
-                out += run(image=it.job.images[0], prompt=p.prompt, negative_prompt=p.negative, generator=g,
-                           height=p.height, width=p.width, strength=p.strength, **mask, **common).images  # fmt: skip
+                out += run(
+                    image=it.job.images[0],
+                    prompt=p.prompt,
+                    negative_prompt=p.negative,
+                    generator=g,
+                    height=p.height,
+                    width=p.width,
+                    strength=p.strength,
+                    **mask,
+                    **common,
+                ).images
             return out
         prompts = [it.job.params.prompt for it in items]
         negs = [it.job.params.negative for it in items] if p.negative is not None else None
         # decode_per_image (load_pipeline): each image equals its request run alone
-        return self.pipe(prompt=prompts, negative_prompt=negs, height=p.height, width=p.width, generator=gens,
-                         **common).images  # fmt: skip
+        return self.pipe(
+            prompt=prompts, negative_prompt=negs, height=p.height, width=p.width, generator=gens, **common
+        ).images
 
 
 def _preview_steps(steps: int, k: int) -> set[int]:

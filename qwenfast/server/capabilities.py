@@ -19,7 +19,9 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Served:
-    model_type: str  # the pipeline's: "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "qwen-image-2.1"
+    model_type: (
+        str  # the pipeline's: "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "qwen-image-2.1"
+    )
     kind: str  # /health's "kind": "text-to-image", "edit" or "text-to-image+edit"
     generations: bool  # POST /v1/images/generations runs
     edits: bool  # POST /v1/images/edits runs reference edits (the "edit" task)
@@ -39,7 +41,15 @@ def capabilities(pipe: Any) -> Served:
     or Ray's `RemotePipe`, which carries its replica's)."""
     caps = pipe.capabilities
     generations, edits = "text-to-image" in caps.tasks, "edit" in caps.tasks
-    return Served(caps.model_type, "+".join(k for k, on in (("text-to-image", generations), ("edit", edits)) if on),
-                  generations=generations, edits=edits, inpaint=caps.mask,
-                  tasks=tuple("txt2img" if t == "text-to-image" else t for t in caps.tasks),
-                  max_images=caps.max_images, rgba=caps.rgba, request_cache=caps.step_cache, lora=caps.lora)  # fmt: skip
+    return Served(
+        caps.model_type,
+        "+".join(k for k, on in (("text-to-image", generations), ("edit", edits)) if on),
+        generations=generations,
+        edits=edits,
+        inpaint=caps.mask,
+        tasks=tuple("txt2img" if t == "text-to-image" else t for t in caps.tasks),
+        max_images=caps.max_images,
+        rgba=caps.rgba,
+        request_cache=caps.step_cache,
+        lora=caps.lora,
+    )

@@ -13,38 +13,75 @@ from __future__ import annotations
 
 ERRORS: dict[str, tuple[int, str]] = {
     # 400: the request itself
-    "invalid_request": (400, "a malformed request: bad Content-Length, a malformed multipart form, a form field "
-                             "given twice, an unexpected file field"),
-    "invalid_json": (400, "the body is empty, not UTF-8, not valid JSON (NaN and Infinity included), or not a JSON "
-                          "object"),
-    "invalid_type": (400, "a multipart form field is not of its type (a whole number, a number, true/false, a JSON "
-                          "list)"),
-    "invalid_value": (400, "a field is out of range or not allowed (`n`, `steps`, `true_cfg_scale`, `seed`, "
-                           "`strength`, an empty `prompt`, text with a lone surrogate, a LoRA strength, too many or repeated LoRAs)"),
-    "invalid_size": (400, "`size` is not WIDTHxHEIGHT, breaks the size rule (multiples of 16, sides in "
-                          "16..--max-size; the message names the nearest valid sizes), or the size an input image "
-                          "implies is beyond the limits"),
-    "missing_required_parameter": (400, "a required field is missing (`prompt`; `size` on a model without a default "
-                                        "size; `image` on /v1/images/edits)"),
+    "invalid_request": (
+        400,
+        "a malformed request: bad Content-Length, a malformed multipart form, a form field "
+        "given twice, an unexpected file field",
+    ),
+    "invalid_json": (
+        400,
+        "the body is empty, not UTF-8, not valid JSON (NaN and Infinity included), or not a JSON object",
+    ),
+    "invalid_type": (
+        400,
+        "a multipart form field is not of its type (a whole number, a number, true/false, a JSON list)",
+    ),
+    "invalid_value": (
+        400,
+        "a field is out of range or not allowed (`n`, `steps`, `true_cfg_scale`, `seed`, "
+        "`strength`, an empty `prompt`, text with a lone surrogate, a LoRA strength, too many or repeated LoRAs)",
+    ),
+    "invalid_size": (
+        400,
+        "`size` is not WIDTHxHEIGHT, breaks the size rule (multiples of 16, sides in "
+        "16..--max-size; the message names the nearest valid sizes), or the size an input image "
+        "implies is beyond the limits",
+    ),
+    "missing_required_parameter": (
+        400,
+        "a required field is missing (`prompt`; `size` on a model without a default "
+        "size; `image` on /v1/images/edits)",
+    ),
     "unknown_parameter": (400, "a field this API does not have (typos are refused, not ignored)"),
-    "unsupported_parameter": (400, "a field that does not apply here: `strength` or `input_fidelity` on "
-                                   "/v1/images/generations, `output_compression` with png, `cache` on a model "
-                                   "without a step cache, `strength` without a `mask` on an edit model, a `mask` "
-                                   "on a server that cannot inpaint"),
-    "string_above_max_length": (400, "`prompt`, `negative_prompt`, `user` or `safety_identifier` is longer than "
-                                     "the limit (--max-prompt-chars; 256 for the last two)"),
-    "invalid_image": (400, "an uploaded image is empty, not PNG / JPEG / WEBP (checked from its bytes), or cannot "
-                           "be decoded"),
-    "image_too_large": (400, "an uploaded image or mask has more pixels than the server accepts (checked before "
-                             "decoding)"),
-    "too_many_images": (400, "more input images than the model (or the server) takes per edit request; img2img "
-                             "and inpainting take exactly one"),
-    "invalid_mask": (400, "the `mask` is not one image with an alpha channel of the image's size and at least one "
-                          "transparent pixel"),
-    "wrong_endpoint": (400, "generations on an edit model, or edits on a text-to-image model without `mask` or "
-                            "`strength`"),
-    "cfg_required": (400, "a server that splits true CFG over two GPUs (--parallel cfg=2) got a request without "
-                          "`negative_prompt` or with `true_cfg_scale` <= 1"),
+    "unsupported_parameter": (
+        400,
+        "a field that does not apply here: `strength` or `input_fidelity` on "
+        "/v1/images/generations, `output_compression` with png, `cache` on a model "
+        "without a step cache, `strength` without a `mask` on an edit model, a `mask` "
+        "on a server that cannot inpaint",
+    ),
+    "string_above_max_length": (
+        400,
+        "`prompt`, `negative_prompt`, `user` or `safety_identifier` is longer than "
+        "the limit (--max-prompt-chars; 256 for the last two)",
+    ),
+    "invalid_image": (
+        400,
+        "an uploaded image is empty, not PNG / JPEG / WEBP (checked from its bytes), or cannot be decoded",
+    ),
+    "image_too_large": (
+        400,
+        "an uploaded image or mask has more pixels than the server accepts (checked before decoding)",
+    ),
+    "too_many_images": (
+        400,
+        "more input images than the model (or the server) takes per edit request; img2img "
+        "and inpainting take exactly one",
+    ),
+    "invalid_mask": (
+        400,
+        "the `mask` is not one image with an alpha channel of the image's size and at least one "
+        "transparent pixel",
+    ),
+    "wrong_endpoint": (
+        400,
+        "generations on an edit model, or edits on a text-to-image model without `mask` or `strength`",
+    ),
+    "cfg_required": (
+        400,
+        "a server that splits true CFG over two GPUs (--parallel cfg=2) got a request without "
+        "`negative_prompt` or with `true_cfg_scale` <= 1",
+    ),
     "lora_not_enabled": (400, "the request names a LoRA but the server runs without --lora-dir"),
     "invalid_lora_name": (400, "a LoRA name that is not a plain file name (no folders)"),
     "lora_unsupported": (400, "the server's pipeline cannot apply LoRAs"),
@@ -55,8 +92,14 @@ ERRORS: dict[str, tuple[int, str]] = {
     "expired": (404, "a response_format=url image that expired (--url-ttl) or never existed"),
     "not_found": (404, "no such endpoint"),
     "method_not_allowed": (405, "the endpoint exists but not for this HTTP method"),
-    "request_too_large": (413, "the body is larger than the limit (1 MiB of JSON; --max-upload-mb for edits)"),
-    "unsupported_media_type": (415, "generations need `Content-Type: application/json`, edits multipart/form-data"),
+    "request_too_large": (
+        413,
+        "the body is larger than the limit (1 MiB of JSON; --max-upload-mb for edits)",
+    ),
+    "unsupported_media_type": (
+        415,
+        "generations need `Content-Type: application/json`, edits multipart/form-data",
+    ),
     "invalid_lora": (422, "the named LoRA file exists but is not a LoRA this model can use"),
     # retry these
     "queue_full": (429, "the queue is full (--max-queue); retry after the `Retry-After` seconds"),
@@ -64,7 +107,10 @@ ERRORS: dict[str, tuple[int, str]] = {
     "replicas_lost": (503, "Ray Serve: the request lost its engine replica several times in a row"),
     "timeout": (504, "the request did not finish within --timeout seconds (queue wait included)"),
     # server side
-    "generation_failed": (500, "the pipeline failed on this batch (details in the server log, never in the answer)"),
+    "generation_failed": (
+        500,
+        "the pipeline failed on this batch (details in the server log, never in the answer)",
+    ),
     "internal_error": (500, "a bug in the server (details in the server log)"),
 }
 

@@ -57,7 +57,9 @@ def jpeg_b64(img: Image.Image, quality: int = 70) -> str:
     return b64(buf.getvalue())
 
 
-def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int, keep_alpha: bool = False) -> Image.Image:
+def load_upload(
+    data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int, keep_alpha: bool = False
+) -> Image.Image:
     """Untrusted bytes -> RGB PIL image (RGBA when `keep_alpha` and the image has transparency: Qwen-Image-2.1
     sees the alpha channel), or APIError(400) naming the upload and the reason."""
     from PIL import Image, UnidentifiedImageError
@@ -70,27 +72,40 @@ def load_upload(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: in
             im = Image.open(io.BytesIO(data), formats=list(allowed))
             w, h = im.size
             if w * h > max_pixels:
-                raise APIError(400, f"{what} is {w}x{h} pixels; the limit is {max_pixels} pixels", param="image",
-                               code="image_too_large")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"{what} is {w}x{h} pixels; the limit is {max_pixels} pixels",
+                    param="image",
+                    code="image_too_large",
+                )
             im.load()
-            alpha = keep_alpha and (im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info)
+            alpha = keep_alpha and (
+                im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
+            )
             rgb = im.convert("RGBA" if alpha else "RGB")
     except APIError:
         raise
     except UnidentifiedImageError:
-        raise APIError(400, f"{what} is not a {', '.join(allowed)} image (checked from its bytes)", param="image",
-                       code="invalid_image") from None  # fmt: skip
+        raise APIError(
+            400,
+            f"{what} is not a {', '.join(allowed)} image (checked from its bytes)",
+            param="image",
+            code="invalid_image",
+        ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
         raise APIError(
             400, f"{what} declares too many pixels", param="image", code="image_too_large"
         ) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:  # truncated or corrupt file
-        raise APIError(400, f"{what} could not be decoded: {str(e)[:120]}", param="image",
-                       code="invalid_image") from None  # fmt: skip
+        raise APIError(
+            400, f"{what} could not be decoded: {str(e)[:120]}", param="image", code="invalid_image"
+        ) from None
     return rgb
 
 
-def load_mask(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int, size: tuple[int, int]) -> Image.Image:
+def load_mask(
+    data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int, size: tuple[int, int]
+) -> Image.Image:
     """An OpenAI edit mask -> greyscale PIL mask in diffusers' convention (white = repaint), or APIError(400).
 
     OpenAI semantics: the mask is an image with an alpha channel and the input image's size; its
@@ -106,26 +121,53 @@ def load_mask(data: bytes, what: str, allowed: tuple[str, ...], max_pixels: int,
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             im = Image.open(io.BytesIO(data), formats=list(allowed))
             if im.size[0] * im.size[1] > max_pixels:
-                raise APIError(400, f"{what} is {im.size[0]}x{im.size[1]} pixels; the limit is {max_pixels} pixels",
-                               param="mask", code="image_too_large")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"{what} is {im.size[0]}x{im.size[1]} pixels; the limit is {max_pixels} pixels",
+                    param="mask",
+                    code="image_too_large",
+                )
             im.load()
     except APIError:
         raise
     except UnidentifiedImageError:
-        raise APIError(400, f"{what} is not a {', '.join(allowed)} image (checked from its bytes)", param="mask",
-                       code="invalid_mask") from None  # fmt: skip
+        raise APIError(
+            400,
+            f"{what} is not a {', '.join(allowed)} image (checked from its bytes)",
+            param="mask",
+            code="invalid_mask",
+        ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise APIError(400, f"{what} declares too many pixels", param="mask", code="image_too_large") from None
+        raise APIError(
+            400, f"{what} declares too many pixels", param="mask", code="image_too_large"
+        ) from None
     except (OSError, ValueError, SyntaxError, EOFError) as e:
-        raise APIError(400, f"{what} could not be decoded: {str(e)[:120]}", param="mask", code="invalid_mask") from None
+        raise APIError(
+            400, f"{what} could not be decoded: {str(e)[:120]}", param="mask", code="invalid_mask"
+        ) from None
     if not (im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info):
-        raise APIError(400, f"{what} has no alpha channel ({im.mode}); the mask must be a PNG whose transparent "
-                            "pixels mark the area to repaint", param="mask", code="invalid_mask")  # fmt: skip
+        raise APIError(
+            400,
+            f"{what} has no alpha channel ({im.mode}); the mask must be a PNG whose transparent "
+            "pixels mark the area to repaint",
+            param="mask",
+            code="invalid_mask",
+        )
     if im.size != tuple(size):
-        raise APIError(400, f"{what} is {im.size[0]}x{im.size[1]} but the image is {size[0]}x{size[1]}; the mask "
-                            "must have the image's size", param="mask", code="invalid_mask")  # fmt: skip
+        raise APIError(
+            400,
+            f"{what} is {im.size[0]}x{im.size[1]} but the image is {size[0]}x{size[1]}; the mask "
+            "must have the image's size",
+            param="mask",
+            code="invalid_mask",
+        )
     alpha = im.convert("RGBA").getchannel("A")
     if alpha.getextrema()[0] >= 128:
-        raise APIError(400, f"{what} has no transparent pixels, so there is nothing to repaint (transparent = "
-                            "repaint, opaque = keep)", param="mask", code="invalid_mask")  # fmt: skip
+        raise APIError(
+            400,
+            f"{what} has no transparent pixels, so there is nothing to repaint (transparent = "
+            "repaint, opaque = keep)",
+            param="mask",
+            code="invalid_mask",
+        )
     return alpha.point(lambda a: 255 - a)  # white where transparent: diffusers' "repaint"

@@ -31,8 +31,11 @@ class LoraResolver:
         if self.dir is None:
             return []
         try:
-            return sorted(p.name[: -len(SUFFIX)] for p in self.dir.iterdir()
-                          if p.name.endswith(SUFFIX) and _NAME.match(p.name[: -len(SUFFIX)]) and p.is_file())  # fmt: skip
+            return sorted(
+                p.name[: -len(SUFFIX)]
+                for p in self.dir.iterdir()
+                if p.name.endswith(SUFFIX) and _NAME.match(p.name[: -len(SUFFIX)]) and p.is_file()
+            )
         except OSError as e:  # removed or unreadable since the start; the path goes to the log only
             log.error("cannot list --lora-dir %s: %s", self.dir, e)
             return []
@@ -40,16 +43,28 @@ class LoraResolver:
     def resolve(self, name: str) -> Path:
         """The file for `name`, or APIError(400/404) saying why not."""
         if self.dir is None:
-            raise APIError(400, "this server was started without --lora-dir, so requests cannot use LoRAs",
-                           param="lora", code="lora_not_enabled")  # fmt: skip
+            raise APIError(
+                400,
+                "this server was started without --lora-dir, so requests cannot use LoRAs",
+                param="lora",
+                code="lora_not_enabled",
+            )
         stem = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name
         if not _NAME.match(stem) or ".." in stem:
-            raise APIError(400, f"LoRA name {name[:80]!r} is not valid: use the file name without folder, e.g. "
-                                "\"pixel-art\" for pixel-art.safetensors (letters, digits, . _ -)",
-                           param="lora", code="invalid_lora_name")  # fmt: skip
+            raise APIError(
+                400,
+                f"LoRA name {name[:80]!r} is not valid: use the file name without folder, e.g. "
+                '"pixel-art" for pixel-art.safetensors (letters, digits, . _ -)',
+                param="lora",
+                code="invalid_lora_name",
+            )
         if stem not in self.available():
-            raise APIError(404, f"no LoRA named {stem!r} in the server's LoRA folder (GET /v1/loras lists them)",
-                           param="lora", code="lora_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"no LoRA named {stem!r} in the server's LoRA folder (GET /v1/loras lists them)",
+                param="lora",
+                code="lora_not_found",
+            )
         return self.dir / f"{stem}{SUFFIX}"
 
     def resolve_all(self, loras: list[tuple[str, float]]) -> tuple[tuple[str, float], ...]:

@@ -75,8 +75,10 @@ class Metrics:
         """The batch-side series as plain data, for another process to `merge` (Ray Serve: each replica's
         batcher counts its own batches; the ingress adds them up for one /metrics)."""
         with self.lock:
-            hist = {k: (list(h.counts), h.sum, h.count) for k, h in (("batch_size", self.batch_size),
-                                                                     ("batch_seconds", self.batch_seconds))}  # fmt: skip
+            hist = {
+                k: (list(h.counts), h.sum, h.count)
+                for k, h in (("batch_size", self.batch_size), ("batch_seconds", self.batch_seconds))
+            }
             return {**hist, "images_total": self.images_total, "recent": list(self._recent)}
 
     def merge(self, snap: dict) -> None:
@@ -145,8 +147,13 @@ def gpu_memory(device: torch.device | str | None) -> dict[str, float]:
     if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
         return {}
     free, total = torch.cuda.mem_get_info(device)
-    return {"allocated": torch.cuda.memory_allocated(device), "reserved": torch.cuda.memory_reserved(device),
-            "peak_allocated": torch.cuda.max_memory_allocated(device), "free": free, "total": total}  # fmt: skip
+    return {
+        "allocated": torch.cuda.memory_allocated(device),
+        "reserved": torch.cuda.memory_reserved(device),
+        "peak_allocated": torch.cuda.max_memory_allocated(device),
+        "free": free,
+        "total": total,
+    }
 
 
 def model_info(model: str, model_type: str, kind: str) -> str:
@@ -155,5 +162,7 @@ def model_info(model: str, model_type: str, kind: str) -> str:
     def label(v: str) -> str:  # backslash, quote and newline escaped, as the format wants
         return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
-    return ("# HELP qwenfast_model_info The served model (always 1).\n# TYPE qwenfast_model_info gauge\n"
-            f'qwenfast_model_info{{model="{label(model)}",type="{label(model_type)}",kind="{label(kind)}"}} 1\n')
+    return (
+        "# HELP qwenfast_model_info The served model (always 1).\n# TYPE qwenfast_model_info gauge\n"
+        f'qwenfast_model_info{{model="{label(model)}",type="{label(model_type)}",kind="{label(kind)}"}} 1\n'
+    )

@@ -55,47 +55,97 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     from ..engine_args import positive_int as _positive
 
     d, lim = ServerConfig(), Limits()
-    p.add_argument("--model", default=None,
-                   help="diffusers-layout model folder (default: the embedded 128x128 demo model)")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="diffusers-layout model folder (default: the embedded 128x128 demo model)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/*; also read from $QWENFAST_API_KEY "
-                        "(better: keeps the key out of `ps`)")  # fmt: skip
-    p.add_argument("--max-queue", type=_positive, default=d.max_queue, help="waiting requests before new ones get 429")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/*; also read from $QWENFAST_API_KEY "
+        "(better: keeps the key out of `ps`)",
+    )
+    p.add_argument(
+        "--max-queue", type=_positive, default=d.max_queue, help="waiting requests before new ones get 429"
+    )
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="images per pipeline call")
-    p.add_argument("--batch-wait-ms", type=float, default=d.batch_wait_s * 1e3,
-                   help="how long a request may wait for batch-mates (default 20)")  # fmt: skip
+    p.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=d.batch_wait_s * 1e3,
+        help="how long a request may wait for batch-mates (default 20)",
+    )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per request, queue included")
     p.add_argument("--lora-dir", default=None, help="folder of LoRA .safetensors files requests may name")
     add_engine_arguments(p, cuda_graphs_default=False)  # --device --dtype --offload --fp8 --preset ...
-    p.add_argument("--max-size", type=_positive, default=lim.max_side,
-                   help="largest width or height a request may ask for (also caps width*height at its square)")
+    p.add_argument(
+        "--max-size",
+        type=_positive,
+        default=lim.max_side,
+        help="largest width or height a request may ask for (also caps width*height at its square)",
+    )
     p.add_argument("--max-n", type=_positive, default=lim.max_n, help="most images per request")
-    p.add_argument("--max-steps", type=_positive, default=lim.max_steps, help="most denoising steps per request")
-    p.add_argument("--max-prompt-chars", type=_positive, default=lim.max_prompt_chars,
-                   help="longest prompt (and negative prompt), in characters")
-    p.add_argument("--max-upload-mb", type=float, default=lim.max_upload_bytes / 2**20,
-                   help="largest edit request (all images together)")  # fmt: skip
+    p.add_argument(
+        "--max-steps", type=_positive, default=lim.max_steps, help="most denoising steps per request"
+    )
+    p.add_argument(
+        "--max-prompt-chars",
+        type=_positive,
+        default=lim.max_prompt_chars,
+        help="longest prompt (and negative prompt), in characters",
+    )
+    p.add_argument(
+        "--max-upload-mb",
+        type=float,
+        default=lim.max_upload_bytes / 2**20,
+        help="largest edit request (all images together)",
+    )
     p.add_argument(
         "--url-ttl", type=float, default=d.url_ttl_s, help="seconds a response_format=url image lives"
     )
-    p.add_argument("--shutdown-timeout", type=float, default=120.0,
-                   help="on SIGTERM/Ctrl-C, seconds to let running and queued requests finish")  # fmt: skip
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=120.0,
+        help="on SIGTERM/Ctrl-C, seconds to let running and queued requests finish",
+    )
     p.add_argument("--model-name", default=None, help="model id shown in /v1/models (default: folder name)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level")
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="server log level"
+    )
     r = p.add_argument_group("Ray Serve (many GPUs and machines; the [ray] extra)")
-    r.add_argument("--ray", action="store_true", help="serve on a Ray Serve cluster: engine replicas behind one endpoint")
+    r.add_argument(
+        "--ray", action="store_true", help="serve on a Ray Serve cluster: engine replicas behind one endpoint"
+    )
     r.add_argument("--replicas", type=_positive, default=None, help="engine replicas (default 1)")
-    r.add_argument("--autoscale", type=parse_autoscale, default=None, metavar="MIN:MAX",
-                   help="autoscale the engine replicas on queue depth, between MIN and MAX")
-    r.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join (`auto`, or host:port of `ray start --head`); default: a new local one")
-    r.add_argument("--num-gpus", type=float, default=None, help="GPUs per replica (default 1; 0 with --device cpu)")
-    r.add_argument("--num-cpus", type=float, default=None, help="CPUs per replica (default 2; 1 with --device cpu)")
+    r.add_argument(
+        "--autoscale",
+        type=parse_autoscale,
+        default=None,
+        metavar="MIN:MAX",
+        help="autoscale the engine replicas on queue depth, between MIN and MAX",
+    )
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        help="Ray cluster to join (`auto`, or host:port of `ray start --head`); default: a new local one",
+    )
+    r.add_argument(
+        "--num-gpus", type=float, default=None, help="GPUs per replica (default 1; 0 with --device cpu)"
+    )
+    r.add_argument(
+        "--num-cpus", type=float, default=None, help="CPUs per replica (default 2; 1 with --device cpu)"
+    )
     r.add_argument("--ingress-cpus", type=float, default=1.0, help="CPUs of the HTTP ingress replica")
-    r.add_argument("--max-replicas-per-node", type=_positive, default=None,
-                   help="spread engine replicas: at most this many on one node")  # fmt: skip
+    r.add_argument(
+        "--max-replicas-per-node",
+        type=_positive,
+        default=None,
+        help="spread engine replicas: at most this many on one node",
+    )
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
@@ -110,9 +160,23 @@ def parse_autoscale(text: str) -> tuple[int, int]:
 
 
 def config_from_args(a: argparse.Namespace) -> ServerConfig:
-    lim = Limits(max_side=a.max_size, max_pixels=a.max_size * a.max_size, max_n=a.max_n, max_steps=a.max_steps,
-                 max_prompt_chars=a.max_prompt_chars, max_upload_bytes=int(a.max_upload_mb * 2**20))  # fmt: skip
+    lim = Limits(
+        max_side=a.max_size,
+        max_pixels=a.max_size * a.max_size,
+        max_n=a.max_n,
+        max_steps=a.max_steps,
+        max_prompt_chars=a.max_prompt_chars,
+        max_upload_bytes=int(a.max_upload_mb * 2**20),
+    )
     key = a.api_key if a.api_key is not None else os.environ.get("QWENFAST_API_KEY") or None
-    return ServerConfig(api_key=key, max_queue=a.max_queue, max_batch=a.max_batch,
-                        batch_wait_s=max(0.0, a.batch_wait_ms / 1e3), timeout_s=a.timeout, lora_dir=a.lora_dir,
-                        url_ttl_s=a.url_ttl, limits=lim, model_name=a.model_name)  # fmt: skip
+    return ServerConfig(
+        api_key=key,
+        max_queue=a.max_queue,
+        max_batch=a.max_batch,
+        batch_wait_s=max(0.0, a.batch_wait_ms / 1e3),
+        timeout_s=a.timeout,
+        lora_dir=a.lora_dir,
+        url_ttl_s=a.url_ttl,
+        limits=lim,
+        model_name=a.model_name,
+    )

@@ -82,7 +82,9 @@ def _uncancellable(callback):
         try:
             callback(i, n, x)
         except Exception as e:  # noqa: BLE001 - Cancelled, or a failed preview: the batch goes on
-            log.debug("step callback on rank 0 raised %s; the batch continues on every rank", type(e).__name__)
+            log.debug(
+                "step callback on rank 0 raised %s; the batch continues on every rank", type(e).__name__
+            )
 
     return cb
 

@@ -72,7 +72,9 @@ def replica_resources(a: argparse.Namespace) -> dict:
     gpus = a.num_gpus if a.num_gpus is not None else (0 if on_cpu else 1)
     cpus = a.num_cpus if a.num_cpus is not None else (1.0 if on_cpu else 2.0)
     if getattr(a, "parallel", None):  # seam: `serve --parallel` (one engine over k GPUs) is not there yet
-        raise NotImplementedError("qwenfast serve --parallel is not available yet; Ray replicas use one GPU each")
+        raise NotImplementedError(
+            "qwenfast serve --parallel is not available yet; Ray replicas use one GPU each"
+        )
     return {"ray_actor_options": {"num_gpus": gpus, "num_cpus": cpus}}
 
 
@@ -81,22 +83,31 @@ def engine_options(a: argparse.Namespace, cfg: ServerConfig) -> dict:
     opts = replica_resources(a)
     if a.autoscale:
         lo, hi = a.autoscale
-        opts["autoscaling_config"] = {"min_replicas": lo, "max_replicas": hi, "initial_replicas": max(lo, 1),
-                                      "target_ongoing_requests": cfg.max_batch, "upscale_delay_s": 5,
-                                      "downscale_delay_s": 60}  # fmt: skip
+        opts["autoscaling_config"] = {
+            "min_replicas": lo,
+            "max_replicas": hi,
+            "initial_replicas": max(lo, 1),
+            "target_ongoing_requests": cfg.max_batch,
+            "upscale_delay_s": 5,
+            "downscale_delay_s": 60,
+        }
     else:
         opts["num_replicas"] = a.replicas or 1
     if a.max_replicas_per_node:
         opts["max_replicas_per_node"] = a.max_replicas_per_node
     opts.update(
         max_ongoing_requests=cfg.max_queue + cfg.max_batch,  # a replica's queue + one running batch
-        health_check_period_s=5.0, health_check_timeout_s=30.0,
-        graceful_shutdown_wait_loop_s=1.0, graceful_shutdown_timeout_s=a.shutdown_timeout,
+        health_check_period_s=5.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_wait_loop_s=1.0,
+        graceful_shutdown_timeout_s=a.shutdown_timeout,
         request_router_config=RequestRouterConfig(
             request_router_class="qwenfast.server.ray_router.BatchAffinityRouter",
-            request_router_kwargs={"max_batch": cfg.max_batch}, request_routing_stats_period_s=0.5,
-            request_routing_stats_timeout_s=5.0),
-    )  # fmt: skip
+            request_router_kwargs={"max_batch": cfg.max_batch},
+            request_routing_stats_period_s=0.5,
+            request_routing_stats_timeout_s=5.0,
+        ),
+    )
     return opts
 
 
@@ -110,7 +121,9 @@ class EngineReplica:
         from .engine import load_pipeline
         from .metrics import Metrics
 
-        logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         self.cfg = cfg
         self.pipe = load_pipeline(a.model, a.device, a.dtype, engine_options_from_args(a), a.preset, a.fp8)
         self.metrics = Metrics()
@@ -128,10 +141,17 @@ class EngineReplica:
 
         pipe = self.pipe
         caps = capabilities(pipe)
-        return {"pipeline": type(pipe).__name__, "settings": pipe.settings(), "options": pipe.options,
-                "device": str(pipe.device.type), "dtype": str(pipe.dtype), "capabilities": caps.as_dict(),
-                "is_edit": caps.edits and not caps.generations, "lora_support": caps.lora,
-                "vae_scale_factor": pipe.vae_scale_factor}  # fmt: skip
+        return {
+            "pipeline": type(pipe).__name__,
+            "settings": pipe.settings(),
+            "options": pipe.options,
+            "device": str(pipe.device.type),
+            "dtype": str(pipe.dtype),
+            "capabilities": caps.as_dict(),
+            "is_edit": caps.edits and not caps.generations,
+            "lora_support": caps.lora,
+            "vae_scale_factor": pipe.vae_scale_factor,
+        }
 
     async def generate(self, spec: dict, key: str = ""):
         """Events of one job ({"type": ...} dicts, as the local batcher posts them), then
@@ -141,8 +161,15 @@ class EngineReplica:
         from .ray_remote import _error_dict
         from .schemas import APIError
 
-        job = Job(spec["params"], asyncio.get_running_loop(), kind=spec["kind"], loras=tuple(spec["loras"]),
-                  images=spec["images"], stream_events=True, mask=spec.get("mask"))  # fmt: skip
+        job = Job(
+            spec["params"],
+            asyncio.get_running_loop(),
+            kind=spec["kind"],
+            loras=tuple(spec["loras"]),
+            images=spec["images"],
+            stream_events=True,
+            mask=spec.get("mask"),
+        )
         try:
             self.sched.submit(job)
         except APIError as e:
@@ -181,10 +208,18 @@ class EngineReplica:
                 if it.job.kind == "t2i":
                     k = repr(it.job.key)
                     keys[k] = keys.get(k, 0) + 1
-        return {"queue": q, "images": qi, "running": run, "keys": keys, "pid": os.getpid(),
-                "avg_batch_s": self.sched.avg_batch_s, "images_total": self.metrics.images_total,
-                "images_per_second": round(self.metrics.images_per_second(), 4), "metrics": self.metrics.snapshot(),
-                "gpu": gpu_memory(self.pipe.device)}  # fmt: skip
+        return {
+            "queue": q,
+            "images": qi,
+            "running": run,
+            "keys": keys,
+            "pid": os.getpid(),
+            "avg_batch_s": self.sched.avg_batch_s,
+            "images_total": self.metrics.images_total,
+            "images_per_second": round(self.metrics.images_per_second(), 4),
+            "metrics": self.metrics.snapshot(),
+            "gpu": gpu_memory(self.pipe.device),
+        }
 
     def check_health(self) -> None:
         if not self.sched.alive():
@@ -208,7 +243,9 @@ class IngressReplica:
         from .app import create_app
         from .ray_remote import RemotePipe, RemoteScheduler
 
-        logging.basicConfig(level=self.args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=self.args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         if self.cfg.lora_dir:
             from .loras import LoraResolver
 
@@ -229,13 +266,21 @@ def application(a: argparse.Namespace, cfg: ServerConfig | None = None, name: st
     `cfg` overrides the server config the flags give (tests use small body limits)."""
     cfg = cfg or config_from_args(a)
     eng = engine_options(a, cfg)
-    target = {"app": name, "deployment": ENGINE, "replicas": eng.get("num_replicas") or
-              (eng.get("autoscaling_config") or {}).get("min_replicas", 1)}  # fmt: skip
+    target = {
+        "app": name,
+        "deployment": ENGINE,
+        "replicas": eng.get("num_replicas") or (eng.get("autoscaling_config") or {}).get("min_replicas", 1),
+    }
     engine = serve.deployment(EngineReplica, name=ENGINE, **eng).bind(a, cfg)
     ingress_cls = serve.ingress()(IngressReplica)
-    ingress = serve.deployment(ingress_cls, name=INGRESS, num_replicas=1, max_ongoing_requests=10_000,
-                               ray_actor_options={"num_cpus": a.ingress_cpus},
-                               graceful_shutdown_timeout_s=a.shutdown_timeout)  # fmt: skip
+    ingress = serve.deployment(
+        ingress_cls,
+        name=INGRESS,
+        num_replicas=1,
+        max_ongoing_requests=10_000,
+        ray_actor_options={"num_cpus": a.ingress_cpus},
+        graceful_shutdown_timeout_s=a.shutdown_timeout,
+    )
     return ingress.bind(engine, a, cfg, target)
 
 
@@ -267,14 +312,19 @@ def serve_ray(a: argparse.Namespace) -> int:
     gpus = ray.cluster_resources().get("GPU", 0)
     need = replica_resources(a)["ray_actor_options"]["num_gpus"]
     if need and not gpus:
-        print("error: the Ray cluster has no GPUs; serve on CPU with --device cpu, or start the Ray nodes on "
-              "GPU machines (`ray start --num-gpus N`)", file=sys.stderr)  # fmt: skip
+        print(
+            "error: the Ray cluster has no GPUs; serve on CPU with --device cpu, or start the Ray nodes on "
+            "GPU machines (`ray start --num-gpus N`)",
+            file=sys.stderr,
+        )
         return 2
     serve.start(http_options={"host": a.host, "port": a.port})
     serve.run(application(a, cfg), name=APP, route_prefix="/")
-    print(f"qwenfast serve --ray: {a.autoscale or a.replicas} engine replica(s) on a Ray cluster with "
-          f"{int(ray.cluster_resources().get('CPU', 0))} CPUs and {int(gpus)} GPUs; open http://{a.host}:{a.port}/",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"qwenfast serve --ray: {a.autoscale or a.replicas} engine replica(s) on a Ray cluster with "
+        f"{int(ray.cluster_resources().get('CPU', 0))} CPUs and {int(gpus)} GPUs; open http://{a.host}:{a.port}/",
+        file=sys.stderr,
+    )
     while not stop.wait(1.0):
         pass
     print("qwenfast serve --ray: draining (queued and running requests finish) ...", file=sys.stderr)

@@ -87,13 +87,20 @@ class RemotePipe:
 
 
 def _error_dict(e: APIError) -> dict:
-    return {"status": e.status, "message": e.message, "param": e.param, "code": e.code, "type": e.type,
-            "headers": dict(e.headers)}  # fmt: skip
+    return {
+        "status": e.status,
+        "message": e.message,
+        "param": e.param,
+        "code": e.code,
+        "type": e.type,
+        "headers": dict(e.headers),
+    }
 
 
 def api_error(d: dict) -> APIError:
-    return APIError(d["status"], d["message"], param=d["param"], code=d["code"], type=d["type"],
-                    headers=d["headers"])  # fmt: skip
+    return APIError(
+        d["status"], d["message"], param=d["param"], code=d["code"], type=d["type"], headers=d["headers"]
+    )
 
 
 def job_spec(job) -> dict:
@@ -130,13 +137,19 @@ class RemoteScheduler:
 
     def submit(self, job) -> int:
         if self.stopping:
-            raise APIError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+            raise APIError(
+                503, "the server is shutting down; retry on another instance", code="shutting_down"
+            )
         cap = self.cfg.max_queue * max(1, self.up())
         if len(self.waiting) >= cap:  # every live replica's queue is full
             self.metrics.reject("queue_full")
             wait = self.retry_after()
-            raise APIError(429, f"every replica's queue is full ({len(self.waiting)} requests waiting); retry in "
-                                f"~{wait} s", code="queue_full", headers={"Retry-After": str(wait)})  # fmt: skip
+            raise APIError(
+                429,
+                f"every replica's queue is full ({len(self.waiting)} requests waiting); retry in ~{wait} s",
+                code="queue_full",
+                headers={"Retry-After": str(wait)},
+            )
         self.waiting.add(job)
         self.tasks[job] = asyncio.get_running_loop().create_task(self._drive(job))
         return len(self.waiting)
@@ -182,13 +195,22 @@ class RemoteScheduler:
                 except (rex.RayActorError, rex.ActorUnavailableError) as e:  # the replica died under the job
                     attempt += 1
                     self.retries += 1
-                    log.warning("replica lost while running request %s (%s); retry %d", job.id, type(e).__name__,
-                                attempt)  # fmt: skip
+                    log.warning(
+                        "replica lost while running request %s (%s); retry %d",
+                        job.id,
+                        type(e).__name__,
+                        attempt,
+                    )
                     self.running.discard(job)
                     self.waiting.add(job)
                     if attempt > MAX_RETRIES:
-                        job.finish(APIError(503, f"the request lost {attempt} replicas in a row; retry later",
-                                            code="replicas_lost"))  # fmt: skip
+                        job.finish(
+                            APIError(
+                                503,
+                                f"the request lost {attempt} replicas in a row; retry later",
+                                code="replicas_lost",
+                            )
+                        )
                         return
                     job.post({"type": "image_generation.retrying", "attempt": attempt})
                     continue
@@ -201,7 +223,11 @@ class RemoteScheduler:
             pass
         except Exception as e:  # a bug, never the client's fault: answer 500 rather than hang
             log.exception("ray ingress: request %s failed", job.id)
-            job.finish(APIError(500, f"internal error: {type(e).__name__} (see the server log)", code="internal_error"))
+            job.finish(
+                APIError(
+                    500, f"internal error: {type(e).__name__} (see the server log)", code="internal_error"
+                )
+            )
         finally:
             self.waiting.discard(job)
             self.running.discard(job)
@@ -252,10 +278,27 @@ class RemoteScheduler:
         running = st.get("states", {}).get("RUNNING", len(live))
         total = max(st.get("target") or self.target.get("replicas") or 0, running, len(live))
         up = min(len(live), running) if st else len(live)
-        each = [{"id": rid, "node": s.get("node"), "pid": s.get("pid"), "queue": s.get("queue"),
-                 "running": s.get("running"), "images": s.get("images_total")} for rid, s in sorted(live.items())]  # fmt: skip
-        body = {"replicas": {"up": up, "total": total, "states": st.get("states", {}), "list": each,
-                             "nodes": len({s.get("node") for s in live.values()})}, "ray_retries": self.retries}  # fmt: skip
+        each = [
+            {
+                "id": rid,
+                "node": s.get("node"),
+                "pid": s.get("pid"),
+                "queue": s.get("queue"),
+                "running": s.get("running"),
+                "images": s.get("images_total"),
+            }
+            for rid, s in sorted(live.items())
+        ]
+        body = {
+            "replicas": {
+                "up": up,
+                "total": total,
+                "states": st.get("states", {}),
+                "list": each,
+                "nodes": len({s.get("node") for s in live.values()}),
+            },
+            "ray_retries": self.retries,
+        }
         if up == 0:
             body["status"] = "no_replicas"
         return body
@@ -273,21 +316,40 @@ class RemoteScheduler:
         q, qi, run = self.depth()
         lines = [total.render(q, qi, run, {})]
         h = self.health()["replicas"]
-        lines += ["# HELP qwenfast_replicas Engine replicas: up (serving) and total (Ray Serve's target).",
-                  "# TYPE qwenfast_replicas gauge", f'qwenfast_replicas{{state="up"}} {h["up"]}',
-                  f'qwenfast_replicas{{state="total"}} {h["total"]}',
-                  "# HELP qwenfast_ray_retries_total Requests sent again after their replica died.",
-                  "# TYPE qwenfast_ray_retries_total counter", f"qwenfast_ray_retries_total {self.retries}",
-                  "# HELP qwenfast_replica_up 1 for a serving replica, 0 for one that is gone.",
-                  "# TYPE qwenfast_replica_up gauge"]  # fmt: skip
-        rows = [(rid, s, 1) for rid, s in sorted(live.items())] + [(rid, s, 0) for rid, s in sorted(retired.items())]
-        lines += [f'qwenfast_replica_up{{replica="{rid}",node="{str(s.get("node"))[:12]}"}} {up}' for rid, s, up in rows]
+        lines += [
+            "# HELP qwenfast_replicas Engine replicas: up (serving) and total (Ray Serve's target).",
+            "# TYPE qwenfast_replicas gauge",
+            f'qwenfast_replicas{{state="up"}} {h["up"]}',
+            f'qwenfast_replicas{{state="total"}} {h["total"]}',
+            "# HELP qwenfast_ray_retries_total Requests sent again after their replica died.",
+            "# TYPE qwenfast_ray_retries_total counter",
+            f"qwenfast_ray_retries_total {self.retries}",
+            "# HELP qwenfast_replica_up 1 for a serving replica, 0 for one that is gone.",
+            "# TYPE qwenfast_replica_up gauge",
+        ]
+        rows = [(rid, s, 1) for rid, s in sorted(live.items())] + [
+            (rid, s, 0) for rid, s in sorted(retired.items())
+        ]
+        lines += [
+            f'qwenfast_replica_up{{replica="{rid}",node="{str(s.get("node"))[:12]}"}} {up}'
+            for rid, s, up in rows
+        ]
         for key, name, kind, help_ in REPLICA_SERIES:
             lines += [f"# HELP qwenfast_replica_{name} {help_}", f"# TYPE qwenfast_replica_{name} {kind}"]
-            lines += [f'qwenfast_replica_{name}{{replica="{rid}"}} {s.get(key, 0)}' for rid, s, _ in rows if key in s]
+            lines += [
+                f'qwenfast_replica_{name}{{replica="{rid}"}} {s.get(key, 0)}'
+                for rid, s, _ in rows
+                if key in s
+            ]
         gpu = [(rid, k, v) for rid, s, up in rows if up for k, v in (s.get("gpu") or {}).items()]
         for k in sorted({k for _, k, _ in gpu}):
-            lines += [f"# HELP qwenfast_replica_gpu_memory_{k}_bytes torch.cuda memory {k} on the replica's GPU.",
-                      f"# TYPE qwenfast_replica_gpu_memory_{k}_bytes gauge"]  # fmt: skip
-            lines += [f'qwenfast_replica_gpu_memory_{k}_bytes{{replica="{rid}"}} {int(v)}' for rid, kk, v in gpu if kk == k]
+            lines += [
+                f"# HELP qwenfast_replica_gpu_memory_{k}_bytes torch.cuda memory {k} on the replica's GPU.",
+                f"# TYPE qwenfast_replica_gpu_memory_{k}_bytes gauge",
+            ]
+            lines += [
+                f'qwenfast_replica_gpu_memory_{k}_bytes{{replica="{rid}"}} {int(v)}'
+                for rid, kk, v in gpu
+                if kk == k
+            ]
         return "\n".join(lines) + "\n"

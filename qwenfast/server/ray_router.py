@@ -91,13 +91,18 @@ class BatchAffinityRouter(FIFOMixin, RequestRouter):
         least = min(loads.values())
         if key and least > 0:
             forming = self.forming(candidates, key)
-            join = [r for r in candidates
-                    if forming[_short(r.replica_id)] % self.max_batch and loads[_short(r.replica_id)] <= least + self.max_batch]  # fmt: skip
+            join = [
+                r
+                for r in candidates
+                if forming[_short(r.replica_id)] % self.max_batch
+                and loads[_short(r.replica_id)] <= least + self.max_batch
+            ]
             if join:
                 return [join, list(candidates)]
         return [list(candidates)]
 
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:  # fmt: skip
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         key = ((pending_request.kwargs or {}).get("key") or "") if pending_request is not None else ""
         return self.rank(candidate_replicas, key)

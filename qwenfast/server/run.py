@@ -32,8 +32,11 @@ def serve(a: argparse.Namespace) -> int:
     from .. import validation as V
 
     if getattr(a, "parallel", None) and getattr(a, "ray", False):
-        print("error: --ray with --parallel (Ray replicas that each span several GPUs) is not available yet; use "
-              "--ray with one GPU per replica, or --parallel without --ray", file=sys.stderr)  # fmt: skip
+        print(
+            "error: --ray with --parallel (Ray replicas that each span several GPUs) is not available yet; use "
+            "--ray with one GPU per replica, or --parallel without --ray",
+            file=sys.stderr,
+        )
         return 2
     # before any process starts or anything loads: the extras, the --parallel layout, flags that do nothing here
     V.require_extra("`qwenfast serve`", "server", "fastapi", "uvicorn")
@@ -43,7 +46,9 @@ def serve(a: argparse.Namespace) -> int:
         from ..engine_args import check_parallel_args, engine_notes
 
         check_parallel_args(a)
-        if not (getattr(a, "ray", False) and a.ray_address):  # a joined cluster's Serve may own the port already
+        if not (
+            getattr(a, "ray", False) and a.ray_address
+        ):  # a joined cluster's Serve may own the port already
             check_port(a.host, a.port)  # before the model loads (uvicorn would fail only after loading it)
         engine_notes(a, loras=bool(a.lora_dir))
     if getattr(a, "parallel", None) and not launch.is_worker():
@@ -51,7 +56,9 @@ def serve(a: argparse.Namespace) -> int:
     if getattr(a, "ray", False):
         from .ray_app import serve_ray
 
-        logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         return serve_ray(a)
     if getattr(a, "replicas", None) or getattr(a, "autoscale", None) or getattr(a, "ray_address", None):
         print("error: --replicas, --autoscale and --ray-address need --ray", file=sys.stderr)
@@ -90,10 +97,15 @@ def _serve_http(a: argparse.Namespace, cfg, pipe, create_app) -> int:
 
     app = create_app(pipe, cfg)
     if not _is_loopback(a.host) and cfg.api_key is None:
-        print(f"warning: serving on {a.host} without --api-key: anyone who can reach this port can use the GPU",
-              file=sys.stderr)  # fmt: skip
-    print(f"qwenfast serve: {app.state.config.model_name or pipe.model_path} on {pipe.device}; "
-          f"open http://{a.host}:{a.port}/ (max batch {cfg.max_batch}, queue {cfg.max_queue})", file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: serving on {a.host} without --api-key: anyone who can reach this port can use the GPU",
+            file=sys.stderr,
+        )
+    print(
+        f"qwenfast serve: {app.state.config.model_name or pipe.model_path} on {pipe.device}; "
+        f"open http://{a.host}:{a.port}/ (max batch {cfg.max_batch}, queue {cfg.max_queue})",
+        file=sys.stderr,
+    )
     uvicorn.run(
         app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout
     )
@@ -115,7 +127,9 @@ def check_port(host: str, port: int) -> None:
         try:
             s.bind(addr)
         except OSError as e:
-            why = "in use (another server?)" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
+            why = (
+                "in use (another server?)" if e.errno == errno.EADDRINUSE else (e.strerror or str(e)).lower()
+            )
             raise ValueError(f"cannot listen on {host}:{port}: {why}; pick another --port") from None
 
 

@@ -32,8 +32,16 @@ class APIError(Exception):
     """An error answered to the client as OpenAI-shaped JSON with `status`; `code` is one of errors.ERRORS
     (None: the table's code for `status`), never null in the answer."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         code = code or default_code(status)
         if code not in ERRORS:  # a bug: every code lives in qwenfast/server/errors.py (tested)
@@ -81,7 +89,9 @@ class ImageRequest(BaseModel):
     true_cfg_scale: float | None = None
     lora: list[LoraRef] | None = None
     cache: Literal["off", "balanced", "fast"] | None = None  # step cache for this request (lossy)
-    strength: float | None = None  # edits: img2img / inpainting, 0..1 of the schedule run (default 1 with a mask)
+    strength: float | None = (
+        None  # edits: img2img / inpainting, 0..1 of the schedule run (default 1 with a mask)
+    )
 
 
 FORM_TYPES: dict[str, type] = {"n": int, "output_compression": int, "partial_images": int, "seed": int, "steps": int,
@@ -120,8 +130,11 @@ class Params:
 def parse_json_body(raw: bytes) -> dict:
     """JSON object or APIError(400). NaN/Infinity and absurd nesting are refused, not crashed on."""
     if not raw.strip():
-        raise APIError(400, 'the request body is empty; send a JSON object such as {"prompt": "a red fox"}',
-                       code="invalid_json")  # fmt: skip
+        raise APIError(
+            400,
+            'the request body is empty; send a JSON object such as {"prompt": "a red fox"}',
+            code="invalid_json",
+        )
 
     def no_constants(c):
         raise ValueError(f"{c} is not valid JSON")
@@ -131,15 +144,21 @@ def parse_json_body(raw: bytes) -> dict:
     except UnicodeDecodeError:
         raise APIError(400, "the request body is not UTF-8 text", code="invalid_json") from None
     except json.JSONDecodeError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
-                       code="invalid_json") from None  # fmt: skip
+        raise APIError(
+            400,
+            f"the request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})",
+            code="invalid_json",
+        ) from None
     except (ValueError, RecursionError) as e:
         raise APIError(
             400, f"the request body is not acceptable JSON: {str(e)[:200]}", code="invalid_json"
         ) from None
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got a JSON {type(body).__name__}",
-                       code="invalid_json")  # fmt: skip
+        raise APIError(
+            400,
+            f"the request body must be a JSON object, got a JSON {type(body).__name__}",
+            code="invalid_json",
+        )
     return body
 
 
@@ -174,8 +193,12 @@ def _validation_error(e: ValidationError) -> APIError:
     loc = ".".join(str(p) for p in err["loc"]) or "body"
     top = str(err["loc"][0]) if err["loc"] else None
     if err["type"] == "extra_forbidden":
-        return APIError(400, f"unknown parameter `{loc}` (see the API docs for the accepted fields)", param=top,
-                        code="unknown_parameter")  # fmt: skip
+        return APIError(
+            400,
+            f"unknown parameter `{loc}` (see the API docs for the accepted fields)",
+            param=top,
+            code="unknown_parameter",
+        )
     if err["type"] == "missing":
         return APIError(
             400, f"missing required parameter `{loc}`", param=top, code="missing_required_parameter"
@@ -202,13 +225,18 @@ _SIZE = re.compile(r"^\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*$")
 
 def _check_text(name: str, s: str, limit: int) -> None:
     if len(s) > limit:
-        raise APIError(400, f"`{name}` is {len(s)} characters; the limit is {limit}", param=name,
-                       code="string_above_max_length")  # fmt: skip
+        raise APIError(
+            400,
+            f"`{name}` is {len(s)} characters; the limit is {limit}",
+            param=name,
+            code="string_above_max_length",
+        )
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        raise APIError(400, f"`{name}` holds invalid Unicode (a lone surrogate)", param=name,
-                       code="invalid_value") from None  # fmt: skip
+        raise APIError(
+            400, f"`{name}` holds invalid Unicode (a lone surrogate)", param=name, code="invalid_value"
+        ) from None
 
 
 def _range(name: str, v, lo, hi, what: str = "") -> None:
@@ -233,11 +261,19 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
     except ValidationError as e:
         raise _validation_error(e) from None
     if not edit and r.input_fidelity is not None:
-        raise APIError(400, "`input_fidelity` applies to /v1/images/edits only", param="input_fidelity",
-                       code="unsupported_parameter")  # fmt: skip
+        raise APIError(
+            400,
+            "`input_fidelity` applies to /v1/images/edits only",
+            param="input_fidelity",
+            code="unsupported_parameter",
+        )
     if not edit and r.strength is not None:
-        raise APIError(400, "`strength` applies to /v1/images/edits only (img2img and inpainting of an uploaded "
-                            "image)", param="strength", code="unsupported_parameter")  # fmt: skip
+        raise APIError(
+            400,
+            "`strength` applies to /v1/images/edits only (img2img and inpainting of an uploaded image)",
+            param="strength",
+            code="unsupported_parameter",
+        )
     _range("strength", r.strength, 0, 1)
     _check_text("prompt", r.prompt, limits.max_prompt_chars)
     if not r.prompt.strip():
@@ -257,8 +293,11 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
     _range("partial_images", r.partial_images, 0, 3)
     if r.output_compression is not None and r.output_format in (None, "png"):
         raise APIError(
-            400, "`output_compression` applies to jpeg and webp output only", param="output_compression",
-            code="unsupported_parameter")
+            400,
+            "`output_compression` applies to jpeg and webp output only",
+            param="output_compression",
+            code="unsupported_parameter",
+        )
 
     size_auto = False
     if r.size is None or r.size == "auto":
@@ -267,17 +306,32 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
         elif defaults.get("width") and defaults.get("height"):
             width, height = defaults["width"], defaults["height"]
         else:  # a model without a default size (edit models follow their input image)
-            raise APIError(400, "`size` is required: this model has no default size (give e.g. \"1024x1024\")",
-                           param="size", code="missing_required_parameter")  # fmt: skip
+            raise APIError(
+                400,
+                '`size` is required: this model has no default size (give e.g. "1024x1024")',
+                param="size",
+                code="missing_required_parameter",
+            )
     else:
         m = _SIZE.match(r.size)
         if not m:
-            raise APIError(400, f"`size` must look like \"1024x768\" (WIDTHxHEIGHT) or \"auto\", got {r.size[:40]!r}",
-                           param="size", code="invalid_size")  # fmt: skip
+            raise APIError(
+                400,
+                f'`size` must look like "1024x768" (WIDTHxHEIGHT) or "auto", got {r.size[:40]!r}',
+                param="size",
+                code="invalid_size",
+            )
         width, height = int(m.group(1)), int(m.group(2))
         try:
-            V.check_size(width, height, min_side=limits.min_side, max_side=limits.max_side,
-                         max_pixels=limits.max_pixels, multiple=multiple, name="`size`")  # fmt: skip
+            V.check_size(
+                width,
+                height,
+                min_side=limits.min_side,
+                max_side=limits.max_side,
+                max_pixels=limits.max_pixels,
+                multiple=multiple,
+                name="`size`",
+            )
         except ValueError as e:
             raise APIError(400, str(e), param="size", code="invalid_size") from None
 
@@ -286,21 +340,39 @@ def validate(body: dict, limits: Limits, defaults: dict, *, multiple: int = 16, 
         _range(f"lora[{i}].strength", ref.strength, -limits.max_lora_strength, limits.max_lora_strength)
         loras.append((ref.name, float(ref.strength)))
     if len(loras) > limits.max_loras:
-        raise APIError(400, f"`lora` names {len(loras)} LoRAs; the limit is {limits.max_loras}", param="lora",
-                       code="invalid_value")  # fmt: skip
+        raise APIError(
+            400,
+            f"`lora` names {len(loras)} LoRAs; the limit is {limits.max_loras}",
+            param="lora",
+            code="invalid_value",
+        )
     if len({n for n, _ in loras}) != len(loras):
         raise APIError(
-            400, "`lora` names the same LoRA twice; give each once with its strength", param="lora",
-            code="invalid_value")
+            400,
+            "`lora` names the same LoRA twice; give each once with its strength",
+            param="lora",
+            code="invalid_value",
+        )
 
     cfg = float(defaults.get("true_cfg_scale", 1.0) if r.true_cfg_scale is None else r.true_cfg_scale)
     negative = r.negative_prompt if r.negative_prompt is not None else (" " if cfg > 1 else None)
     return Params(
-        prompt=r.prompt, negative=negative, width=width, height=height,
-        steps=int(defaults.get("num_inference_steps", 50) if r.steps is None else r.steps), cfg=cfg,
-        n=1 if r.n is None else r.n, seed=secrets.randbelow(2**31) if r.seed is None else r.seed,
-        response_format=r.response_format or "b64_json", output_format=r.output_format or "png",
-        compression=r.output_compression, stream=bool(r.stream), progress=bool(r.progress),
+        prompt=r.prompt,
+        negative=negative,
+        width=width,
+        height=height,
+        steps=int(defaults.get("num_inference_steps", 50) if r.steps is None else r.steps),
+        cfg=cfg,
+        n=1 if r.n is None else r.n,
+        seed=secrets.randbelow(2**31) if r.seed is None else r.seed,
+        response_format=r.response_format or "b64_json",
+        output_format=r.output_format or "png",
+        compression=r.output_compression,
+        stream=bool(r.stream),
+        progress=bool(r.progress),
         partial_images=r.partial_images or 0,  # OpenAI's default: no previews unless asked for
-        loras=sorted(loras), size_auto=size_auto, cache=r.cache, strength=r.strength,
-    )  # fmt: skip
+        loras=sorted(loras),
+        size_auto=size_auto,
+        cache=r.cache,
+        strength=r.strength,
+    )

@@ -12,8 +12,15 @@ from pathlib import Path
 __all__ = ["run_interpreter_cases", "kernel_devices"]
 
 
-def run_interpreter_cases(test_file: str | Path, at_least: int, *, exactly: bool = False, timeout: int = 900,
-                          select: str = "interp and not subprocess", allow_skipped: bool = False) -> int:  # fmt: skip
+def run_interpreter_cases(
+    test_file: str | Path,
+    at_least: int,
+    *,
+    exactly: bool = False,
+    timeout: int = 900,
+    select: str = "interp and not subprocess",
+    allow_skipped: bool = False,
+) -> int:
     """Run `test_file -k select` with TRITON_INTERPRET=1 and the Triton backend; raise AssertionError
     (with the output's tail) unless it passes at least `at_least` cases (exactly that many with
     `exactly`) and nothing failed or errored (or was skipped, unless `allow_skipped`). Returns the
@@ -21,7 +28,9 @@ def run_interpreter_cases(test_file: str | Path, at_least: int, *, exactly: bool
     test_file = Path(test_file).resolve()
     env = dict(os.environ, TRITON_INTERPRET="1", QWENFAST_KERNELS="triton")
     cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider", "-k", select]
-    proc = subprocess.run(cmd, cwd=test_file.parents[1], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=test_file.parents[1], env=env, capture_output=True, text=True, timeout=timeout
+    )
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     passed = re.search(r"(\d+) passed", proc.stdout)
@@ -45,8 +54,16 @@ def kernel_devices(cuda_ok: bool | None = None, cuda_reason: str = "needs CUDA a
     if cuda_ok is None:
         cuda_ok = torch.cuda.is_available() and K.triton_available()
     return [
-        pytest.param("cuda", id="cuda",
-                     marks=[pytest.mark.gpu, pytest.mark.skipif(not cuda_ok or interp, reason=cuda_reason)]),
-        pytest.param("interp", id="interp", marks=pytest.mark.skipif(
-            not interp, reason="needs TRITON_INTERPRET=1 (see test_interpreter_subprocess)")),
-    ]  # fmt: skip
+        pytest.param(
+            "cuda",
+            id="cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not cuda_ok or interp, reason=cuda_reason)],
+        ),
+        pytest.param(
+            "interp",
+            id="interp",
+            marks=pytest.mark.skipif(
+                not interp, reason="needs TRITON_INTERPRET=1 (see test_interpreter_subprocess)"
+            ),
+        ),
+    ]

@@ -16,8 +16,18 @@ import torch.distributed as dist
 from ..launch import free_port, spawn  # free_port: re-exported for the tests and benchmarks
 
 
-def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dict, out: str, fail_rank: int,
-            options: dict | None = None, fail_how: str = "raise") -> None:  # fmt: skip
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    model: str,
+    layout: str,
+    call: dict,
+    out: str,
+    fail_rank: int,
+    options: dict | None = None,
+    fail_how: str = "raise",
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
@@ -27,7 +37,12 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
 
         if rank == fail_rank and fail_how == "raise":
             raise RuntimeError(f"rank {rank} failed on purpose (test)")
-        pipe = from_pretrained(model, device="cpu", dtype=torch.float32, options=EngineOptions(parallel=layout, **(options or {})))
+        pipe = from_pretrained(
+            model,
+            device="cpu",
+            dtype=torch.float32,
+            options=EngineOptions(parallel=layout, **(options or {})),
+        )
         if rank == fail_rank:  # "kill": SIGKILL in the second denoising step, the other ranks mid-collective
             import signal
 
@@ -54,8 +69,12 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
             # exchange (and what the call reported, when it did: Qwen-Image-2.1's `info["parallel"]`)
             from qwenfast.runtime.ulysses_peer import exchange_choice
 
-            record = {"core": type(pipe._core_forward()).__name__, "world": dist.get_world_size(),
-                      "exchange": exchange_choice(torch.device("cpu")), "modulated_blocks": sorted(modulated)}  # fmt: skip
+            record = {
+                "core": type(pipe._core_forward()).__name__,
+                "world": dist.get_world_size(),
+                "exchange": exchange_choice(torch.device("cpu")),
+                "modulated_blocks": sorted(modulated),
+            }
             if "parallel" in result.info:
                 record["info"] = result.info["parallel"]
             Path(out).with_suffix(".json").write_text(json.dumps(record))
@@ -63,11 +82,23 @@ def _worker(rank: int, world: int, port: int, model: str, layout: str, call: dic
         dist.destroy_process_group()
 
 
-def run_parallel(model: str | Path, layout: str, call: dict[str, Any], out: str | Path, world: int,
-                 fail_rank: int = -1, options: dict[str, Any] | None = None, fail_how: str = "raise") -> np.ndarray:  # fmt: skip
+def run_parallel(
+    model: str | Path,
+    layout: str,
+    call: dict[str, Any],
+    out: str | Path,
+    world: int,
+    fail_rank: int = -1,
+    options: dict[str, Any] | None = None,
+    fail_how: str = "raise",
+) -> np.ndarray:
     """`call` (pipeline kwargs; `seeds` instead of generators) on `world` gloo processes -> rank 0's images.
     `options`: further EngineOptions fields for every rank (e.g. a step cache). fail_rank (tests): that
     rank raises before loading (`fail_how="raise"`) or is SIGKILLed in its second forward ("kill")."""
-    spawn(_worker, (world, free_port(), str(model), layout, call, str(out), fail_rank, options, fail_how), world,
-          f"parallel {layout}")  # fmt: skip
+    spawn(
+        _worker,
+        (world, free_port(), str(model), layout, call, str(out), fail_rank, options, fail_how),
+        world,
+        f"parallel {layout}",
+    )
     return np.load(out)

@@ -324,7 +324,12 @@ VAE_CONFIG: dict[str, Any] = {
 
 
 def build_transformer(
-    joint_attention_dim: int, *, seed: int = 0, num_layers: int = 2, zero_cond_t: bool = False, heads: int = 2,
+    joint_attention_dim: int,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    zero_cond_t: bool = False,
+    heads: int = 2,
     **extra: Any,
 ) -> QwenImageTransformer2DModel:
     """A tiny random ``QwenImageTransformer2DModel`` (inner dim 64, head dim 32, rope axes (8, 12, 12));
@@ -370,8 +375,9 @@ def build_vae(*, seed: int = 0, input_channels: int = 3) -> AutoencoderKLQwenIma
     latents_std = [round(v, 4) for v in (0.5 + 2.5 * torch.rand(z_dim, generator=gen)).tolist()]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoencoderKLQwenImage(**VAE_CONFIG, latents_mean=latents_mean, latents_std=latents_std,
-                                       input_channels=input_channels)
+        model = AutoencoderKLQwenImage(
+            **VAE_CONFIG, latents_mean=latents_mean, latents_std=latents_std, input_channels=input_channels
+        )
     _randomize(model, gen, norm_scale=0.1)
     with torch.no_grad():  # more contrast in the decoded images (std ~0.15 -> ~0.45 in [-1, 1])
         model.decoder.conv_out.weight.mul_(3.0)

@@ -95,8 +95,12 @@ def text_encoder_config(tokenizer, hidden_size: int = 64, num_layers: int = 2) -
         "max_position_embeddings": 4096,
         "rms_norm_eps": 1e-6,
         "initializer_range": 0.05,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [4, 2, 2],
-                            "mrope_interleaved": True},  # fmt: skip
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5000000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
         "pad_token_id": ids("<|endoftext|>"),
     }
     vision_config = {
@@ -170,8 +174,9 @@ def build_processor(tokenizer):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     image_processor = Qwen2VLImageProcessorPil(**IMAGE_PROCESSOR_CONFIG)
-    processor = _lenient_processor(Qwen3VLProcessor, image_processor=image_processor, tokenizer=tokenizer,
-                                   chat_template=CHAT_TEMPLATE)  # fmt: skip
+    processor = _lenient_processor(
+        Qwen3VLProcessor, image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE
+    )
 
     def save_pretrained(save_directory, **kwargs):
         os.makedirs(save_directory, exist_ok=True)
@@ -193,18 +198,32 @@ def load_processor(folder: str | os.PathLike):
     return build_processor(AutoTokenizer.from_pretrained(os.fspath(folder)))
 
 
-def build_transformer(context_in_dim: int, *, seed: int = 0, num_layers: int = 2, heads: int = 2,
-                      in_channels: int = 16, causal_condition: bool = True):  # fmt: skip
+def build_transformer(
+    context_in_dim: int,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    heads: int = 2,
+    in_channels: int = 16,
+    causal_condition: bool = True,
+):
     """A tiny random ``QwenImage21Transformer2DModel`` (inner dim 64, head dim 32, rope axes (8, 12, 12))."""
     from diffusers import QwenImage21Transformer2DModel
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = QwenImage21Transformer2DModel(
-            patch_size=1, in_channels=in_channels, out_channels=in_channels, num_layers=num_layers,
-            attention_head_dim=32, num_attention_heads=heads, context_in_dim=context_in_dim, mlp_ratio=3,
-            axes_dims_rope=(8, 12, 12), causal_condition=causal_condition,
-        )  # fmt: skip
+            patch_size=1,
+            in_channels=in_channels,
+            out_channels=in_channels,
+            num_layers=num_layers,
+            attention_head_dim=32,
+            num_attention_heads=heads,
+            context_in_dim=context_in_dim,
+            mlp_ratio=3,
+            axes_dims_rope=(8, 12, 12),
+            causal_condition=causal_condition,
+        )
     gen = torch.Generator().manual_seed(seed + 2000)
     with torch.no_grad():
         for name, mod in model.named_modules():
@@ -230,8 +249,9 @@ def as_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def diffusers_transformer21(*, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0,
-                            **config: Any):  # fmt: skip
+def diffusers_transformer21(
+    *, dtype: torch.dtype, device: torch.device | str = "cpu", seed: int = 0, **config: Any
+):
     """diffusers' ``QwenImage21Transformer2DModel`` (``config``: its constructor arguments, full size by
     default) with random variance-preserving Linear weights, as ``from_pretrained(torch_dtype=dtype)``
     + ``.to(device)`` would hold it: parameters in ``dtype``, the fp32 timestep frequencies computed on
@@ -273,9 +293,16 @@ def build_vae(*, seed: int = 0):
     return model.eval()
 
 
-def build_tiny21_pipeline(path: str | os.PathLike | None = None, *, seed: int = 0, transformer_layers: int = 2,
-                          causal_condition: bool = True, sample_sigmas: list[float] | None = None,
-                          dtype: torch.dtype = torch.float32, heads: int = 2) -> DiffusionPipeline:  # fmt: skip
+def build_tiny21_pipeline(
+    path: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    transformer_layers: int = 2,
+    causal_condition: bool = True,
+    sample_sigmas: list[float] | None = None,
+    dtype: torch.dtype = torch.float32,
+    heads: int = 2,
+) -> DiffusionPipeline:
     """A tiny random diffusers ``QwenImage21Pipeline``, optionally saved to ``path`` (HF layout)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
 
@@ -286,9 +313,14 @@ def build_tiny21_pipeline(path: str | os.PathLike | None = None, *, seed: int = 
         vae=build_vae(seed=seed),
         text_encoder=text_encoder,
         processor=build_processor(tokenizer),
-        transformer=build_transformer(text_encoder.config.text_config.hidden_size, seed=seed,
-                                      num_layers=transformer_layers, heads=heads, causal_condition=causal_condition,
-                                      in_channels=VAE_CONFIG["z_dim"]),  # fmt: skip
+        transformer=build_transformer(
+            text_encoder.config.text_config.hidden_size,
+            seed=seed,
+            num_layers=transformer_layers,
+            heads=heads,
+            causal_condition=causal_condition,
+            in_channels=VAE_CONFIG["z_dim"],
+        ),
         sample_sigmas=sample_sigmas,
     )
     if dtype != torch.float32:  # parameters only, as from_pretrained(torch_dtype=...) loads them

@@ -27,8 +27,15 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline, QwenImageControlNetModel
 
 
-def build_controlnet(joint_attention_dim: int = 64, *, seed: int = 0, num_layers: int = 2, heads: int = 2,
-                     extra_condition_channels: int = 0, gain: float = 1.5) -> QwenImageControlNetModel:  # fmt: skip
+def build_controlnet(
+    joint_attention_dim: int = 64,
+    *,
+    seed: int = 0,
+    num_layers: int = 2,
+    heads: int = 2,
+    extra_condition_channels: int = 0,
+    gain: float = 1.5,
+) -> QwenImageControlNetModel:
     """A tiny random diffusers ``QwenImageControlNetModel`` matching `build_transformer`'s blocks
     (inner dim 64, head dim 32, rope axes (8, 12, 12))."""
     from diffusers import QwenImageControlNetModel
@@ -36,10 +43,16 @@ def build_controlnet(joint_attention_dim: int = 64, *, seed: int = 0, num_layers
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = QwenImageControlNetModel(
-            patch_size=2, in_channels=64, out_channels=16, num_layers=num_layers, attention_head_dim=32,
-            num_attention_heads=heads, joint_attention_dim=joint_attention_dim, axes_dims_rope=(8, 12, 12),
+            patch_size=2,
+            in_channels=64,
+            out_channels=16,
+            num_layers=num_layers,
+            attention_head_dim=32,
+            num_attention_heads=heads,
+            joint_attention_dim=joint_attention_dim,
+            axes_dims_rope=(8, 12, 12),
             extra_condition_channels=extra_condition_channels,
-        )  # fmt: skip
+        )
     gen = torch.Generator().manual_seed(seed + 4000)
     with torch.no_grad():
         for name, mod in model.named_modules():
@@ -60,20 +73,31 @@ def save_controlnet_file(model, path: str | os.PathLike, prefix: str = "") -> No
     save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, os.fspath(path))
 
 
-def build_tiny_layered(path: str | os.PathLike | None = None, *, seed: int = 0, transformer_layers: int = 2,
-                       heads: int = 2) -> DiffusionPipeline:  # fmt: skip
+def build_tiny_layered(
+    path: str | os.PathLike | None = None, *, seed: int = 0, transformer_layers: int = 2, heads: int = 2
+) -> DiffusionPipeline:
     """A tiny random diffusers ``QwenImageLayeredPipeline`` (RGBA VAE, layer-3D RoPE, additional t
     condition), optionally saved to `path` in the Hugging Face layout."""
     from diffusers import QwenImageLayeredPipeline
 
     tokenizer = build_tokenizer()
     text_encoder = build_text_encoder(tokenizer, seed=seed)
-    transformer = build_transformer(text_encoder.config.text_config.hidden_size, seed=seed,
-                                    num_layers=transformer_layers, heads=heads, use_layer3d_rope=True,
-                                    use_additional_t_cond=True)  # fmt: skip
-    pipe = QwenImageLayeredPipeline(scheduler=build_scheduler(), vae=_build_vae(seed=seed, input_channels=4),
-                                    text_encoder=text_encoder, tokenizer=tokenizer,
-                                    processor=build_processor(tokenizer), transformer=transformer)  # fmt: skip
+    transformer = build_transformer(
+        text_encoder.config.text_config.hidden_size,
+        seed=seed,
+        num_layers=transformer_layers,
+        heads=heads,
+        use_layer3d_rope=True,
+        use_additional_t_cond=True,
+    )
+    pipe = QwenImageLayeredPipeline(
+        scheduler=build_scheduler(),
+        vae=_build_vae(seed=seed, input_channels=4),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        processor=build_processor(tokenizer),
+        transformer=transformer,
+    )
     pipe.set_progress_bar_config(disable=True)
     if path is not None:
         from transformers.utils import logging as hf_logging
