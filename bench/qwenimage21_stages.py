@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from qwenfast.benchmarks.harness import PROMPT
+from qwenfast.benchmarks.pipeline21 import build
 from qwenfast.benchmarks.pipeline_stages import _median_ms as med_ms  # wall clock, synchronised, CPU too
-from qwenfast.benchmarks.qwenimage21 import _profile
-from qwenfast.benchmarks.qwenimage21_e2e import build
+from qwenfast.benchmarks.transformer21 import _profile
 from qwenfast.config import TURBO_SIGMAS
 
 

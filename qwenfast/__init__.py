@@ -47,7 +47,7 @@ _LAZY = {
     "QwenImageLayeredPipeline": ".pipeline.layered",
     "QwenImageControlNetModel": ".pipeline.controlnet",
     "QwenImageMultiControlNetModel": ".models.controlnet",
-    "QwenImage21Pipeline": ".pipeline.qwenimage21",
+    "QwenImage21Pipeline": ".pipeline.pipeline21",
     "QwenImageImg2ImgPipeline": ".pipeline.img2img",
     "QwenImageInpaintPipeline": ".pipeline.inpaint",
     "QwenImageEditInpaintPipeline": ".pipeline.inpaint",

@@ -210,8 +210,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
-    """`bench transformer|pipeline --model-type 2.1`: the Qwen-Image-2.1 benchmarks (benchmarks/qwenimage21.py,
-    qwenimage21_e2e.py) with this command's arguments; on the CPU a tiny size and one block check the code."""
+    """`bench transformer|pipeline --model-type 2.1`: the Qwen-Image-2.1 benchmarks (benchmarks/transformer21.py,
+    pipeline21.py) with this command's arguments; on the CPU a tiny size and one block check the code."""
     import torch
 
     if not on_cpu and not torch.cuda.is_available():
@@ -222,7 +222,7 @@ def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
         )
         return 2
     if a.what == "transformer":
-        from .benchmarks.qwenimage21 import main as bench
+        from .benchmarks.transformer21 import main as bench
 
         name = "qwenimage21.jsonl"
         if on_cpu:  # one full-width block, a 64² image, 8 prompt tokens
@@ -236,7 +236,7 @@ def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
                 *([] if a.no_compile else ["--compile"]),
             ]
     else:
-        from .benchmarks.qwenimage21_e2e import main as bench
+        from .benchmarks.pipeline21 import main as bench
 
         name = "qwenimage21.jsonl"  # one file for the 2.1 records: the transformer and the end-to-end rows
         argv = ["--fp8"] if a.fp8 else []

@@ -55,7 +55,7 @@ def _both(ref, qf, **kw):
 
 def test_class_is_picked_and_exported(pipes):
     import qwenfast
-    from qwenfast.pipeline.qwenimage21 import QwenImage21Pipeline
+    from qwenfast.pipeline.pipeline21 import QwenImage21Pipeline
 
     _, qf, _ = pipes
     assert qwenfast.QwenImage21Pipeline is QwenImage21Pipeline and type(qf) is QwenImage21Pipeline
@@ -119,7 +119,7 @@ def test_cfg_with_image_and_images_per_prompt(pipes):
 
 
 def test_sigmas_and_turbo_schedule(pipes, tmp_path):
-    from qwenfast.pipeline.qwenimage21 import TURBO_SIGMAS, QwenImage21Pipeline
+    from qwenfast.pipeline.pipeline21 import TURBO_SIGMAS, QwenImage21Pipeline
 
     ref, qf, path = pipes
     a, b = _both(ref, qf, prompt="a red circle", sigmas=[1.0, 0.8, 0.45, 0.2])
@@ -163,7 +163,7 @@ def test_comfyui_single_file_transformer(pipes, tmp_path):
     from safetensors.torch import save_file
 
     from qwenfast.errors import CheckpointError
-    from qwenfast.loading.qwenimage21 import load_transformer21_single_file
+    from qwenfast.loading.folder21 import load_transformer21_single_file
 
     ref, qf, _ = pipes
     sd, out = ref.transformer.state_dict(), {}

@@ -59,7 +59,7 @@ def _config(device: str) -> dict:
 
 
 def _models(device: str, dtype: torch.dtype):
-    from qwenfast.loading.qwenimage21 import Fuser21
+    from qwenfast.loading.folder21 import Fuser21
     from qwenfast.loading.weights import load_streaming
     from qwenfast.models.transformer21 import QwenImage21Transformer, Transformer21Config
     from qwenfast.testing.tiny21 import diffusers_transformer21

@@ -40,7 +40,7 @@ def test_dup_up_phases_equal_reference(C, cout, ft, channels_last):
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from qwenfast.loading.qwenimage21 import load_vae21
+    from qwenfast.loading.folder21 import load_vae21
     from qwenfast.testing.tiny21 import build_vae
 
     ref = build_vae(seed=4)

@@ -19,13 +19,13 @@ import torch
 
 from ..errors import CheckpointError
 from ..loading.diffusers_folder import PIPELINE_CLASSES, inspect_folder, read_json
-from ..loading.qwenimage21 import PIPELINE_CLASS as PIPELINE_CLASS_21
+from ..loading.folder21 import PIPELINE_CLASS as PIPELINE_CLASS_21
 from .controlnet import QwenImageControlNetInpaintPipeline, QwenImageControlNetPipeline
 from .edit import QwenImageEditPipeline
 from .img2img import QwenImageImg2ImgPipeline
 from .inpaint import QwenImageEditInpaintPipeline, QwenImageInpaintPipeline
 from .layered import QwenImageLayeredPipeline
-from .qwenimage21 import QwenImage21Pipeline
+from .pipeline21 import QwenImage21Pipeline
 from .state import state_of
 from .tasks import ALIASES, Capabilities, default_class, describe, folder_tasks, task_class  # noqa: F401 - re-exported
 from .text_to_image import QwenImagePipeline

@@ -11,7 +11,7 @@ weights, ours loaded from its state dict; the VAE is diffusers' full-size `Autoe
 image's mean |Δ| (RGBA in [0, 1]) against our uncached image (the step cache's cost) or against
 diffusers' image (turbo).
 
-    python -m qwenfast.benchmarks.qwenimage21_e2e [--size 1024] [--steps 40] [--out results.jsonl]
+    python -m qwenfast.benchmarks.pipeline21 [--size 1024] [--steps 40] [--out results.jsonl]
 """
 
 from __future__ import annotations
@@ -67,11 +67,11 @@ def build(dev: torch.device, dt: torch.dtype, text_encoder: str, tmp: Path, laye
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     from ..loading.diffusers_folder import load_scheduler_config
-    from ..loading.qwenimage21 import Fuser21, load_vae21
+    from ..loading.folder21 import Fuser21, load_vae21
     from ..loading.weights import load_streaming
     from ..models.text_encoder21 import TextEncoder21
     from ..models.transformer21 import QwenImage21Transformer, Transformer21Config
-    from ..pipeline.qwenimage21 import QwenImage21Pipeline
+    from ..pipeline.pipeline21 import QwenImage21Pipeline
     from ..testing.tiny import build_tokenizer
     from ..testing.tiny21 import (
         SCHEDULER_CONFIG,
@@ -142,7 +142,7 @@ def timed(fn, n: int) -> tuple[float, np.ndarray]:
 
 
 def main(argv=None) -> list[dict]:
-    from ..pipeline.qwenimage21 import TURBO_SIGMAS
+    from ..pipeline.pipeline21 import TURBO_SIGMAS
 
     p = argparse.ArgumentParser()
     p.add_argument("--size", type=int, default=1024)

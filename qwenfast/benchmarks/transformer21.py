@@ -13,7 +13,7 @@ The oracle is diffusers' model as `from_pretrained(torch_dtype=bf16)` holds it
 oracle this benchmark used before, `model.to(bf16)`, whose timestep frequencies are rounded to bf16
 (diffusers' loader keeps them fp32): that was the "0.12".
 
-    python -m qwenfast.benchmarks.qwenimage21 [--size 1024] [--out results.jsonl] [--profile]
+    python -m qwenfast.benchmarks.transformer21 [--size 1024] [--out results.jsonl] [--profile]
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def setup(size: int, text: int, layers: int, dev: torch.device):
     """diffusers' full-width 2.1 transformer (random weights, bf16) and ours loaded from it, the inputs of
     one forward at size² with `text` prompt tokens, and diffusers' forward on them:
     -> (ref, ours, (x, emb, t, img_shapes, vl), ref_fwd(cache=None, mode=None) -> its target tokens)."""
-    from ..loading.qwenimage21 import Fuser21
+    from ..loading.folder21 import Fuser21
     from ..loading.weights import load_streaming
     from ..models.transformer21 import QwenImage21Transformer, Transformer21Config
     from ..testing.tiny21 import diffusers_transformer21

@@ -26,7 +26,7 @@ import torch
 from ..config import TURBO_SIGMAS
 from ..errors import CheckpointError, OptionsError
 from ..loading.diffusers_folder import load_scheduler_config, read_json
-from ..loading.qwenimage21 import PIPELINE_CLASS, inspect_folder21, load_transformer21, load_vae21
+from ..loading.folder21 import PIPELINE_CLASS, inspect_folder21, load_transformer21, load_vae21
 from ..models.text_encoder21 import TextEncoder21
 from ..models.transformer21 import PrefixKVCache
 from ..options import EngineOptions
