@@ -299,6 +299,14 @@ def build_parser() -> argparse.ArgumentParser:
             help="end to end vs diffusers (random full-size weights), VAE, memory planner, offload",
         )
     )
+    from .benchmarks.peers import add_arguments as add_bench_peers_arguments
+
+    add_bench_peers_arguments(
+        bsub.add_parser(
+            "peers",
+            help="qwenfast beside diffusers (+ compile, + torchao FP8) and cache-dit, one process each, same weights",
+        )
+    )
     from .benchmarks.report import add_arguments as add_bench_report_arguments
 
     add_bench_report_arguments(

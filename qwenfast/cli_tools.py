@@ -184,13 +184,17 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         run_tasks(a.task, smoke=a.smoke, steps=a.steps, out_dir=results_dir(a.results))
         return 0
+    if a.what == "peers" and (a.smoke or torch.cuda.is_available()):  # --smoke: the demo model on the CPU
+        from .benchmarks.peers import run_from_args as run_peers
+
+        return run_peers(a)
     if a.what == "pipeline" and (a.smoke or torch.cuda.is_available()):  # --smoke: tiny model on the CPU
         from .benchmarks.pipeline import run_from_args as run_pipeline
 
         return run_pipeline(a)
     if not torch.cuda.is_available():
         print(
-            "error: `qwenfast bench` measures GPU speed and needs a CUDA device (pipeline: --smoke runs on CPU)",
+            "error: `qwenfast bench` measures GPU speed and needs a CUDA device (pipeline, peers: --smoke runs on CPU)",
             file=sys.stderr,
         )
         return 2
