@@ -36,19 +36,19 @@ CACHE_PRESETS = ("balanced", "fast")
 # Peers we could not run on the GPU machine: why, and the figure they publish (their GPU, their setup).
 NOT_RUN = {
     "ComfyUI native (comfy/ldm/qwen_image)": (
-        "not run yet: needs ComfyUI's installable fork and its dependencies carried to the GPU machine",
+        "not run yet: ComfyUI (its pip-installable fork) is not yet carried to the GPU machine",
         "no published timing",
     ),
     "SGLang-diffusion": (
-        "its sgl-kernel wheel (CUDA kernels, several hundred MB) exceeds what can be carried to the GPU machine",
+        "not tried yet on the GPU machine (its CUDA kernels come as a separate wheel built for its own torch)",
         "13.1 s, 1024² 50 steps true CFG, one H100 (its CI baselines, 2026-04); 4.53 s with cache-dit",
     ),
     "nunchaku (SVDQuant 4-bit)": (
-        "its wheels are built per torch/CUDA version outside PyPI; none matches the GPU machine's torch",
+        "not tried yet on the GPU machine (its wheels are built per torch and CUDA version)",
         "users report no speed-up on A100 (its issues #701, #899); ~3 GB VRAM with offload",
     ),
     "LightX2V": (
-        "its kernels (sgl-kernel, vllm or q8 kernels) are too large to carry to the GPU machine",
+        "not tried yet on the GPU machine",
         "Edit-2511 50 steps CFG DiT 31.9 s vs diffusers 46.8 s, one H100 (its docs)",
     ),
 }

@@ -1,0 +1,80 @@
+"""The peers table of `qwenfast bench report`: qwenfast beside diffusers (eager, compile, torchao FP8) and
+cache-dit, from the newest `bench peers` record (one GPU, one run, same weights)."""
+
+from __future__ import annotations
+
+from .records import Rec
+from .report_tables import gpu_name, ms, newest, ratio, secs, source, table
+
+COLUMNS = {"fwd:1024": "forward 1024²", "fwd:1328": "forward 1328²", "fwd:2048": "forward 2048²",
+           "e2e:1024:50:cfg": "1024², 50 steps, true CFG", "e2e:1024:4:nocfg": "1024², 4 steps"}  # fmt: skip
+
+
+def _cell(r: dict | None) -> str:
+    """Time (× diffusers eager in the same run), and the computed fraction of a cached row."""
+    if r is None:
+        return "—"
+    t = ms(r["ms"]) if "ms" in r else secs(r["s"])
+    x = r.get("speedup_vs_diffusers")
+    cell = f"{t} ({ratio(x)})" if x is not None and r["row"] != "diffusers eager" else t
+    if "computed_fraction" in r:
+        cell += f", {r['computed_fraction']:.0%} computed"
+    return cell
+
+
+def peers(recs: list[Rec]) -> str:
+    r = newest(recs, "peers.jsonl", lambda r: not r.get("smoke"))
+    if r is None:
+        return "*No peers record yet: `bash bench/peers.sh`.*"
+    rows = [x for x in r["rows"] if "row" in x]
+    cases = [c for c in COLUMNS if any(x["case"] == c for x in rows)]
+    names = list(dict.fromkeys(x["row"] for x in rows))
+    by = {(x["row"], x["case"]): x for x in rows}
+    body = []
+    for name in names:
+        diffs = [by[(name, c)] for c in cases if (name, c) in by]
+        errs = [x["rel_err_vs_diffusers"] for x in diffs if "rel_err_vs_diffusers" in x]
+        imgs = [x["mean_abs_diff_vs_diffusers"] for x in diffs if "mean_abs_diff_vs_diffusers" in x]
+        diff = " / ".join(f"{max(v):.1e}" if v else "—" for v in (errs, imgs))
+        diff = "—" if name == "diffusers eager" or diff == "— / —" else diff
+        body.append([name, *(_cell(by.get((name, c))) for c in cases), diff])
+    out = table(
+        ["engine", *(COLUMNS[c] for c in cases), "vs diffusers: forward rel. err / image mean |Δ|"], body
+    )
+    failed = [x for x in r["rows"] if "error" in x]
+    notes = [f"- **{x['engine']}**: {x['error'][:200]}" for x in failed]
+    notes += [f"- **{n['row']}**: {n['why']}. Its own figure: {n['published']}." for n in r["not_run"]]
+    head = (
+        f"One {gpu_name(r)}, one run: every engine in its own process over the same random full-size "
+        f"weights (fingerprints {'equal' if r['same_weights'] else 'NOT equal'}); (×) is the speed-up over "
+        "diffusers eager in that run."
+    )
+    return head + "\n\n" + out + "\n\n" + "\n".join(notes) + "\n" + source([r], "bash bench/peers.sh")
+
+
+BASELINE_MODES = {
+    "alone": "diffusers alone, fresh process",
+    "bench": "after the transformer bench's setup (qwenfast's model over the same weights)",
+    "bench+inductor": "the same, compiler imported",
+}
+
+
+def diffusers_baseline(recs: list[Rec]) -> str:
+    """diffusers' eager 1024² forward per process state: GPU time and host enqueue time."""
+    rs = [r for r in recs if r.file == "diffusers_baseline.jsonl"]
+    if not rs:
+        return "*No record yet: `python bench/diffusers_baseline.py alone`.*"
+    body = [
+        [
+            BASELINE_MODES.get(r["mode"], r["mode"]),
+            "yes" if r.get("fa3_installed") else "no",
+            f"`{r['alloc_conf']}`" if r.get("alloc_conf") else "—",
+            ms(r["ms"]),
+            ms(r["host_ms"]),
+            f"{ms(r['ms_after_2s_idle'])} / {ms(r['host_ms_after_2s_idle'])}",
+        ]
+        for r in rs
+    ]
+    head = ["diffusers' forward, 1024², one process each", "FA3 installed", "allocator", "GPU", "host enqueue",
+            "again after 2 s idle: GPU / host"]  # fmt: skip
+    return table(head, body) + source(rs, "python bench/diffusers_baseline.py alone|bench|bench+inductor")
