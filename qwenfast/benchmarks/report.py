@@ -126,10 +126,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def tables() -> dict:
     """Every published table by name (the tables import records and each other's helpers: no cycle)."""
-    from .report_peers import diffusers_baseline, peers
+    from .report_peers import diffusers_baseline, peers, peers_summary
     from .report_tables import TABLES
 
-    return {**TABLES, "peers": peers, "diffusers-baseline": diffusers_baseline}
+    return {
+        **TABLES,
+        "peers": peers,
+        "peers-summary": peers_summary,
+        "diffusers-baseline": diffusers_baseline,
+    }
 
 
 def run_from_args(a: argparse.Namespace) -> int:

@@ -78,3 +78,24 @@ def diffusers_baseline(recs: list[Rec]) -> str:
     head = ["diffusers' forward, 1024², one process each", "FA3 installed", "allocator", "GPU", "host enqueue",
             "again after 2 s idle: GPU / host"]  # fmt: skip
     return table(head, body) + source(rs, "python bench/diffusers_baseline.py alone|bench|bench+inductor")
+
+
+SUMMARY_ROWS = ("diffusers eager", "diffusers + regional compile", "diffusers + torchao float8 + regional compile",
+                "diffusers + cache-dit fast step mask + TaylorSeer", "qwenfast bf16", "qwenfast FP8",
+                "qwenfast FP8 + fast cache")  # fmt: skip
+
+
+def peers_summary(recs: list[Rec]) -> str:
+    """README: the peers table's headline rows (what a user would run instead, and qwenfast)."""
+    r = newest(recs, "peers.jsonl", lambda r: not r.get("smoke"))
+    if r is None:
+        return "*No peers record yet: `bash bench/peers.sh`.*"
+    by = {(x["row"], x["case"]): x for x in r["rows"] if "row" in x}
+    cases = [c for c in ("fwd:1024", "e2e:1024:50:cfg", "e2e:1024:4:nocfg") if any(k[1] == c for k in by)]
+    body = [[name, *(_cell(by.get((name, c))) for c in cases)] for name in SUMMARY_ROWS
+            if any((name, c) in by for c in cases)]  # fmt: skip
+    return (
+        table([f"one {gpu_name(r)}, same weights, one process per engine", *(COLUMNS[c] for c in cases)], body)
+        + "\n\nLossy rows: FP8, torchao float8 and the step caches. All rows and the peers not run here: "
+        "[docs/benchmarks.md](docs/benchmarks.md#beside-the-peers)." + source([r], "bash bench/peers.sh")
+    )
