@@ -361,6 +361,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="append the record to DIR/quality.jsonl (default: only print it)",
     )
+    from .benchmarks.cache_pareto import add_arguments as add_bench_cache_pareto_arguments
+
+    add_bench_cache_pareto_arguments(
+        bsub.add_parser(
+            "cache-pareto",
+            help="step caching at matched quality: qwenfast's presets vs cache-dit on diffusers, demo model (CPU or GPU)",
+        )
+    )
 
     from .server.options import add_serve_arguments
 

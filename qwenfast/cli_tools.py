@@ -160,6 +160,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         }
         emit(record, "quality.jsonl", a.results)
         return 0
+    if a.what == "cache-pareto":  # the demo model's quality under step caching; CPU or GPU
+        from .benchmarks.cache_pareto import run_from_args as run_cache_pareto
+
+        return run_cache_pareto(a)
     if a.what == "fp8":
         from .benchmarks.fp8 import run_from_args as run_fp8
 

@@ -742,10 +742,87 @@ def full_size_check(recs: list[Rec]) -> str:
     ) + source([r], "python bench/full_size_check.py --results bench/results")
 
 
+def cache_pareto(recs: list[Rec]) -> str:
+    """docs/quality.md: step caching at matched quality on the demo model (`qwenfast bench cache-pareto`):
+    per suite the uncached rows, every qwenfast configuration, cache-dit's documented settings and the
+    points of its fronts (the rest of its sweep is in the record and the figure)."""
+    rows, used, notes = [], [], []
+    for suite in ("text-to-image", "edits"):
+        r = newest(recs, "cache_pareto.jsonl", lambda r, s=suite: r.get("suite") == s)
+        if r is None:
+            continue
+        used.append(r)
+        fr = r.get("fronts") or {}
+        on: dict[tuple[str, str], list[str]] = {}  # (engine, config) -> the fronts it is on
+        for k, names in fr.items():
+            engine, metric = k.split(":")
+            for name in names:
+                on.setdefault((engine, name), []).append("score" if metric == "score" else "PSNR")
+        base = {x["engine"]: x["score"] for x in r["rows"] if not x["cached"]}
+        shown = [
+            x
+            for x in r["rows"]
+            if x["engine"] == "qwenfast"
+            or not x["cached"]
+            or "documented" in x["config"]
+            or on.get(("diffusers", x["config"]))
+        ]
+        for x in shown:
+            cached = x["cached"]
+            vs = [x.get(f"{m}_vs_cache_dit") for m in ("score", "psnr_db")]
+            name = (
+                f"**`{x['config']}`**"
+                if x["engine"] == "qwenfast" and x["config"] in ("balanced", "fast")
+                else x["config"]
+            )
+            rows.append(
+                [
+                    f"{suite}, {r['n']}",
+                    "qwenfast"
+                    if x["engine"] == "qwenfast"
+                    else "diffusers + cache-dit"
+                    if cached
+                    else "diffusers",
+                    name,
+                    f"{x['computed_fraction']:.0%} ({x['block_fraction']:.0%})",
+                    f"{x['score']:.1f}%" + (f" ({x['score'] - base[x['engine']]:+.1f})" if cached else ""),
+                    f"{x['psnr_db']:.1f} dB / {x['ssim']:.3f}" if cached else "",
+                    ", ".join(on.get((x["engine"], x["config"]), [])),
+                    "" if None in vs or not cached else f"{vs[0]:+.1f} / {vs[1]:+.1f} dB",
+                ]
+            )
+        left = sum(1 for x in r["rows"] if x["cached"] and x["engine"] == "diffusers") - sum(
+            1 for x in shown if x["cached"] and x["engine"] == "diffusers"
+        )
+        if "uncached_psnr_db" in r.data:
+            notes.append(
+                f"{suite}: diffusers vs qwenfast uncached, PSNR {r['uncached_psnr_db']:.1f} dB "
+                f"(max pixel difference {r['uncached_max_abs_diff']}/255); {left} more cache-dit points off its fronts"
+            )
+    if not rows:
+        return "*No cache-pareto record yet: `qwenfast bench cache-pareto [--model edit]`.*"
+    head = [
+        "suite, items",
+        "engine",
+        "configuration",
+        "computed (block work)",
+        "score (vs uncached)",
+        "PSNR / SSIM vs uncached",
+        "on own front",
+        "vs cache-dit's front: score / PSNR",
+    ]
+    note = "\n" + "".join(f"\n- {n}" for n in notes) if notes else ""
+    return (
+        table(head, rows)
+        + note
+        + source(used, "qwenfast bench cache-pareto --threads 1 [--model edit] --results bench/results")
+    )
+
+
 TABLES: dict[str, Callable[[list[Rec]], str]] = {
     "performance": performance, "end-to-end": end_to_end, "transformer": transformer, "vae": vae,
     "offload": offload, "tasks": tasks, "qwenimage21": qwenimage21, "fp8": fp8, "attention": attention,
     "attention-quality": attention_quality, "parallel": parallel, "serve": serve, "lora-fuse": lora_fuse,
     "onnx-export": onnx_export, "quality-demo": quality_demo, "quality-paths": quality_paths,
-    "quality-cache": quality_cache, "full-size-check": full_size_check,
+    "quality-cache": quality_cache, "full-size-check": full_size_check, "cache-pareto": cache_pareto,
 }  # fmt: skip
