@@ -179,7 +179,8 @@ def test_every_preset_and_the_documented_settings_are_configurations():
     ours = [c.name for c in CP.qwenfast_configs()]
     assert ours[: len(CACHE_PRESETS)] == list(CACHE_PRESETS)
     theirs = [c.name for c in CP.cache_dit_configs((0.1, 0.2))]
-    assert sum("documented" in n for n in theirs) == 2
+    assert sum(n.startswith("cache-dit documented (") or "documented, no mask" in n for n in theirs) == 2
+    assert "cache-dit documented settings at R0.2 (no mask)" in theirs
     assert "DBCache F1B0 R0.1" in theirs and "DBCache F1B0 R0.2 + TaylorSeer" in theirs
     assert "DBCache F2B0 R0.2 + TaylorSeer" in theirs and "DBCache F1B1 R0.1 + TaylorSeer" not in theirs
 

@@ -24,7 +24,9 @@ Method:
   by its own `load_cache_config`, with and without the mask; and a sweep of `residual_diff_threshold` at
   DBCacheConfig's defaults otherwise (8 warm-up steps, no cap on cached steps), for F1B0 with and without
   TaylorSeer and, TaylorSeer on, F2B0 and F1B1 (the demo has 5 blocks: F8B0 / F4B4 do not fit; F2B0 and
-  F1B1 are their analogues, a cached step still computing 2 of 5 blocks).
+  F1B1 are their analogues, a cached step still computing 2 of 5 blocks); and the documented settings
+  (no mask) at other thresholds, since its warm-up every 2nd step and cap of 2 cached steps in a row
+  measured better than DBCacheConfig's defaults.
 - qwenfast: every `CACHE_PRESETS` entry and variations built with the public `CachePolicy` (static every
   2nd / 6th step, adaptive at three thresholds), through `pipe.configure(cache=...)`.
 - Computed fraction: `BlockCounter` puts a forward pre-hook on the first projection of each block's
@@ -158,6 +160,9 @@ def cache_dit_configs(thresholds: Sequence[float] = THRESHOLDS, steps: int = STE
             kw["num_inference_steps"] = steps
             name = f"DBCache F{fn}B{bn} R{r:g}" + (" + TaylorSeer" if ts else "")
             out.append(Config("diffusers", name, {"config": kw, "taylorseer": ts}, {**kw, "taylorseer": ts}))
+    for r in thresholds[1::2]:  # the documented settings at other thresholds: its own front, traced further
+        d = {**doc, "residual_diff_threshold": r}
+        out.append(Config("diffusers", f"cache-dit documented settings at R{r:g} (no mask)", {"yaml": d}, d))
     return out
 
 
@@ -460,22 +465,28 @@ def plot(recs: list[dict], path: Path) -> None:
                 xs = [p[0] for p in front] + [1.0]
                 ys = [p[1] for p in front] + [front[-1][1]]
                 ax.step(xs, ys, where="post", color=colours[engine], lw=1.8, label=f"{labels[engine]} front")
+                named = {"balanced": ("*", "balanced"), "fast": ("*", "fast")} if engine == "qwenfast" else {}
                 for r in rs:
-                    if (
-                        engine == "qwenfast"
-                        and r["config"] in ("balanced", "fast")
-                        or "documented" in r["config"]
-                    ):
-                        tag = (
-                            r["config"]
-                            if engine == "qwenfast"
-                            else "cache-dit doc." + (" mask" if "mask)" in r["config"] else "")
+                    if "documented" in r["config"] and "settings at" not in r["config"]:
+                        named[r["config"]] = (
+                            "D",
+                            "cache-dit doc." + (" + mask" if "mask)" in r["config"] else ""),
+                        )
+                    if r["config"] in named:
+                        mark, tag = named[r["config"]]
+                        xy = (r["computed_fraction"], r[metric])
+                        ax.scatter(
+                            *xy,
+                            s=90 if mark == "*" else 40,
+                            marker=mark,
+                            color=colours[engine],
+                            edgecolor="k",
                         )
                         ax.annotate(
                             tag,
-                            (r["computed_fraction"], r[metric]),
+                            xy,
                             fontsize=7,
-                            xytext=(4, 4),
+                            xytext=(5, -9 if mark == "D" else 4),
                             textcoords="offset points",
                         )
             if metric == "score":
@@ -494,7 +505,7 @@ def plot(recs: list[dict], path: Path) -> None:
     fig.text(
         0.5,
         0.005,
-        f"demo model, CPU fp32. {foot}. qwenfast bench cache-pareto [--model edit]",
+        f"demo model, {recs[0]['device']} {recs[0]['dtype']}. {foot}. qwenfast bench cache-pareto [--model edit]",
         ha="center",
         fontsize=7,
     )
