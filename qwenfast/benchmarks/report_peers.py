@@ -95,7 +95,9 @@ def peers_summary(recs: list[Rec]) -> str:
     body = [[name, *(_cell(by.get((name, c))) for c in cases)] for name in SUMMARY_ROWS
             if any((name, c) in by for c in cases)]  # fmt: skip
     return (
-        table([f"one {gpu_name(r)}, same weights, one process per engine", *(COLUMNS[c] for c in cases)], body)
+        table(
+            [f"one {gpu_name(r)}, same weights, one process per engine", *(COLUMNS[c] for c in cases)], body
+        )
         + "\n\nLossy rows: FP8, torchao float8 and the step caches. All rows and the peers not run here: "
         "[docs/benchmarks.md](docs/benchmarks.md#beside-the-peers)." + source([r], "bash bench/peers.sh")
     )
