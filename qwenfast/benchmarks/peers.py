@@ -7,6 +7,9 @@ Rows (each engine in its own process, `peers_worker.py`, so no engine's globals 
 - diffusers + cache-dit (PyPI `cache-dit`): its documented DBCache settings, + TaylorSeer, + its static
   "fast" step mask; computed fraction = calls of the last block / calls of the transformer;
 - qwenfast bf16, FP8, FP8 + 8-bit attention, each step-cache preset (computed fraction from its runner);
+- ComfyUI's own Qwen-Image model (`peers_comfyui`: its model, attention and ops from the work tree named
+  by `QWENFAST_COMFYUI`), bf16 and its fp8 scaled weights path; forward cases only (its end to end needs
+  its sampler, VAE and text encoder); without `QWENFAST_COMFYUI` it is listed as not run;
 - peers that cannot be brought to the GPU machine: a row that says why, with their own published figure.
 
 Cases: one transformer forward at 1024², 1328², 2048² (median of 10, CUDA events; the host's enqueue
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -30,15 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from . import RESULTS_HELP, emit, results_dir, versions
+from .peers_comfyui import ENV as COMFYUI_ENV
+from .peers_comfyui import NOT_RUN_E2E as COMFYUI_NOT_E2E
 from .peers_worker import CASES, ENGINES
 
 CACHE_PRESETS = ("balanced", "fast")
 # Peers we could not run on the GPU machine: why, and the figure they publish (their GPU, their setup).
 NOT_RUN = {
-    "ComfyUI native (comfy/ldm/qwen_image)": (
-        "not run yet: ComfyUI (its pip-installable fork) is not yet carried to the GPU machine",
-        "no published timing",
-    ),
     "SGLang-diffusion": (
         "not tried yet on the GPU machine (its CUDA kernels come as a separate wheel built for its own torch)",
         "13.1 s, 1024² 50 steps true CFG, one H100 (its CI baselines, 2026-04); 4.53 s with cache-dit",
@@ -53,6 +55,22 @@ NOT_RUN = {
     ),
 }
 BASE = "diffusers eager"
+COMFYUI = "ComfyUI native (comfy/ldm/qwen_image)"
+
+
+def not_run(engines: list[str], cases: list[str]) -> dict[str, tuple[str, str]]:
+    """NOT_RUN, plus ComfyUI's rows that will not come: all of them without a work tree to import
+    (`COMFYUI` then names the engine as skipped), its end-to-end rows whenever end-to-end cases are asked."""
+    out = dict(NOT_RUN)
+    if "comfyui" not in engines:
+        return out
+    if not os.environ.get(COMFYUI_ENV):
+        out[COMFYUI] = (f"not run: ${COMFYUI_ENV} names no ComfyUI work tree", "no published timing")
+    elif not any(CASES[c][0] == "fwd" for c in cases):
+        out[COMFYUI] = (COMFYUI_NOT_E2E, "no published timing")
+    if any(CASES[c][0] == "e2e" for c in cases):
+        out.setdefault(COMFYUI + ", end to end", (COMFYUI_NOT_E2E, "no published timing"))
+    return out
 
 
 def _rel_err(a: np.ndarray, b: np.ndarray) -> float:
@@ -153,7 +171,10 @@ def run(
         if keep and (out / "rows.jsonl").is_file():  # engines of an earlier invocation, same weights
             earlier = [json.loads(x) for x in (out / "rows.jsonl").read_text().splitlines()]
             rows += [r for r in earlier if r["engine"] not in engines]
+        skipped = not_run(engines, cases)
         for engine in engines:
+            if engine == "comfyui" and COMFYUI in skipped:
+                continue
             print(f"{engine}: own process", flush=True)
             new = _worker(engine, cases, caches, out, smoke, timeout_s)
             rows += new
@@ -168,7 +189,7 @@ def run(
         "cases": cases,
         "same_weights": check_same_weights(rows),
         "rows": [{k: v for k, v in r.items() if k not in ("output", "fingerprint")} for r in rows],
-        "not_run": [{"row": k, "why": why, "published": pub} for k, (why, pub) in NOT_RUN.items()],
+        "not_run": [{"row": k, "why": why, "published": pub} for k, (why, pub) in skipped.items()],
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     print(table(rows))

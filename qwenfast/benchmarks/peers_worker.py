@@ -21,6 +21,7 @@ import re
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ CASES = {
     "e2e:1024:4:nocfg": ("e2e", 1024, 4, False),
 }
 DIFFUSERS_ENGINES = ("diffusers", "diffusers-torchao", "cache-dit")
-ENGINES = (*DIFFUSERS_ENGINES, "qwenfast")
+ENGINES = (*DIFFUSERS_ENGINES, "comfyui", "qwenfast")  # comfyui: `peers_comfyui`, needs $QWENFAST_COMFYUI
 TXT_LEN = 128
 
 
@@ -89,20 +90,28 @@ def fingerprint(transformer_blocks, vae: torch.nn.Module, te: torch.nn.Module) -
 
 
 # ------------------------------------------------------------------------------------------------ timing
-def forward_inputs(size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
-    """The transformer bench's inputs for `size` (seeded by the size): x (1, L, 64), txt (1, 128, 3584), t."""
+def forward_inputs(
+    size: int, device: torch.device | str = "cuda", dtype: torch.dtype = torch.bfloat16, txt_dim: int = 3584
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """The transformer bench's inputs for `size` (seeded by the size): x (1, L, 64), txt (1, 128, 3584), t.
+    `device` / `dtype` / `txt_dim` other than the defaults: the demo model on the CPU (smoke)."""
     h = w = size // 16
-    g = torch.Generator(device="cuda").manual_seed(size)
-    x = torch.randn(1, h * w, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    txt = torch.randn(1, TXT_LEN, 3584, device="cuda", dtype=torch.bfloat16, generator=g)
-    return x, txt, torch.tensor([0.7], device="cuda"), [(1, h, w)]
+    g = torch.Generator(device=device).manual_seed(size)
+    x = torch.randn(1, h * w, 64, device=device, dtype=dtype, generator=g)
+    txt = torch.randn(1, TXT_LEN, txt_dim, device=device, dtype=dtype, generator=g)
+    return x, txt, torch.tensor([0.7], device=device), [(1, h, w)]
 
 
 def time_forward(fn, warmup: int = 3, iters: int = 10) -> dict:
     """Median GPU ms (CUDA events) and median host ms to enqueue one call: when the host time nears the
-    GPU time the engine is launch-bound and its figure moves with the host CPU's speed."""
+    GPU time the engine is launch-bound and its figure moves with the host CPU's speed. Without a GPU
+    (the smoke): one call, its wall time (the output is what is checked)."""
     with torch.no_grad():
         out = fn()
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            out = fn()
+            return {"ms": round(1e3 * (time.perf_counter() - t0), 2), "out": out}
         for _ in range(warmup):
             fn()
         _sync()
@@ -181,7 +190,7 @@ class BlockCounter:
 
 # ------------------------------------------------------------------------------------------------ engines
 def _diffusers_forward(tr, size: int):
-    x, txt, t, shapes = forward_inputs(size)
+    x, txt, t, shapes = forward_inputs(size, tr.device, tr.dtype, tr.config.joint_attention_dim)
     return lambda: tr(
         hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=None, timestep=t,
         img_shapes=[shapes], return_dict=False,
@@ -203,8 +212,6 @@ def run_diffusers(engine: str, cases: list[str], emit, smoke: bool) -> None:
     pipe = build_diffusers(smoke)
     tr = pipe.transformer
     fp = fingerprint(tr.transformer_blocks, pipe.vae, pipe.text_encoder)
-    if smoke:  # the CPU checks the harness: no compile, no float8 (torchao's needs a GPU), no forwards
-        cases = [c for c in cases if CASES[c][0] == "e2e"]
     if engine == "cache-dit":
         return run_cache_dit(pipe, [c for c in cases if CASES[c][0] == "e2e"], emit, fp, smoke)
     variants = {
@@ -349,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.engine == "qwenfast":
         run_qwenfast(a.case, emit, a.cache, a.smoke)
+    elif a.engine == "comfyui":
+        from .peers_comfyui import run_comfyui
+
+        helpers = SimpleNamespace(
+            CASES=CASES, build_diffusers=build_diffusers, fingerprint=fingerprint, forward_inputs=forward_inputs,
+            time_forward=time_forward, shape=_shape, free=_free,
+        )  # fmt: skip
+        run_comfyui(a.case, emit, a.smoke, helpers)
     else:
         run_diffusers(a.engine, a.case, emit, a.smoke)
     return 0
