@@ -154,7 +154,10 @@ def test_the_table_renders_from_a_synthetic_record():
         "DBCache F1B0 R0.08 | 35% (35%) | 83.3% (-8.4) | 47.9 dB / 0.990 | score, PSNR |" in x for x in lines
     )
     assert not any("R0.04" in line for line in lines)
-    assert "PSNR 95.5 dB (max pixel difference 1/255); 1 more cache-dit points off its fronts" in out
+    assert (
+        "PSNR 95.5 dB (max pixel difference 1/255); 1 more configurations, off both fronts, are in the record"
+        in out
+    )
     assert "cpu, 2026-11-25, commit `abcdef0` (`bench/results/cache_pareto.jsonl` line 3)" in out
     assert cache_pareto([]).startswith("*No cache-pareto record yet")
 

@@ -46,8 +46,8 @@ Method:
 
 Output: a table per configuration, each engine's fronts, one JSON record (with `--results DIR` appended to
 DIR/cache_pareto.jsonl). `--plot PNG` draws the figure (docs/cache-pareto.png) from the newest record of
-each suite and runs nothing. About 40 min for the text-to-image suite and 25 min for edits on two
-CPU cores (`--threads 1`).
+each suite and runs nothing. About half an hour for the text-to-image suite and 20 minutes for edits on
+two shared CPU cores (`--threads 1`: a second thread only contended there).
 """
 
 from __future__ import annotations
