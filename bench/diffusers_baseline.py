@@ -3,7 +3,10 @@ timed alone in a fresh process or after the transformer bench's setup (qwenfast'
 same weights, optionally the compiler imported): median GPU ms (CUDA events) and median host ms to
 enqueue one forward. Run each configuration in its own process:
 
-    python bench/diffusers_baseline.py alone|bench|bench+inductor [--results bench/results]
+    python bench/diffusers_baseline.py alone|bench|bench+inductor [--busy N] [--results bench/results]
+
+--busy N: N other processes keep N CPU cores busy while it runs (a host shared with other work, e.g. a
+compile's worker pool): diffusers' eager forward is near launch-bound, so its row moves with host load.
 
 With FlashAttention-3 installed or not, and PYTORCH_CUDA_ALLOC_CONF set or not, as the environment has
 it (the record says which). One H100 / H200 GPU, under a minute a configuration.
@@ -13,6 +16,7 @@ import argparse
 import importlib.util
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,8 +46,18 @@ def timed(fn, warmup: int = 3, iters: int = 10) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["alone", "bench", "bench+inductor"])
+    p.add_argument("--busy", type=int, default=0, help="CPU-spinning processes during the run (default 0)")
     p.add_argument("--results", help="append the record to DIR/diffusers_baseline.jsonl")
     a = p.parse_args()
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
+    try:
+        run(a)
+    finally:
+        for s in spinners:
+            s.kill()
+
+
+def run(a: argparse.Namespace) -> None:
     if a.mode == "alone":  # nothing of qwenfast imported
         from diffusers import QwenImageTransformer2DModel
 
@@ -74,7 +88,7 @@ def main() -> None:
     from qwenfast.benchmarks import emit
 
     fa3 = any(importlib.util.find_spec(m) for m in ("fa3_fwd_interface", "flash_attn_interface"))
-    emit({"bench": "diffusers_baseline", "mode": a.mode, "fa3_installed": fa3,
+    emit({"bench": "diffusers_baseline", "mode": a.mode, "busy_cpu_processes": a.busy, "fa3_installed": fa3,
           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "ms": first[0], "host_ms": first[1],
           "ms_after_2s_idle": again[0], "host_ms_after_2s_idle": again[1]},
          "diffusers_baseline.jsonl", a.results)  # fmt: skip

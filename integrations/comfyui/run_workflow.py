@@ -83,6 +83,23 @@ async def run_comfy(graph: dict, base: Path) -> tuple[Path, dict]:
     return Path(img.get("abs_path") or base / "output" / img.get("subfolder", "") / img["filename"]), outputs
 
 
+def run_direct(graph: dict, base: Path) -> Path:
+    """The same graph through ComfyUI's node classes called in graph order (`bench peers`' runner: no
+    server, executor or front end to install); node "4" (SaveImage) becomes its own rule: uint8(255 x)."""
+    from PIL import Image
+
+    from qwenfast.benchmarks.peers_comfyui_e2e import node_classes, run_graph
+
+    sys.argv = sys.argv[:1]
+    graph = {k: v for k, v in graph.items() if k != "4"}
+    img = run_graph(graph, node_classes(), {})["3"][1][0].float().clamp(0, 1).cpu().numpy()
+    path = base / "output" / "qwenfast_direct.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.clip(img * 255.0, 0, 255).astype(np.uint8)).save(path)
+    print(f"ComfyUI's node classes ran the workflow: wrote {path}", flush=True)
+    return path
+
+
 def reference_float(a, lora: Path) -> np.ndarray:
     """The float image `qwenfast generate` saves (same model, LoRA, seed and settings), in-process."""
     import torch
@@ -111,6 +128,8 @@ def main() -> int:
     p.add_argument("--record", default=None, help="copy workflow, image, log and result here")
     p.add_argument("--extra-site", default=None, help="a folder of packages ComfyUI needs (appended: installed ones win)")
     p.add_argument("--results", default=None, help="append the JSON record to RESULTS/comfyui.jsonl")
+    p.add_argument("--direct", action="store_true", help="call ComfyUI's node classes in graph order instead of its "
+                   "embedded client (where its server's dependencies are not installed)")
     a = p.parse_args()
     if a.extra_site:
         import site
@@ -124,11 +143,11 @@ def main() -> int:
     os.symlink(PACK, base / "custom_nodes" / "qwenfast_comfyui")  # not "qwenfast": that name is the library
     lora = base / "models" / "loras" / "qwenfast_demo_lora.safetensors"
     make_lora(lora)
-    graph = workflow(a, lora.name)  # a name under models/loras, resolved by ComfyUI's folder_paths
+    graph = workflow(a, str(lora) if a.direct else lora.name)  # embedded: a name under models/loras
     (base / "workflow_api.json").write_text(json.dumps(graph, indent=2))
 
     t0 = time.perf_counter()
-    comfy_png, _ = asyncio.run(run_comfy(graph, base))
+    comfy_png = run_direct(graph, base) if a.direct else asyncio.run(run_comfy(graph, base))[0]
     t_comfy = time.perf_counter() - t0
     ref_png, nolora_png = base / "qwenfast_generate.png", base / "qwenfast_generate_nolora.png"
 
@@ -161,7 +180,7 @@ def main() -> int:
     round_err = float(np.abs(r - np.round(255 * x)).max()) / 255
     diff, lora_effect = float(np.abs(c - r).max()) / 255, float(np.abs(r - n).max()) / 255
     same = floor_err == 0 and round_err == 0 if a.device == "cpu" else diff <= a.tolerance
-    rec = {"what": "comfyui_workflow_vs_qwenfast_generate", "comfyui": os.environ.get("COMFYUI_LABEL", "?"), "device": a.device, "dtype": a.dtype, "seed": a.seed,
+    rec = {"what": "comfyui_workflow_vs_qwenfast_generate", "comfyui": os.environ.get("COMFYUI_LABEL", "?"), "runner": "node classes in graph order" if a.direct else "embedded client", "device": a.device, "dtype": a.dtype, "seed": a.seed,
            "steps": a.steps, "cfg": a.cfg, "size": a.size, "lora_strength": a.lora_strength,
            "png_max_abs_diff": diff, "comfy_png_vs_floor_of_float": floor_err, "generate_png_vs_round_of_float": round_err,
            "tolerance": a.tolerance, "lora_moves_image_by": lora_effect, "comfy_s": round(t_comfy, 2),

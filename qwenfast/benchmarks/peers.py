@@ -8,8 +8,9 @@ Rows (each engine in its own process, `peers_worker.py`, so no engine's globals 
   "fast" step mask; computed fraction = calls of the last block / calls of the transformer;
 - qwenfast bf16, FP8, FP8 + 8-bit attention, each step-cache preset (computed fraction from its runner);
 - ComfyUI's own Qwen-Image model (`peers_comfyui`: its model, attention and ops from the work tree named
-  by `QWENFAST_COMFYUI`), bf16 and its fp8 scaled weights path; forward cases only (its end to end needs
-  its sampler, VAE and text encoder); without `QWENFAST_COMFYUI` it is listed as not run;
+  by `QWENFAST_COMFYUI`), bf16 and its fp8 scaled weights path, forward cases; and end to end
+  (`comfyui-workflow`, `peers_comfyui_e2e`): ComfyUI's own Qwen-Image workflow beside the qwenfast nodes
+  in the same ComfyUI over the same files; without `QWENFAST_COMFYUI` both are listed as not run;
 - peers that cannot be brought to the GPU machine: a row that says why, with their own published figure.
 
 Cases: one transformer forward at 1024², 1328², 2048² (median of 10, CUDA events; the host's enqueue
@@ -56,20 +57,23 @@ NOT_RUN = {
 }
 BASE = "diffusers eager"
 COMFYUI = "ComfyUI native (comfy/ldm/qwen_image)"
+COMFYUI_E2E = "ComfyUI native workflow, end to end"
 
 
 def not_run(engines: list[str], cases: list[str]) -> dict[str, tuple[str, str]]:
-    """NOT_RUN, plus ComfyUI's rows that will not come: all of them without a work tree to import
-    (`COMFYUI` then names the engine as skipped), its end-to-end rows whenever end-to-end cases are asked."""
+    """NOT_RUN, plus ComfyUI's engines that cannot run: without a work tree to import, each asked ComfyUI
+    engine is listed (`COMFYUI` / `COMFYUI_E2E` then name the engine as skipped), and its end-to-end
+    rows are listed when end-to-end cases are asked without the `comfyui-workflow` engine."""
     out = dict(NOT_RUN)
-    if "comfyui" not in engines:
-        return out
-    if not os.environ.get(COMFYUI_ENV):
-        out[COMFYUI] = (f"not run: ${COMFYUI_ENV} names no ComfyUI work tree", "no published timing")
-    elif not any(CASES[c][0] == "fwd" for c in cases):
-        out[COMFYUI] = (COMFYUI_NOT_E2E, "no published timing")
-    if any(CASES[c][0] == "e2e" for c in cases):
-        out.setdefault(COMFYUI + ", end to end", (COMFYUI_NOT_E2E, "no published timing"))
+    tree = bool(os.environ.get(COMFYUI_ENV))
+    missing = (f"not run: ${COMFYUI_ENV} names no ComfyUI work tree", "no published timing")
+    if "comfyui" in engines and (not tree or not any(CASES[c][0] == "fwd" for c in cases)):
+        out[COMFYUI] = missing if not tree else ("forward cases only: none asked", "no published timing")
+    if any(CASES[c][0] == "e2e" for c in cases) and {"comfyui", "comfyui-workflow"} & set(engines):
+        if "comfyui-workflow" not in engines:
+            out[COMFYUI_E2E] = (COMFYUI_NOT_E2E, "no published timing")
+        elif not tree:
+            out[COMFYUI_E2E] = missing
     return out
 
 
@@ -118,8 +122,9 @@ def compare(rows: list[dict], out: Path) -> None:
             continue
         key = "ms" if "ms" in r else "s"
         r["speedup_vs_diffusers"] = round(b[key] / r[key], 2)
-        if "computed_fraction" in r:
-            continue  # a cached row's difference is a quality question (docs/quality.md), not a tolerance
+        if "computed_fraction" in r or "not_compared" in r:
+            continue  # a cached row's difference is a quality question (docs/quality.md), not a tolerance;
+            # ComfyUI's workflow samples on its own schedule (peers_comfyui_e2e)
         a, ref = np.load(out / r["output"]), np.load(out / b["output"])
         if CASES[r["case"]][0] == "fwd":
             r["rel_err_vs_diffusers"] = float(f"{_rel_err(a, ref):.3e}")
@@ -145,6 +150,7 @@ def table(rows: list[dict]) -> str:
         for r in rs:
             diff = r.get("rel_err_vs_diffusers", r.get("mean_abs_diff_vs_diffusers", ""))
             frac = f"computed {r['computed_fraction']:.0%}" if "computed_fraction" in r else f"diff {diff}"
+            frac = "not compared" if "not_compared" in r else frac
             host = f"host {r['host_ms']} ms" if "host_ms" in r else f"peak {r.get('peak_gib', '')} GiB"
             x = r.get("speedup_vs_diffusers", "")
             lines.append(f"  {r['row']:52s} {r.get(unit, ''):>9} {x!s:>6}x  {frac:22s} {host}")
@@ -174,6 +180,8 @@ def run(
         skipped = not_run(engines, cases)
         for engine in engines:
             if engine == "comfyui" and COMFYUI in skipped:
+                continue
+            if engine == "comfyui-workflow" and not os.environ.get(COMFYUI_ENV):
                 continue
             print(f"{engine}: own process", flush=True)
             new = _worker(engine, cases, caches, out, smoke, timeout_s)

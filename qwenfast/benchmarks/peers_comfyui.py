@@ -2,8 +2,8 @@
 attention (`comfy/ldm/modules/attention.py`) and its ops (`comfy/ops.py`), over the same seeded weights.
 
 Why: ComfyUI is what most Qwen-Image users run, so its transformer forward is the baseline they know.
-Its end-to-end path (sampler, VAE, text encoder) is not run here: those would be ComfyUI's own
-implementations of the other stages and need its node graph; the rows are one transformer forward.
+Its end-to-end path (sampler, VAE, text encoder) needs its node graph: that is the `comfyui-workflow`
+engine (`peers_comfyui_e2e`); the rows here are one transformer forward.
 
 ComfyUI is not a dependency: the worker imports it from the folder named by `QWENFAST_COMFYUI` (a work
 tree of the pip-installable fork hiddenswitch/pip-and-uv-installable-ComfyUI; docs/comfyui.md names the
@@ -31,7 +31,7 @@ from ..loading.single_file import TRANSFORMER_PREFIXES, _split_prefix
 
 COMFY_PREFIX = TRANSFORMER_PREFIXES[0]  # "model.diffusion_model.": ComfyUI's checkpoints and model_base
 ENV = "QWENFAST_COMFYUI"
-NOT_RUN_E2E = "end to end is not run: it needs ComfyUI's sampler, VAE and text encoder (its node graph)"
+NOT_RUN_E2E = "end to end is the comfyui-workflow engine (ComfyUI's own workflow), not asked in this run"
 FP8_MAX = 448.0  # float8_e4m3fn
 ROWS = ("ComfyUI native bf16", "ComfyUI native fp8 scaled")
 

@@ -39,7 +39,8 @@ CASES = {
     "e2e:1024:4:nocfg": ("e2e", 1024, 4, False),
 }
 DIFFUSERS_ENGINES = ("diffusers", "diffusers-torchao", "cache-dit")
-ENGINES = (*DIFFUSERS_ENGINES, "comfyui", "qwenfast")  # comfyui: `peers_comfyui`, needs $QWENFAST_COMFYUI
+# comfyui: `peers_comfyui` (forwards), comfyui-workflow: `peers_comfyui_e2e`; both need $QWENFAST_COMFYUI
+ENGINES = (*DIFFUSERS_ENGINES, "comfyui", "comfyui-workflow", "qwenfast")
 TXT_LEN = 128
 
 
@@ -364,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
             time_forward=time_forward, shape=_shape, free=_free,
         )  # fmt: skip
         run_comfyui(a.case, emit, a.smoke, helpers)
+    elif a.engine == "comfyui-workflow":
+        from .peers_comfyui_e2e import run_comfyui_e2e
+
+        helpers = SimpleNamespace(CASES=CASES, PROMPT=PROMPT, build_diffusers=build_diffusers,
+                                  fingerprint=fingerprint, free=_free)  # fmt: skip
+        run_comfyui_e2e([c for c in a.case if CASES[c][0] == "e2e"], emit, a.smoke, helpers)
     else:
         run_diffusers(a.engine, a.case, emit, a.smoke)
     return 0

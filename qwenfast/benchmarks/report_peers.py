@@ -60,24 +60,40 @@ BASELINE_MODES = {
 
 
 def diffusers_baseline(recs: list[Rec]) -> str:
-    """diffusers' eager 1024² forward per process state: GPU time and host enqueue time."""
+    """diffusers' eager 1024² forward per GPU and process state (GPU time and host enqueue time), beside
+    the diffusers row of the newest `bench transformer` run on that GPU: the two must agree."""
     rs = [r for r in recs if r.file == "diffusers_baseline.jsonl"]
     if not rs:
         return "*No record yet: `python bench/diffusers_baseline.py alone`.*"
-    body = [
-        [
-            BASELINE_MODES.get(r["mode"], r["mode"]),
-            "yes" if r.get("fa3_installed") else "no",
-            f"`{r['alloc_conf']}`" if r.get("alloc_conf") else "—",
-            ms(r["ms"]),
-            ms(r["host_ms"]),
-            f"{ms(r['ms_after_2s_idle'])} / {ms(r['host_ms_after_2s_idle'])}",
-        ]
-        for r in rs
-    ]
-    head = ["diffusers' forward, 1024², one process each", "FA3 installed", "allocator", "GPU", "host enqueue",
-            "again after 2 s idle: GPU / host"]  # fmt: skip
-    return table(head, body) + source(rs, "python bench/diffusers_baseline.py alone|bench|bench+inductor")
+    body, used = [], list(rs)
+    for gpu in dict.fromkeys(gpu_name(r) for r in rs):
+        for r in (r for r in rs if gpu_name(r) == gpu):
+            busy = r.get("busy_cpu_processes", 0)
+            body.append([
+                gpu, BASELINE_MODES.get(r["mode"], r["mode"]) + (f", {busy} CPU cores kept busy" if busy else ""),
+                "yes" if r.get("fa3_installed") else "no", f"`{r['alloc_conf']}`" if r.get("alloc_conf") else "—",
+                ms(r["ms"]), ms(r["host_ms"]), f"{ms(r['ms_after_2s_idle'])} / {ms(r['host_ms_after_2s_idle'])}",
+            ])  # fmt: skip
+        t = newest(
+            recs, "transformer.jsonl", lambda x, g=gpu: gpu_name(x) == g and "1024" in x.get("sizes", {})
+        )
+        d = t and t["sizes"]["1024"]["variants"].get("diffusers eager")
+        if d:
+            alone = [
+                r["ms"]
+                for r in rs
+                if gpu_name(r) == gpu and r["mode"] == "alone" and not r.get("busy_cpu_processes")
+            ]
+            agree = f" ({100 * (d['ms'] / alone[-1] - 1):+.1f}% vs alone)" if alone else ""
+            body.append([gpu, "`qwenfast bench transformer --compare diffusers`, its diffusers row" + agree,
+                         "", "", ms(d["ms"]), "", ""])  # fmt: skip
+            used.append(t)
+    head = ["GPU", "diffusers' forward, 1024², one process each", "FA3 installed", "allocator", "GPU time",
+            "host enqueue", "again after 2 s idle: GPU / host"]  # fmt: skip
+    cmd = (
+        "python bench/diffusers_baseline.py alone|bench|bench+inductor [--busy N]; bash bench/transformer.sh"
+    )
+    return table(head, body) + source(used, cmd)
 
 
 SUMMARY_ROWS = ("diffusers eager", "diffusers + regional compile", "diffusers + torchao float8 + regional compile",
