@@ -88,8 +88,11 @@ def run_direct(graph: dict, base: Path) -> Path:
     server, executor or front end to install); node "4" (SaveImage) becomes its own rule: uint8(255 x)."""
     from PIL import Image
 
+    from qwenfast.benchmarks.peers_comfyui import import_comfyui
     from qwenfast.benchmarks.peers_comfyui_e2e import node_classes, run_graph
 
+    if os.environ.get("QWENFAST_COMFYUI"):
+        import_comfyui()  # the work tree it names, else ComfyUI must be importable already
     sys.argv = sys.argv[:1]
     graph = {k: v for k, v in graph.items() if k != "4"}
     img = run_graph(graph, node_classes(), {})["3"][1][0].float().clamp(0, 1).cpu().numpy()

@@ -79,7 +79,12 @@ def import_comfyui(folder: str | None = None) -> Path:
         )
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    import comfy.ldm.qwen_image.model  # noqa: F401  (fails here, with the missing package named, if any)
+    argv, sys.argv = sys.argv, sys.argv[:1]  # ComfyUI parses the command line at import: not ours to read
+    try:
+        import comfy.cli_args  # noqa: F401  (parsed now, while it sees no arguments)
+        import comfy.ldm.qwen_image.model  # noqa: F401  (fails here, with the missing package named, if any)
+    finally:
+        sys.argv = argv
 
     return Path(folder)
 

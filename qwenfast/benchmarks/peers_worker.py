@@ -19,6 +19,7 @@ import argparse
 import json
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for the outputs (.npy) the orchestrator compares")
     p.add_argument("--smoke", action="store_true", help="the demo model on the CPU (checks the harness)")
     a = p.parse_args(argv)
+    sys.argv = sys.argv[:1]  # read: ComfyUI (the comfyui engines) parses the command line again, as its own
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
 
