@@ -42,7 +42,12 @@ def peers(recs: list[Rec]) -> str:
         ["engine", *(COLUMNS[c] for c in cases), "vs diffusers: forward rel. err / image mean |Δ|"], body
     )
     failed = [x for x in r["rows"] if "error" in x]
-    notes = [f"- **{x['engine']}**: {x['error'][:200]}" for x in failed]
+    notes = [f"- **{x['engine']}**: {x.get('why') or x['error'][:200]}." for x in failed]
+    if any("not_compared" in x for x in rows):
+        notes.insert(0, "- **ComfyUI native workflow / qwenfast nodes in ComfyUI**: whole workflows (prompt in, image "
+                     "out) in one ComfyUI over the same three files (transformer as a scaled fp8 file, as ComfyUI "
+                     "ships it); ComfyUI samples with euler on its own schedule (shift 3.1), so these images are "
+                     "not compared with diffusers'.")  # fmt: skip
     notes += [f"- **{n['row']}**: {n['why']}. Its own figure: {n['published']}." for n in r["not_run"]]
     head = (
         f"One {gpu_name(r)}, one run: every engine in its own process over the same random full-size "
@@ -97,8 +102,9 @@ def diffusers_baseline(recs: list[Rec]) -> str:
 
 
 SUMMARY_ROWS = ("diffusers eager", "diffusers + regional compile", "diffusers + torchao float8 + regional compile",
-                "diffusers + cache-dit fast step mask + TaylorSeer", "qwenfast bf16", "qwenfast FP8",
-                "qwenfast FP8 + fast cache")  # fmt: skip
+                "diffusers + cache-dit fast step mask + TaylorSeer", "ComfyUI native workflow (fp8 scaled file)",
+                "qwenfast bf16", "qwenfast FP8", "qwenfast FP8 + fast cache",
+                "qwenfast nodes in ComfyUI (FP8, same files)")  # fmt: skip
 
 
 def peers_summary(recs: list[Rec]) -> str:

@@ -204,11 +204,16 @@ def end_to_end(recs: list[Rec]) -> str:
 
 
 def transformer(recs: list[Rec]) -> str:
-    """docs/benchmarks.md: the 60-layer transformer forward, every variant of the newest default run."""
+    """docs/benchmarks.md: the 60-layer transformer forward, every variant of the newest default run of
+    both sizes (1024² and 1328², what bench/transformer.sh runs; a 1024²-only run checks the baseline)."""
     r = newest(
         recs,
         "transformer.jsonl",
-        lambda r: is_default(r) and "diffusers eager" in next(iter(r["sizes"].values()))["variants"],
+        lambda r: (
+            is_default(r)
+            and {"1024", "1328"} <= set(r["sizes"])
+            and "diffusers eager" in next(iter(r["sizes"].values()))["variants"]
+        ),
     )
     if r is None:
         return "*No transformer record yet: `bash bench/transformer.sh`.*"
