@@ -255,8 +255,9 @@ class QwenFastSampler:
             kw["negative_prompt"] = None
         hook = bridge.StepHook(kw["num_inference_steps"])
         hook.check()
-        out = pipe(None if positive is not None else prompt, height=int(height), width=int(width),
-                   num_images_per_prompt=int(batch_size), output_type="pt", callback=hook, **kw)  # fmt: skip
+        with bridge.standalone_precision():
+            out = pipe(None if positive is not None else prompt, height=int(height), width=int(width),
+                       num_images_per_prompt=int(batch_size), output_type="pt", callback=hook, **kw)  # fmt: skip
         return _outputs(pipe, out, hook, height, width)
 
 
@@ -293,8 +294,9 @@ class QwenFastEdit:
         kw = {**_common(pipe, steps, cfg, negative_prompt), "generator": _generators(seed, batch_size)}
         hook = bridge.StepHook(kw["num_inference_steps"])
         hook.check()
-        out = pipe(images, prompt, height=int(height) or None, width=int(width) or None,
-                   num_images_per_prompt=int(batch_size), output_type="pt", callback=hook, **kw)  # fmt: skip
+        with bridge.standalone_precision():
+            out = pipe(images, prompt, height=int(height) or None, width=int(width) or None,
+                       num_images_per_prompt=int(batch_size), output_type="pt", callback=hook, **kw)  # fmt: skip
         return _outputs(pipe, out, hook, height, width)
 
 
@@ -312,7 +314,8 @@ class QwenFastEncodePrompt:
         return {"required": {"model": ("QWENFAST_MODEL",), "text": ("STRING", {"multiline": True, "default": ""})}}
 
     def encode(self, model: QwenFastModel, text: str):
-        emb, mask = model.pipe.encode_prompt([text])  # (1, L, D), (1, L) | None
+        with bridge.standalone_precision():
+            emb, mask = model.pipe.encode_prompt([text])  # (1, L, D), (1, L) | None
         return (bridge.embeds_to_conditioning(emb, mask),)
 
 
@@ -332,7 +335,8 @@ class QwenFastDecode:
     def decode(self, model: QwenFastModel, samples: dict):
         pipe = model.pipe
         x, h, w = bridge.comfy_to_packed(pipe, samples["samples"].to(pipe.device))
-        img = pipe.decode_latents(x, h, w)  # (B, 3, H, W) in [-1, 1]
+        with bridge.standalone_precision():
+            img = pipe.decode_latents(x, h, w)  # (B, 3, H, W) in [-1, 1]
         return (bridge.images_to_comfy((img * 0.5 + 0.5).clamp(0, 1)),)
 
 
