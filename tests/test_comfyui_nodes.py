@@ -302,23 +302,3 @@ def test_nodes_run_under_inference_mode_as_comfyui_runs_them(pack, ref):
                                                                   "none")  # fmt: skip
         _, image = sample(pack, m)
     assert maxdiff(image, ref_image(ref)) <= TOL
-
-
-def test_nodes_compute_at_qwenfast_precision_where_comfyui_set_tf32(pack, model, monkeypatch):
-    """ComfyUI sets torch's float32 matmul precision to "high" (TF32) when imported; the nodes run each
-    qwenfast call at torch's default ("highest", as `qwenfast generate` does) and put ComfyUI's back after."""
-    seen = []
-    real_call, real_encode = type(model.pipe).__call__, type(model.pipe).encode_prompt
-    monkeypatch.setattr(type(model.pipe), "__call__",
-                        lambda self, *a, **k: (seen.append(torch.get_float32_matmul_precision()), real_call(self, *a, **k))[1])  # fmt: skip
-    monkeypatch.setattr(type(model.pipe), "encode_prompt",
-                        lambda self, *a, **k: (seen.append(torch.get_float32_matmul_precision()), real_encode(self, *a, **k))[1])  # fmt: skip
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        sample(pack, model)
-        pack.NODE_CLASS_MAPPINGS["QwenFastEncodePrompt"]().encode(model, PROMPT)
-        assert torch.get_float32_matmul_precision() == "high"  # ComfyUI's setting, back after each call
-    finally:
-        torch.set_float32_matmul_precision(before)
-    assert seen[:1] == ["highest"] and seen[-1] == "highest"

@@ -19,10 +19,8 @@ ComfyUI's formats (as its own nodes make them):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,20 +30,6 @@ log = logging.getLogger("qwenfast.comfyui")
 
 # ---------------------------------------------------------------------------------------------
 # ComfyUI hooks (optional)
-
-
-@contextlib.contextmanager
-def standalone_precision() -> Iterator[None]:
-    """Run a qwenfast call at the float32 matmul precision it has outside ComfyUI (torch's default,
-    "highest"), restored after: ComfyUI sets "high" (TF32) process-wide when it is imported, which moved
-    the nodes' bf16 images away from `qwenfast generate`'s for the same seed."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
 
 
 def _comfy(module: str):

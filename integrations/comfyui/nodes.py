@@ -255,9 +255,8 @@ class QwenFastSampler:
             kw["negative_prompt"] = None
         hook = bridge.StepHook(kw["num_inference_steps"])
         hook.check()
-        with bridge.standalone_precision():
-            out = pipe(None if positive is not None else prompt, height=int(height), width=int(width),
-                       num_images_per_prompt=int(batch_size), output_type="pt", callback=hook, **kw)  # fmt: skip
+        out = pipe(None if positive is not None else prompt, height=int(height), width=int(width),
+                   num_images_per_prompt=int(batch_size), output_type="pt", callback=hook, **kw)  # fmt: skip
         return _outputs(pipe, out, hook, height, width)
 
 
@@ -294,9 +293,8 @@ class QwenFastEdit:
         kw = {**_common(pipe, steps, cfg, negative_prompt), "generator": _generators(seed, batch_size)}
         hook = bridge.StepHook(kw["num_inference_steps"])
         hook.check()
-        with bridge.standalone_precision():
-            out = pipe(images, prompt, height=int(height) or None, width=int(width) or None,
-                       num_images_per_prompt=int(batch_size), output_type="pt", callback=hook, **kw)  # fmt: skip
+        out = pipe(images, prompt, height=int(height) or None, width=int(width) or None,
+                   num_images_per_prompt=int(batch_size), output_type="pt", callback=hook, **kw)  # fmt: skip
         return _outputs(pipe, out, hook, height, width)
 
 
@@ -314,8 +312,7 @@ class QwenFastEncodePrompt:
         return {"required": {"model": ("QWENFAST_MODEL",), "text": ("STRING", {"multiline": True, "default": ""})}}
 
     def encode(self, model: QwenFastModel, text: str):
-        with bridge.standalone_precision():
-            emb, mask = model.pipe.encode_prompt([text])  # (1, L, D), (1, L) | None
+        emb, mask = model.pipe.encode_prompt([text])  # (1, L, D), (1, L) | None
         return (bridge.embeds_to_conditioning(emb, mask),)
 
 
@@ -335,8 +332,7 @@ class QwenFastDecode:
     def decode(self, model: QwenFastModel, samples: dict):
         pipe = model.pipe
         x, h, w = bridge.comfy_to_packed(pipe, samples["samples"].to(pipe.device))
-        with bridge.standalone_precision():
-            img = pipe.decode_latents(x, h, w)  # (B, 3, H, W) in [-1, 1]
+        img = pipe.decode_latents(x, h, w)  # (B, 3, H, W) in [-1, 1]
         return (bridge.images_to_comfy((img * 0.5 + 0.5).clamp(0, 1)),)
 
 

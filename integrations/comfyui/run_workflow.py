@@ -112,7 +112,6 @@ def reference_float(a, lora: Path) -> np.ndarray:
     pipe = QwenImagePipeline.from_pretrained(None, device=a.device, dtype=None if a.dtype == "auto" else a.dtype)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora(str(lora), a.lora_strength)
-    torch.set_float32_matmul_precision("highest")  # what `qwenfast generate` runs at (ComfyUI set "high")
     out = pipe(PROMPT, negative_prompt=" ", height=a.size, width=a.size, num_inference_steps=a.steps,
                true_cfg_scale=a.cfg, generator=torch.Generator("cpu").manual_seed(a.seed), output_type="np")  # fmt: skip
     return out.images[0].astype(np.float64)
