@@ -43,15 +43,17 @@ CACHE_PRESETS = ("balanced", "fast")
 # Peers we could not run on the GPU machine: why, and the figure they publish (their GPU, their setup).
 NOT_RUN = {
     "SGLang-diffusion": (
-        "not tried yet on the GPU machine (its CUDA kernels come as a separate wheel built for its own torch)",
+        "not run: its CUDA kernels (sgl-kernel 0.3.21, a 536 MB wheel) cannot be carried to the GPU machine, "
+        "which has no network and takes 64 MiB a call",
         "13.1 s, 1024² 50 steps true CFG, one H100 (its CI baselines, 2026-04); 4.53 s with cache-dit",
     ),
     "nunchaku (SVDQuant 4-bit)": (
-        "not tried yet on the GPU machine (its wheels are built per torch and CUDA version)",
+        "not run: PyPI holds only a 17 kB placeholder; its wheels come per torch and CUDA version from its "
+        "GitHub releases, which the GPU machine cannot reach",
         "users report no speed-up on A100 (its issues #701, #899); ~3 GB VRAM with offload",
     ),
     "LightX2V": (
-        "not tried yet on the GPU machine",
+        "not run: not on PyPI; a source install needs its own kernel builds and network on the GPU machine",
         "Edit-2511 50 steps CFG DiT 31.9 s vs diffusers 46.8 s, one H100 (its docs)",
     ),
 }
