@@ -6,7 +6,8 @@ enqueue one forward. Run each configuration in its own process:
     python bench/diffusers_baseline.py alone|bench|bench+inductor [--busy N] [--results bench/results]
 
 --busy N: N other processes keep N CPU cores busy while it runs (a host shared with other work, e.g. a
-compile's worker pool): diffusers' eager forward is near launch-bound, so its row moves with host load.
+compile's worker pool). --slow-host: a no-op line tracer (sys.settrace) makes this process's host side
+slower (as a slower CPU would): were diffusers' eager forward launch-bound, its GPU time would follow.
 
 With FlashAttention-3 installed or not, and PYTORCH_CUDA_ALLOC_CONF set or not, as the environment has
 it (the record says which). One H100 / H200 GPU, under a minute a configuration.
@@ -47,6 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["alone", "bench", "bench+inductor"])
     p.add_argument("--busy", type=int, default=0, help="CPU-spinning processes during the run (default 0)")
+    p.add_argument("--slow-host", action="store_true", help="a no-op line tracer on every Python line")
     p.add_argument("--results", help="append the record to DIR/diffusers_baseline.jsonl")
     a = p.parse_args()
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
@@ -81,14 +83,21 @@ def run(a: argparse.Namespace) -> None:
         return ref(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=None, timestep=t,
                    img_shapes=[[(1, 64, 64)]], return_dict=False)[0]  # fmt: skip
 
+    if a.slow_host:
+
+        def trace(*_):
+            return trace
+
+        sys.settrace(trace)
     with torch.no_grad():
         first = timed(fwd)
         time.sleep(2)
         again = timed(fwd)
+    sys.settrace(None)
     from qwenfast.benchmarks import emit
 
     fa3 = any(importlib.util.find_spec(m) for m in ("fa3_fwd_interface", "flash_attn_interface"))
-    emit({"bench": "diffusers_baseline", "mode": a.mode, "busy_cpu_processes": a.busy, "fa3_installed": fa3,
+    emit({"bench": "diffusers_baseline", "mode": a.mode, "busy_cpu_processes": a.busy, "slow_host": a.slow_host, "fa3_installed": fa3,
           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "ms": first[0], "host_ms": first[1],
           "ms_after_2s_idle": again[0], "host_ms_after_2s_idle": again[1]},
          "diffusers_baseline.jsonl", a.results)  # fmt: skip

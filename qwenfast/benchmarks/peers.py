@@ -13,8 +13,9 @@ Rows (each engine in its own process, `peers_worker.py`, so no engine's globals 
   in the same ComfyUI over the same files; without `QWENFAST_COMFYUI` both are listed as not run;
 - peers that cannot be brought to the GPU machine: a row that says why, with their own published figure.
 
-Cases: one transformer forward at 1024², 1328², 2048² (median of 10, CUDA events; the host's enqueue
-time beside it shows when an engine is launch-bound), and end to end (text encoder + denoise + VAE)
+Cases: one transformer forward at 1024², 1328², 2048² (median of 10, CUDA events; the host's
+time to return from a call beside it: near the GPU time when the host is the limit, or when the engine
+waits on the GPU inside its forward), and end to end (text encoder + denoise + VAE)
 1024² 50 steps true CFG and 1024² 4 steps. Each full-compute row's output is compared with diffusers
 eager's (forward: relative error; images: mean |difference|); cached rows give their computed fraction.
 Same weights: every worker draws them from one seed in one order and reports a fingerprint; the run

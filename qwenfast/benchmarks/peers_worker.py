@@ -105,9 +105,9 @@ def forward_inputs(
 
 
 def time_forward(fn, warmup: int = 3, iters: int = 10) -> dict:
-    """Median GPU ms (CUDA events) and median host ms to enqueue one call: when the host time nears the
-    GPU time the engine is launch-bound and its figure moves with the host CPU's speed. Without a GPU
-    (the smoke): one call, its wall time (the output is what is checked)."""
+    """Median GPU ms (CUDA events) and median host ms to return from one call: near the GPU time when
+    the engine is launch-bound (its figure then moves with the host CPU's speed) or when it waits on the
+    GPU inside the call. Without a GPU (the smoke): one call, its wall time (the output is checked)."""
     with torch.no_grad():
         out = fn()
         if not torch.cuda.is_available():

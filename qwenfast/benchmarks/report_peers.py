@@ -75,7 +75,8 @@ def diffusers_baseline(recs: list[Rec]) -> str:
         for r in (r for r in rs if gpu_name(r) == gpu):
             busy = r.get("busy_cpu_processes", 0)
             body.append([
-                gpu, BASELINE_MODES.get(r["mode"], r["mode"]) + (f", {busy} CPU cores kept busy" if busy else ""),
+                gpu, BASELINE_MODES.get(r["mode"], r["mode"]) + (f", {busy} CPU cores kept busy" if busy else "")
+                + (", its Python slowed by a line tracer" if r.get("slow_host") else ""),
                 "yes" if r.get("fa3_installed") else "no", f"`{r['alloc_conf']}`" if r.get("alloc_conf") else "—",
                 ms(r["ms"]), ms(r["host_ms"]), f"{ms(r['ms_after_2s_idle'])} / {ms(r['host_ms_after_2s_idle'])}",
             ])  # fmt: skip
@@ -85,10 +86,17 @@ def diffusers_baseline(recs: list[Rec]) -> str:
         d = t and t["sizes"]["1024"]["variants"].get("diffusers eager")
         if d:
             alone = [
-                r["ms"]
+                r
                 for r in rs
-                if gpu_name(r) == gpu and r["mode"] == "alone" and not r.get("busy_cpu_processes")
+                if gpu_name(r) == gpu
+                and r["mode"] == "alone"
+                and not r.get("busy_cpu_processes")
+                and not r.get("slow_host")
             ]
+            same = [
+                r for r in alone if r.get("commit") == t.get("commit")
+            ]  # same machine session, where recorded
+            alone = [r["ms"] for r in same or alone]
             agree = f" ({100 * (d['ms'] / alone[-1] - 1):+.1f}% vs alone)" if alone else ""
             body.append([gpu, "`qwenfast bench transformer --compare diffusers`, its diffusers row" + agree,
                          "", "", ms(d["ms"]), "", ""])  # fmt: skip
@@ -96,7 +104,8 @@ def diffusers_baseline(recs: list[Rec]) -> str:
     head = ["GPU", "diffusers' forward, 1024², one process each", "FA3 installed", "allocator", "GPU time",
             "host enqueue", "again after 2 s idle: GPU / host"]  # fmt: skip
     cmd = (
-        "python bench/diffusers_baseline.py alone|bench|bench+inductor [--busy N]; bash bench/transformer.sh"
+        "python bench/diffusers_baseline.py alone|bench|bench+inductor [--busy N] [--slow-host]; "
+        "bash bench/transformer.sh"
     )
     return table(head, body) + source(used, cmd)
 
