@@ -302,3 +302,33 @@ def test_nodes_run_under_inference_mode_as_comfyui_runs_them(pack, ref):
                                                                   "none")  # fmt: skip
         _, image = sample(pack, m)
     assert maxdiff(image, ref_image(ref)) <= TOL
+
+
+def test_nodes_compute_at_qwenfast_precision_where_comfyui_set_tf32(pack, model, monkeypatch):
+    """ComfyUI sets torch's float32 matmul precision to "high" (TF32) when imported; a pipeline built, given
+    LoRAs or run under it gave bf16 images up to 17/255 off `qwenfast generate`'s on an H100. The nodes run
+    their whole bodies at torch's default ("highest") and put ComfyUI's setting back after."""
+    seen = []
+    cls = type(model.pipe)
+    for name in ("__call__", "encode_prompt", "set_loras", "decode_latents"):
+        real = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, _real=real, _n=name, **k: (
+            seen.append((_n, torch.get_float32_matmul_precision())), _real(self, *a, **k))[1])  # fmt: skip
+    import qwenfast
+
+    real_load = qwenfast.from_pretrained
+    monkeypatch.setattr(qwenfast, "from_pretrained", lambda *a, **k: (
+        seen.append(("from_pretrained", torch.get_float32_matmul_precision())), real_load(*a, **k))[1])  # fmt: skip
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        (m,) = pack.NODE_CLASS_MAPPINGS["QwenFastLoader"]().load("demo", "cpu", "fp32", False, "none", "off", False, "none")
+        assert torch.get_float32_matmul_precision() == "high"  # ComfyUI's setting, back after each node
+        latent, _ = sample(pack, m)
+        pack.NODE_CLASS_MAPPINGS["QwenFastEncodePrompt"]().encode(m, PROMPT)
+        pack.NODE_CLASS_MAPPINGS["QwenFastDecode"]().decode(m, latent)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert {n for n, _ in seen} == {"from_pretrained", "__call__", "encode_prompt", "set_loras", "decode_latents"}, seen
+    assert all(p == "highest" for _, p in seen), seen

@@ -109,6 +109,7 @@ def reference_float(a, lora: Path) -> np.ndarray:
 
     from qwenfast import QwenImagePipeline
 
+    torch.set_float32_matmul_precision("highest")  # as in `qwenfast generate` (importing ComfyUI set "high")
     pipe = QwenImagePipeline.from_pretrained(None, device=a.device, dtype=None if a.dtype == "auto" else a.dtype)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora(str(lora), a.lora_strength)
