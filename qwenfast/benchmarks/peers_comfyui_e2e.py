@@ -5,9 +5,10 @@ the same seeded weights written as ComfyUI's three model files. A `bench peers` 
 Why: a ComfyUI user compares whole workflows (prompt in, image saved), not transformer forwards. The
 native graph is the one ComfyUI's Qwen-Image template builds: UNETLoader (the transformer as a scaled
 fp8 file, as ComfyUI distributes it), CLIPLoader type qwen_image, VAELoader, ModelSamplingAuraFlow
-(shift 3.1), two CLIPTextEncode, EmptySD3LatentImage, KSampler (euler, simple), VAEDecode, SaveImage.
-The qwenfast graph loads the same three files with QwenFastLoader (FP8 on, CUDA graphs on) and runs
-QwenFastSampler into the same SaveImage. Same steps, CFG scale, size and one model call per step
+(shift 3.1), two CLIPTextEncode, EmptySD3LatentImage, KSampler (euler, simple), VAEDecode. The
+qwenfast graph loads the same three files with QwenFastLoader (FP8 on, CUDA graphs on) and runs
+QwenFastSampler. Both end at their IMAGE output (SaveImage's 8-bit rule is applied to it here, the PNG
+write left out of both). Same steps, CFG scale, size and one model call per step
 (both samplers are first-order Euler); their sigma schedules differ (ComfyUI's shift 3.1 against
 Qwen-Image's dynamic shift), so the images are not compared with diffusers' (the node pack's image is
 checked against `qwenfast generate` by integrations/comfyui/run_workflow.py).
@@ -15,7 +16,9 @@ checked against `qwenfast generate` by integrations/comfyui/run_workflow.py).
 Timing: each graph runs once with 2 steps (ComfyUI loads its models, qwenfast captures its graphs),
 then once timed with a new seed and prompt (so ComfyUI's node cache re-runs the text encoder and the
 sampler, as a user's next prompt does). ComfyUI's models are unloaded before the qwenfast graph runs.
-ComfyUI comes from `$QWENFAST_COMFYUI` (peers_comfyui); the node pack from integrations/comfyui.
+ComfyUI comes from `$QWENFAST_COMFYUI` (peers_comfyui); the node pack from integrations/comfyui. The
+graphs run through ComfyUI's node classes, called in graph order with its node-cache rule (`run_graph`),
+not its server or embedded client, whose own dependencies (PyAV and more) the GPU machine may lack.
 """
 
 from __future__ import annotations
