@@ -20,7 +20,6 @@ ComfyUI's formats (as its own nodes make them):
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -40,24 +39,14 @@ def standalone_precision() -> Iterator[None]:
     """Run qwenfast at the float32 matmul precision it has outside ComfyUI (torch's default, "highest"),
     restored after: ComfyUI sets "high" (TF32) process-wide when it is imported, and a pipeline built or
     run under it (LoRA fusion, float32 products, CUDA graphs captured then) gives bf16 images up to 17/255
-    away from `qwenfast generate`'s for the same seed (measured on an H100)."""
+    away from `qwenfast generate`'s for the same seed (measured on an H100). The nodes use it as a
+    decorator on their whole bodies (loading, LoRA fusion, sampling)."""
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
-
-
-def standalone(fn):
-    """A node method run under `standalone_precision` (its whole body: loading, LoRA fusion, sampling)."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        with standalone_precision():
-            return fn(*args, **kwargs)
-
-    return run
 
 
 

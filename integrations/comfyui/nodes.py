@@ -123,7 +123,7 @@ class QwenFastLoader:
             },
         }
 
-    @bridge.standalone
+    @bridge.standalone_precision()
     def load(self, model, device, dtype, fp8, offload, cache, cuda_graphs, preset, transformer="", vae="",
              text_encoder="", tokenizer="", mode="text-to-image"):  # fmt: skip
         from qwenfast.options import EngineOptions
@@ -160,7 +160,7 @@ class QwenFastLoRA:
             }
         }
 
-    @bridge.standalone
+    @bridge.standalone_precision()
     def apply(self, model: QwenFastModel, lora_name: str, strength: float):
         if strength == 0:
             return (model,)
@@ -234,7 +234,7 @@ class QwenFastSampler:
             "optional": {"positive": ("CONDITIONING",), "negative": ("CONDITIONING",), "latent_image": ("LATENT",)},
         }  # fmt: skip
 
-    @bridge.standalone
+    @bridge.standalone_precision()
     def sample(self, model: QwenFastModel, prompt, negative_prompt, seed, steps, cfg, width, height, batch_size,
                positive=None, negative=None, latent_image=None):  # fmt: skip
         pipe = model.prepared()
@@ -285,7 +285,7 @@ class QwenFastEdit:
             "optional": {"image2": ("IMAGE",), "image3": ("IMAGE",)},
         }  # fmt: skip
 
-    @bridge.standalone
+    @bridge.standalone_precision()
     def edit(self, model: QwenFastModel, prompt, negative_prompt, seed, steps, cfg, image, width, height, batch_size,
              image2=None, image3=None):  # fmt: skip
         pipe = model.prepared()
@@ -315,7 +315,7 @@ class QwenFastEncodePrompt:
     def INPUT_TYPES(cls):
         return {"required": {"model": ("QWENFAST_MODEL",), "text": ("STRING", {"multiline": True, "default": ""})}}
 
-    @bridge.standalone
+    @bridge.standalone_precision()
     def encode(self, model: QwenFastModel, text: str):
         emb, mask = model.pipe.encode_prompt([text])  # (1, L, D), (1, L) | None
         return (bridge.embeds_to_conditioning(emb, mask),)
@@ -333,7 +333,7 @@ class QwenFastDecode:
     def INPUT_TYPES(cls):
         return {"required": {"model": ("QWENFAST_MODEL",), "samples": ("LATENT",)}}
 
-    @bridge.standalone
+    @bridge.standalone_precision()
     @torch.no_grad()
     def decode(self, model: QwenFastModel, samples: dict):
         pipe = model.pipe

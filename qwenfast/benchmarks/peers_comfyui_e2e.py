@@ -199,7 +199,6 @@ def run_graph(graph: dict, classes: dict[str, type], cache: dict) -> dict[str, t
 def _run_all(jobs: list[tuple[str, str, Callable]], emit, fp) -> None:
     """jobs: (row, case, graph(warm) -> (graph, (node, output) of its IMAGE)); each job runs once with
     2 steps (warm-up), then timed with its own seed and prompt."""
-    sys.argv = sys.argv[:1]  # ComfyUI parses the command line at import
     import comfy.model_management as mm
 
     classes, cache, last = node_classes(), {}, None

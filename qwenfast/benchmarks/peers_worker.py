@@ -359,20 +359,18 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.engine == "qwenfast":
         run_qwenfast(a.case, emit, a.cache, a.smoke)
-    elif a.engine == "comfyui":
+    elif a.engine in ("comfyui", "comfyui-workflow"):
         from .peers_comfyui import run_comfyui
-
-        helpers = SimpleNamespace(
-            CASES=CASES, build_diffusers=build_diffusers, fingerprint=fingerprint, forward_inputs=forward_inputs,
-            time_forward=time_forward, shape=_shape, free=_free,
-        )  # fmt: skip
-        run_comfyui(a.case, emit, a.smoke, helpers)
-    elif a.engine == "comfyui-workflow":
         from .peers_comfyui_e2e import run_comfyui_e2e
 
-        helpers = SimpleNamespace(CASES=CASES, PROMPT=PROMPT, build_diffusers=build_diffusers,
-                                  fingerprint=fingerprint, free=_free)  # fmt: skip
-        run_comfyui_e2e([c for c in a.case if CASES[c][0] == "e2e"], emit, a.smoke, helpers)
+        helpers = SimpleNamespace(
+            CASES=CASES, PROMPT=PROMPT, build_diffusers=build_diffusers, fingerprint=fingerprint,
+            forward_inputs=forward_inputs, time_forward=time_forward, shape=_shape, free=_free,
+        )  # fmt: skip
+        if a.engine == "comfyui":
+            run_comfyui(a.case, emit, a.smoke, helpers)
+        else:
+            run_comfyui_e2e([c for c in a.case if CASES[c][0] == "e2e"], emit, a.smoke, helpers)
     else:
         run_diffusers(a.engine, a.case, emit, a.smoke)
     return 0
