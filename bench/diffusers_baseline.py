@@ -8,6 +8,9 @@ enqueue one forward. Run each configuration in its own process:
 --busy N: N other processes keep N CPU cores busy while it runs (a host shared with other work, e.g. a
 compile's worker pool). --slow-host: a no-op line tracer (sys.settrace) makes this process's host side
 slower (as a slower CPU would): were diffusers' eager forward launch-bound, its GPU time would follow.
+--leave-gib G: a filler tensor takes all but G GiB of the free GPU memory before the timing (the headroom an
+80 GB card has with two 41 GB models resident, as in the transformer bench); the record gives free and
+reserved memory and the caching allocator's retries (a cudaFree + cudaMalloc after a failed allocation).
 
 With FlashAttention-3 installed or not, and PYTORCH_CUDA_ALLOC_CONF set or not, as the environment has
 it (the record says which). One H100 / H200 GPU, under a minute a configuration.
@@ -49,6 +52,7 @@ def main() -> None:
     p.add_argument("mode", choices=["alone", "bench", "bench+inductor"])
     p.add_argument("--busy", type=int, default=0, help="CPU-spinning processes during the run (default 0)")
     p.add_argument("--slow-host", action="store_true", help="a no-op line tracer on every Python line")
+    p.add_argument("--leave-gib", type=float, default=None, help="fill the GPU but this many GiB")
     p.add_argument("--results", help="append the record to DIR/diffusers_baseline.jsonl")
     a = p.parse_args()
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
@@ -83,6 +87,13 @@ def run(a: argparse.Namespace) -> None:
         return ref(hidden_states=x, encoder_hidden_states=txt, encoder_hidden_states_mask=None, timestep=t,
                    img_shapes=[[(1, 64, 64)]], return_dict=False)[0]  # fmt: skip
 
+    filler = None
+    if a.leave_gib is not None:
+        free = torch.cuda.mem_get_info()[0]
+        filler = torch.empty(max(0, free - int(a.leave_gib * 2**30)), dtype=torch.uint8, device="cuda")
+    retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+    mem = {"free_gib_before": round(torch.cuda.mem_get_info()[0] / 2**30, 2),
+           "reserved_minus_allocated_gib": round((torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2**30, 2)}  # fmt: skip
     if a.slow_host:
 
         def trace(*_):
@@ -94,10 +105,13 @@ def run(a: argparse.Namespace) -> None:
         time.sleep(2)
         again = timed(fwd)
     sys.settrace(None)
+    mem["alloc_retries"] = torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries0
+    mem["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    del filler
     from qwenfast.benchmarks import emit
 
     fa3 = any(importlib.util.find_spec(m) for m in ("fa3_fwd_interface", "flash_attn_interface"))
-    emit({"bench": "diffusers_baseline", "mode": a.mode, "busy_cpu_processes": a.busy, "slow_host": a.slow_host, "fa3_installed": fa3,
+    emit({"bench": "diffusers_baseline", "mode": a.mode, "busy_cpu_processes": a.busy, "slow_host": a.slow_host, "fa3_installed": fa3, "leave_gib": a.leave_gib, **mem,
           "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), "ms": first[0], "host_ms": first[1],
           "ms_after_2s_idle": again[0], "host_ms_after_2s_idle": again[1]},
          "diffusers_baseline.jsonl", a.results)  # fmt: skip
