@@ -76,7 +76,8 @@ def diffusers_baseline(recs: list[Rec]) -> str:
             busy = r.get("busy_cpu_processes", 0)
             body.append([
                 gpu, BASELINE_MODES.get(r["mode"], r["mode"]) + (f", {busy} CPU cores kept busy" if busy else "")
-                + (", its Python slowed by a line tracer" if r.get("slow_host") else ""),
+                + (", its Python slowed by a line tracer" if r.get("slow_host") else "")
+                + (f", all but {r['leave_gib']} GiB of GPU memory taken" if r.get("leave_gib") is not None else ""),
                 "yes" if r.get("fa3_installed") else "no", f"`{r['alloc_conf']}`" if r.get("alloc_conf") else "—",
                 ms(r["ms"]), ms(r["host_ms"]), f"{ms(r['ms_after_2s_idle'])} / {ms(r['host_ms_after_2s_idle'])}",
             ])  # fmt: skip
@@ -92,6 +93,7 @@ def diffusers_baseline(recs: list[Rec]) -> str:
                 and r["mode"] == "alone"
                 and not r.get("busy_cpu_processes")
                 and not r.get("slow_host")
+                and r.get("leave_gib") is None
             ]
             same = [
                 r for r in alone if r.get("commit") == t.get("commit")
@@ -104,7 +106,7 @@ def diffusers_baseline(recs: list[Rec]) -> str:
     head = ["GPU", "diffusers' forward, 1024², one process each", "FA3 installed", "allocator", "GPU time",
             "host enqueue", "again after 2 s idle: GPU / host"]  # fmt: skip
     cmd = (
-        "python bench/diffusers_baseline.py alone|bench|bench+inductor [--busy N] [--slow-host]; "
+        "python bench/diffusers_baseline.py alone|bench|bench+inductor [--busy N] [--slow-host] [--leave-gib G]; "
         "bash bench/transformer.sh"
     )
     return table(head, body) + source(used, cmd)
