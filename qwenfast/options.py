@@ -73,19 +73,24 @@ class CachePolicy:
     kind: str = "static"
     first: int = 1  # Fn: blocks always run first
     last: int = 0  # Bn: blocks always run last
-    warmup: int = 2  # full steps at the start
+    warmup: int = 2  # steps of the warm-up at the start (full, or every `warmup_every`-th full)
     tail: int = 1  # full steps at the end
     every: int = 2  # static: every `every`-th step after the warm-up is full
     threshold: float = 0.1  # adaptive: relative L1 change of the first blocks' residual to skip under
     max_skips: int = 3  # adaptive: at most this many cached steps in a row
     taylor: int = 0  # 0: reuse the residual; 1: extrapolate it linearly from the last two full steps
     name: str = "custom"
+    warmup_every: int = 1  # static: every n-th warm-up step is full (cache-dit's warmup_interval)
 
     def __post_init__(self):
         if self.kind not in POLICY_KINDS:
             raise ValueError(f"cache kind must be one of {POLICY_KINDS}, got {self.kind!r}")
         if self.first < 1 or self.last < 0 or self.warmup < 1 or self.tail < 0 or self.every < 1:
             raise ValueError("cache policy: first >= 1, last >= 0, warmup >= 1, tail >= 0, every >= 1")
+        if self.warmup_every < 1 or (self.kind != "static" and self.warmup_every != 1):
+            raise ValueError(
+                "cache policy: warmup_every >= 1, and only a static policy takes one other than 1"
+            )
         if self.taylor not in (0, 1):
             raise ValueError(f"taylor must be 0 or 1, got {self.taylor}")
         if not (self.threshold >= 0 and math.isfinite(self.threshold)) or self.max_skips < 1:
@@ -93,8 +98,10 @@ class CachePolicy:
 
     def static_full(self, step: int, steps: int) -> bool:
         """Whether a static policy computes every block at `step` of `steps`."""
-        if step < self.warmup or step >= steps - self.tail:
+        if step >= steps - self.tail:
             return True
+        if step < self.warmup:
+            return step % self.warmup_every == 0
         return (step - self.warmup) % self.every == 0
 
     def full_fraction(self, steps: int) -> float:
@@ -102,13 +109,16 @@ class CachePolicy:
         return sum(self.static_full(i, steps) for i in range(steps)) / steps
 
 
-# Named by what they measured on the demo model's held-out suites (50 steps, CFG; bench/cache_sweep.py,
-# H200 bf16; README "Step caching"): balanced within 1 point of uncached on both suites (38% of the
-# steps computed in full at 50 steps), fast within 3 points (30%). Taylor extrapolation measured a
-# higher PSNR than plain reuse at the same steps, so both use it.
+# Named by what they measured on the demo model's held-out suites (50 steps, CFG; docs/quality.md):
+# balanced within 1 point of uncached on both suites (38% of the steps computed in full at 50 steps),
+# fast within 3 points (30%). Taylor extrapolation measured a higher PSNR than plain reuse at the same
+# steps, so both use it. Where the full steps go matters as much as how many: early steps change the
+# image most, so balanced spends its warm-up as cache-dit does (8 steps, every 2nd full) and then every
+# 3rd: at the same 38% it keeps about 4 dB (text-to-image) and 2.5 dB (edits) more PSNR than 2 full
+# warm-up steps and every 3rd after (`qwenfast bench cache-pareto`, docs/quality.md).
 CACHE_PRESETS: dict[str, CachePolicy] = {
     "balanced": CachePolicy(
-        kind="static", first=1, last=0, warmup=2, tail=1, every=3, taylor=1, name="balanced"
+        kind="static", first=1, last=0, warmup=8, warmup_every=2, tail=1, every=3, taylor=1, name="balanced"
     ),
     "fast": CachePolicy(kind="static", first=1, last=0, warmup=2, tail=1, every=4, taylor=1, name="fast"),
 }

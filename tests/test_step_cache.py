@@ -129,7 +129,8 @@ class CacheByDefinition(BlockRunner):
     """A step cache written out from its definition, independently of runtime/cache.py: on the steps in
     `full` every block runs and the middle residual (blocks first..len-last) is recorded per (branch,
     shapes); on any other step the middle is replaced by the residual r_k of the last full step k,
-    plus (taylor) (r_k - r_j) * (s - k) / (k - j), j the full step before k. `factors` logs (s, factor)."""
+    plus (taylor) (r_k - r_j) * (s - k) / (k - j), j the full step before k (r_k alone while k is the only
+    one). `factors` logs (s, factor)."""
 
     def __init__(self, first: int, last: int, full: set[int], taylor: bool):
         self.first, self.last, self.full, self.taylor = first, last, full, taylor
@@ -151,8 +152,8 @@ class CacheByDefinition(BlockRunner):
                 img, txt = call(i, blocks[i], img, txt)
             hist.append((step.step, (img - i0, txt - t0)))
         else:
-            (k, rk), (j, rj) = hist[-1], hist[-2]
-            f = (step.step - k) / (k - j)
+            (k, rk), (j, rj) = hist[-1], hist[-2] if len(hist) > 1 else hist[-1]
+            f = (step.step - k) / (k - j) if k != j else 0.0  # one full step so far: its residual as is
             self.factors.append((step.step, f))
             r = tuple(a + (a - b) * f for a, b in zip(rk, rj)) if self.taylor else rk
             img, txt = img + r[0], txt + r[1]
@@ -161,13 +162,13 @@ class CacheByDefinition(BlockRunner):
         return img, txt
 
 
-# (policy, steps, its full steps written out by hand). Static: the first `warmup`, the last `tail`, and
-# every `every`-th from `warmup` on. Adaptive with an unreachable threshold: warm-up, then `max_skips`
+# (policy, steps, its full steps written out by hand). Static: every `warmup_every`-th of the first
+# `warmup`, the last `tail`, and every `every`-th from `warmup` on. Adaptive with an unreachable threshold: warm-up, then `max_skips`
 # cached steps between full ones, the tail. The gaps between full steps are 3 and 4, so the Taylor
 # factors (s - k) / (k - j) are 1/4, 1/3, 1/2, 2/3, 3/4, 2, 3 as well as 1.
 GAPPED = {
     "fast": (PRESETS["fast"], 12, {0, 1, 2, 6, 10, 11}),
-    "balanced": (PRESETS["balanced"], 12, {0, 1, 2, 5, 8, 11}),
+    "balanced": (PRESETS["balanced"], 12, {0, 2, 4, 6, 8, 11}),  # warm-up of 8, every 2nd full
     "every-3-last-1": (CachePolicy(kind="static", first=1, last=1, warmup=2, tail=1, every=3, taylor=1), 12,
                        {0, 1, 2, 5, 8, 11}),  # fmt: skip
     "every-4-reuse": (CachePolicy(kind="static", warmup=2, tail=1, every=4, taylor=0), 12, {0, 1, 2, 6, 10, 11}),
@@ -260,6 +261,11 @@ def test_cache_options_and_their_errors(fresh):
         EngineOptions(cache="fast", offload="blocks")
     with pytest.raises(ValueError):
         CachePolicy(kind="sometimes")
+    for bad in (dict(warmup_every=0), dict(kind="adaptive", warmup_every=2)):
+        with pytest.raises(ValueError, match="warmup_every"):
+            CachePolicy(**bad)
+    # the tail outranks the warm-up: a 4-step run under balanced still ends on a full step
+    assert [s for s in range(4) if PRESETS["balanced"].static_full(s, 4)] == [0, 2, 3]
     fresh.configure(cache="balanced")
     assert isinstance(fresh.block_runner, StepCacheRunner) and fresh.block_runner.policy is PRESETS["balanced"]
     fresh.configure(cache="off")

@@ -28,7 +28,8 @@ Method:
   (no mask) at other thresholds, since its warm-up every 2nd step and cap of 2 cached steps in a row
   measured better than DBCacheConfig's defaults.
 - qwenfast: every `CACHE_PRESETS` entry and variations built with the public `CachePolicy` (static every
-  2nd / 6th step, adaptive at three thresholds), through `pipe.configure(cache=...)`.
+  2nd / 3rd / 6th step, a warm-up of 8 with every 2nd full then every 5th, adaptive at three
+  thresholds), through `pipe.configure(cache=...)`.
 - Computed fraction: `BlockCounter` puts a forward pre-hook on the first projection of each block's
   image-stream attention (`attn.to_qkv` in qwenfast, `attn.to_q` in diffusers), which both engines call
   once per block and forward, fused or not, and adds up the batch rows it sees. Every configuration runs
@@ -173,9 +174,10 @@ def qwenfast_configs() -> list[Config]:
     from ..options import CACHE_PRESETS, CachePolicy
 
     pols = list(CACHE_PRESETS.values())
-    for w, e, b in [(2, 2, 0), (2, 6, 0), (4, 4, 0), (2, 3, 1)]:  # static: warm-up, every, last blocks
-        name = f"static W{w} every {e}" + (f" B{b}" if b else "")
-        pols.append(CachePolicy(warmup=w, tail=1, every=e, last=b, taylor=1, name=name))
+    # static: warm-up (its every n-th step full), every, last blocks; W2 every 3 was balanced before
+    for w, we, e, b in [(2, 1, 2, 0), (2, 1, 3, 0), (2, 1, 6, 0), (4, 1, 4, 0), (2, 1, 3, 1), (8, 2, 5, 0)]:
+        name = f"static W{w}{f'/{we}' if we > 1 else ''} every {e}" + (f" B{b}" if b else "")
+        pols.append(CachePolicy(warmup=w, warmup_every=we, tail=1, every=e, last=b, taylor=1, name=name))
     for t, m in [(0.1, 3), (0.2, 3), (0.4, 6)]:  # adaptive: threshold, max cached steps in a row
         pols.append(
             CachePolicy(

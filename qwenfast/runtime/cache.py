@@ -8,8 +8,8 @@ on a *cached* step the middle blocks are replaced by the residual they added at 
 (or, with `taylor=1`, that residual extrapolated linearly from the last two full steps).
 
 Policies (`CachePolicy.kind`):
-- "static": which steps are full is fixed by (step, steps) alone: the first `warmup` steps, the last
-  `tail` steps and every `every`-th step in between. Deterministic, so every batch row and every CFG
+- "static": which steps are full is fixed by (step, steps) alone: every `warmup_every`-th of the first
+  `warmup` steps (all of them at 1), the last `tail` steps and every `every`-th step in between. Deterministic, so every batch row and every CFG
   branch makes the same decision, CUDA graphs capture one graph per variant ("full", "cached"), and
   its speed is measurable with random weights.
 - "adaptive": DBCache-style. The first blocks' residual (their output minus their input, image
