@@ -61,6 +61,7 @@ BASELINE_MODES = {
     "alone": "diffusers alone, fresh process",
     "bench": "after the transformer bench's setup (qwenfast's model over the same weights)",
     "bench+inductor": "the same, compiler imported",
+    "transformer-bench": "`qwenfast bench transformer --compare diffusers`, its diffusers row, with the code of commit",
 }
 
 
@@ -75,11 +76,13 @@ def diffusers_baseline(recs: list[Rec]) -> str:
         for r in (r for r in rs if gpu_name(r) == gpu):
             busy = r.get("busy_cpu_processes", 0)
             body.append([
-                gpu, BASELINE_MODES.get(r["mode"], r["mode"]) + (f", {busy} CPU cores kept busy" if busy else "")
+                gpu, BASELINE_MODES.get(r["mode"], r["mode"]) + (f" `{r['code_commit']}`" if r.get("code_commit") else "")
+                + (f", {busy} CPU cores kept busy" if busy else "")
                 + (", its Python slowed by a line tracer" if r.get("slow_host") else "")
                 + (f", all but {r['leave_gib']} GiB of GPU memory taken" if r.get("leave_gib") is not None else ""),
                 "yes" if r.get("fa3_installed") else "no", f"`{r['alloc_conf']}`" if r.get("alloc_conf") else "—",
-                ms(r["ms"]), ms(r["host_ms"]), f"{ms(r['ms_after_2s_idle'])} / {ms(r['host_ms_after_2s_idle'])}",
+                ms(r["ms"]), ms(r["host_ms"]) if r.get("host_ms") else "—",
+                f"{ms(r['ms_after_2s_idle'])} / {ms(r['host_ms_after_2s_idle'])}" if r.get("ms_after_2s_idle") else "—",
             ])  # fmt: skip
         t = newest(
             recs, "transformer.jsonl", lambda x, g=gpu: gpu_name(x) == g and "1024" in x.get("sizes", {})
