@@ -81,6 +81,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
             )
     else:
         print("cuda         not available (CPU only)")
+    _print_arch(torch)
     print(f"attention    {_attention_libraries()}")
     print(f"parallel     {_parallel_line()}")
     path = Path(a.model or DEMO_MODEL)
@@ -92,6 +93,23 @@ def cmd_doctor(a: argparse.Namespace) -> int:
         return 1
     print(f"model        {path}: complete ({kind})")
     return 0
+
+
+def _print_arch(torch) -> None:
+    """The arch table's row for this GPU (or the one QWENFAST_ARCH names), then the whole table."""
+    from .runtime.arch import ENV_VAR, arch, forced, table_lines
+
+    a = arch(torch.device("cuda") if torch.cuda.is_available() else None)
+    how = f" (as {ENV_VAR} says)" if forced() else ""
+    if a.name == "none":
+        print("arch         no CUDA GPU: the torch reference paths run")
+    else:
+        gemms = ", ".join(["bf16"] + (["fp8 (--fp8, lossy)"] if a.fp8_gemm else []))
+        print(f"arch         {a.name}, {a.family}{how}: GEMMs {gemms}; exact attention: {a.attention}"
+              f"{'; 8-bit attention (opt-in)' if a.fp8_attention else ''}; fastest GEMM precision on "
+              f"the spec sheet: {a.fastest_gemm}")  # fmt: skip
+    for line in table_lines(a):
+        print("             " + line)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ def _fa3_expected() -> bool:
     loaded = A._fa3(allow_fwd=True) is not None
     if why:
         assert loaded, f"FA3 must load here ({why}) but qwenfast.runtime.attention did not import it"
-    return loaded and A._hopper(torch.device("cuda"))
+    return loaded and A.fa3_runs(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("engine,capability,found,expect", [

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from functools import lru_cache
 
 import torch
 import torch.nn as nn
 
+from ..runtime.arch import arch
 from . import _on_device, interpreting, triton_available, use_triton
 from .fp8_rows import (
     FP8,
@@ -63,13 +63,8 @@ _REFUSED: set[tuple] = set()  # (rows, K, N, device) that cuBLASLt refused: the 
 
 
 def fp8_supported(device: torch.device) -> bool:
-    """FP8 tensor cores: compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
-    return device.type == "cuda" and _capability(device.index) >= (8, 9)
-
-
-@lru_cache(maxsize=16)
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    """FP8 tensor-core GEMMs on `device` (the arch table: sm_89 and newer)."""
+    return device.type == "cuda" and arch(device).fp8_gemm
 
 
 def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

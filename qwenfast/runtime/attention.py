@@ -35,6 +35,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from .arch import arch
+
 CHOICES = ("auto", "cudnn", "flash", "efficient", "math", "fa3", "fp8")
 _choice: str | None = None
 
@@ -46,14 +48,11 @@ except Exception:
 
 
 _FA3_FWD = None  # the forward-only `fa3-fwd` wheel (bf16 kernels only), imported on first use
-_HOPPER: dict[int, bool] = {}  # device index -> sm_90
 
 
-def _hopper(device: torch.device) -> bool:
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _HOPPER:
-        _HOPPER[i] = torch.cuda.get_device_capability(i)[0] == 9
-    return _HOPPER[i]
+def fa3_runs(device: torch.device) -> bool:
+    """Whether FA3's kernels run on `device`'s architecture (the arch table: sm_90 only)."""
+    return arch(device).fa3
 
 
 def _fa3(allow_fwd: bool = False):
@@ -210,7 +209,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         and q.dtype in (torch.bfloat16, torch.float16)
         and q.shape[-1] <= 256
         and q.shape[-1] % 8 == 0
-        and _hopper(q.device)
+        and fa3_runs(q.device)
     ):
         fa3 = _fa3(allow_fwd=q.dtype == torch.bfloat16)  # fa3-fwd ships no fp16 kernels
         if fa3 is not None:

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..kernels.attn_quant import FP8, dequantize, descale_rows, quantize_heads, quantize_qkv, quantize_qkv_ref
+from .arch import arch
 
 ENGINES = ("auto", "cudnn", "fa3")
 ENGINE_ORDER = ("cudnn", "fa3")  # auto: the first that loads and takes the shape
@@ -345,8 +346,8 @@ def _why_not_meta(
         return "a padding mask (the FP8 kernels take none here)"
     if dtype not in (torch.bfloat16, torch.float16):
         return f"{dtype} inputs (FP8 attention is for bf16/fp16 models)"
-    if torch.cuda.get_device_capability(device) < (9, 0):
-        return "a GPU without Hopper's FP8 attention kernels (needs sm_90+)"
+    if not arch(device).fp8_attention:
+        return f"{arch(device).name}, without FP8 attention kernels (they run on sm_90)"
     if not (head_dim % 16 == 0 and head_dim <= 256):
         return f"head dim {head_dim} (needs d % 16 == 0, d <= 256)"
     return None
