@@ -71,6 +71,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
         help="FP8 e4m3 GEMMs in the transformer blocks (Hopper/Ada GPUs): faster, not bitwise diffusers",
     )
     g.add_argument(
+        "--int8",
+        action="store_true",
+        help="INT8 W8A8 GEMMs in the transformer blocks (the fast precision of Ampere / GeForce cards): "
+        "lossy, not with --fp8, no LoRA yet",
+    )
+    g.add_argument(
         "--cuda-graphs",
         dest="cuda_graphs",
         action="store_true",
@@ -119,6 +125,8 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
     option of the load: the transformer streams in as FP8 (LoRAs then run beside the FP8 GEMMs)."""
     if getattr(a, "fp8", False):
         extra.setdefault("fp8", True)
+    if getattr(a, "int8", False):
+        extra.setdefault("int8", True)
     if getattr(a, "offload_budget", None) is not None:
         extra.setdefault("offload_budget", a.offload_budget)
     return EngineOptions.from_env(

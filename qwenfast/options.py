@@ -179,6 +179,8 @@ class EngineOptions:
     cuda_graphs: replay the transformer forward and the text encode as CUDA graphs (CUDA only).
     batched_cfg: cond and uncond in one batch-2 forward; "auto" only when no padding mask is needed.
     fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
+    int8: the same Linears as INT8 W8A8 GEMMs (kernels/int8_linear.py; the fast precision of Ampere and
+      GeForce cards, see runtime/arch.py; lossy, one-way; not with fp8, no LoRA yet).
     offload: "none" | "model" (text encoder in host memory, streamed while encoding) | "blocks"
       (also the transformer blocks streamed; no CUDA graphs). Goes only none -> model -> blocks.
     offload_budget: GiB of GPU memory "blocks" may plan for: as many blocks as fit stay resident
@@ -202,6 +204,7 @@ class EngineOptions:
     cuda_graphs: bool = True
     batched_cfg: bool | str = "auto"
     fp8: bool = False
+    int8: bool = False
     offload: str = "none"
     offload_budget: float | None = None
     oom: str = "backoff"
@@ -217,9 +220,11 @@ class EngineOptions:
         _choice("oom", self.oom, OOM)
         if self.batched_cfg not in BATCHED_CFG or not isinstance(self.batched_cfg, (bool, str)):
             raise OptionsError(f"batched_cfg must be True, False or 'auto', got {self.batched_cfg!r}")
-        for name in ("fused", "cuda_graphs", "fp8", "decode_per_image"):
+        for name in ("fused", "cuda_graphs", "fp8", "int8", "decode_per_image"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.fp8 and self.int8:
+            raise OptionsError("fp8 and int8 are two 8-bit weight formats for the same layers: choose one")
         try:
             policy = resolve_policy(self.cache)
         except ValueError as e:
@@ -295,6 +300,11 @@ def check_transition(old: EngineOptions, new: EngineOptions) -> None:
         raise ConfigureError(
             "FP8 cannot be turned off on a loaded pipeline (the bf16 weights are gone): "
             "load the model again without fp8"
+        )
+    if old.int8 and not new.int8:
+        raise ConfigureError(
+            "INT8 cannot be turned off on a loaded pipeline (the bf16 weights are gone): "
+            "load the model again without int8"
         )
     if _ORDER[new.offload] < _ORDER[old.offload]:
         raise ConfigureError(

@@ -120,6 +120,14 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             if old.offload == "blocks":
                 raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
             self._fp8_layers = self._quantize()
+        if new.int8 and not old.int8:
+            if old.offload == "blocks":
+                raise ConfigureError("INT8 cannot be enabled after offload='blocks'; enable it first")
+            if self.loras:
+                raise ConfigureError("INT8 with LoRAs is not supported yet: unload them first (or use fp8)")
+            from ..kernels.int8_linear import quantize_model_int8
+
+            self._int8_layers = quantize_model_int8(self.transformer)
         if new.offload != old.offload:
             self._set_offload(old.offload, new.offload, self._compute_device, new.offload_budget)
         elif new.offload == "blocks" and new.offload_budget != old.offload_budget:
@@ -148,6 +156,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
         if new.changed(old) & {
             "fp8",
+            "int8",
             "offload",
             "offload_budget",
             "fused",
@@ -393,6 +402,8 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         `unload_lora` restores them bitwise (as much host memory as the touched weights). With FP8
         the LoRA runs unmerged beside the FP8 GEMMs (`loading/lora_fp8.py`): nothing is copied.
         """
+        if self._options.int8:
+            raise ConfigureError("LoRA on INT8 weights is not supported yet: load the model with fp8 or bf16")
         layout = self.lora_manager.side_layout
         try:
             return self.lora_manager.load(lora, strength, name)
