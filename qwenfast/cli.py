@@ -245,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--iters", type=_positive, default=10, help="timed forwards per variant")
     bt.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
     bt.add_argument("--no-fp8", action="store_true", help="skip the FP8 variant")
+    bt.add_argument("--int8", action="store_true", help="add the INT8 W8A8 variant (rel. error vs bf16)")
     bt.add_argument(
         "--results",
         default=None,

@@ -231,6 +231,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         compile_=not a.no_compile,
         out_dir=a.results,
         fp8=not a.no_fp8,
+        int8=a.int8,
     )
     return 0
 

@@ -97,6 +97,7 @@ def run(
     variants: Sequence[str] | None = None,
     out_dir: Path | None = None,
     fp8: bool = True,
+    int8: bool = False,
 ) -> dict:
     from .. import kernels
     from ..runtime.cuda_graphs import CudaGraphRunner, compile_blocks
@@ -158,6 +159,8 @@ def run(
             todo["qwenfast FP8 + CUDA graph"] = "fp8:all"
             todo["qwenfast FP8 + CUDA graph + modulation table"] = "fp8:all:table"
             todo["qwenfast FP8 image stream + CUDA graph"] = "fp8:img"
+        if int8:  # INT8 W8A8 block GEMMs (kernels/int8_linear.py; opt-in, lossy)
+            todo["qwenfast INT8 + CUDA graph + modulation table"] = "int8:all:table"
         if compile_:  # torch.compile of the plain-torch blocks, beside the hand kernels
             if ref is not None:
                 todo["diffusers regional compile"] = "compile-ref"
@@ -180,10 +183,13 @@ def run(
             elif fn == "table":
                 stance = "force_eager"
                 fn = _table_fwd(ours, CudaGraphRunner(ours), x, txt, t, shapes)
-            elif isinstance(fn, str) and fn.startswith("fp8:"):
+            elif isinstance(fn, str) and fn.startswith(("fp8:", "int8:")):
                 table, fn = fn.endswith(":table"), fn.removesuffix(":table")
                 if fn not in fp8_sets:
-                    fp8_sets[fn] = (_fp8_modules(ours, fn == "fp8:img"), CudaGraphRunner(ours))
+                    mods = (
+                        _int8_modules(ours) if fn.startswith("int8") else _fp8_modules(ours, fn == "fp8:img")
+                    )
+                    fp8_sets[fn] = (mods, CudaGraphRunner(ours))
                 mods, fp8_graphs = fp8_sets[fn]
                 bf16_modules = _swap(ours, mods)
                 stance = "force_eager"
@@ -210,7 +216,10 @@ def run(
                 "setup_s": round(time.perf_counter() - t0, 1),
             }
         base = outs.get("diffusers eager")
+        bf16 = outs.get("qwenfast fused + CUDA graph + modulation table")
         for name, r in rows.items():
+            if bf16 is not None and ("FP8" in name or "INT8" in name):
+                r["rel_err_vs_bf16"] = float(f"{rel_err(outs[name], bf16):.2e}")
             if base is not None:
                 r["rel_err_vs_diffusers"] = float(f"{rel_err(outs[name], base):.2e}")
                 r["speedup_vs_diffusers_eager"] = round(rows["diffusers eager"]["ms"] / r["ms"], 2)
@@ -259,6 +268,18 @@ def _fp8_modules(model, image_only: bool = False) -> dict:
         f"transformer_blocks.{i}.{n}": FP8Linear.from_linear(b.get_submodule(n))
         for i, b in enumerate(model.transformer_blocks)
         for n in names
+    }
+
+
+def _int8_modules(model) -> dict:
+    """INT8 copies of the blocks' big Linears, by module name (the bf16 ones stay for other variants)."""
+    from ..kernels.int8_linear import Int8Linear
+    from ..models.transformer import BLOCK_LINEARS
+
+    return {
+        f"transformer_blocks.{i}.{n}": Int8Linear.from_linear(b.get_submodule(n))
+        for i, b in enumerate(model.transformer_blocks)
+        for n in BLOCK_LINEARS
     }
 
 

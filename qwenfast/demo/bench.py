@@ -197,16 +197,17 @@ def quality(
 
 
 # ------------------------------------------------------------------------------------ the gate per path
-# (name, dtype, kernel backend, CUDA graphs, batched CFG, fast VAE, FP8): each path adds one speed-up to
-# the one above it, so a drop in score points at the step that caused it. True (not "auto") batched
-# CFG forces the padded, masked batch, the riskier path.
+# (name, dtype, kernel backend, CUDA graphs, batched CFG, fast VAE, 8-bit weights: "" | "fp8" | "int8"): each
+# path adds one speed-up to the one above it, so a drop in score points at the step that caused it. True
+# (not "auto") batched CFG forces the padded, masked batch, the riskier path; INT8 is FP8's alternative.
 PATHS = (
-    ("reference fp32", torch.float32, "torch", False, False, False, False),
-    ("bf16", torch.bfloat16, "torch", False, False, False, False),
-    ("bf16 + kernels", torch.bfloat16, "triton", False, False, True, False),
-    ("bf16 + kernels + graphs", torch.bfloat16, "triton", True, False, True, False),
-    ("bf16 + kernels + graphs + batched CFG", torch.bfloat16, "triton", True, True, True, False),
-    ("fp8 + kernels + graphs + batched CFG", torch.bfloat16, "triton", True, True, True, True),
+    ("reference fp32", torch.float32, "torch", False, False, False, ""),
+    ("bf16", torch.bfloat16, "torch", False, False, False, ""),
+    ("bf16 + kernels", torch.bfloat16, "triton", False, False, True, ""),
+    ("bf16 + kernels + graphs", torch.bfloat16, "triton", True, False, True, ""),
+    ("bf16 + kernels + graphs + batched CFG", torch.bfloat16, "triton", True, True, True, ""),
+    ("fp8 + kernels + graphs + batched CFG", torch.bfloat16, "triton", True, True, True, "fp8"),
+    ("int8 + kernels + graphs + batched CFG", torch.bfloat16, "triton", True, True, True, "int8"),
 )
 
 
@@ -215,8 +216,8 @@ def quality_paths(
     n: int = 120,
     device: torch.device | str | None = None,
     batch: int = 24,
-    # (name, dtype, kernel backend, CUDA graphs, batched CFG, fast VAE, FP8), as in PATHS
-    paths: Sequence[tuple[str, torch.dtype, str, bool, bool, bool, bool]] = PATHS,
+    # (name, dtype, kernel backend, CUDA graphs, batched CFG, fast VAE, 8-bit weights), as in PATHS
+    paths: Sequence[tuple[str, torch.dtype, str, bool, bool, bool, str]] = PATHS,
 ) -> list[dict]:
     """Score the held-out suite once per code path (same seeds); rows with the gap to the reference.
 
@@ -229,12 +230,13 @@ def quality_paths(
 
     dev = resolve_device(device)
     rows, ref = [], None
-    for name, dtype, kernels, graphs, batched, fast_vae, fp8 in paths:
-        if fp8 and not fp8_supported(dev):
+    for name, dtype, kernels, graphs, batched, fast_vae, weights in paths:
+        if weights == "fp8" and not fp8_supported(dev):
             rows.append({"path": name, "skipped": f"FP8 GEMMs need an Ada/Hopper GPU, not {dev}"})
             continue
         pipe = load(model, dev, dtype)
-        pipe.configure(cuda_graphs=graphs, batched_cfg=batched, kernels=kernels, fp8=fp8)
+        pipe.configure(cuda_graphs=graphs, batched_cfg=batched, kernels=kernels, fp8=weights == "fp8",
+                       int8=weights == "int8")  # fmt: skip
         pipe.vae.fast = fast_vae
         t0 = time.perf_counter()
         with use_backend(kernels):  # also the VAE's kernels, which run outside the pipeline's call too
