@@ -1,7 +1,7 @@
 """INT8 vs FP8 vs bf16 GEMMs on the transformer blocks' shapes: the Triton int8 GEMM of
 kernels/int8_linear.py (int32 accumulation, dequantisation in the epilogue), cuBLAS's int8 GEMM
 (`torch._int_mm`, int32 out, no epilogue) for reference, the FP8 rowwise `torch._scaled_mm` the FP8
-path runs, and bf16 `F.linear`; CUDA-event medians, TOP/s or TFLOP/s, rel. error vs fp32. One H100 / H200,
+path runs, and bf16 `F.linear`; CUDA-event medians, TOP/s or TFLOP/s, rel. error vs fp32. One H100 / H200 GPU,
 about a minute.
 
     python bench/int8_gemm.py [--results DIR]
