@@ -169,6 +169,18 @@ def engine_notes(a: argparse.Namespace, loras: bool | None = None) -> None:
             "Lightning / turbo LoRA), or leave --preset out"
         )
     if not on_cpu(a):
+        if a.fp8:
+            import torch
+
+            from .runtime.arch import NONE, arch
+
+            card = arch(torch.device(a.device) if a.device else None)
+            if card is not NONE and not card.fp8_gemm:
+                note(
+                    f"--fp8 on {card.name} ({card.family}, no FP8 tensor cores): the FP8 weights stay in memory "
+                    "(half of bf16) and each layer multiplies in bf16 after dequantising them (weight-only); "
+                    "faster here: --int8"
+                )
         return
     if a.offload not in (None, "none"):
         note(

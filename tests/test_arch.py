@@ -96,3 +96,33 @@ def test_doctor_prints_the_row(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "sm_86, Ampere (GeForce / workstation) (as QWENFAST_ARCH says): GEMMs bf16;" in out
     assert "->sm_86" in out and "fastest GEMM precision on the spec sheet: int8" in out
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fp8_weights_run_weight_only_where_fp8_gemms_do_not(monkeypatch, lora):
+    """An FP8 layer on a CUDA card without FP8 GEMMs (sm_80 / sm_86) keeps its e4m3 weights and runs a GEMM
+    in the activations' dtype on the dequantised weight; the activation is not quantised (not the FP8
+    path's numbers). On sm_89+ the same tensor takes another path (here: the reference, it is no real
+    CUDA tensor)."""
+    from qwenfast.kernels.fp8_linear import FP8Linear, fp8_linear_ref
+
+    torch.manual_seed(1)
+    lin = torch.nn.Linear(48, 40)
+    q = FP8Linear.from_linear(lin)
+    if lora:
+        q.lora = (torch.randn(4, 48) * 0.1, torch.randn(40, 4) * 0.1)
+    x = torch.randn(2, 5, 48).as_subclass(FakeCuda)
+    w = q.weight_fp8.float() * q.weight_scale
+    want = F.linear(torch.Tensor(x), w, lin.bias)
+    if lora:
+        want = want + (torch.Tensor(x) @ q.lora[0].t()) @ q.lora[1].t()
+    for name in ("sm_80", "sm_86"):
+        monkeypatch.setenv(A.ENV_VAR, name)
+        got = torch.Tensor(q(x))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(A.ENV_VAR, "sm_90")
+    other = torch.Tensor(q(x))
+    if not lora:
+        torch.testing.assert_close(other, fp8_linear_ref(torch.Tensor(x), q.weight_fp8, q.weight_scale, q.bias,
+                                                          torch.float32))  # fmt: skip
+    assert (other - want).abs().max() > 1e-4  # the activation's quantisation: a different computation

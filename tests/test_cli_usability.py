@@ -190,6 +190,17 @@ def test_no_note_where_the_flags_do_something(capsys):
     assert capsys.readouterr().err == "" and a.offload == "blocks"
 
 
+def test_fp8_on_a_card_without_fp8_gemms_says_what_runs(capsys, monkeypatch):
+    from qwenfast.cli_common import engine_notes
+
+    for card, noted in (("sm_86", True), ("sm_80", True), ("sm_89", False), ("sm_90", False)):
+        monkeypatch.setenv("QWENFAST_ARCH", card)
+        engine_notes(argparse.Namespace(preset=None, lora=None, device="cuda", offload=None, offload_budget=None,
+                                        fp8=True))  # fmt: skip
+        err = capsys.readouterr().err
+        assert ("weight-only" in err and card in err and "--int8" in err) is noted, (card, err)
+
+
 # ---------------------------------------------------------------------------------- models the CLI lacks
 def test_layers_says_where_to_get_qwen_image_layered(tmp_path, capsys):
     Image.new("RGB", (32, 32)).save(tmp_path / "in.png")

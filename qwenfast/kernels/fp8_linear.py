@@ -180,10 +180,24 @@ class FP8Linear(nn.Module):
         the Triton interpreter, where the dequantised reference multiplies the same rows)."""
         return fp8_fusion() and use_triton(x) and (self._fast(x) or interpreting())
 
+    def _weight_only(self, x: torch.Tensor | QuantizedRows) -> bool:
+        """A CUDA GPU without FP8 GEMMs (runtime/arch.py: Ampere): FP8 files still load as stored (half
+        the memory of bf16), and each call dequantises the weight to the activations' dtype and runs a
+        plain GEMM there, activations unquantised (weight-only)."""
+        return not isinstance(x, QuantizedRows) and x.is_cuda and not arch(x.device).fp8_gemm
+
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """x (..., K) -> (..., N). `x` may arrive already quantised (`QuantizedRows` from a fused
         producer): then no quantisation pass runs here; an unmerged LoRA reads `x.x`."""
         K, N = self.in_features, self.out_features
+        if self._weight_only(x):
+            w = (self.weight_fp8.float() * self.weight_scale).to(self.out_dtype)  # (N, K): one rounding
+            y = torch.nn.functional.linear(
+                x.to(self.out_dtype), w, None if self.bias is None else self.bias.to(self.out_dtype)
+            )
+            return (
+                y if self.lora is None else self._add_lora(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
+            )
         if isinstance(x, QuantizedRows):
             rows, shape, M = x, x.shape, x.rows
             x2 = None if x.x is None else x.x.reshape(-1, K)
