@@ -74,7 +74,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
         "--int8",
         action="store_true",
         help="INT8 W8A8 GEMMs in the transformer blocks (the fast precision of Ampere / GeForce cards): "
-        "lossy, not with --fp8, no LoRA yet",
+        "lossy, not with --fp8",
     )
     g.add_argument(
         "--cuda-graphs",

@@ -180,7 +180,7 @@ class EngineOptions:
     batched_cfg: cond and uncond in one batch-2 forward; "auto" only when no padding mask is needed.
     fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
     int8: the same Linears as INT8 W8A8 GEMMs (kernels/int8_linear.py; the fast precision of Ampere and
-      GeForce cards, see runtime/arch.py; lossy, one-way; not with fp8, no LoRA yet).
+      GeForce cards, see runtime/arch.py; lossy, one-way; not with fp8; LoRAs run unmerged as on FP8).
     offload: "none" | "model" (text encoder in host memory, streamed while encoding) | "blocks"
       (also the transformer blocks streamed; no CUDA graphs). Goes only none -> model -> blocks.
     offload_budget: GiB of GPU memory "blocks" may plan for: as many blocks as fit stay resident

@@ -178,3 +178,47 @@ def test_enable_fp8_moves_loaded_loras_beside_the_fp8_gemms(base, loras):
     ref.progress_bar = False
     assert np.array_equal(first(**KW, generator=gen()).images, ref(**KW, generator=gen()).images)
     _ = copy  # noqa
+
+
+def test_lora_on_int8_runs_unmerged_like_fp8(base, loras):
+    """INT8 layers take LoRAs as FP8 ones do (beside the 8-bit GEMM, `LowBitLinear.add_lora`): close to the
+    LoRA fused into fp32 weights (within 1.3x INT8's own error), LoRA-then-INT8 == INT8-then-LoRA, and an
+    unload restores the INT8 model bitwise."""
+    from qwenfast.kernels.int8_linear import Int8Linear
+
+    _, path, qf, _ = base
+
+    def int8_pipe():
+        p = QwenImagePipeline.from_pretrained(path, device="cpu", dtype=torch.float32)
+        p.progress_bar = False
+        p.configure(int8=True)
+        return p
+
+    p8 = int8_pipe()
+    layers = [m for m in p8.transformer.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 8 * len(p8.transformer.transformer_blocks)
+    snap = {k: v.clone() for k, v in p8.transformer.state_dict().items()}
+    plain = p8(**KW, generator=gen()).images
+    p8.load_lora(loras["a"], 1.0, name="a")
+    with_a = p8(**KW, generator=gen()).images
+    assert all(m.lora is not None for m in layers)
+    qf.load_lora(loras["a"], 1.0, name="a")
+    try:
+        fused_a = qf(**KW, generator=gen()).images
+    finally:
+        qf.unload_lora()
+    ref_plain = qf(**KW, generator=gen()).images
+    lora_err, int8_err = np.abs(with_a - fused_a).mean(), np.abs(plain - ref_plain).mean()
+    assert np.abs(with_a - plain).mean() > 10 * int8_err  # the LoRA really changes the picture
+    # measured 1.23x here (FP8: under 1.2x): INT8's uniform codes move more with the LoRA-changed activations
+    # on this tiny random model; the formula itself is checked exactly in tests/test_int8.py
+    assert lora_err <= 1.3 * int8_err + 1e-6, (lora_err, int8_err)
+    first = QwenImagePipeline.from_pretrained(path, device="cpu", dtype=torch.float32)
+    first.progress_bar = False
+    first.load_lora(loras["a"], 1.0, name="a")
+    first.configure(int8=True)
+    assert np.array_equal(first(**KW, generator=gen()).images, with_a)
+    p8.unload_lora()
+    assert all(torch.equal(v, snap[k]) for k, v in p8.transformer.state_dict().items())
+    assert all(m.lora is None for m in layers)
+    assert np.array_equal(p8(**KW, generator=gen()).images, plain)

@@ -39,6 +39,7 @@ from .fp8_rows import (
     gemm_rows,
     quantize_rows_ref,
 )
+from .lowbit import LowBitLinear
 
 if triton_available():
     from .fp8_rows import _quant_rows_kernel
@@ -114,7 +115,7 @@ def fp8_linear_ref(
     return y.to(out_dtype).view(*x.shape[:-1], w8.shape[0])
 
 
-class FP8Linear(nn.Module):
+class FP8Linear(LowBitLinear):
     """Drop-in for an `nn.Linear` with e4m3 weights and per-channel scales (bias kept in bf16)."""
 
     def __init__(
@@ -157,13 +158,9 @@ class FP8Linear(nn.Module):
             dtype or lin.weight.dtype,
         )
 
-    def _add_lora(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
-        """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, the sum in the GEMM's epilogue."""
-        down, up = self.lora
-        h = x2.to(down.dtype) @ down.t()  # (M, R)
-        if y2.dtype == up.dtype:
-            return y2.addmm_(h, up.t())  # in place: y2 is this layer's fresh output
-        return torch.addmm(y2.to(up.dtype), h, up.t()).to(y2.dtype)
+    @property
+    def weight_device(self) -> torch.device:
+        return self.weight_fp8.device
 
     def _fast(self, x: torch.Tensor | QuantizedRows) -> bool:
         """Whether `_scaled_mm` runs for this input (else the fp32 dequantised reference)."""
@@ -195,9 +192,7 @@ class FP8Linear(nn.Module):
             y = torch.nn.functional.linear(
                 x.to(self.out_dtype), w, None if self.bias is None else self.bias.to(self.out_dtype)
             )
-            return (
-                y if self.lora is None else self._add_lora(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
-            )
+            return y if self.lora is None else self.add_lora(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
         if isinstance(x, QuantizedRows):
             rows, shape, M = x, x.shape, x.rows
             x2 = None if x.x is None else x.x.reshape(-1, K)
@@ -212,14 +207,14 @@ class FP8Linear(nn.Module):
                     y = y + self.bias.float()
                 y = y.to(self.out_dtype)  # == fp8_linear_ref of the activation these rows quantise
                 if self.lora is not None:
-                    y = self._add_lora(x2, y)
+                    y = self.add_lora(x2, y)
                 return y.view(*shape[:-1], N)
             x8, sx = rows.q, rows.scale
         else:
             if not self._fast(x):
                 y = fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
                 if self.lora is not None:
-                    y = self._add_lora(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
+                    y = self.add_lora(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
                 return y
             shape, x2 = x.shape, x.reshape(-1, K)
             if x2.stride(-1) != 1 or x2.stride(0) != K:
@@ -248,7 +243,7 @@ class FP8Linear(nn.Module):
                     out_dtype=self.out_dtype,
                     use_fast_accum=True,
                 )[:M]
-                return y if self.lora is None else self._add_lora(x2, y)
+                return y if self.lora is None else self.add_lora(x2, y)
             except RuntimeError as e:  # the heuristic query fails on the host, before any launch
                 if "NOT_SUPPORTED" not in str(e):
                     raise
@@ -264,7 +259,7 @@ class FP8Linear(nn.Module):
         ).t()
         if bias is not None:
             y = y + bias
-        return y if self.lora is None else self._add_lora(x2, y)
+        return y if self.lora is None else self.add_lora(x2, y)
 
     def extra_repr(self) -> str:
         r = "" if self.lora is None else f", lora_rank={self.lora[0].shape[0]}"

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from . import _on_device, triton_available, use_triton
+from .lowbit import LowBitLinear
 
 __all__ = ["Int8Linear", "quantize_rows_int8", "quantize_rows_int8_ref", "int8_gemm", "int8_gemm_ref",
            "int8_linear_ref", "quantize_model_int8"]  # fmt: skip
@@ -170,8 +171,9 @@ def int8_gemm(
     return c
 
 
-class Int8Linear(nn.Module):
-    """Drop-in for an `nn.Linear` with int8 weights and per-channel scales (bias kept in bf16)."""
+class Int8Linear(LowBitLinear):
+    """Drop-in for an `nn.Linear` with int8 weights and per-channel scales (bias kept in bf16); LoRAs run
+    unmerged beside it (`LowBitLinear`)."""
 
     def __init__(self, weight_int8: torch.Tensor, weight_scale: torch.Tensor, bias, out_dtype: torch.dtype):
         super().__init__()
@@ -180,6 +182,11 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_dtype = out_dtype
         self.in_features, self.out_features = weight_int8.shape[1], weight_int8.shape[0]
+        self.lora = None  # unmerged LoRA factors (LowBitLinear), written by the LoRA manager
+
+    @property
+    def weight_device(self) -> torch.device:
+        return self.weight_int8.device
 
     @classmethod
     def from_linear(cls, lin: nn.Linear) -> Int8Linear:
@@ -194,6 +201,8 @@ class Int8Linear(nn.Module):
         x8, sx = quantize_rows_int8(x2)
         bias = None if self.bias is None else self.bias.to(self.out_dtype)
         y = int8_gemm(x8, sx, self.weight_int8, self.weight_scale, bias, self.out_dtype)
+        if self.lora is not None:
+            y = self.add_lora(x2, y)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import LoraError
-from ..kernels.fp8_linear import FP8Linear
+from ..kernels.lowbit import LowBitLinear
 from ..models.transformer import fuse_qkv_key, split_qkv_key
 
 log = logging.getLogger("qwenfast")
@@ -153,9 +153,11 @@ class ModuleIndex:
     """The transformer's Linear layers under every name a LoRA may use for them."""
 
     def __init__(self, model: nn.Module):
-        self.linear: dict[str, nn.Linear | FP8Linear] = {}
+        self.linear: dict[str, nn.Linear | LowBitLinear] = {}
         for n, m in model.named_modules():
-            if isinstance(m, (nn.Linear, FP8Linear)):  # FP8 layers take LoRAs unmerged (loading/lora_fp8.py)
+            if isinstance(
+                m, (nn.Linear, LowBitLinear)
+            ):  # FP8 layers take LoRAs unmerged (loading/lora_fp8.py)
                 self.linear[n.replace("_orig_mod.", "")] = m  # torch.compile wrappers add _orig_mod.
         # A model whose fused tensors are not only Q|K|V thirds says how diffusers' names map onto its own:
         # `lora_key(key) -> (our key, piece, pieces)` and its inverse `lora_names(key) -> [diffusers keys]`

@@ -4,7 +4,7 @@ Why not fuse as for bf16 weights (`loading.lora`): fusing into FP8 means dequant
 — every switch re-rounds the weights (drift), an unload needs a second copy of the FP8 originals, and
 the requantised layer carries the LoRA's delta at 3 mantissa bits. Kept unmerged, the FP8 weights are
 never written (unload is bitwise by construction), the delta is computed in bf16
-(y = x W8ᵀ + (x Dᵀ) Uᵀ, `FP8Linear._add_lora`), and a switch only rewrites two small tensors per layer.
+(y = x W8ᵀ + (x Dᵀ) Uᵀ, `LowBitLinear.add_lora`: FP8 and INT8 layers), and a switch only rewrites two small tensors per layer.
 
 The cost is two thin GEMMs per layer (rank R against K and N: ~2R/N of the layer's FLOPs, ~4% at
 rank 64 on a 3072-wide projection). All LoRAs active on a layer are concatenated along the rank:
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.fp8_linear import FP8Linear
+from ..kernels.lowbit import LowBitLinear
 
 __all__ = ["bucket", "set_side_lora"]
 
@@ -31,7 +31,7 @@ def bucket(rank: int) -> int:
 
 @torch.no_grad()
 def set_side_lora(
-    layer: FP8Linear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]], pieces: int = 3
+    layer: LowBitLinear, parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]], pieces: int = 3
 ) -> bool:
     """Make `layer.lora` hold exactly `parts` [(slot, up (rows, r), down (r, K), factor), ...].
 
@@ -44,7 +44,7 @@ def set_side_lora(
         layer.lora = None
         return changed
     N, K = layer.out_features, layer.in_features
-    dev, dt = layer.weight_fp8.device, layer.out_dtype
+    dev, dt = layer.weight_device, layer.out_dtype
     cols: dict[int, tuple[int, torch.Tensor]] = {}  # id(down) -> (first column, down)
     R = 0
     for _, _, down, _ in parts:

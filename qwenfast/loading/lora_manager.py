@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import LoraError
-from ..kernels.fp8_linear import FP8Linear
+from ..kernels.lowbit import LowBitLinear
 from .lora import LoraDelta, LoraSource, ModuleIndex, plan_lora, read_lora
 from .lora_fp8 import set_side_lora
 
@@ -175,8 +175,10 @@ class LoraManager:
         planned = list(deltas)  # keeps every source factor alive while `moved` is keyed by id()
         for i, d in enumerate(deltas):
             layer = self.index.linear[d.module]
-            if isinstance(layer, FP8Linear):  # factors used at every switch: on the device once, in its dtype
-                dev, dt = layer.weight_fp8.device, layer.out_dtype
+            if isinstance(
+                layer, LowBitLinear
+            ):  # factors used at every switch: on the device once, in its dtype
+                dev, dt = layer.weight_device, layer.out_dtype
                 deltas[i] = dataclasses.replace(d, up=d.up.to(dev, dt), down=_shared(d.down, dev, dt, moved))
                 continue
             w = layer.weight
@@ -222,7 +224,7 @@ class LoraManager:
             if only is not None and (d.module, d.slot) not in only:
                 continue
             f = entry.strength * d.scale
-            if isinstance(self.index.linear[d.module], FP8Linear):
+            if isinstance(self.index.linear[d.module], LowBitLinear):
                 self._side_dirty.add(d.module)  # rebuilt from every active LoRA in _sync_side
                 if d.bias is not None:
                     self._add_bias(d, f)
@@ -288,7 +290,7 @@ class LoraManager:
             touched = e.segments() & segs
             if touched:
                 self._apply(e, only=touched)
-        self._side_dirty |= {m for m, _ in segs if isinstance(self.index.linear[m], FP8Linear)}
+        self._side_dirty |= {m for m, _ in segs if isinstance(self.index.linear[m], LowBitLinear)}
         if sync:
             self._sync_side()
         if free:

@@ -123,11 +123,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         if new.int8 and not old.int8:
             if old.offload == "blocks":
                 raise ConfigureError("INT8 cannot be enabled after offload='blocks'; enable it first")
-            if self.loras:
-                raise ConfigureError("INT8 with LoRAs is not supported yet: unload them first (or use fp8)")
-            from ..kernels.int8_linear import quantize_model_int8
-
-            self._int8_layers = quantize_model_int8(self.transformer)
+            self._int8_layers = self._quantize("int8")
         if new.offload != old.offload:
             self._set_offload(old.offload, new.offload, self._compute_device, new.offload_budget)
         elif new.offload == "blocks" and new.offload_budget != old.offload_budget:
@@ -204,19 +200,21 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         self.configure(fp8=True)
         return getattr(self, "_fp8_layers", 0)
 
-    def _quantize(self) -> int:
-        """The block Linears to FP8 (unless the loader made them FP8 already); active LoRAs move from
-        fused bf16 to unmerged beside the FP8 GEMMs. Returns the number of FP8 layers."""
-        from ..kernels.fp8_linear import FP8Linear, quantize_model
+    def _quantize(self, fmt: str = "fp8") -> int:
+        """The block Linears to FP8 or INT8 (unless the loader made them FP8 already); active LoRAs move
+        from fused bf16 to unmerged beside the 8-bit GEMMs. Returns the number of 8-bit layers."""
+        from ..kernels.fp8_linear import quantize_model
+        from ..kernels.int8_linear import quantize_model_int8
+        from ..kernels.lowbit import LowBitLinear
 
         m = getattr(self, "_lora_manager", None)
         m = m if m is not None and m.model is self.transformer else None  # (a copy's replaced transformer)
         if m is not None and m.active:
             m.unfuse_all()  # bitwise bf16 base first: quantise the base, not base + LoRA
-        quantize_model(self.transformer)
+        (quantize_model_int8 if fmt == "int8" else quantize_model)(self.transformer)
         if m is not None:
             m.rebind()
-        return sum(isinstance(x, FP8Linear) for x in self.transformer.modules())
+        return sum(isinstance(x, LowBitLinear) for x in self.transformer.modules())
 
     def _lora_changed(self, layout: int) -> None:
         """After a LoRA change: drop captured graphs if FP8 layers' LoRA tensors were reallocated."""
@@ -399,11 +397,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
 
         Several LoRAs stack. Errors (unknown layers, wrong shapes, unreadable file) are raised before
         any weight changes. The original values of touched weights are kept in host memory so that
-        `unload_lora` restores them bitwise (as much host memory as the touched weights). With FP8
-        the LoRA runs unmerged beside the FP8 GEMMs (`loading/lora_fp8.py`): nothing is copied.
+        `unload_lora` restores them bitwise (as much host memory as the touched weights). With FP8 or
+        INT8 the LoRA runs unmerged beside the 8-bit GEMMs (`loading/lora_fp8.py`): nothing is copied.
         """
-        if self._options.int8:
-            raise ConfigureError("LoRA on INT8 weights is not supported yet: load the model with fp8 or bf16")
         layout = self.lora_manager.side_layout
         try:
             return self.lora_manager.load(lora, strength, name)

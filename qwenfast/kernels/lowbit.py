@@ -1,0 +1,38 @@
+"""The common face of the 8-bit weight layers (`FP8Linear`, `Int8Linear`): what LoRA loading and the walkers
+need from a Linear whose weights are no longer a float tensor a LoRA can be fused into.
+
+Why: a LoRA cannot be added into 8-bit weights without re-rounding them (and could not be taken out again
+bit for bit), so on these layers it runs unmerged: y = base(x) + (x Dᵀ) Uᵀ, two small GEMMs beside the
+8-bit one (loading/lora_fp8.py writes D and U; `add_lora` adds them). Both layer kinds keep the factors
+in `lora` and say where their weights live; nothing else about their formats leaks out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class LowBitLinear(nn.Module):
+    """Base of the 8-bit weight Linears: `in_features`, `out_features`, `out_dtype` (the activations'),
+    `weight_device`, and an unmerged LoRA `lora` = (down (R, K), up (N, R)) in `out_dtype`, or None.
+    The LoRA manager owns `lora` (strengths folded into `up`; R padded to a bucket and rewritten in
+    place on a switch, so captured CUDA graphs stay valid). Plain attributes, not buffers: not part of
+    the checkpoint's state dict."""
+
+    in_features: int
+    out_features: int
+    out_dtype: torch.dtype
+    lora: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def weight_device(self) -> torch.device:
+        raise NotImplementedError
+
+    def add_lora(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+        """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, summed into y2 when dtypes allow."""
+        down, up = self.lora
+        h = x2.to(down.dtype) @ down.t()  # (M, R)
+        if y2.dtype == up.dtype:
+            return y2.addmm_(h, up.t())  # in place: y2 is this layer's fresh output
+        return torch.addmm(y2.to(up.dtype), h, up.t()).to(y2.dtype)
