@@ -169,10 +169,15 @@ def _timed(pipe, prompt: str) -> tuple[float, np.ndarray]:
     return time.perf_counter() - t0, img
 
 
-def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
+def lora_stage(pipe, tmp: Path, rank: int = 64, fmt: str = "fp8") -> dict:
+    """LoRA on an 8-bit base (`fmt` "fp8" or "int8", one-way for `pipe`): the image difference it adds
+    over the base's own (ratio), unload bitwise, switch times, graphs kept across switches, speed."""
     from safetensors.torch import save_file
 
-    from ..kernels.fp8_linear import FP8Linear
+    from ..kernels.lowbit import LowBitLinear
+
+    def codes(m) -> torch.Tensor:
+        return m.weight_fp8.view(torch.uint8) if fmt == "fp8" else m.weight_int8
 
     a, b = _lora_sd(pipe.transformer, rank, 1, 0.02), _lora_sd(pipe.transformer, rank, 2, 0.02)
     fb = tmp / "lora_b.safetensors"
@@ -182,7 +187,7 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
     bf16 = _image(pipe, p)
     pipe.load_lora(a, 1.0, name="a")
     bf16_a = _image(pipe, p)
-    pipe.configure(fp8=True)  # the LoRA moves beside the FP8 GEMMs
+    pipe.configure(**{fmt: True})  # the LoRA moves beside the 8-bit GEMMs
     fp8_a = _image(pipe, p)
     inp = _forward_inputs()
     pipe.configure(cuda_graphs=True)
@@ -190,15 +195,15 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
         ms_lora = median_ms(lambda: pipe._forward(*inp), 1, 5)
         e2e_lora = _timed(pipe, p + " timed")[0]
     pipe.configure(cuda_graphs=False)
-    layers = [m for m in pipe.transformer.modules() if isinstance(m, FP8Linear)]
-    digest = [int(m.weight_fp8.view(torch.uint8).float().sum()) for m in layers[:8]]
+    layers = [m for m in pipe.transformer.modules() if isinstance(m, LowBitLinear)]
+    digest = [int(codes(m).float().sum()) for m in layers[:8]]
     pipe.unload_lora()
     fp8 = _image(pipe, p)
     pipe.configure(cuda_graphs=True)
     with torch.no_grad():
         ms_plain = median_ms(lambda: pipe._forward(*inp), 1, 5)
         e2e_plain = _timed(pipe, p + " timed")[0]
-    unload_bitwise = digest == [int(m.weight_fp8.view(torch.uint8).float().sum()) for m in layers[:8]]
+    unload_bitwise = digest == [int(codes(m).float().sum()) for m in layers[:8]]
     # switches (graphs on: captured with A, replayed after switching to B)
     pipe.load_lora(a, 1.0, name="a")
     _image(pipe, p)
@@ -220,18 +225,19 @@ def lora_stage(pipe, tmp: Path, rank: int = 64) -> dict:
     e_lora, e_fp8 = float(np.abs(fp8_a - bf16_a).mean()), float(np.abs(fp8 - bf16).mean())
     row = {
         "rank": rank,
+        "format": fmt,
         "lora_effect_mean_abs": round(float(np.abs(bf16_a - bf16).mean()), 4),
-        "fp8_lora_vs_bf16_lora": round(e_lora, 5),
-        "fp8_vs_bf16": round(e_fp8, 5),
+        f"{fmt}_lora_vs_bf16_lora": round(e_lora, 5),
+        f"{fmt}_vs_bf16": round(e_fp8, 5),
         "ratio": round(e_lora / max(e_fp8, 1e-12), 3),
         "switch_s": switches,
         "unload_bitwise": unload_bitwise,
         "graph_after_switch_vs_eager_max_abs": float(np.abs(graph_b - eager_b).max()),
         "graphs_kept_across_switches": kept,
-        "forward_ms_fp8": round(ms_plain, 1),
-        "forward_ms_fp8_lora": round(ms_lora, 1),
-        "e2e_4step_s_fp8": round(e2e_plain, 3),
-        "e2e_4step_s_fp8_lora": round(e2e_lora, 3),
+        f"forward_ms_{fmt}": round(ms_plain, 1),
+        f"forward_ms_{fmt}_lora": round(ms_lora, 1),
+        f"e2e_4step_s_{fmt}": round(e2e_plain, 3),
+        f"e2e_4step_s_{fmt}_lora": round(e2e_lora, 3),
         "graphs_enabled": pipe._graphs.enabled,
     }
     print(f"  lora: {json.dumps(row)}", flush=True)
@@ -352,6 +358,12 @@ def run(
     if "load" in stages:
         rec["load"] = load_stage(t)
         _free()
+    if "lora-int8" in stages:  # its own pipeline: 8-bit formats are one-way
+        pipe, _ = build(False, diffusers_transformer=False)
+        pipe.set_progress_bar_config(disable=True)
+        rec["lora_int8"] = lora_stage(pipe, t, fmt="int8")
+        del pipe
+        _free()
     if "lora" in stages or "budget" in stages:
         pipe, _ = build(False, diffusers_transformer=False)
         pipe.set_progress_bar_config(disable=True)
@@ -369,7 +381,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stages",
         default="load,lora,budget",
-        help="comma list of load, lora, budget (budget: run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as a small card should)",
+        help="comma list of load, lora, lora-int8, budget (budget: run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as a small card should)",
     )
     p.add_argument(
         "--caps", default="24,16", help="budget stage: the GiB caps to plan for and run under, in order"
