@@ -222,3 +222,41 @@ def test_lora_on_int8_runs_unmerged_like_fp8(base, loras):
     assert all(torch.equal(v, snap[k]) for k, v in p8.transformer.state_dict().items())
     assert all(m.lora is None for m in layers)
     assert np.array_equal(p8(**KW, generator=gen()).images, plain)
+
+
+def test_fp8_file_with_int8_loads_as_stored_then_requantises(tiny_t2i, tmp_path):
+    """`int8=True` on an FP8 file: the e4m3 weights load as stored (no float copy of the model) and each
+    block layer becomes INT8 from exactly those weights; the images stay within INT8's rounding of the
+    FP8-loaded ones. A float file goes to INT8 from its own weights (not through FP8)."""
+    from safetensors.torch import save_file
+
+    from qwenfast.kernels.int8_linear import Int8Linear, quantize_rows_int8_ref
+    from qwenfast.loading.fp8 import stores_fp8
+
+    ref, path = tiny_t2i
+    sd = {k: v.detach().clone() for k, v in ref.transformer.state_dict().items()}
+    f, _ = write_fp8(tmp_path, sd, "scaled_fp8")
+    plain = tmp_path / "plain.safetensors"
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(plain))
+    assert stores_fp8(f) and not stores_fp8(plain) and not stores_fp8(path / "transformer")
+
+    def pipe(file, **kw):
+        p = QwenImagePipeline.from_single_files(file, path / "vae", path / "text_encoder", path / "tokenizer",
+                                                device="cpu", dtype=torch.float32, transformer_config=AXES,
+                                                **kw)  # fmt: skip
+        p.progress_bar = False
+        return p
+
+    p8, pi = pipe(f, fp8=True), pipe(f, int8=True)
+    a8 = fp8_layers(p8.transformer)
+    ai = {n: m for n, m in pi.transformer.named_modules() if isinstance(m, Int8Linear)}
+    assert ai.keys() == a8.keys() and len(ai) == 8 * len(pi.transformer.transformer_blocks)
+    for n, m in ai.items():
+        w8, sw = quantize_rows_int8_ref(a8[n].weight_fp8.float() * a8[n].weight_scale)
+        assert torch.equal(m.weight_int8, w8) and torch.equal(m.weight_scale, sw), n
+    img8, imgi = p8(**KW, generator=gen()).images, pi(**KW, generator=gen()).images
+    assert np.isfinite(imgi).all() and 0 < np.abs(img8 - imgi).mean() < 0.01
+    pf = pipe(plain, int8=True)
+    m = dict(pf.transformer.named_modules())["transformer_blocks.0.img_mlp.net.2"]
+    w8, _ = quantize_rows_int8_ref(sd["transformer_blocks.0.img_mlp.net.2.weight"].float())
+    assert isinstance(m, Int8Linear) and torch.equal(m.weight_int8, w8)

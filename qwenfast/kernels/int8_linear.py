@@ -193,6 +193,16 @@ class Int8Linear(LowBitLinear):
         w8, sw = quantize_rows_int8_ref(lin.weight.detach())
         return cls(w8, sw, None if lin.bias is None else lin.bias.detach(), lin.weight.dtype)
 
+    @classmethod
+    def from_lowbit(cls, layer: LowBitLinear) -> Int8Linear:
+        """From an `FP8Linear` (an FP8 checkpoint loaded as stored): its e4m3 weights times their scales,
+        requantised per channel; no bf16 copy of the whole model is ever made (one layer at a time)."""
+        w = layer.weight_fp8.float() * layer.weight_scale  # (N, K) fp32, this layer only
+        w8, sw = quantize_rows_int8_ref(w)
+        q = cls(w8, sw, None if layer.bias is None else layer.bias.detach(), layer.out_dtype)
+        q.lora = layer.lora
+        return q
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., N): per-token codes (one pass), then the fused GEMM."""
         x2 = x.reshape(-1, self.in_features)
@@ -210,8 +220,9 @@ class Int8Linear(LowBitLinear):
 
 
 def quantize_model_int8(model: nn.Module, names: Sequence[str] | None = None) -> int:
-    """Replace the Linears the model names (`names`, else `model.fp8_linears()`: the big block GEMMs the
-    model marks for 8-bit weights) with `Int8Linear` in place; returns how many were replaced."""
+    """Replace the layers the model names (`names`, else `model.fp8_linears()`: the big block GEMMs the
+    model marks for 8-bit weights) with `Int8Linear` in place: `nn.Linear`s from their float weights,
+    FP8 layers (an FP8 file loaded as stored) from their e4m3 weights; returns how many were replaced."""
     n = 0
     for name in model.fp8_linears() if names is None else names:
         parent_name, _, leaf = name.rpartition(".")
@@ -219,5 +230,9 @@ def quantize_model_int8(model: nn.Module, names: Sequence[str] | None = None) ->
         lin = parent.get_submodule(leaf)
         if isinstance(lin, nn.Linear):
             setattr(parent, leaf, Int8Linear.from_linear(lin))
-            n += 1
+        elif isinstance(lin, LowBitLinear) and not isinstance(lin, Int8Linear):
+            setattr(parent, leaf, Int8Linear.from_lowbit(lin))
+        else:
+            continue
+        n += 1
     return n

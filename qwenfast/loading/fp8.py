@@ -170,6 +170,14 @@ def read_tensor(
     return out.view(TORCH_DTYPES[header.dtypes[key]]).reshape(header.shapes[key]).to(device)
 
 
+def stores_fp8(path: str | Path) -> bool:
+    """Whether a safetensors file holds e4m3 tensors (a folder, or a file of another format: False)."""
+    path = Path(path)
+    if not path.is_file() or path.suffix != ".safetensors":
+        return False
+    return any(d == "F8_E4M3" for d in read_header(path).dtypes.values())
+
+
 @dataclass
 class QuantPlan:
     """How each stored tensor becomes a plain one. `kind` names the format for messages and logs."""

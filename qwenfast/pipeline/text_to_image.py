@@ -119,11 +119,16 @@ class QwenImagePipeline(PipelineBase):
         them for non-standard sizes. `scheduler` defaults to Qwen-Image's scheduler config. Engine
         options as for `from_pretrained`; with `fp8=True` an FP8 file's block weights load as they are
         stored (with their scales) and bf16 ones are quantised while streaming: no bf16 copy on the GPU.
+        With `int8=True` an FP8 file loads the same way and each block layer is then requantised to INT8
+        (cards without FP8 GEMMs: runtime/arch.py).
         """
+        from ..loading.fp8 import stores_fp8
         from ..loading.single_file import load_single_files
 
         dev = resolve_device(device)
         opts = engine_options(options, kwargs)
+        # int8 from an FP8 file: its e4m3 weights load as stored and become INT8 layer by layer (no bf16 copy)
+        as_fp8 = opts.fp8 or (opts.int8 and stores_fp8(transformer))
         c = load_single_files(
             transformer,
             vae,
@@ -135,7 +140,7 @@ class QwenImagePipeline(PipelineBase):
             transformer_config=transformer_config,
             vae_config=vae_config,
             text_encoder_config=text_encoder_config,
-            fp8=opts.fp8,
+            fp8=as_fp8,
         )
         return cls(
             c.transformer,
