@@ -126,3 +126,23 @@ def test_fp8_weights_run_weight_only_where_fp8_gemms_do_not(monkeypatch, lora):
         torch.testing.assert_close(other, fp8_linear_ref(torch.Tensor(x), q.weight_fp8, q.weight_scale, q.bias,
                                                           torch.float32))  # fmt: skip
     assert (other - want).abs().max() > 1e-4  # the activation's quantisation: a different computation
+
+
+def test_gpu_estimates_follow_the_stated_model():
+    """docs/gpus.md's estimated rows: compute at spec rates (attention in bf16) or PCIe for what does not
+    fit, whichever is larger; 8-bit block Linears fit a 24 GB card, bf16 ones do not."""
+    from qwenfast.benchmarks.report_gpus import ACTIVATIONS_GB, PCIE_GBS, _weights_gb, estimate
+    from qwenfast.config import TransformerConfig
+
+    cfg = TransformerConfig()
+    L = 4096 + 128
+    attn = cfg.num_layers * 4 * L * L * cfg.inner_dim
+    gemm = cfg.flops_per_forward(4096, 128) - attn
+    r = A.ARCHS["sm_86"].rates
+    e = estimate("RTX 3090", r, "int8")
+    assert abs(e["compute_ms"] - 1e3 * (gemm / (r["int8"] * 1e12) + attn / (r["bf16"] * 1e12))) < 1e-6
+    assert e["over_gb"] == 0 and e["ms"] == e["compute_ms"]
+    b = estimate("RTX 3090", r, "bf16")
+    assert b["over_gb"] == _weights_gb("bf16") + ACTIVATIONS_GB - 24 > 0
+    assert b["stream_ms"] == b["over_gb"] / PCIE_GBS * 1e3 and b["ms"] == max(b["compute_ms"], b["stream_ms"])
+    assert 0.45 < _weights_gb("int8") / _weights_gb("bf16") < 0.6  # block Linears: most of the weights

@@ -126,6 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def tables() -> dict:
     """Every published table by name (the tables import records and each other's helpers: no cycle)."""
+    from .report_gpus import gpu_estimates
     from .report_peers import diffusers_baseline, peers, peers_summary
     from .report_tables import TABLES
 
@@ -134,6 +135,7 @@ def tables() -> dict:
         "peers": peers,
         "peers-summary": peers_summary,
         "diffusers-baseline": diffusers_baseline,
+        "gpu-estimates": gpu_estimates,
     }
 
 

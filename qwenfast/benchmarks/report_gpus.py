@@ -1,0 +1,103 @@
+"""The "which GPU" tables (docs/gpus.md): what was measured here, beside estimates for the cards people own.
+
+Measured rows come from records (an H100 / H200 only). Estimated rows come from a stated model and are
+labelled as such, never as measurements:
+
+    forward time >= max(GEMM FLOPs / the card's spec rate for the GEMM precision
+                        + attention FLOPs / its bf16 rate,
+                        weight bytes that do not fit / PCIe 4.0 x16 (25 GB/s))
+
+with the FLOPs of `TransformerConfig.flops_per_forward` (1024², 128 text tokens), the spec rates of
+runtime/arch.py's representative cards (dense, fp32 accumulation where a card has two rates), and the
+weight bytes of `ModelSizes.qwen_image` less the modulation Linears (read once per sampling schedule by
+the modulation table, not once per forward). It is a floor: the H100's measured row says how far above it a
+real forward lands (the same ratio is a fair first guess for the other cards).
+"""
+
+from __future__ import annotations
+
+from .records import Rec
+from .report_tables import gpu_name, ms, newest, source, table
+
+PCIE_GBS = 25.0  # PCIe 4.0 x16, achieved host -> GPU
+VRAM_GB = {"A100 SXM": 80, "RTX 3090": 24, "RTX 4090": 24, "H100 SXM": 80, "B200": 180, "RTX 5090": 32}
+ACTIVATIONS_GB = (
+    3.0  # 1024² forward's activations, CUDA graph pool and workspace (memory planner, rounded up)
+)
+
+
+def _split_flops() -> tuple[float, float]:
+    """(GEMM FLOPs, attention FLOPs) of one 1024² forward with 128 text tokens."""
+    from ..config import TransformerConfig
+
+    cfg = TransformerConfig()
+    total = cfg.flops_per_forward(4096, 128)
+    L = 4096 + 128
+    attn = cfg.num_layers * 2 * 2 * L * L * cfg.inner_dim
+    return total - attn, attn
+
+
+def _weights_gb(path: str) -> float:
+    """Transformer weights a forward reads from GPU memory: all but the modulation Linears (the modulation
+    table computes their rows once per sampling schedule; on a card they do not fit they stay in host
+    memory), the blocks' big Linears (24 d² per block) in one byte on the 8-bit paths, the rest in bf16."""
+    from ..runtime.memory import ModelSizes
+
+    s = ModelSizes.qwen_image()
+    total = (s.transformer - s.num_blocks * s.block_modulation) / 1e9  # bf16
+    if path == "bf16":
+        return total
+    linears = s.num_blocks * 24 * s.dim * s.dim / 1e9  # params = bytes at 8 bits
+    return total - linears  # their 2 bf16 bytes each become 1
+
+
+def estimate(card: str, rates: dict[str, float], path: str) -> dict:
+    gemm, attn = _split_flops()
+    compute_ms = (gemm / (rates[path] * 1e12) + attn / (rates["bf16"] * 1e12)) * 1e3
+    over = max(0.0, _weights_gb(path) + ACTIVATIONS_GB - VRAM_GB[card])
+    stream_ms = over / PCIE_GBS * 1e3
+    return {
+        "compute_ms": compute_ms,
+        "over_gb": over,
+        "stream_ms": stream_ms,
+        "ms": max(compute_ms, stream_ms),
+    }
+
+
+def gpu_estimates(recs: list[Rec]) -> str:
+    """Measured 1024² forwards (H100 / H200 records), then the model's floor for each architecture's card."""
+    from ..runtime.arch import ARCHS
+
+    body, used = [], []
+    t = newest(recs, "transformer.jsonl", lambda r: "1024" in r.get("sizes", {}) and "H100" in gpu_name(r))
+    i8 = newest(recs, "int8.jsonl", lambda r: r.get("bench") == "transformer" and "H100" in gpu_name(r))
+    measured = {}
+    if t:
+        v = t["sizes"]["1024"]["variants"]
+        measured["bf16"] = v.get("qwenfast fused + CUDA graph + modulation table", {}).get("ms")
+        measured["fp8"] = v.get("qwenfast FP8 + CUDA graph + modulation table", {}).get("ms")
+        used.append(t)
+    if i8:
+        measured["int8"] = (
+            i8["sizes"]["1024"]["variants"].get("qwenfast INT8 + CUDA graph + modulation table", {}).get("ms")
+        )
+        used.append(i8)
+    h100 = ARCHS["sm_90"]
+    for path in ("bf16", "fp8", "int8"):
+        if measured.get(path) is None:
+            continue
+        floor = estimate(h100.card, h100.rates, path)["ms"]
+        body.append(["H100 80GB HBM3 (sm_90)", path, "**measured**", ms(measured[path]),
+                     f"{measured[path] / floor:.2f}× its floor", "resident"])  # fmt: skip
+    for a in ARCHS.values():
+        for path in ("bf16", "fp8", "int8"):
+            if path not in a.rates:
+                continue
+            e = estimate(a.card, a.rates, path)
+            where = "resident" if not e["over_gb"] else f"{e['over_gb']:.1f} GB over: streamed each forward"
+            body.append([f"{a.card} ({a.name}, {VRAM_GB[a.card]} GB)", path, "estimate (floor)", ms(e["ms"]),
+                         f"compute {ms(e['compute_ms'])}" + (f", PCIe {ms(e['stream_ms'])}" if e["over_gb"] else ""),
+                         where])  # fmt: skip
+    head = ["card", "GEMM precision", "kind", "1024² forward", "how", "transformer weights"]
+    cmd = "bash bench/transformer.sh; qwenfast bench transformer --no-compile --int8 (INT8 row)"
+    return table(head, body) + source(used, cmd)
