@@ -50,6 +50,12 @@ def must_run(engine: str, capability: tuple[int, int] | None,
 
 
 def cuda_capability() -> tuple[int, int] | None:
+    """The GPU's compute capability as qwenfast's arch table answers for it: QWENFAST_ARCH's row when set (an
+    H100 playing an sm_86 card must not be required to run Hopper-only engines), else the GPU's own."""
     import torch
 
-    return tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    from qwenfast.runtime.arch import arch
+
+    return arch(torch.device("cuda")).capability
