@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from qwenfast.kernels.fp8_linear import fp8_supported
 from qwenfast.runtime import arch as A
 from qwenfast.runtime import attention as attn
-from qwenfast.runtime.attention_fp8 import _why_not_meta
+from qwenfast.runtime.attention_fp8 import _why_not_meta, engine_names
 
 CUDA = torch.device("cuda", 0)  # a device object only: under QWENFAST_ARCH no CUDA call is made
 
@@ -27,6 +27,7 @@ def test_every_dispatch_site_reads_the_table(forced):
     assert (why is None) is forced.fp8_attention, why
     if why is not None:
         assert forced.name in why  # the warning names the architecture
+    assert ("fa3" in engine_names(CUDA)) is forced.fa3  # FA3's FP8 forward only where its kernels run
 
 
 def test_what_the_table_says_per_architecture():
@@ -65,7 +66,9 @@ def test_fa3_is_called_only_where_the_table_allows_it(forced, monkeypatch, choic
     monkeypatch.setattr(attn, "_fa3", lambda allow_fwd=False: spy)
     monkeypatch.setattr(attn, "_sdpa_backends", lambda c, m: [torch.nn.attention.SDPBackend.MATH])
     g = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 3, 37, 64, generator=g).to(torch.bfloat16).as_subclass(FakeCuda) for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 3, 37, 64, generator=g).to(torch.bfloat16).as_subclass(FakeCuda) for _ in range(3)
+    )
     with attn.use_attention(choice):
         out = attn._attention(q, k, v, None)
     assert spy.calls == (1 if forced.fa3 else 0)

@@ -38,7 +38,9 @@ class Arch:
     fp8_gemm: bool  # FP8 (e4m3) tensor-core GEMMs (`torch._scaled_mm`)
     int8_gemm: bool  # INT8 tensor-core GEMMs (int32 accumulation)
     fa3: bool  # FlashAttention-3 kernels (built for sm_90 only)
-    fp8_attention: bool  # FP8 attention kernels (cuDNN's FP8 SDPA, FA3's FP8 forward)
+    fp8_attention: (
+        bool  # FP8 attention kernels: cuDNN's FP8 SDPA (sm_90, sm_100), FA3's FP8 forward (where fa3)
+    )
     cuda_graphs: bool = True
     triton: bool = True  # qwenfast's Triton kernels (written with tl.dot, no Hopper-only instructions)
     rates: dict[str, float] = field(default_factory=dict)  # precision -> dense spec rate of `card`
@@ -70,7 +72,7 @@ ARCHS: dict[str, Arch] = {a.name: a for a in (
     Arch("sm_90", "Hopper", "H100 SXM", fp8_gemm=True, int8_gemm=True, fa3=True, fp8_attention=True,
          rates={"bf16": 989, "fp8": 1979, "int8": 1979}),
     Arch("sm_100", "Blackwell (data centre)", "B200", fp8_gemm=True, int8_gemm=True, fa3=False,
-         fp8_attention=False, rates={"bf16": 2250, "fp8": 4500, "int8": 4500}),
+         fp8_attention=True, rates={"bf16": 2250, "fp8": 4500, "int8": 4500}),  # cuDNN's FP8 SDPA (not FA3's)
     Arch("sm_120", "Blackwell (GeForce)", "RTX 5090", fp8_gemm=True, int8_gemm=True, fa3=False,
          fp8_attention=False, rates={"bf16": 209.5, "fp8": 419, "int8": 838}),
 )}

@@ -314,10 +314,12 @@ def engine_error(name: str) -> str | None:
     return _engine_errors.get(name)
 
 
-def engine_names() -> tuple[str, ...]:
-    """The engines to try, in order: `ENGINE_ORDER` for auto, else the one chosen."""
+def engine_names(device: torch.device | None = None) -> tuple[str, ...]:
+    """The engines to try, in order: `ENGINE_ORDER` for auto, else the one chosen; FA3's only where the
+    arch table says its kernels run (`device`'s architecture; None: the current GPU's)."""
     choice = engine_choice()
-    return ENGINE_ORDER if choice == "auto" else (choice,)
+    names = ENGINE_ORDER if choice == "auto" else (choice,)
+    return tuple(n for n in names if n != "fa3" or arch(device).fa3)
 
 
 def engine_choice() -> str:
@@ -347,7 +349,9 @@ def _why_not_meta(
     if dtype not in (torch.bfloat16, torch.float16):
         return f"{dtype} inputs (FP8 attention is for bf16/fp16 models)"
     if not arch(device).fp8_attention:
-        return f"{arch(device).name}, without FP8 attention kernels (they run on sm_90)"
+        return (
+            f"{arch(device).name}, without FP8 attention kernels (cuDNN's FP8 SDPA runs on sm_90 and sm_100)"
+        )
     if not (head_dim % 16 == 0 and head_dim <= 256):
         return f"head dim {head_dim} (needs d % 16 == 0, d <= 256)"
     return None
@@ -370,7 +374,7 @@ def fp8_attention(
         CALLS["bf16 fallback: " + why] += 1
         _warn_once(why, f"attention='fp8': {why}; running cuDNN bf16 attention for these calls")
         return fallback(q, k, v, mask)
-    names = engine_names()
+    names = engine_names(q.device)
     for name in names:
         eng = load_engine(name)
         if eng is None:
@@ -432,7 +436,7 @@ def joint_engine(x: torch.Tensor, head_dim: int, mask: torch.Tensor | None):
         return REFERENCE
     if _why_not_meta(x.dtype, x.device, head_dim, mask) is not None:
         return None
-    for name in engine_names():
+    for name in engine_names(x.device):
         eng = load_engine(name)
         if eng is not None and (name, "joint") not in _engine_errors:
             return eng
