@@ -94,7 +94,6 @@ MUST_PASS_IN_CI = ("tests/test_server.py::test_web_page_in_headless_chromium",
                    "tests/test_kernels.py::test_interpreter_subprocess",
                    "tests/test_fp8_fused.py::test_interpreter_subprocess",
                    "tests/test_int8.py::test_interpreter_subprocess",
-                   "tests/test_w8a16.py::test_interpreter_subprocess",
                    "tests/test_vae_fast.py::test_interpreter_subprocess",
                    "tests/test_transformer21_paths.py::test_interpreter_subprocess")  # fmt: skip
 

@@ -40,7 +40,6 @@ from .fp8_rows import (
     quantize_rows_ref,
 )
 from .lowbit import LowBitLinear
-from .w8a16 import fp8_weight_gemm
 
 if triton_available():
     from .fp8_rows import _quant_rows_kernel
@@ -188,12 +187,12 @@ class FP8Linear(LowBitLinear):
         """x (..., K) -> (..., N). `x` may arrive already quantised (`QuantizedRows` from a fused
         producer): then no quantisation pass runs here; an unmerged LoRA reads `x.x`."""
         K, N = self.in_features, self.out_features
-        if self._weight_only(x):  # the e4m3 bytes widened inside the GEMM (kernels/w8a16.py)
-            x2 = x.reshape(-1, K).to(self.out_dtype)
-            bias = None if self.bias is None else self.bias.to(self.out_dtype)
-            y = fp8_weight_gemm(x2.contiguous(), self.weight_fp8, self.weight_scale, bias, self.out_dtype)
-            y = y if self.lora is None else self.add_lora(x2, y)
-            return y.view(*x.shape[:-1], N)
+        if self._weight_only(x):
+            w = (self.weight_fp8.float() * self.weight_scale).to(self.out_dtype)  # (N, K): one rounding
+            y = torch.nn.functional.linear(
+                x.to(self.out_dtype), w, None if self.bias is None else self.bias.to(self.out_dtype)
+            )
+            return y if self.lora is None else self.add_lora(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
         if isinstance(x, QuantizedRows):
             rows, shape, M = x, x.shape, x.rows
             x2 = None if x.x is None else x.x.reshape(-1, K)
