@@ -188,7 +188,8 @@ class FP8Linear(LowBitLinear):
         producer): then no quantisation pass runs here; an unmerged LoRA reads `x.x`."""
         K, N = self.in_features, self.out_features
         if self._weight_only(x):
-            w = (self.weight_fp8.float() * self.weight_scale).to(self.out_dtype)  # (N, K): one rounding
+            # (N, K) in the activations' dtype: widened (exact) then scaled in place, no fp32 copy of the layer
+            w = self.weight_fp8.to(self.out_dtype).mul_(self.weight_scale.to(self.out_dtype))
             y = torch.nn.functional.linear(
                 x.to(self.out_dtype), w, None if self.bias is None else self.bias.to(self.out_dtype)
             )
