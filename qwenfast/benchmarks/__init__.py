@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # never the whole environment (QWENFAST_API_KEY and the like must not end up in a results file).
 ENGINE_ENV = ("QWENFAST_KERNELS", "QWENFAST_ATTENTION", "QWENFAST_CUDA_GRAPHS", "QWENFAST_OFFLOAD",
               "QWENFAST_FP8_ATTENTION", "QWENFAST_FP8_FUSE", "QWENFAST_ULYSSES_EXCHANGE",
-              "QWENFAST_ULYSSES_CHUNKS", "PYTORCH_CUDA_ALLOC_CONF")  # fmt: skip
+              "QWENFAST_ULYSSES_CHUNKS", "PYTORCH_CUDA_ALLOC_CONF", "QWENFAST_ARCH")  # fmt: skip
 
 
 def versions() -> dict:

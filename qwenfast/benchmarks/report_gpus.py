@@ -17,7 +17,7 @@ real forward lands (the same ratio is a fair first guess for the other cards).
 from __future__ import annotations
 
 from .records import Rec
-from .report_tables import gpu_name, ms, newest, source, table
+from .report_tables import gpu_name, is_default, ms, newest, source, table
 
 PCIE_GBS = 25.0  # PCIe 4.0 x16, achieved host -> GPU
 VRAM_GB = {"A100 SXM": 80, "RTX 3090": 24, "RTX 4090": 24, "H100 SXM": 80, "B200": 180, "RTX 5090": 32}
@@ -69,8 +69,10 @@ def gpu_estimates(recs: list[Rec]) -> str:
     from ..runtime.arch import ARCHS
 
     body, used = [], []
-    t = newest(recs, "transformer.jsonl", lambda r: "1024" in r.get("sizes", {}) and "H100" in gpu_name(r))
-    i8 = newest(recs, "int8.jsonl", lambda r: r.get("bench") == "transformer" and "H100" in gpu_name(r))
+    t = newest(recs, "transformer.jsonl",
+               lambda r: "1024" in r.get("sizes", {}) and "H100" in gpu_name(r) and is_default(r))  # fmt: skip
+    i8 = newest(recs, "int8.jsonl",
+                lambda r: r.get("bench") == "transformer" and "H100" in gpu_name(r) and is_default(r))  # fmt: skip
     measured = {}
     if t:
         v = t["sizes"]["1024"]["variants"]
@@ -101,3 +103,27 @@ def gpu_estimates(recs: list[Rec]) -> str:
     head = ["card", "GEMM precision", "kind", "1024² forward", "how", "transformer weights"]
     cmd = "bash bench/transformer.sh; qwenfast bench transformer --no-compile --int8 (INT8 row)"
     return table(head, body) + source(used, cmd)
+
+
+def gpu_played(recs: list[Rec]) -> str:
+    """1024² forwards on an H100 told by QWENFAST_ARCH to choose as another card would: which paths that
+    card gets (FP8 weights run weight-only without FP8 GEMMs), timed on Hopper's units, not that card's."""
+    rows, used = [], []
+    rs = [r for r in recs if r.file == "int8.jsonl" and (r.get("env") or {}).get("QWENFAST_ARCH")]
+    names = {"qwenfast fused + CUDA graph + modulation table": "bf16",
+             "qwenfast FP8 + CUDA graph + modulation table": "FP8 weights (weight-only: widened to bf16 per call)",
+             "qwenfast INT8 + CUDA graph + modulation table": "INT8 W8A8"}  # fmt: skip
+    for path, label in names.items():
+        r = max((r for r in rs if path in r["sizes"]["1024"]["variants"]), key=lambda r: str(r.get("date")),
+                default=None)  # fmt: skip
+        if r is None:
+            continue
+        used.append(r)
+        rows.append([f"{gpu_name(r)} as {r['env']['QWENFAST_ARCH']}", label,
+                     ms(r["sizes"]["1024"]["variants"][path]["ms"])])  # fmt: skip
+    if not rows:
+        return "*No record yet: `QWENFAST_ARCH=sm_86 qwenfast bench transformer --no-compile --int8`.*"
+    cmd = "QWENFAST_ARCH=sm_86 qwenfast bench transformer --no-compile --int8 --results bench/results"
+    return table(["GPU (choosing as)", "transformer blocks' GEMMs", "1024² forward"], rows) + source(
+        used, cmd
+    )

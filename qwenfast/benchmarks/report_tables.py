@@ -57,7 +57,7 @@ def source(used: list[Rec], command: str) -> str:
         key = (gpu_name(r), str(r.get("date", ""))[:10], r.get("commit", "?"), r.file)
         seen.setdefault(key, []).append(r.line)
     parts = [
-        f"{g}, {d}, commit `{c}` (`bench/results/{f}` line{'s' if len(ls) > 1 else ''} "
+        f"{g}, {d}, commit `{c}` (`bench/results/{f}` line{'s' if len(set(ls)) > 1 else ''} "
         f"{', '.join(map(str, sorted(set(ls))))})"
         for (g, d, c, f), ls in seen.items()
     ]
