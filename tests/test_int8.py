@@ -2,8 +2,8 @@
 references on odd shapes, the layer against fp32 (its quantisation error bounded, never NaN).
 
 Kernel cases run on CUDA, or on CPU in Triton's interpreter in a child process
-(`test_interpreter_subprocess`). Outputs are poisoned before the kernels write them (NaN, or the code
--128 no quantiser writes); NaN never passes.
+(`test_interpreter_subprocess`). The tests hand the kernels poisoned output buffers (NaN, or the code -128
+no quantiser writes); NaN never passes.
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ def _x(M, K, dtype, device, seed, scale=1.0):
 @pytest.mark.parametrize("M,K", [(1, 48), (7, 200), (33, 3072)])
 def test_quantize_rows_matches_reference(device, dtype, M, K):
     x = _x(M, K, dtype, device, seed=M * K)
-    q, s = quantize_rows_int8(x)
+    poisoned = (torch.full((M, K), -128, dtype=torch.int8, device=x.device),  # -128 is never a code
+                torch.full((M, 1), float("nan"), device=x.device))  # fmt: skip
+    q, s = quantize_rows_int8(x, out=poisoned)
     qr, sr = quantize_rows_int8_ref(x)
     assert q.dtype == torch.int8 and s.shape == (M, 1) and torch.isfinite(s).all()
     assert (q != -128).all()  # every code written
@@ -69,7 +71,7 @@ def test_int8_gemm_matches_reference(device, out_dtype, M, N, K, bias):
     sa = (torch.rand(M, 1, generator=g) * 1e-2 + 1e-4).to(dev)
     sb = (torch.rand(N, 1, generator=g) * 1e-2 + 1e-4).to(dev)
     bb = (torch.randn(N, generator=g).to(out_dtype).to(dev)) if bias else None
-    got = int8_gemm(a, sa, b, sb, bb, out_dtype)
+    got = int8_gemm(a, sa, b, sb, bb, out_dtype, out=torch.full((M, N), float("nan"), dtype=out_dtype, device=dev))
     want = int8_gemm_ref(a, sa, b, sb, bb, out_dtype)
     assert got.shape == (M, N) and got.dtype == out_dtype and torch.isfinite(got).all()
     # int32 sums are exact (K <= 256: also in the fp32 reference); the epilogue's fp32 products in the same

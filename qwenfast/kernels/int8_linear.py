@@ -125,14 +125,18 @@ if triton_available():
         tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], c.to(c_ptr.dtype.element_ty), mask=mask)
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_int8(
+    x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row int8 codes and fp32 scales of a 2-D activation; one Triton program per row on CUDA (and
-    in the interpreter), else the reference."""
+    in the interpreter), else the reference. `out`: (codes (M, K), scales (M, 1)) to write into (tests
+    poison them)."""
     if x.dim() != 2 or x.stride(-1) != 1 or not use_triton(x) or x.shape[0] == 0:
         return quantize_rows_int8_ref(x)
     M, K = x.shape
-    q = torch.full((M, K), -128, dtype=torch.int8, device=x.device)  # poisoned: -128 is never a code
-    s = torch.full((M, 1), float("nan"), dtype=torch.float32, device=x.device)
+    if out is None:
+        out = (torch.empty(M, K, dtype=torch.int8, device=x.device), torch.empty(M, 1, device=x.device))
+    q, s = out
     block = min(4096, max(128, 1 << (K - 1).bit_length()))
     with _on_device(x):
         _quant_rows_int8_kernel[(M,)](x, q, s, K, x.stride(0), q.stride(0), BLOCK=block, num_warps=4)
@@ -150,16 +154,21 @@ def _blocks(M: int, N: int, device: torch.device) -> tuple[int, int, int, int, i
 
 
 def int8_gemm(
-    a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor | None, out_dtype
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(M, K) int8 · (N, K) int8ᵀ · sa · sbᵀ + bias -> (M, N) out_dtype: the Triton kernel, else the reference."""
+    """(M, K) int8 · (N, K) int8ᵀ · sa · sbᵀ + bias -> (M, N) out_dtype: the Triton kernel, else the reference.
+    `out`: an (M, N) buffer to write (tests poison it)."""
     M, K = a.shape
     N = b.shape[0]
     if not use_triton(a, b) or a.stride(-1) != 1 or b.stride(-1) != 1 or M == 0:
         return int8_gemm_ref(a, sa, b, sb, bias, out_dtype)
-    c = torch.full(
-        (M, N), float("nan"), dtype=out_dtype, device=a.device
-    )  # poisoned before the kernel writes
+    c = torch.empty(M, N, dtype=out_dtype, device=a.device) if out is None else out
     bm, bn, bk, warps, stages = _blocks(M, N, a.device)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     with _on_device(a):
