@@ -188,6 +188,11 @@ def engine_notes(a: argparse.Namespace, loras: bool | None = None) -> None:
             "running without it"
         )
         a.offload, a.offload_budget = None, None
+    if getattr(a, "int8", False):
+        note(
+            "--int8 on the CPU is emulated (the codes are multiplied in fp32): the images change as with INT8 "
+            "on a GPU, but nothing gets faster"
+        )
     if a.fp8:
         note(
             "--fp8 on the CPU is emulated (the weights are rounded to FP8 e4m3 and multiplied in fp32): the "

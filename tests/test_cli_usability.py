@@ -199,6 +199,10 @@ def test_fp8_on_a_card_without_fp8_gemms_says_what_runs(capsys, monkeypatch):
                                         fp8=True))  # fmt: skip
         err = capsys.readouterr().err
         assert ("weight-only" in err and card in err and "--int8" in err) is noted, (card, err)
+    monkeypatch.delenv("QWENFAST_ARCH")
+    engine_notes(argparse.Namespace(preset=None, lora=None, device="cpu", offload=None, offload_budget=None,
+                                    fp8=False, int8=True))  # fmt: skip
+    assert "note: --int8 on the CPU is emulated" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------- models the CLI lacks
