@@ -1,7 +1,8 @@
 """What each GPU architecture can run, and what runs fastest there: the one table every dispatch reads.
 
 Why one table: whether FlashAttention-3 runs (its kernels are built for sm_90 only), whether FP8 GEMMs
-or FP8 attention run (FP8 tensor cores from sm_89; the FP8 attention kernels need sm_90), and which
+or FP8 attention run (FP8 tensor cores from sm_89; FA3's FP8 attention on sm_90, cuDNN's on sm_90 and
+sm_100), and which
 GEMM precision is fastest (GeForce Ampere/Ada run bf16 and FP8 with fp32 accumulation at half rate but
 INT8 at full rate) were answered by capability checks scattered over the kernels and the attention
 backends. Here they are rows of one table, so `qwenfast doctor` can print what a card gets and a test
