@@ -105,9 +105,11 @@ def _print_arch(torch) -> None:
         print("arch         no CUDA GPU: the torch reference paths run")
     else:
         gemms = ", ".join(["bf16"] + (["fp8 (--fp8, lossy)"] if a.fp8_gemm else []))
-        print(f"arch         {a.name}, {a.family}{how}: GEMMs {gemms}; exact attention: {a.attention}"
-              f"{'; 8-bit attention (opt-in)' if a.fp8_attention else ''}; fastest GEMM precision on "
-              f"the spec sheet: {a.fastest_gemm}")  # fmt: skip
+        print(
+            f"arch         {a.name}, {a.family}{how}: GEMMs {gemms}; exact attention: {a.attention}"
+            f"{'; 8-bit attention (opt-in)' if a.fp8_attention else ''}; fastest GEMM precision on "
+            f"the spec sheet: {a.fastest_gemm}"
+        )
     for line in table_lines(a):
         print("             " + line)
 

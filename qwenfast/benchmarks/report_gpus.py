@@ -69,10 +69,16 @@ def gpu_estimates(recs: list[Rec]) -> str:
     from ..runtime.arch import ARCHS
 
     body, used = [], []
-    t = newest(recs, "transformer.jsonl",
-               lambda r: "1024" in r.get("sizes", {}) and "H100" in gpu_name(r) and is_default(r))  # fmt: skip
-    i8 = newest(recs, "int8.jsonl",
-                lambda r: r.get("bench") == "transformer" and "H100" in gpu_name(r) and is_default(r))  # fmt: skip
+    t = newest(
+        recs,
+        "transformer.jsonl",
+        lambda r: "1024" in r.get("sizes", {}) and "H100" in gpu_name(r) and is_default(r),
+    )
+    i8 = newest(
+        recs,
+        "int8.jsonl",
+        lambda r: r.get("bench") == "transformer" and "H100" in gpu_name(r) and is_default(r),
+    )
     measured = {}
     if t:
         v = t["sizes"]["1024"]["variants"]
@@ -89,17 +95,33 @@ def gpu_estimates(recs: list[Rec]) -> str:
         if measured.get(path) is None:
             continue
         floor = estimate(h100.card, h100.rates, path)["ms"]
-        body.append(["H100 80GB HBM3 (sm_90)", path, "**measured**", ms(measured[path]),
-                     f"{measured[path] / floor:.2f}× its floor", "resident"])  # fmt: skip
+        body.append(
+            [
+                "H100 80GB HBM3 (sm_90)",
+                path,
+                "**measured**",
+                ms(measured[path]),
+                f"{measured[path] / floor:.2f}× its floor",
+                "resident",
+            ]
+        )
     for a in ARCHS.values():
         for path in ("bf16", "fp8", "int8"):
             if path not in a.rates:
                 continue
             e = estimate(a.card, a.rates, path)
             where = "resident" if not e["over_gb"] else f"{e['over_gb']:.1f} GB over: streamed each forward"
-            body.append([f"{a.card} ({a.name}, {VRAM_GB[a.card]} GB)", path, "estimate (floor)", ms(e["ms"]),
-                         f"compute {ms(e['compute_ms'])}" + (f", PCIe {ms(e['stream_ms'])}" if e["over_gb"] else ""),
-                         where])  # fmt: skip
+            body.append(
+                [
+                    f"{a.card} ({a.name}, {VRAM_GB[a.card]} GB)",
+                    path,
+                    "estimate (floor)",
+                    ms(e["ms"]),
+                    f"compute {ms(e['compute_ms'])}"
+                    + (f", PCIe {ms(e['stream_ms'])}" if e["over_gb"] else ""),
+                    where,
+                ]
+            )
     head = ["card", "GEMM precision", "kind", "1024² forward", "how", "transformer weights"]
     cmd = "bash bench/transformer.sh; qwenfast bench transformer --no-compile --int8 (INT8 row)"
     return table(head, body) + source(used, cmd)
@@ -110,17 +132,27 @@ def gpu_played(recs: list[Rec]) -> str:
     card gets (FP8 weights run weight-only without FP8 GEMMs), timed on Hopper's units, not that card's."""
     rows, used = [], []
     rs = [r for r in recs if r.file == "int8.jsonl" and (r.get("env") or {}).get("QWENFAST_ARCH")]
-    names = {"qwenfast fused + CUDA graph + modulation table": "bf16",
-             "qwenfast FP8 + CUDA graph + modulation table": "FP8 weights (weight-only: widened to bf16 per call)",
-             "qwenfast INT8 + CUDA graph + modulation table": "INT8 W8A8"}  # fmt: skip
+    names = {
+        "qwenfast fused + CUDA graph + modulation table": "bf16",
+        "qwenfast FP8 + CUDA graph + modulation table": "FP8 weights (weight-only: widened to bf16 per call)",
+        "qwenfast INT8 + CUDA graph + modulation table": "INT8 W8A8",
+    }
     for path, label in names.items():
-        r = max((r for r in rs if path in r["sizes"]["1024"]["variants"]), key=lambda r: str(r.get("date")),
-                default=None)  # fmt: skip
+        r = max(
+            (r for r in rs if path in r["sizes"]["1024"]["variants"]),
+            key=lambda r: str(r.get("date")),
+            default=None,
+        )
         if r is None:
             continue
         used.append(r)
-        rows.append([f"{gpu_name(r)} as {r['env']['QWENFAST_ARCH']}", label,
-                     ms(r["sizes"]["1024"]["variants"][path]["ms"])])  # fmt: skip
+        rows.append(
+            [
+                f"{gpu_name(r)} as {r['env']['QWENFAST_ARCH']}",
+                label,
+                ms(r["sizes"]["1024"]["variants"][path]["ms"]),
+            ]
+        )
     if not rows:
         return "*No record yet: `QWENFAST_ARCH=sm_86 qwenfast bench transformer --no-compile --int8`.*"
     cmd = "QWENFAST_ARCH=sm_86 qwenfast bench transformer --no-compile --int8 --results bench/results"

@@ -235,8 +235,13 @@ def quality_paths(
             rows.append({"path": name, "skipped": f"FP8 GEMMs need an Ada/Hopper GPU, not {dev}"})
             continue
         pipe = load(model, dev, dtype)
-        pipe.configure(cuda_graphs=graphs, batched_cfg=batched, kernels=kernels, fp8=weights == "fp8",
-                       int8=weights == "int8")  # fmt: skip
+        pipe.configure(
+            cuda_graphs=graphs,
+            batched_cfg=batched,
+            kernels=kernels,
+            fp8=weights == "fp8",
+            int8=weights == "int8",
+        )
         pipe.vae.fast = fast_vae
         t0 = time.perf_counter()
         with use_backend(kernels):  # also the VAE's kernels, which run outside the pipeline's call too

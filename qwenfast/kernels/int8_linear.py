@@ -29,8 +29,15 @@ import torch.nn as nn
 from . import _on_device, triton_available, use_triton
 from .lowbit import LowBitLinear
 
-__all__ = ["Int8Linear", "quantize_rows_int8", "quantize_rows_int8_ref", "int8_gemm", "int8_gemm_ref",
-           "int8_linear_ref", "quantize_model_int8"]  # fmt: skip
+__all__ = [
+    "Int8Linear",
+    "quantize_rows_int8",
+    "quantize_rows_int8_ref",
+    "int8_gemm",
+    "int8_gemm_ref",
+    "int8_linear_ref",
+    "quantize_model_int8",
+]
 
 QMAX = 127.0
 EPS = 1e-12  # an all-zero row: scale EPS / 127, codes 0 (never a division by zero)
@@ -87,10 +94,25 @@ if triton_available():
 
     @triton.jit
     def _int8_gemm_kernel(
-        a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, bias_ptr, M, N, K, stride_am, stride_bn, stride_cm,
-        HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    ):  # fmt: skip
+        a_ptr,
+        b_ptr,
+        c_ptr,
+        sa_ptr,
+        sb_ptr,
+        bias_ptr,
+        M,
+        N,
+        K,
+        stride_am,
+        stride_bn,
+        stride_cm,
+        HAS_BIAS: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr,
+    ):
         """C (M, N) = (A (M, K) int8 · B (N, K) int8ᵀ, int32) · sa (M) · sb (N) + bias (N)."""
         pid = tl.program_id(0)
         num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -173,10 +195,27 @@ def int8_gemm(
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     with _on_device(a):
         _int8_gemm_kernel[grid](
-            a, b, c, sa.reshape(-1), sb.reshape(-1), bias if bias is not None else c, M, N, K,
-            a.stride(0), b.stride(0), c.stride(0), HAS_BIAS=bias is not None, EVEN_K=K % bk == 0,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+            a,
+            b,
+            c,
+            sa.reshape(-1),
+            sb.reshape(-1),
+            bias if bias is not None else c,
+            M,
+            N,
+            K,
+            a.stride(0),
+            b.stride(0),
+            c.stride(0),
+            HAS_BIAS=bias is not None,
+            EVEN_K=K % bk == 0,
+            BLOCK_M=bm,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            GROUP_M=8,
+            num_warps=warps,
+            num_stages=stages,
+        )
     return c
 
 

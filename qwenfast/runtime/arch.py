@@ -135,12 +135,16 @@ def arch(device: torch.device | str | None = None) -> Arch:
 
 def table_lines(present: Arch | None = None) -> list[str]:
     """The table as text lines (`qwenfast doctor`): one line per architecture, the present one marked."""
-    lines = [f"{'':2}{'arch':7}{'family':32}{'FP8 GEMM':9}{'INT8 GEMM':10}{'FA3':4}{'FP8 attn':9}"
-             f"{'fastest GEMM (spec, card)':30}"]  # fmt: skip
+    lines = [
+        f"{'':2}{'arch':7}{'family':32}{'FP8 GEMM':9}{'INT8 GEMM':10}{'FA3':4}{'FP8 attn':9}"
+        f"{'fastest GEMM (spec, card)':30}"
+    ]
     for a in ARCHS.values():
         yes = {True: "yes", False: "no"}
         mark = "->" if present is not None and present.name == a.name else ""
         rate = f"{a.fastest_gemm} {a.rates[a.fastest_gemm]:g} ({a.card})"
-        lines.append(f"{mark:2}{a.name:7}{a.family:32}{yes[a.fp8_gemm]:9}{yes[a.int8_gemm]:10}{yes[a.fa3]:4}"
-                     f"{yes[a.fp8_attention]:9}{rate}")  # fmt: skip
+        lines.append(
+            f"{mark:2}{a.name:7}{a.family:32}{yes[a.fp8_gemm]:9}{yes[a.int8_gemm]:10}{yes[a.fa3]:4}"
+            f"{yes[a.fp8_attention]:9}{rate}"
+        )
     return lines
