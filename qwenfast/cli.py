@@ -16,6 +16,7 @@ from . import cli_common as C
 from . import validation as V
 from .engine_args import add_engine_arguments
 from .engine_args import positive_int as _positive
+from .options import WEIGHTS
 
 
 def _size(s: str) -> tuple[int, int]:
@@ -385,6 +386,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("doctor", help="versions, GPU, and whether a model folder is complete")
     d.add_argument("--model", default=None, help="model folder to check (default: the embedded model)")
+    d.add_argument(
+        "--vram",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="print the memory plan for a card with this much memory (full-size Qwen-Image at 1024², 50 steps "
+        "with CFG, or --model's folder); default: this GPU's free memory",
+    )
+    d.add_argument(
+        "--weights", choices=list(WEIGHTS), default="bf16", help="weight format of the plan (default bf16)"
+    )
     return p
 
 

@@ -92,7 +92,39 @@ def cmd_doctor(a: argparse.Namespace) -> int:
             print(f"  - {pr}")
         return 1
     print(f"model        {path}: complete ({kind})")
+    _print_plan(a, torch, path if a.model else None)
     return 0
+
+
+def _print_plan(a: argparse.Namespace, torch, folder: Path | None) -> None:
+    """The memory plan (runtime/tiers.py) for `--vram` GiB, else this GPU's free memory: full-size
+    Qwen-Image at 1024², or `--model`'s folder at its default size (sizes from its file headers)."""
+    from .runtime.arch import arch
+    from .runtime.memory import GiB, ModelSizes, default_budget
+    from .runtime.tiers import TooSmall, plan
+
+    vram = getattr(a, "vram", None)
+    if vram is None and torch.cuda.is_available():
+        vram = default_budget(torch.device("cuda"), fraction=1.0) / GiB
+    if vram is None:
+        print("memory plan  no GPU: `qwenfast doctor --vram GIB` prints the plan for a card of GIB GiB")
+        return
+    if folder is not None:
+        from .loading.diffusers_folder import folder_sizes
+
+        sizes, what = folder_sizes(folder, torch.bfloat16), str(folder)
+    else:
+        sizes, what = ModelSizes.qwen_image(), "full-size Qwen-Image"
+    card = arch(torch.device("cuda") if torch.cuda.is_available() else None)
+    try:
+        p = plan(sizes, vram, weights=getattr(a, "weights", "bf16") or "bf16", card=card)
+    except (TooSmall, ValueError) as e:
+        print(f"memory plan  {what}: {e}")
+        return
+    lines = p.lines()
+    print(f"memory plan  {what}, {lines[0]}")
+    for line in lines[1:]:
+        print(f"           {line}")
 
 
 def _print_arch(torch) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from . import validation as V
 from .config import PRESETS, TURBO_SIGMAS
-from .options import ATTENTION, CACHE_PRESETS, KERNELS, OFFLOAD, EngineOptions
+from .options import ATTENTION, CACHE_PRESETS, KERNELS, OFFLOAD, WEIGHTS, EngineOptions
 
 __all__ = [
     "positive_int",
@@ -64,6 +64,21 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
         metavar="GIB",
         help="with --offload blocks: GPU memory to plan for; blocks that fit stay resident, the rest "
         "stream (default: the free GPU memory)",
+    )
+    g.add_argument(
+        "--vram",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="plan for a card with this much memory: offload mode and budget and the VAE's tiling follow "
+        "(`qwenfast doctor --vram GIB` prints the plan; default: the free GPU memory)",
+    )
+    g.add_argument(
+        "--weights",
+        choices=list(WEIGHTS),
+        default=None,
+        help="the transformer blocks' weight format: bf16 (default), fp8, int8, or auto = this card's "
+        "fastest 8-bit format (FP8 from Ada on, INT8 on Ampere; lossy)",
     )
     g.add_argument(
         "--fp8",
@@ -129,6 +144,9 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
         extra.setdefault("int8", True)
     if getattr(a, "offload_budget", None) is not None:
         extra.setdefault("offload_budget", a.offload_budget)
+    for flag, field in (("vram", "vram_gib"), ("weights", "weights")):
+        if getattr(a, flag, None) is not None:
+            extra.setdefault(field, getattr(a, flag))
     return EngineOptions.from_env(
         offload=a.offload,
         cuda_graphs=a.cuda_graphs,
@@ -188,6 +206,11 @@ def engine_notes(a: argparse.Namespace, loras: bool | None = None) -> None:
             "running without it"
         )
         a.offload, a.offload_budget = None, None
+    if getattr(a, "vram", None) is not None:
+        note(
+            f"--vram {a.vram:g} does nothing on the CPU (there is no GPU memory to plan for); running without it"
+        )
+        a.vram = None
     if getattr(a, "int8", False):
         note(
             "--int8 on the CPU is emulated (the codes are multiplied in fp32): the images change as with INT8 "

@@ -55,6 +55,7 @@ ATTENTION = (
 )  # qwenfast.runtime.attention.CHOICES
 OFFLOAD = ("none", "model", "blocks")
 OOM = ("backoff", "raise")
+WEIGHTS = ("bf16", "fp8", "int8", "auto")  # runtime.tiers.WEIGHTS
 BATCHED_CFG = (True, False, "auto")
 _ORDER = {m: i for i, m in enumerate(OFFLOAD)}
 
@@ -193,6 +194,12 @@ class EngineOptions:
       quality they measured on the demo model), or a `CachePolicy`. Lossy; off by default.
     parallel: the multi-GPU layout (runtime/parallel.py): None = one device, or a `ParallelConfig` /
       "cfg=2,ulysses=2"; needs torch.distributed with that many processes (`--parallel` starts them).
+    weights: the transformer blocks' weight format in one word: "bf16" (the checkpoint's dtype), "fp8",
+      "int8" (the same as fp8=True / int8=True), or "auto": this card's fastest 8-bit format
+      (runtime/arch.py: FP8 from Ada on, INT8 on Ampere; lossy), chosen when the pipeline loads.
+    vram_gib: plan for a card with this much memory (runtime/tiers.py): offload mode and budget, and the
+      VAE's tiling follow from the memory planner; the weight format stays `weights` (lossless unless
+      asked). None: the free GPU memory, and only when the model would not fit it does a load stream.
     modulation_cache: how many timesteps' modulation vectors the modulation table keeps
       (runtime/modulation.py; 4.4 MB each at full size); 0 = compute them in every forward. With
       `offload="blocks"` the table lets the modulation weights (half of each FP8 block) stay in host memory.
@@ -212,6 +219,8 @@ class EngineOptions:
     cache: Any = None
     parallel: Any = None
     modulation_cache: int = 64
+    weights: str | None = None
+    vram_gib: float | None = None
 
     def __post_init__(self):
         _choice("kernels", self.kernels, (None, *KERNELS))
@@ -223,8 +232,21 @@ class EngineOptions:
         for name in ("fused", "cuda_graphs", "fp8", "int8", "decode_per_image"):
             if not isinstance(getattr(self, name), bool):
                 raise OptionsError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.weights is not None:
+            _choice("weights", self.weights, WEIGHTS)
+            said = {"fp8": self.fp8, "int8": self.int8}
+            if self.weights in said:
+                object.__setattr__(self, self.weights, True)
+            elif self.weights == "bf16" and (self.fp8 or self.int8):
+                raise OptionsError(f"weights='bf16' with {'fp8' if self.fp8 else 'int8'}=True: choose one")
         if self.fp8 and self.int8:
             raise OptionsError("fp8 and int8 are two 8-bit weight formats for the same layers: choose one")
+        if self.vram_gib is not None and (
+            isinstance(self.vram_gib, bool)
+            or not isinstance(self.vram_gib, (int, float))
+            or not self.vram_gib > 0
+        ):
+            raise OptionsError(f"vram_gib is GiB of GPU memory (> 0), got {self.vram_gib!r}")
         try:
             policy = resolve_policy(self.cache)
         except ValueError as e:

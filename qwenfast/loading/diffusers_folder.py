@@ -33,6 +33,7 @@ from .weights import (
 if TYPE_CHECKING:
     from ..models.transformer import QwenImageTransformer
     from ..models.vae import QwenImageVAE
+    from ..runtime.memory import ModelSizes
 
 PIPELINE_CLASSES = {
     "QwenImagePipeline": "text-to-image",
@@ -142,3 +143,63 @@ def _config(cls, path: Path):
         raise CheckpointError(f"{path}: {e}") from e
     except TypeError as e:
         raise CheckpointError(f"{path}: malformed config ({e})") from e
+
+
+def folder_sizes(path: Path, dtype: torch.dtype) -> ModelSizes:
+    """What the memory planner needs of a model folder, from its safetensors headers alone (no tensor is
+    read): each part's bytes in `dtype` (16-bit checkpoints; a folder's FP8 files are counted as `dtype`
+    too, which overestimates them), the largest block and layer, the modulation Linears, the text
+    encoder's vision tower and embeddings. So a load can be planned before it puts anything on the GPU."""
+    import re
+
+    from safetensors import safe_open
+
+    from ..runtime.memory import ModelSizes
+
+    e = torch.empty((), dtype=dtype).element_size()
+
+    def numels(folder: Path, stem: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for f in weight_files(folder, stem):
+            with safe_open(str(f), "pt") as h:
+                for k in h.keys():
+                    n = 1
+                    for d in h.get_slice(k).get_shape():
+                        n *= d
+                    out[k] = n
+        return out
+
+    def grouped(counts: dict[str, int], pattern: str) -> dict[int, int]:
+        groups: dict[int, int] = {}
+        for k, n in counts.items():
+            m = re.search(pattern, k)
+            if m:
+                groups[int(m.group(1))] = groups.get(int(m.group(1)), 0) + n
+        return groups
+
+    tr = numels(path / "transformer", "diffusion_pytorch_model")
+    te = numels(path / "text_encoder", "model")
+    vae = numels(path / "vae", "diffusion_pytorch_model")
+    blocks = grouped(tr, r"(?:^|\.)transformer_blocks\.(\d+)\.")
+    mods = grouped(
+        {k: n for k, n in tr.items() if re.search(r"\.(img|txt)_mod\.", k)}, r"transformer_blocks\.(\d+)\."
+    )
+    layers = grouped({k: n for k, n in te.items() if "visual." not in k}, r"(?:^|\.)layers\.(\d+)\.")
+    tcfg = read_json(path / "transformer" / "config.json")
+    te_cfg = read_json(path / "text_encoder" / "config.json")
+    vcfg = read_json(path / "vae" / "config.json")
+    return ModelSizes(
+        transformer=sum(tr.values()) * e,
+        transformer_block=max(blocks.values(), default=0) * e,
+        num_blocks=len(blocks),
+        text_encoder=sum(te.values()) * e,
+        vae=sum(vae.values()) * e,
+        te_block=max(layers.values(), default=0) * e,
+        te_blocks=len(layers),
+        te_vision=sum(n for k, n in te.items() if "visual." in k) * e,
+        block_modulation=max(mods.values(), default=0) * e,
+        te_embed=sum(n for k, n in te.items() if "embed_tokens" in k or "lm_head" in k) * e,
+        dim=int(tcfg.get("num_attention_heads", 24)) * int(tcfg.get("attention_head_dim", 128)),
+        te_hidden=int(te_cfg.get("hidden_size") or te_cfg.get("text_config", {}).get("hidden_size", 3584)),
+        vae_base_dim=int(vcfg.get("base_dim", 96)),
+    )

@@ -38,7 +38,7 @@ from ..runtime.modulation import ZERO, batch_rows
 from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module, spread
 from ..runtime.oom import run_in_chunks, vae_decode
 from . import sampling as S
-from .common import OUTPUT_TYPES, Generators, QwenImageOutput, postprocess, randn_tensor
+from .common import OUTPUT_TYPES, Generators, QwenImageOutput, plan_options, postprocess, randn_tensor
 from .diffusers_compat import DiffusersMethods
 from .prompts import PromptConds
 from .state import SharedState, view
@@ -91,6 +91,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         self._block_streamer: BlockStreamer | None = None
         self._parallel = None  # runtime.parallel.ParallelGroups when options.parallel is set
         self._vae_offloader: ModelOffloader | None = None
+        self.memory_plan = None  # runtime.tiers.VramPlan when options.vram_gib planned the memory
         opts = options if options is not None else EngineOptions.from_env()
         self.configure(
             **{f.name: getattr(opts, f.name) for f in fields(opts)}
@@ -114,8 +115,12 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         """
         old = self._options
         new = old.replace(**changes)
-        check_transition(old, new)
         self.transformer.set_modulation_cache(new.modulation_cache)  # before offload: it decides what streams
+        if new.weights == "auto" or (
+            new.vram_gib is not None and (new.vram_gib, new.weights) != (old.vram_gib, old.weights)
+        ):
+            new = self._plan_memory(old, new)
+        check_transition(old, new)
         if new.fp8 and not old.fp8:
             if old.offload == "blocks":
                 raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
@@ -164,6 +169,29 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             self._graphs.clear()  # captured with the old weights (addresses) / kernels
             self._clear_modulations()
         self._options = new
+        return new
+
+    def _plan_memory(self, old: EngineOptions, new: EngineOptions) -> EngineOptions:
+        """`weights="auto"` made concrete and `vram_gib` turned into an offload plan (runtime/tiers.py),
+        for a call of the model's default size; the plan stays readable as `pipe.memory_plan`."""
+        from ..kernels.lowbit import LowBitLinear
+        from ..runtime.memory import ModelSizes
+
+        d = self.defaults
+        loaded_8bit = any(isinstance(m, LowBitLinear) for m in self.transformer.blocks[0].modules())
+        new, plan = plan_options(
+            new,
+            lambda: ModelSizes.from_pipeline(self),
+            self._compute_device,
+            height=d["height"],
+            width=d["width"],
+            cfg=d.get("true_cfg_scale", 1) > 1,
+            eight_bit_sizes=loaded_8bit,
+            table_bytes=self._modulation_table_bytes(),
+            current_offload=old.offload,
+            dtype=self.dtype,
+        )
+        self.memory_plan = plan
         return new
 
     def _clear_modulations(self) -> None:
@@ -227,6 +255,18 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         measuring memory, say, or after changing `pipe.transformer`'s weights by hand)."""
         self._graphs.clear()
         self._clear_modulations()
+
+    def streamed_bytes(self) -> int:
+        """Weight bytes copied host -> GPU so far by offload (transformer blocks, modulation Linears,
+        text-encoder layers and the rest of it, an offloaded VAE); 0 without offload."""
+        te = self.text_encoder
+        parts = (
+            self._block_streamer,
+            getattr(te, "layer_streamer", None),
+            getattr(te, "offloader", None),
+            self._vae_offloader,
+        )
+        return sum(p.bytes_in for p in parts if p is not None)
 
     def _set_offload(self, old: str, new: str, device: torch.device, budget: float | None = None) -> None:
         ring, tr, te = getattr(self, "_ring", 2), self.transformer, self.text_encoder

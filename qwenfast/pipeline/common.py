@@ -43,11 +43,18 @@ def load_folder(
     kinds: tuple[str, ...],
     wrong_kind: str,
     fp8: bool = False,
+    options: EngineOptions | None = None,
 ) -> SimpleNamespace:
     """Check a diffusers folder and load its components where an offload mode wants them (offloaded
     parts on the CPU, so the GPU never holds them all). Also reads the optional qwenfast.json (`extra`:
     sampling defaults, image areas). `wrong_kind` says what to use when the folder's kind is not in
-    `kinds`. `fp8`: the transformer's block Linears are quantised to FP8 while streaming in."""
+    `kinds`. `fp8`: the transformer's block Linears are quantised to FP8 while streaming in.
+    `options`: the engine options, planned for memory before anything loads (`plan_options`: their
+    `vram_gib`, else the free GPU memory; their offload and fp8 then win over the arguments); the
+    planned options come back as `.options`."""
+    if options is not None:
+        options, _ = _plan_folder(options, Path(path), resolve_device(device), dtype)
+        offload, fp8 = options.offload, options.fp8
     if offload not in OFFLOAD:
         raise ValueError(f"offload must be one of {OFFLOAD}, got {offload!r}")
     path = Path(path)
@@ -67,12 +74,37 @@ def load_folder(
         device=dev,
         kind=kind,
         extra=extra,
+        options=options,
         transformer=load_transformer(path / "transformer", cpu if offload == "blocks" else dev, dt, fp8=fp8),
         vae=load_vae(path / "vae", dev, dt),
         te=TextEncoder.from_pretrained(
             path / "text_encoder", path / "tokenizer", cpu if offload != "none" else dev, dt
         ),
         sched=load_scheduler_config(path / "scheduler"),
+    )
+
+
+def _plan_folder(
+    opts: EngineOptions, path: Path, device: torch.device, dtype: DType
+) -> tuple[EngineOptions, Any]:
+    """`plan_options` for a model folder before it loads: sizes from its safetensors headers, the call
+    size from its qwenfast.json defaults (1024² with CFG otherwise)."""
+    from ..loading.diffusers_folder import folder_sizes
+
+    if opts.vram_gib is None and opts.weights != "auto" and device.type != "cuda":
+        return opts, None
+    d = {"height": 1024, "width": 1024, "true_cfg_scale": 4.0}
+    if (path / "qwenfast.json").is_file():
+        d.update(json.loads((path / "qwenfast.json").read_text()).get("defaults") or {})
+    return plan_options(
+        opts,
+        lambda: folder_sizes(path, resolve_dtype(dtype, device)),
+        device,
+        height=int(d["height"]),
+        width=int(d["width"]),
+        cfg=float(d.get("true_cfg_scale") or 1) > 1,
+        free_memory=True,
+        dtype=resolve_dtype(dtype, device),
     )
 
 
@@ -165,3 +197,79 @@ def postprocess(image: torch.Tensor, output_type: str):
     from PIL import Image
 
     return [Image.fromarray(a) for a in (arr * 255).round().astype("uint8")]
+
+
+def plan_options(
+    opts: EngineOptions,
+    sizes_of: Any,
+    device: torch.device,
+    *,
+    height: int = 1024,
+    width: int = 1024,
+    cfg: bool = True,
+    eight_bit_sizes: bool = False,
+    table_bytes: int = 0,
+    current_offload: str = "none",
+    free_memory: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[EngineOptions, Any]:
+    """`opts` with `weights="auto"` made concrete for `device`'s card and, when `vram_gib` is set (or,
+    with `free_memory`, when the model would not fit the free GPU memory), the memory plan's offload
+    mode and budget applied (runtime/tiers.py). `sizes_of()`: the model's `ModelSizes` (called only
+    when a plan is made). Returns (options, the `VramPlan` or None). An offload already in force
+    (`current_offload`) is kept when the plan wants less: offload goes one way."""
+    from ..errors import OptionsError
+    from ..runtime.arch import arch
+    from ..runtime.memory import GiB, default_budget
+    from ..runtime.tiers import TooSmall, plan, weights_for
+
+    card = arch(device)
+    if opts.weights == "auto":
+        opts = opts.replace(weights="fp8" if opts.fp8 else "int8" if opts.int8 else weights_for(card, "auto"))
+    vram = opts.vram_gib
+    if (
+        vram is None
+        and free_memory
+        and device.type == "cuda"
+        and opts.offload == "none"
+        and opts.parallel is None
+    ):
+        vram = default_budget(device, fraction=1.0) / GiB
+    if vram is None:
+        return opts, None
+    fmt = "fp8" if opts.fp8 else "int8" if opts.int8 else "bf16"
+    try:
+        p = plan(
+            sizes_of(),
+            vram,
+            weights=fmt,
+            card=card,
+            height=height,
+            width=width,
+            cfg=cfg,
+            eight_bit_sizes=eight_bit_sizes,
+            table_bytes=table_bytes,
+            dtype=dtype,
+        )
+    except TooSmall as e:
+        raise OptionsError(f"vram_gib={vram:g}: {e}") from None
+    if opts.vram_gib is None and p.offload == "none":
+        return opts, None  # it fits as asked: nothing changes
+    changes = p.options()
+    if OFFLOAD.index(current_offload) > OFFLOAD.index(changes["offload"]):
+        changes.update(offload=current_offload, offload_budget=vram if current_offload == "blocks" else None)
+    if changes["offload"] == "blocks" and opts.cache not in (None, "off"):
+        raise OptionsError(
+            f"{vram:g} GiB needs the transformer blocks streamed from host memory, and the step cache does not run "
+            "with streamed blocks: drop the cache option, or plan for more memory (vram_gib / --vram)"
+        )
+    if opts.vram_gib is None:
+        import warnings
+
+        warnings.warn(
+            f"the model does not fit the {vram:.1f} GiB of free GPU memory: offload='{changes['offload']}' "
+            f"({p.resident_blocks} of {p.num_blocks} transformer blocks resident); set vram_gib / --vram to plan "
+            "for another amount",
+            stacklevel=3,
+        )
+    return opts.replace(**changes), p

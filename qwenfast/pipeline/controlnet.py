@@ -236,6 +236,7 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
             opts.offload,
             KINDS,
             f"{cls.__name__} runs Qwen-Image text-to-image checkpoints with a ControlNet",
+            options=opts,
         )
         if controlnet is None:
             if not (f.path / "controlnet").is_dir():
@@ -255,7 +256,7 @@ class QwenImageControlNetPipeline(QwenImagePipeline):
             controlnet=net,
             model_path=str(f.path),
             defaults=f.extra.get("defaults"),
-            options=opts,
+            options=f.options,
             device=f.device,
             extra=f.extra,
         )

@@ -221,6 +221,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
             "QwenImageEditPipeline runs Qwen-Image-Edit checkpoints (use QwenImagePipeline, or "
             "qwenfast.from_pretrained which picks the class)",
             fp8=opts.fp8,
+            options=opts,
         )
         return cls(
             f.transformer,
@@ -232,7 +233,7 @@ class QwenImageEditPipeline(QwenImagePipeline):
             mode=f.kind,
             image_processor=load_image_processor(f.path / "processor"),
             image_areas=f.extra.get("image_areas"),
-            options=opts,
+            options=f.options,
             device=f.device,
             extra=f.extra,
         )

@@ -116,6 +116,7 @@ class QwenImageLayeredPipeline(PipelineBase):
             opts.offload,
             cls.folder_kinds,
             "QwenImageLayeredPipeline runs Qwen-Image-Layered checkpoints",
+            options=opts,
         )
         return cls(
             f.transformer,
@@ -125,7 +126,7 @@ class QwenImageLayeredPipeline(PipelineBase):
             image_processor=load_image_processor(f.path / "processor"),
             model_path=str(f.path),
             defaults=f.extra.get("defaults"),
-            options=opts,
+            options=f.options,
             device=f.device,
             extra=f.extra,
         )

@@ -101,6 +101,7 @@ class SharedState:
     _vae_offloader = shared()
     _parallel = shared()
     _fp8_layers = shared()
+    memory_plan = shared()  # runtime.tiers.VramPlan of the last vram_gib planned (None: none)
     # captured graphs, LoRAs, caches
     _graphs = shared()
     _lora_manager = shared()

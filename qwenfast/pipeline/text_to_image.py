@@ -83,6 +83,7 @@ class QwenImagePipeline(PipelineBase):
             cls.folder_kinds,
             "QwenImagePipeline runs text-to-image checkpoints (use QwenImageEditPipeline or `qwenfast edit`)",
             fp8=opts.fp8,
+            options=opts,
         )
         return cls(
             f.transformer,
@@ -91,7 +92,7 @@ class QwenImagePipeline(PipelineBase):
             f.sched,
             model_path=str(f.path),
             defaults=f.extra.get("defaults"),
-            options=opts,
+            options=f.options,
             device=f.device,
             extra=f.extra,
         )

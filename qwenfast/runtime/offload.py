@@ -96,6 +96,7 @@ class ModelOffloader:
                 (owner, name, is_param, host, f"{path.get(id(owner), '')}.{name}".lstrip("."))
             )
         self.depth = 0
+        self.bytes_in = 0  # host -> device bytes copied so far (stats: `qwenfast bench tiers`)
 
     @contextmanager
     def on_device(self, leave: tuple[str, ...] = ()) -> Iterator[nn.Module]:
@@ -106,6 +107,7 @@ class ModelOffloader:
             for owner, name, is_param, host, qual in self.entries:
                 if not qual.startswith(leave) or not leave:
                     _point(owner, name, is_param, host.to(self.device, non_blocking=True))
+                    self.bytes_in += host.numel() * host.element_size()
         self.depth += 1
         try:
             yield self.module
@@ -192,6 +194,7 @@ class BlockStreamer:
         self.freed: list = [None] * self.ring  # event: the last block computed from this slot is done
         self.in_slot: list = [None] * self.ring  # which block each slot holds
         self.copies = 0  # host->device block copies issued (tests, stats)
+        self.bytes_in = 0  # host->device bytes copied (blocks and `bring`s; stats)
         self.active: int | None = None  # the block computing now
         self._handles = []
         if hooks:  # PyTorch's own seam; always_call: the block is released even when it raises
@@ -232,6 +235,7 @@ class BlockStreamer:
             dst.copy_(self.host[i])
         self.in_slot[slot] = i
         self.copies += 1
+        self.bytes_in += self.host[i].numel()
 
     def before(self, i: int) -> None:
         if i in self.resident:  # on the device already; meanwhile the next streamed block comes in
@@ -299,6 +303,7 @@ class BlockStreamer:
                         (owner, name, is_param, t.data if is_param else t)
                     )  # (not the Parameter itself)
                     _point(owner, name, is_param, t.to(self.device, non_blocking=True))
+                    self.bytes_in += t.numel() * t.element_size()
         try:
             yield
         finally:
