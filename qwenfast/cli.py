@@ -279,6 +279,14 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
 
+    from .benchmarks.tiers import add_arguments as add_bench_tiers_arguments
+
+    add_bench_tiers_arguments(
+        bsub.add_parser(
+            "tiers",
+            help="full-size Qwen-Image under 24/16/12/8 GiB caps (--vram), one fresh process per cap (GPU)",
+        )
+    )
     from .benchmarks.attention import add_arguments as add_bench_attention_arguments
 
     add_bench_attention_arguments(

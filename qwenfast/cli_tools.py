@@ -220,6 +220,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .benchmarks.fp8 import run_from_args as run_fp8
 
         return run_fp8(a)
+    if a.what == "tiers":
+        from .benchmarks.tiers import run_from_args as run_tiers
+
+        return run_tiers(a)
     if a.what == "attention":
         from .benchmarks.attention import run_from_args as run_attention
 

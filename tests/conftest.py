@@ -224,9 +224,36 @@ class InterpreterCases:
             terminalreporter.line(f"{n} kernel cases run in Triton's interpreter inside {runner} (deselected here)")
 
 
+class GpuSuite:
+    """`QWENFAST_GPU_SUITE=1`: keep only the tests that touch CUDA (their source or markers name it), so a
+    GPU machine runs the GPU part of the suite (e.g. under each `QWENFAST_ARCH`) without the CPU-only
+    hour around it. A test that mentions CUDA only to skip on the CPU is kept too: it is a GPU test."""
+
+    def pytest_collection_modifyitems(self, config, items):
+        import inspect
+
+        def touches_cuda(item) -> bool:
+            if re.search(r"[\[-]cpu[\]-]", item.name):  # the CPU case of a test parametrised by device
+                return False
+            marks = " ".join(repr(m.args) + repr(m.kwargs) + m.name for m in item.iter_markers())
+            try:
+                src = inspect.getsource(item.function)
+            except (OSError, TypeError):
+                src = ""
+            return bool(re.search(r"cuda|gpu", marks + src, re.I))
+
+        keep = [i for i in items if touches_cuda(i)]
+        dropped = [i for i in items if not touches_cuda(i)]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+
+
 def pytest_configure(config):
     config.pluginmanager.register(SkipGuard(), "qwenfast_ci_skip_guard")
     config.pluginmanager.register(InterpreterCases(), "qwenfast_interpreter_cases")
+    if os.environ.get("QWENFAST_GPU_SUITE") == "1":
+        config.pluginmanager.register(GpuSuite(), "qwenfast_gpu_suite")
 
 
 # ---------------------------------------------------------------------------------------------
