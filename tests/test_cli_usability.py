@@ -181,9 +181,10 @@ def test_cpu_no_op_flags_get_a_note(tmp_path, capsys):
     assert out.exists() and Image.open(out).text["preset"] == "lightning-4"
 
 
-def test_no_note_where_the_flags_do_something(capsys):
+def test_no_note_where_the_flags_do_something(capsys, monkeypatch):
     from qwenfast.cli_common import engine_notes
 
+    monkeypatch.setenv("QWENFAST_ARCH", "sm_90")  # a card where --fp8 runs FP8 GEMMs (sm_86 gets a note)
     a = argparse.Namespace(preset="lightning-4", lora=[("x.safetensors", 1.0)], device="cuda", offload="blocks",
                            offload_budget=None, fp8=True)  # fmt: skip
     engine_notes(a)

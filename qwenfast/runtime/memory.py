@@ -204,6 +204,8 @@ def default_budget(
     )
     if dev.type != "cuda":
         return 2**62
+    if dev.index is None:  # torch's memory-fraction query wants an index
+        dev = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(dev)
     reserved = torch.cuda.memory_reserved(dev)
     if hasattr(torch.cuda, "get_per_process_memory_fraction"):
