@@ -44,12 +44,50 @@ def _call(pipe, prompt: str, steps: int, cfg: float):
     ).images
 
 
-def _timed(pipe, prompt: str, steps: int, cfg: float) -> tuple[float, int]:
+def _bytes(pipe) -> tuple[int, int]:
+    """(transformer block bytes, text-encoder bytes) copied host -> GPU so far."""
+    st = pipe._block_streamer
+    blocks = st.bytes_in if st is not None else 0
+    return blocks, pipe.streamed_bytes() - blocks
+
+
+def _timed(pipe, prompt: str, steps: int, cfg: float) -> dict:
+    """A warm-up with `prompt` (same shapes: graphs captured, the schedule's modulation entries made), then
+    a timed call that encodes the prompt again (`s`: a new prompt of the same length), then the same
+    prompt once more (`same_prompt_s`: its embedding cached). Bytes host -> GPU of the timed calls, and
+    the transformer forwards they ran (CFG with prompts of unequal length runs two per step)."""
+    forwards = [0]
+    hook = pipe.transformer.register_forward_pre_hook(lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        _call(pipe, prompt, steps, cfg)
+        pipe.text_encoder.clear_cache()
+        out = {}
+        for key in ("s", "same_prompt_s"):
+            torch.cuda.synchronize()
+            (b0, e0), f0, t0 = _bytes(pipe), forwards[0], time.perf_counter()
+            _call(pipe, prompt, steps, cfg)
+            torch.cuda.synchronize()
+            out[key] = round(time.perf_counter() - t0, 3)
+            (b1, e1) = _bytes(pipe)
+            out["forwards"] = forwards[0] - f0
+            out[f"{'' if key == 's' else 'same_prompt_'}block_gb"] = round((b1 - b0) / 1e9, 2)
+            out[f"{'' if key == 's' else 'same_prompt_'}text_encoder_gb"] = round((e1 - e0) / 1e9, 2)
+        return out
+    finally:
+        hook.remove()
+
+
+def _h2d_gbps() -> float:
+    """Pinned host -> GPU copy rate of this machine (GB/s, 1 GiB copies): what streaming is bound by."""
+    src = torch.empty(GiB, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(GiB, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    b0, t0 = pipe.streamed_bytes(), time.perf_counter()
-    _call(pipe, prompt, steps, cfg)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
-    return time.perf_counter() - t0, pipe.streamed_bytes() - b0
+    return round(5 * GiB / (time.perf_counter() - t0) / 1e9, 1)
 
 
 def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
@@ -60,7 +98,11 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
     t0 = time.perf_counter()
     pipe, _ = build(False, diffusers_transformer=False)
     pipe.set_progress_bar_config(disable=True)
-    row: dict[str, Any] = {"cap_gib": cap, "build_s": round(time.perf_counter() - t0, 1)}
+    row: dict[str, Any] = {
+        "cap_gib": cap,
+        "build_s": round(time.perf_counter() - t0, 1),
+        "h2d_gbps": _h2d_gbps(),
+    }
     t0 = time.perf_counter()
     pipe.configure(weights=weights, **({"vram_gib": cap} if cap else {}))
     row["configure_s"] = round(time.perf_counter() - t0, 1)
@@ -80,11 +122,12 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
         w = WORKLOADS[name]
         p = f"a lighthouse on a cliff at dusk, {name} steps"
         try:
-            _call(pipe, p + " warm-up", **w)  # graphs captured / the schedule's modulation entries made
             torch.cuda.reset_peak_memory_stats()
-            fresh, fresh_bytes = _timed(pipe, p, **w)
-            again, again_bytes = _timed(pipe, p, **w)  # the prompt's embedding is cached now
+            r = _timed(pipe, p, **w)
             peak = torch.cuda.max_memory_allocated()
+            tr = pipe.transformer
+            table = tr.modulation_table
+            entry = len(tr.blocks) * 2 * 6 * tr.cfg.inner_dim * tr.dtype.itemsize  # one timestep's vectors
             pred = MemoryPlanner.from_pipeline(pipe).predict(
                 1024,
                 1024,
@@ -95,17 +138,15 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
                 modulation_on_host=bool(st is not None and st.held),
                 te_resident_layers=len(te.resident) if te is not None else 0,
             )
-            pred_peak = pred.peak + pipe._modulation_table_bytes()
+            pred_peak = pred.peak + (len(table) * entry if table is not None else 0)
             row[name] = {
-                "s": round(fresh, 3),
-                "same_prompt_s": round(again, 3),
+                **r,
                 "peak_gib": round(peak / GiB, 2),
                 "reserved_peak_gib": round(torch.cuda.max_memory_reserved() / GiB, 2),
                 "predicted_gib": round(pred_peak / GiB, 2),
                 "prediction_err": round(pred_peak / peak - 1, 3),
-                "h2d_gb": round(fresh_bytes / 1e9, 2),
-                "h2d_gb_same_prompt": round(again_bytes / 1e9, 2),
-                "h2d_gb_planned": None if plan is None else round(plan.image_bytes(w["steps"]) / 1e9, 2),
+                "planned_block_gb": None if plan is None else round(r["forwards"] * plan.step_bytes / 1e9, 2),
+                "planned_prompt_gb": None if plan is None else round(plan.prompt_bytes / 1e9, 2),
                 "graphs_replayed": bool(pipe._graphs.graphs),
             }
         except Exception as e:  # noqa: BLE001 - the record says what happened
@@ -179,7 +220,7 @@ def run(
                 cap = f"{r['cap_gib']:g} GiB" if r["cap_gib"] else "resident"
                 print(
                     f"{cap:>9} {name:>5} {c['s']:7.3f} {c.get('x_resident', 1):6.2f} {c['same_prompt_s']:7.3f} "
-                    f"{c.get('same_prompt_x_resident', 1):6.2f} {c['peak_gib']:6.2f} {c['predicted_gib']:6.2f} {c['h2d_gb']:7.1f}"
+                    f"{c.get('same_prompt_x_resident', 1):6.2f} {c['peak_gib']:6.2f} {c['predicted_gib']:6.2f} {c['block_gb']:9.1f}"
                 )
     emit(rec, "tiers.jsonl", out_dir)
     return rec
