@@ -585,3 +585,51 @@ def test_unsupported_quantisation_is_refused_by_name(tiny, tmp_path):
     block = {**sd, k: sd[k].to(E4M3), "img_in.weight_scale": torch.ones(2, 2)}
     with pytest.raises(CheckpointError, match="block-wise scales are not"):
         S.inspect_transformer(_save(tmp_path, "blk.safetensors", block), AXES)
+
+
+def test_vram_plans_single_files_before_they_load(tiny, comfy_files, monkeypatch):
+    """Sizes read from the files' headers equal the folder's; `vram_gib` then loads the offloaded parts to
+    host memory (the plan is made before anything loads) and the image is the resident one."""
+    import numpy as np
+
+    from qwenfast import EngineOptions
+    from qwenfast.loading.diffusers_folder import folder_sizes
+    from qwenfast.loading.single_file import files_sizes
+    from qwenfast.runtime import memory
+    from qwenfast.runtime.tiers import TooSmall, plan
+
+    _, path, *_ = tiny
+    got, want = files_sizes(*comfy_files, torch.float32), folder_sizes(path, torch.float32)
+    for name in (
+        "transformer",
+        "transformer_block",
+        "num_blocks",
+        "block_modulation",
+        "te_block",
+        "te_blocks",
+        "dim",
+    ):
+        assert getattr(got, name) == getattr(want, name), name
+    monkeypatch.setattr(memory.Calibration, "load", classmethod(lambda cls, path=None: cls(overhead=0)))
+
+    def blocks_plan(gib):
+        try:
+            return plan(got, gib, dtype=torch.float32).offload == "blocks"
+        except TooSmall:
+            return False
+
+    gib = next(g for g in np.geomspace(0.001, 1.0, 400) if blocks_plan(g))
+    kw = dict(tokenizer=path / "tokenizer", device="cpu", dtype=torch.float32, transformer_config=AXES,
+              vae_config=path / "vae", text_encoder_config=path / "text_encoder" / "config.json")  # fmt: skip
+    ref = QwenImagePipeline.from_single_files(*comfy_files, **kw)
+    pipe = QwenImagePipeline.from_single_files(*comfy_files, options=EngineOptions(vram_gib=float(gib)), **kw)
+    assert pipe.options.offload == "blocks" and pipe._block_streamer is not None
+    assert (
+        pipe.memory_plan is not None
+        and len(pipe._block_streamer.resident) == pipe.memory_plan.resident_blocks
+    )
+    call = dict(prompt="a red circle", height=32, width=48, num_inference_steps=2, output_type="np")
+    ref.progress_bar = pipe.progress_bar = False
+    a = ref(**call, generator=torch.Generator().manual_seed(5)).images
+    b = pipe(**call, generator=torch.Generator().manual_seed(5)).images
+    np.testing.assert_array_equal(a, b)

@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def tables() -> dict:
     """Every published table by name (the tables import records and each other's helpers: no cycle)."""
-    from .report_gpus import gpu_estimates, gpu_played
+    from .report_gpus import gpu_estimates, gpu_played, memory_tiers
     from .report_peers import diffusers_baseline, peers, peers_summary
     from .report_tables import TABLES
 
@@ -137,6 +137,7 @@ def tables() -> dict:
         "diffusers-baseline": diffusers_baseline,
         "gpu-estimates": gpu_estimates,
         "gpu-played": gpu_played,
+        "memory-tiers": memory_tiers,
     }
 
 

@@ -159,3 +159,42 @@ def gpu_played(recs: list[Rec]) -> str:
     return table(["GPU (choosing as)", "transformer blocks' GEMMs", "1024² forward"], rows) + source(
         used, cmd
     )
+
+
+def memory_tiers(recs: list[Rec]) -> str:
+    """`--vram N` measured: full-size Qwen-Image with FP8 weights, one fresh process per memory cap on an
+    H100 (`set_per_process_memory_fraction`), against the uncapped resident run of the same record."""
+    r = newest(recs, "tiers.jsonl")
+    if r is None:
+        return "*No record yet: `qwenfast bench tiers --caps 24,16,12,8 --results bench/results`.*"
+    rows = []
+    for row in r["rows"]:
+        cap = row.get("cap_gib")
+        for name, label in (("4", "4 steps, no CFG"), ("50", "50 steps, CFG 4")):
+            c = row.get(name) or {}
+            if "s" not in c:
+                if "error" in c:
+                    rows.append(
+                        [f"{cap:g} GiB" if cap else "resident", label, c["error"][:60], "", "", "", ""]
+                    )
+                continue
+            plan = row.get("plan") or {}
+            where = (
+                "all resident"
+                if not plan
+                else f"{plan['resident_blocks']}/60 blocks, {plan['te_resident_layers']}/28 TE layers"
+            )
+            rows.append(
+                [
+                    f"{cap:g} GiB" if cap else "resident",
+                    label,
+                    where,
+                    f"{c['s']:.2f} s ({c.get('x_resident', 1):.2f}x)",
+                    f"{c['same_prompt_s']:.2f} s ({c.get('same_prompt_x_resident', 1):.2f}x)",
+                    f"{c['peak_gib']:.2f} / {c['predicted_gib']:.2f} ({c['prediction_err']:+.1%})",
+                    f"{c['block_gb'] + c['text_encoder_gb']:.0f}",
+                ]
+            )
+    head = ["cap", "workload", "plan", "new prompt", "same prompt", "peak / planned GiB", "host->GPU GB"]
+    cmd = "qwenfast bench tiers --caps 24,16,12,8 --results bench/results"
+    return table(head, rows) + source([r], cmd)

@@ -145,61 +145,75 @@ def _config(cls, path: Path):
         raise CheckpointError(f"{path}: malformed config ({e})") from e
 
 
-def folder_sizes(path: Path, dtype: torch.dtype) -> ModelSizes:
-    """What the memory planner needs of a model folder, from its safetensors headers alone (no tensor is
-    read): each part's bytes in `dtype` (16-bit checkpoints; a folder's FP8 files are counted as `dtype`
-    too, which overestimates them), the largest block and layer, the modulation Linears, the text
-    encoder's vision tower and embeddings. So a load can be planned before it puts anything on the GPU."""
-    import re
-
+def weight_numels(files: list[Path]) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """name -> (element count, shape) of every tensor in `files`, from their safetensors headers alone."""
     from safetensors import safe_open
+
+    out: dict[str, tuple[int, tuple[int, ...]]] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for k in h.keys():
+                shape = tuple(h.get_slice(k).get_shape())
+                n = 1
+                for d in shape:
+                    n *= d
+                out[k] = (n, shape)
+    return out
+
+
+def sizes_from_numels(tr: dict, te: dict, vae: dict, dtype: torch.dtype) -> ModelSizes:
+    """What the memory planner needs of a model, from `weight_numels` of its three parts (any key prefix:
+    diffusers folders and ComfyUI files alike): each part's bytes in `dtype` (8-bit files are counted as
+    `dtype` too, as the plan's 16-bit sizes), the largest block and layer, the modulation Linears, the text
+    encoder's vision tower and embeddings; dims from the tensors' shapes."""
+    import re
 
     from ..runtime.memory import ModelSizes
 
     e = torch.empty((), dtype=dtype).element_size()
 
-    def numels(folder: Path, stem: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for f in weight_files(folder, stem):
-            with safe_open(str(f), "pt") as h:
-                for k in h.keys():
-                    n = 1
-                    for d in h.get_slice(k).get_shape():
-                        n *= d
-                    out[k] = n
-        return out
-
-    def grouped(counts: dict[str, int], pattern: str) -> dict[int, int]:
+    def grouped(counts: dict, pattern: str) -> dict[int, int]:
         groups: dict[int, int] = {}
-        for k, n in counts.items():
+        for k, (n, _) in counts.items():
             m = re.search(pattern, k)
             if m:
                 groups[int(m.group(1))] = groups.get(int(m.group(1)), 0) + n
         return groups
 
-    tr = numels(path / "transformer", "diffusion_pytorch_model")
-    te = numels(path / "text_encoder", "model")
-    vae = numels(path / "vae", "diffusion_pytorch_model")
+    def shape(counts: dict, suffix: str, axis: int, default: int) -> int:
+        return next(
+            (s[axis] for k, (_, s) in counts.items() if k.endswith(suffix) and len(s) > axis), default
+        )
+
     blocks = grouped(tr, r"(?:^|\.)transformer_blocks\.(\d+)\.")
     mods = grouped(
-        {k: n for k, n in tr.items() if re.search(r"\.(img|txt)_mod\.", k)}, r"transformer_blocks\.(\d+)\."
+        {k: v for k, v in tr.items() if re.search(r"\.(img|txt)_mod\.", k)}, r"transformer_blocks\.(\d+)\."
     )
-    layers = grouped({k: n for k, n in te.items() if "visual." not in k}, r"(?:^|\.)layers\.(\d+)\.")
-    tcfg = read_json(path / "transformer" / "config.json")
-    te_cfg = read_json(path / "text_encoder" / "config.json")
-    vcfg = read_json(path / "vae" / "config.json")
+    text = {k: v for k, v in te.items() if "visual." not in k}
+    layers = grouped(text, r"(?:^|\.)layers\.(\d+)\.")
+    total = lambda counts: sum(n for n, _ in counts.values())  # noqa: E731
     return ModelSizes(
-        transformer=sum(tr.values()) * e,
+        transformer=total(tr) * e,
         transformer_block=max(blocks.values(), default=0) * e,
         num_blocks=len(blocks),
-        text_encoder=sum(te.values()) * e,
-        vae=sum(vae.values()) * e,
+        text_encoder=total(te) * e,
+        vae=total(vae) * e,
         te_block=max(layers.values(), default=0) * e,
         te_blocks=len(layers),
-        te_vision=sum(n for k, n in te.items() if "visual." in k) * e,
+        te_vision=sum(n for k, (n, _) in te.items() if "visual." in k) * e,
         block_modulation=max(mods.values(), default=0) * e,
-        te_embed=sum(n for k, n in te.items() if "embed_tokens" in k or "lm_head" in k) * e,
-        dim=int(tcfg.get("num_attention_heads", 24)) * int(tcfg.get("attention_head_dim", 128)),
-        te_hidden=int(te_cfg.get("hidden_size") or te_cfg.get("text_config", {}).get("hidden_size", 3584)),
-        vae_base_dim=int(vcfg.get("base_dim", 96)),
+        te_embed=sum(n for k, (n, _) in text.items() if "embed_tokens" in k or "lm_head" in k) * e,
+        dim=shape(tr, "img_in.weight", 0, 3072),
+        te_hidden=shape(text, "embed_tokens.weight", 1, 3584),
+        vae_base_dim=shape(vae, "decoder.conv_out.weight", 1, 96),
+    )
+
+
+def folder_sizes(path: Path, dtype: torch.dtype) -> ModelSizes:
+    """`sizes_from_numels` of a model folder: a load is planned before it puts anything on the GPU."""
+    return sizes_from_numels(
+        weight_numels(weight_files(path / "transformer", "diffusion_pytorch_model")),
+        weight_numels(weight_files(path / "text_encoder", "model")),
+        weight_numels(weight_files(path / "vae", "diffusion_pytorch_model")),
+        dtype,
     )

@@ -566,11 +566,14 @@ def load_single_files(
     vae_config: VAEConfig | dict | Path | str | None = None,
     text_encoder_config: Qwen2_5_VLConfig | dict | Path | str | None = None,
     fp8: bool = False,
+    offload: str = "none",
 ) -> Components:
     """Check every file (headers, layouts, configs, tokenizer), then load the three models.
 
     A component given as a folder is loaded as a diffusers component folder instead
     (`transformer/`, `vae/`, `text_encoder/`), so single files and folders can be mixed.
+    `offload`: the parts that mode keeps in host memory load to the CPU (the transformer under "blocks",
+    the text encoder under "model" and "blocks"), so the GPU never holds them all.
     """
     from ..models.text_encoder import TextEncoder
     from . import diffusers_folder as folder
@@ -593,16 +596,33 @@ def load_single_files(
     sched = scheduler_config(scheduler)
 
     dirs = {k: Path(v) for k, v in given.items() if plans[k] is None}
+    cpu = torch.device("cpu")
+    tr_dev, te_dev = (cpu if offload == "blocks" else device), (cpu if offload != "none" else device)
     if "transformer" in dirs:
-        tr = folder.load_transformer(dirs["transformer"], device, dtype, fp8=fp8)
+        tr = folder.load_transformer(dirs["transformer"], tr_dev, dtype, fp8=fp8)
     else:
-        tr = load_transformer_file(transformer, device, dtype, source=plans["transformer"], fp8=fp8)
+        tr = load_transformer_file(transformer, tr_dev, dtype, source=plans["transformer"], fp8=fp8)
     if "vae" in dirs:
         v = folder.load_vae(dirs["vae"], device, dtype)
     else:
         v = load_vae_file(vae, device, dtype, source=plans["vae"])
     if "text_encoder" in dirs:
-        te = TextEncoder.from_pretrained(dirs["text_encoder"], tok_dir, device, dtype)
+        te = TextEncoder.from_pretrained(dirs["text_encoder"], tok_dir, te_dev, dtype)
     else:
-        te = load_text_encoder_file(text_encoder, tok_dir, device, dtype, source=plans["text_encoder"])
+        te = load_text_encoder_file(text_encoder, tok_dir, te_dev, dtype, source=plans["text_encoder"])
     return Components(tr, v, te, sched, model_path=str(transformer))
+
+
+def files_sizes(transformer: Path | str, vae: Path | str, text_encoder: Path | str, dtype: torch.dtype):
+    """The memory planner's `ModelSizes` of single files (or component folders), from their headers."""
+    from . import diffusers_folder as folder
+
+    def files(p: Path | str, stem: str) -> list[Path]:
+        return folder.weight_files(Path(p), stem) if Path(p).is_dir() else [Path(p)]
+
+    return folder.sizes_from_numels(
+        folder.weight_numels(files(transformer, "diffusion_pytorch_model")),
+        folder.weight_numels(files(text_encoder, "model")),
+        folder.weight_numels(files(vae, "diffusion_pytorch_model")),
+        dtype,
+    )

@@ -84,27 +84,35 @@ def load_folder(
     )
 
 
-def _plan_folder(
-    opts: EngineOptions, path: Path, device: torch.device, dtype: DType
+def plan_before_load(
+    opts: EngineOptions, sizes_of: Any, device: torch.device, dtype: DType, defaults: dict | None = None
 ) -> tuple[EngineOptions, Any]:
-    """`plan_options` for a model folder before it loads: sizes from its safetensors headers, the call
-    size from its qwenfast.json defaults (1024² with CFG otherwise)."""
-    from ..loading.diffusers_folder import folder_sizes
-
+    """`plan_options` before a model loads (`sizes_of()`: its `ModelSizes` from file headers), for a call
+    of the model's default size (`defaults`: its qwenfast.json defaults; 1024² with CFG otherwise)."""
     if opts.vram_gib is None and opts.weights != "auto" and device.type != "cuda":
         return opts, None
-    d = {"height": 1024, "width": 1024, "true_cfg_scale": 4.0}
-    if (path / "qwenfast.json").is_file():
-        d.update(json.loads((path / "qwenfast.json").read_text()).get("defaults") or {})
+    d = {"height": 1024, "width": 1024, "true_cfg_scale": 4.0, **(defaults or {})}
     return plan_options(
         opts,
-        lambda: folder_sizes(path, resolve_dtype(dtype, device)),
+        sizes_of,
         device,
         height=int(d["height"]),
         width=int(d["width"]),
         cfg=float(d.get("true_cfg_scale") or 1) > 1,
         free_memory=True,
         dtype=resolve_dtype(dtype, device),
+    )
+
+
+def _plan_folder(
+    opts: EngineOptions, path: Path, device: torch.device, dtype: DType
+) -> tuple[EngineOptions, Any]:
+    """`plan_before_load` for a model folder (sizes from its safetensors headers)."""
+    from ..loading.diffusers_folder import folder_sizes
+
+    extra = json.loads((path / "qwenfast.json").read_text()) if (path / "qwenfast.json").is_file() else {}
+    return plan_before_load(
+        opts, lambda: folder_sizes(path, resolve_dtype(dtype, device)), device, dtype, extra.get("defaults")
     )
 
 

@@ -27,6 +27,7 @@ from .common import (  # noqa: F401 - re-exported: the public names of this modu
     engine_options,
     load_folder,
     negative_prompts,
+    plan_before_load,
     postprocess,
     randn_tensor,
     resolve_device,
@@ -124,10 +125,13 @@ class QwenImagePipeline(PipelineBase):
         (cards without FP8 GEMMs: runtime/arch.py).
         """
         from ..loading.fp8 import stores_fp8
-        from ..loading.single_file import load_single_files
+        from ..loading.single_file import files_sizes, load_single_files
 
         dev = resolve_device(device)
         opts = engine_options(options, kwargs)
+        opts, _ = plan_before_load(
+            opts, lambda: files_sizes(transformer, vae, text_encoder, resolve_dtype(dtype, dev)), dev, dtype
+        )
         # int8 from an FP8 file: its e4m3 weights load as stored and become INT8 layer by layer (no bf16 copy)
         as_fp8 = opts.fp8 or (opts.int8 and stores_fp8(transformer))
         c = load_single_files(
@@ -142,6 +146,7 @@ class QwenImagePipeline(PipelineBase):
             vae_config=vae_config,
             text_encoder_config=text_encoder_config,
             fp8=as_fp8,
+            offload=opts.offload,
         )
         return cls(
             c.transformer,

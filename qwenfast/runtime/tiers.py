@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 
+from ..options import WEIGHTS
 from .arch import NONE, Arch
 from .memory import Calibration, GiB, MemoryPlanner, ModelSizes
 
 __all__ = ["VramPlan", "WEIGHTS", "plan", "weights_for", "TooSmall"]
 
-WEIGHTS = ("bf16", "fp8", "int8", "auto")
 MARGIN = 0.9  # plan for 90% of the budget: the caching allocator's fragmentation counts against a hard cap
 
 
