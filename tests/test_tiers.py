@@ -219,3 +219,27 @@ def test_doctor_prints_the_plan_and_generate_says_vram_does_nothing_on_cpu(capsy
         == 0
     )
     assert out_png.is_file() and "--vram 8 does nothing on the CPU" in capsys.readouterr().err
+
+
+def test_cfg_is_batched_while_blocks_stream(no_overhead):
+    """Prompts of unequal length need a padding mask, so "auto" CFG runs two forwards a step; while blocks
+    stream it batches them instead (each streamed block crosses once a step, not twice): the same image up
+    to fp32 rounding, half the forwards."""
+    ref = QwenImagePipeline.from_pretrained(None, device="cpu", dtype=torch.float32)
+    p = QwenImagePipeline.from_pretrained(
+        None, device="cpu", dtype=torch.float32, options=EngineOptions(vram_gib=0.03)
+    )
+    assert p._block_streamer is not None and p._block_streamer.order  # blocks stream at this budget
+    kw = dict(prompt="a small red star at the top left, white background", negative_prompt=" ", true_cfg_scale=4.0,
+              height=64, width=64, num_inference_steps=3, output_type="np")  # fmt: skip
+    images, forwards = [], []
+    for pipe in (ref, p):
+        pipe.progress_bar = False
+        n = [0]
+        hook = pipe.transformer.register_forward_pre_hook(lambda m, a: n.__setitem__(0, n[0] + 1))
+        images.append(pipe(**kw, generator=torch.Generator().manual_seed(1)).images)
+        hook.remove()
+        forwards.append(n[0])
+    assert forwards == [6, 3]  # resident: cond and uncond apart (the option's "auto"); streaming: batched
+    np.testing.assert_allclose(images[1], images[0], rtol=0, atol=5e-5)
+    assert np.isfinite(images[1]).all()
