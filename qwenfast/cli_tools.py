@@ -110,7 +110,7 @@ def _print_plan(a: argparse.Namespace, torch, folder: Path | None) -> None:
         print("memory plan  no GPU: `qwenfast doctor --vram GIB` prints the plan for a card of GIB GiB")
         return
     if folder is not None:
-        from .loading.diffusers_folder import folder_sizes
+        from .loading.sizes import folder_sizes
 
         sizes, what = folder_sizes(folder, torch.bfloat16), str(folder)
     else:

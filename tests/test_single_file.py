@@ -593,8 +593,7 @@ def test_vram_plans_single_files_before_they_load(tiny, comfy_files, monkeypatch
     import numpy as np
 
     from qwenfast import EngineOptions
-    from qwenfast.loading.diffusers_folder import folder_sizes
-    from qwenfast.loading.single_file import files_sizes
+    from qwenfast.loading.sizes import files_sizes, folder_sizes
     from qwenfast.runtime import memory
     from qwenfast.runtime.tiers import TooSmall, plan
 

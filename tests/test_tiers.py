@@ -15,7 +15,7 @@ import torch
 
 from qwenfast import EngineOptions, QwenImagePipeline
 from qwenfast.errors import OptionsError
-from qwenfast.loading.diffusers_folder import folder_sizes
+from qwenfast.loading.sizes import folder_sizes
 from qwenfast.runtime import memory
 from qwenfast.runtime.arch import ARCHS, NONE
 from qwenfast.runtime.memory import GiB, MemoryPlanner, ModelSizes
@@ -236,7 +236,7 @@ def test_cfg_is_batched_while_blocks_stream(no_overhead):
     for pipe in (ref, p):
         pipe.progress_bar = False
         n = [0]
-        hook = pipe.transformer.register_forward_pre_hook(lambda m, a: n.__setitem__(0, n[0] + 1))
+        hook = pipe.transformer.register_forward_pre_hook(lambda m, a, n=n: n.__setitem__(0, n[0] + 1))
         images.append(pipe(**kw, generator=torch.Generator().manual_seed(1)).images)
         hook.remove()
         forwards.append(n[0])

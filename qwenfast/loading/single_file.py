@@ -611,18 +611,3 @@ def load_single_files(
     else:
         te = load_text_encoder_file(text_encoder, tok_dir, te_dev, dtype, source=plans["text_encoder"])
     return Components(tr, v, te, sched, model_path=str(transformer))
-
-
-def files_sizes(transformer: Path | str, vae: Path | str, text_encoder: Path | str, dtype: torch.dtype):
-    """The memory planner's `ModelSizes` of single files (or component folders), from their headers."""
-    from . import diffusers_folder as folder
-
-    def files(p: Path | str, stem: str) -> list[Path]:
-        return folder.weight_files(Path(p), stem) if Path(p).is_dir() else [Path(p)]
-
-    return folder.sizes_from_numels(
-        folder.weight_numels(files(transformer, "diffusion_pytorch_model")),
-        folder.weight_numels(files(text_encoder, "model")),
-        folder.weight_numels(files(vae, "diffusion_pytorch_model")),
-        dtype,
-    )

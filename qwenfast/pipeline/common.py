@@ -108,7 +108,7 @@ def _plan_folder(
     opts: EngineOptions, path: Path, device: torch.device, dtype: DType
 ) -> tuple[EngineOptions, Any]:
     """`plan_before_load` for a model folder (sizes from its safetensors headers)."""
-    from ..loading.diffusers_folder import folder_sizes
+    from ..loading.sizes import folder_sizes
 
     extra = json.loads((path / "qwenfast.json").read_text()) if (path / "qwenfast.json").is_file() else {}
     return plan_before_load(

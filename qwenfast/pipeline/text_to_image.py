@@ -125,7 +125,8 @@ class QwenImagePipeline(PipelineBase):
         (cards without FP8 GEMMs: runtime/arch.py).
         """
         from ..loading.fp8 import stores_fp8
-        from ..loading.single_file import files_sizes, load_single_files
+        from ..loading.single_file import load_single_files
+        from ..loading.sizes import files_sizes
 
         dev = resolve_device(device)
         opts = engine_options(options, kwargs)
