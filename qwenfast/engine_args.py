@@ -186,8 +186,11 @@ def engine_notes(a: argparse.Namespace, loras: bool | None = None) -> None:
             "--lora the base model runs it and gives blurry images: add --lora PATH (e.g. the matching "
             "Lightning / turbo LoRA), or leave --preset out"
         )
+    weights = getattr(a, "weights", None)
+    fp8 = bool(a.fp8) or weights == "fp8"  # --weights fp8 is --fp8
+    int8 = bool(getattr(a, "int8", False)) or weights == "int8"
     if not on_cpu(a):
-        if a.fp8:
+        if fp8:
             import torch
 
             from .runtime.arch import NONE, arch
@@ -195,7 +198,7 @@ def engine_notes(a: argparse.Namespace, loras: bool | None = None) -> None:
             card = arch(torch.device(a.device) if a.device else None)
             if card is not NONE and not card.fp8_gemm:
                 note(
-                    f"--fp8 on {card.name} ({card.family}, no FP8 tensor cores): the FP8 weights stay in memory "
+                    f"FP8 weights on {card.name} ({card.family}, no FP8 tensor cores): the FP8 weights stay in memory "
                     "(half of bf16) and each layer multiplies in bf16 after dequantising them (weight-only); "
                     "faster here: --int8"
                 )
@@ -211,12 +214,14 @@ def engine_notes(a: argparse.Namespace, loras: bool | None = None) -> None:
             f"--vram {a.vram:g} does nothing on the CPU (there is no GPU memory to plan for); running without it"
         )
         a.vram = None
-    if getattr(a, "int8", False):
+    if weights == "auto":
+        note("--weights auto on the CPU keeps bf16 (no 8-bit matrix units to gain from)")
+    if int8:
         note(
             "--int8 on the CPU is emulated (the codes are multiplied in fp32): the images change as with INT8 "
             "on a GPU, but nothing gets faster"
         )
-    if a.fp8:
+    if fp8:
         note(
             "--fp8 on the CPU is emulated (the weights are rounded to FP8 e4m3 and multiplied in fp32): the "
             "images change as with FP8 on a GPU, but nothing gets faster; FP8 speed needs an Ada/Hopper GPU"

@@ -243,3 +243,21 @@ def test_cfg_is_batched_while_blocks_stream(no_overhead):
     assert forwards == [6, 3]  # resident: cond and uncond apart (the option's "auto"); streaming: batched
     np.testing.assert_allclose(images[1], images[0], rtol=0, atol=5e-5)
     assert np.isfinite(images[1]).all()
+
+
+def test_weights_flag_gets_the_notes_of_the_format_it_names(capsys):
+    import argparse
+
+    from qwenfast.engine_args import engine_notes
+
+    def notes(**kw):
+        a = argparse.Namespace(preset=None, lora=None, device="cpu", offload=None, offload_budget=None, fp8=False,
+                               int8=False, vram=None, weights=None)  # fmt: skip
+        vars(a).update(kw)
+        engine_notes(a)
+        return capsys.readouterr().err
+
+    assert "--fp8 on the CPU is emulated" in notes(weights="fp8")
+    assert "--int8 on the CPU is emulated" in notes(weights="int8")
+    assert "keeps bf16" in notes(weights="auto")
+    assert notes(weights="bf16") == ""
