@@ -115,12 +115,13 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         """
         old = self._options
         new = old.replace(**changes)
+        check_transition(old, new)
         self.transformer.set_modulation_cache(new.modulation_cache)  # before offload: it decides what streams
         if new.weights == "auto" or (
             new.vram_gib is not None and (new.vram_gib, new.weights) != (old.vram_gib, old.weights)
         ):
-            new = self._plan_memory(old, new)
-        check_transition(old, new)
+            new = self._plan_memory(old, new)  # the plan's weights and offload, checked again
+            check_transition(old, new)
         if new.fp8 and not old.fp8:
             if old.offload == "blocks":
                 raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
