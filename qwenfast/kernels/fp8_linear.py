@@ -39,7 +39,7 @@ from .fp8_rows import (
     gemm_rows,
     quantize_rows_ref,
 )
-from .lowbit import LowBitLinear
+from .lowbit import LowBitLinear, replace_layers
 
 if triton_available():
     from .fp8_rows import _quant_rows_kernel
@@ -287,14 +287,10 @@ def quantize_model(
     are not `nn.Linear` (already FP8) are left as they are. The bf16 weights of replaced layers are
     freed. `empty`: uninitialised FP8 layers computing in `dtype` (a model on meta that a loader fills).
     """
-    n = 0
-    for name in model.fp8_linears() if names is None else names:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        lin = parent.get_submodule(leaf)
+
+    def make(lin: nn.Module) -> nn.Module | None:
         if not isinstance(lin, nn.Linear):
-            continue
-        # setattr registers the layer under `leaf`, as `parent[int(leaf)] = q` does in a Sequential
-        setattr(parent, leaf, FP8Linear.empty_like(lin, dtype) if empty else FP8Linear.from_linear(lin))
-        n += 1
-    return n
+            return None
+        return FP8Linear.empty_like(lin, dtype) if empty else FP8Linear.from_linear(lin)
+
+    return replace_layers(model, names, make)

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from . import _on_device, triton_available, use_triton
-from .lowbit import LowBitLinear
+from .lowbit import LowBitLinear, replace_layers
 
 __all__ = [
     "Int8Linear",
@@ -271,16 +271,12 @@ def quantize_model_int8(model: nn.Module, names: Sequence[str] | None = None) ->
     """Replace the layers the model names (`names`, else `model.fp8_linears()`: the big block GEMMs the
     model marks for 8-bit weights) with `Int8Linear` in place: `nn.Linear`s from their float weights,
     FP8 layers (an FP8 file loaded as stored) from their e4m3 weights; returns how many were replaced."""
-    n = 0
-    for name in model.fp8_linears() if names is None else names:
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        lin = parent.get_submodule(leaf)
+
+    def make(lin: nn.Module) -> nn.Module | None:
         if isinstance(lin, nn.Linear):
-            setattr(parent, leaf, Int8Linear.from_linear(lin))
-        elif isinstance(lin, LowBitLinear) and not isinstance(lin, Int8Linear):
-            setattr(parent, leaf, Int8Linear.from_lowbit(lin))
-        else:
-            continue
-        n += 1
-    return n
+            return Int8Linear.from_linear(lin)
+        if isinstance(lin, LowBitLinear) and not isinstance(lin, Int8Linear):
+            return Int8Linear.from_lowbit(lin)
+        return None
+
+    return replace_layers(model, names, make)

@@ -9,6 +9,8 @@ in `lora` and say where their weights live; nothing else about their formats lea
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn as nn
 
@@ -36,3 +38,22 @@ class LowBitLinear(nn.Module):
         if y2.dtype == up.dtype:
             return y2.addmm_(h, up.t())  # in place: y2 is this layer's fresh output
         return torch.addmm(y2.to(up.dtype), h, up.t()).to(y2.dtype)
+
+
+def replace_layers(
+    model: nn.Module, names: Sequence[str] | None, make: Callable[[nn.Module], nn.Module | None]
+) -> int:
+    """Replace each layer the model names (`names`, else `model.fp8_linears()`: the big block GEMMs it
+    marks for 8-bit weights; module names, see `runtime.contract.BlockModel`) by `make(layer)` in place,
+    leaving it where `make` returns None; returns how many were replaced. The walker of both 8-bit formats:
+    it knows no model's layout."""
+    n = 0
+    for name in model.fp8_linears() if names is None else names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        new = make(parent.get_submodule(leaf))
+        if new is not None:
+            # setattr registers the layer under `leaf`, as `parent[int(leaf)] = q` does in a Sequential
+            setattr(parent, leaf, new)
+            n += 1
+    return n
