@@ -75,9 +75,10 @@ def test_one_way_changes_are_refused_with_advice():
     with pytest.raises(ConfigureError, match="load the model again"):
         p.configure(offload="none")
     p.configure(offload="blocks")
-    # graphs stay an option: the block runner replays them only while no block streams
+    # graphs stay an option: a captured forward holds the streamed blocks' copies (with the table's rows)
     assert p.options.offload == "blocks" and p.options.cuda_graphs is True
-    assert p._block_streamer.order and not p.transformer.block_runner.can_graph(True)
+    runner = p.transformer.block_runner
+    assert p._block_streamer.order and runner.can_graph(True) and not runner.graph_safe
     from qwenfast.options import check_transition  # fp8 -> bf16 (checked without FP8 hardware)
 
     with pytest.raises(ConfigureError, match="FP8 cannot"):

@@ -202,7 +202,8 @@ def test_offload_modes_equal_no_offload():
         w = next(te_stream.blocks[-1].parameters())
         assert any(w.data_ptr() == v.data_ptr() for v in te_stream.host_views[-1])  # back on the host
     streamer = p._block_streamer
-    assert streamer.copies > 0 and not p.transformer.block_runner.can_graph(True)  # blocks stream: eager
+    runner = p.transformer.block_runner  # blocks stream: graphs hold the copies, fenced by the graph runner
+    assert streamer.copies > 0 and runner.can_graph(True) and not runner.graph_safe
     blk = p.transformer.transformer_blocks[0]
     w = blk.attn.to_qkv.weight  # (the modulation Linears are not streamed: the modulation table serves them)
     assert any(w.data_ptr() == v.data_ptr() for v in streamer.host_views[0])  # back on the host copy

@@ -131,9 +131,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
                 raise ConfigureError("INT8 cannot be enabled after offload='blocks'; enable it first")
             self._int8_layers = self._quantize("int8")
         if new.offload != old.offload:
-            self._set_offload(old.offload, new.offload, self._compute_device, new.offload_budget)
+            self._set_offload(old.offload, new, self._compute_device)
         elif new.offload == "blocks" and new.offload_budget != old.offload_budget:
-            self._stream_blocks(self._compute_device, new.offload_budget)  # plan the resident blocks again
+            self._stream_blocks(self._compute_device, new)  # plan the resident blocks again
         if new.parallel != old.parallel:
             from ..runtime.parallel import ParallelGroups
 
@@ -277,8 +277,9 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
         )
         return sum(p.bytes_in for p in parts if p is not None)
 
-    def _set_offload(self, old: str, new: str, device: torch.device, budget: float | None = None) -> None:
-        ring, tr, te = getattr(self, "_ring", 2), self.transformer, self.text_encoder
+    def _set_offload(self, old: str, opts: EngineOptions, device: torch.device) -> None:
+        """From offload mode `old` to `opts.offload` (`opts`: the options being configured)."""
+        new, ring, tr, te = opts.offload, getattr(self, "_ring", 2), self.transformer, self.text_encoder
         if old == "none":  # the text encoder (and optionally the VAE) to host memory
             te.offloader, te.layer_streamer = offload_module(te.model, device, decoder_layers(te.model), ring)
             if getattr(self, "_offload_vae", False):
@@ -287,17 +288,17 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             for child in tr.children():  # everything but the blocks, which stream
                 if child is not tr.blocks:
                     child.to(device)
-            self._stream_blocks(device, budget)
+            self._stream_blocks(device, opts)
         elif tr.device != device:
             tr.to(device)
         if self._vae_offloader is None and next(self.vae.parameters()).device != device:
             self.vae.to(device)
 
-    def _stream_blocks(self, device: torch.device, budget: float | None) -> None:
+    def _stream_blocks(self, device: torch.device, opts: EngineOptions) -> None:
         """A new block streamer for this budget (blocks come from wherever the last one left them)."""
         tr = self.transformer
         self._block_streamer = None  # the old one's host buffers go before the new ones are pinned
-        n, te_layers = self._resident_blocks(device, budget)
+        n, te_layers = self._resident_blocks(device, opts)
         resident = spread(len(tr.blocks), n)
         self._block_streamer = BlockStreamer(
             tr.blocks,
@@ -337,11 +338,12 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             * torch.empty((), dtype=tr.dtype).element_size()
         )
 
-    def _resident_blocks(self, device: torch.device, budget: float | None) -> tuple[int, int]:
+    def _resident_blocks(self, device: torch.device, opts: EngineOptions) -> tuple[int, int]:
         """offload="blocks": how many transformer blocks, and then (once all of those fit) how many
         text-encoder layers, stay on the device, so that a call of the model's default size (batch 1,
         its default CFG) peaks under the budget (`options.offload_budget` GiB, else the free GPU
-        memory; on CPU without a budget: none)."""
+        memory; on CPU without a budget: none); with CUDA graphs, their pool counts as held."""
+        budget = opts.offload_budget
         if budget is None and device.type != "cuda":
             return 0, 0
         from ..runtime.memory import GiB, MemoryPlanner, default_budget
@@ -356,6 +358,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             cfg=d.get("true_cfg_scale", 1) > 1,
             dtype=self.dtype,
             modulation_on_host=bool(self._modulation_modules()),
+            graph_pool=opts.cuda_graphs and device.type == "cuda",
         )
         n = planner.resident_blocks(limit, d["height"], d["width"], 1, **kw)
         if n < planner.sizes.num_blocks:

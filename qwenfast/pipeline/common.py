@@ -258,6 +258,7 @@ def plan_options(
             eight_bit_sizes=eight_bit_sizes,
             table_bytes=table_bytes,
             dtype=dtype,
+            graphs=opts.cuda_graphs and device.type == "cuda",
         )
     except TooSmall as e:
         raise OptionsError(f"vram_gib={vram:g}: {e}") from None

@@ -71,6 +71,9 @@ class BlockRunner:
         """Host-side work before a forward, outside any CUDA graph (a replayed graph runs no Python):
         e.g. a step cache writes the coming step's factors into device scalars. Idempotent per step."""
 
+    def replayed(self) -> None:
+        """Host-side bookkeeping after a captured forward replayed (what its Python would have counted)."""
+
     def run(
         self,
         blocks: Sequence[nn.Module],
@@ -110,10 +113,12 @@ class StreamingBlockRunner(BlockRunner):
     """Offload: each block's weights are brought in by a `BlockStreamer` (runtime/offload.py) just
     before it runs and released after; the next block's copy overlaps this block's compute.
 
-    CUDA graphs replay only while no block streams (a budget that keeps them all: the planner then
-    left room for a graph's memory pool). Capturing the streamed copies too was built and measured
-    (H200, FP8, 16 GiB cap, bench/results/fp8.jsonl): the graph pool's reserved memory pushed the VAE decode into
-    its out-of-memory fallback, 2.63x the resident time against 1.76x eagerly, so it was removed."""
+    CUDA graphs: a forward is captured with its block copies in it (the streamer's `capture`), so a
+    streamed forward replays with one launch. Eagerly, the ~2,000 launches of a forward cost more than
+    the copies they wait for once most blocks are resident (16 GiB: ~50 ms a 1024² step over resident
+    for 25 ms of copies). The planner counts the graph pool as held outside the denoise loop too (the
+    VAE decode cannot reuse it): capturing without that pushed the decode into its out-of-memory
+    fallback (H200, FP8, 16 GiB cap, bench/results/fp8.jsonl)."""
 
     def __init__(self, streamer):
         self.streamer = streamer
@@ -127,23 +132,33 @@ class StreamingBlockRunner(BlockRunner):
         step: StepContext | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.streamer
-        for i, block in enumerate(blocks):
-            s.before(i)
-            try:
-                img, txt = call(i, block, img, txt)
-            finally:
-                s.after(i)
+        capturing = s.cuda and torch.cuda.is_current_stream_capturing()
+        with s.capture() if capturing else contextlib.nullcontext():
+            for i, block in enumerate(blocks):
+                s.before(i)
+                try:
+                    img, txt = call(i, block, img, txt)
+                finally:
+                    s.after(i)
         return img, txt
+
+    def prepare(self, step: StepContext | None, device: torch.device) -> None:
+        """Before a graph is captured or replayed: the copies in flight finish, the ring starts empty."""
+        self.streamer.fence()
+
+    def replayed(self) -> None:
+        self.streamer.replayed()
 
     @property
     def graph_safe(self) -> bool:
-        """`can_graph` for a forward that computes its own modulation rows."""
-        return self.can_graph(False)
+        """A graph that does not call `prepare` / `replayed` (Qwen-Image-2.1's cached steps) is safe only
+        when no block streams and the modulation weights are on the device."""
+        return not self.streamer.order and not self.streamer.held
 
     def can_graph(self, modulations: bool) -> bool:
-        """Every block resident, and the modulation weights on the host unread (the rows come from
-        the table): the forward is the resident model's, and a graph of it replays exactly."""
-        return not self.streamer.order and (modulations or not self.streamer.held)
+        """Blocks may stream (the graph holds their copies); the modulation Linears kept in host memory
+        must go unread: the rows come from the table."""
+        return modulations or not self.streamer.held
 
     @property
     def every_block_resident(self) -> bool:

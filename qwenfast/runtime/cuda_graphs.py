@@ -70,6 +70,7 @@ class _GraphCache:
             if dst is not None:
                 dst.copy_(src)
         graph.replay()
+        self._replayed()
         return static_out.clone()  # the static buffer is overwritten by the next replay
 
     def _capture(self, fn, inputs: tuple):
@@ -102,6 +103,9 @@ class _GraphCache:
     def _restore_state(self, state: object) -> None:
         pass
 
+    def _replayed(self) -> None:
+        """Host-side bookkeeping after a replay (a block streamer counts the copies the graph made)."""
+
 
 class CudaGraphRunner(_GraphCache):
     """Call like the transformer; replays a captured graph when the inputs are on CUDA.
@@ -126,6 +130,11 @@ class CudaGraphRunner(_GraphCache):
         if state is not None:
             runner, snap = state
             runner.restore(snap)
+
+    def _replayed(self) -> None:
+        runner = self._runner()
+        if runner is not None:
+            runner.replayed()
 
     def __call__(
         self,

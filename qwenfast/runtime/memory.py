@@ -295,8 +295,11 @@ class MemoryPlanner:
         resident_blocks: int = 0,
         modulation_on_host: bool = False,
         te_resident_layers: int = 0,
+        graph_pool: bool = False,
     ) -> Prediction:
-        """Peak bytes of one call generating `batch` images of height x width (pixels)."""
+        """Peak bytes of one call generating `batch` images of height x width (pixels). `graph_pool`: the
+        denoise activations stay held after the loop (a CUDA graph's private pool, which streamed
+        forwards capture: the encode and decode cannot reuse it)."""
         if batch < 1 or height < 1 or width < 1:
             raise ValueError(f"batch, height and width must be >= 1, got {batch}, {height}, {width}")
         s, c, e = self.sizes, self.calib, _elem(dtype)
@@ -314,8 +317,10 @@ class MemoryPlanner:
         # denoise: tokens of the packed latents (patch 2 over the /8 latents) + text
         img_tokens = math.ceil(height / (s.vae_scale * s.patch)) * math.ceil(width / (s.vae_scale * s.patch))
         b_eff = batch * (2 if cfg and batched_cfg else 1)
-        denoise = res + int(c.transformer * b_eff * (img_tokens + txt_len) * s.dim * e)
-        # decode (the transformer activations are gone; latents are tiny)
+        act = int(c.transformer * b_eff * (img_tokens + txt_len) * s.dim * e)
+        denoise = res + act
+        pool = act if graph_pool else 0
+        # decode (the transformer activations are gone, unless a graph pool holds them; latents are tiny)
         db = decode_batch or batch
         th, tw = (min(tile, height), min(tile, width)) if tile else (height, width)
         k = c.vae_decode if fast_vae else c.vae_decode_ref
@@ -328,7 +333,7 @@ class MemoryPlanner:
             + out_img
             + int(k * db * th * tw * s.vae_base_dim * e + c.vae_attention * db * tokens**2 * e)
         )
-        phases = {"encode": encode, "denoise": denoise, "decode": decode}
+        phases = {"encode": encode + pool, "denoise": denoise, "decode": decode + pool}
         return Prediction(peak=max(phases.values()) + c.overhead, phases=phases, resident=res)
 
     def resident_blocks(self, budget: int, height: int, width: int, batch: int = 1, **kw: Any) -> int:

@@ -16,6 +16,13 @@
   proj_out: ~0.2% of the weights) stays on the GPU. Streaming is PCIe-bound (a forward moves all
   41 GB of weights); it trades speed for fitting: 1024² in 5.7 GiB on an H200.
 
+CUDA graphs (`fence`, `capture`, `replayed`): a forward may be captured with its block copies in it
+(memcpy nodes from the pinned host buffers into the ring slots, ordered by the same events), so that a
+streamed forward replays with one launch instead of ~2,000 from Python. The ring slots keep their
+addresses, so the graph is valid for as long as the streamer lives. A captured forward starts from
+empty shared slots (`fence`: the eager ring's state is unknown to a replay) and does not prefetch
+block 0 for the next forward; a block alone in its slot is copied once, outside the graph, and kept.
+
 Parameters are re-pointed (`p.data = view`) at host or ring views; a block's tensors point at the
 host copy between uses. On CPU the same code runs with plain copies and no streams/events (tests).
 LoRA changes and FP8 must happen before offloading (the fused weights are what is copied).
@@ -196,6 +203,7 @@ class BlockStreamer:
         self.copies = 0  # host->device block copies issued (tests, stats)
         self.bytes_in = 0  # host->device bytes copied (blocks and `bring`s; stats)
         self.active: int | None = None  # the block computing now
+        self.cyclic = True  # the last streamed block prefetches the first for the next forward
         self._handles = []
         if hooks:  # PyTorch's own seam; always_call: the block is released even when it raises
             for i, block in enumerate(self.blocks):
@@ -205,10 +213,60 @@ class BlockStreamer:
                 )
 
     def _next_streamed(self, i: int) -> int | None:
-        """The first streamed block after block i (cyclic: the last one prefetches for the next step)."""
+        """The first streamed block after block i (cyclic: the last one prefetches for the next step,
+        unless a forward is being captured: a graph holds one forward's copies, no more)."""
         if not self.order:
             return None
-        return next((b for b in self.order if b > i), self.order[0])
+        return next((b for b in self.order if b > i), self.order[0] if self.cyclic else None)
+
+    def _shared(self, slot: int) -> bool:
+        """Whether several streamed blocks take turns in `slot` (a slot of one keeps its block)."""
+        return len(range(slot, len(self.order), self.ring)) > 1
+
+    def fence(self) -> None:
+        """Before a forward that is captured or replayed as a CUDA graph, and after a replay: copies in
+        flight finish first (the current stream waits for the copy stream), and the shared slots count
+        as empty, to be overwritten once the current stream's work before this point is done. Inside a
+        capture it is the graph's fork instead: the copy stream joins the capture here (an event of
+        work outside the capture cannot be waited on inside it)."""
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            capturing = torch.cuda.is_current_stream_capturing()
+            if not capturing:
+                cur.wait_stream(self.stream)
+            ev = torch.cuda.Event()
+            ev.record(cur)
+            if capturing:
+                self.stream.wait_event(ev)
+            self.freed = [ev] * len(self.freed)
+        self.ready = [None] * len(self.blocks)  # (fenced: whatever the slots hold is there)
+        self.in_slot = [b if not self._shared(k) else None for k, b in enumerate(self.in_slot)]
+
+    def graph_bytes(self) -> int:
+        """Bytes one captured forward copies: every block of a shared slot, once."""
+        return sum(self.host[b].numel() for k, b in enumerate(self.order) if self._shared(k % self.ring))
+
+    @contextmanager
+    def capture(self) -> Iterator[None]:
+        """Around a forward being captured in a CUDA graph (`fence` first, outside the capture): the
+        copy stream forked at the start and joined at the end, no prefetch for the next forward, and
+        nothing counted (a capture copies nothing: `replayed` counts each replay)."""
+        counts = (self.copies, self.bytes_in)
+        self.fence()
+        self.cyclic = False
+        try:
+            yield
+        finally:
+            self.cyclic = True
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self.stream)  # the join
+            self.copies, self.bytes_in = counts
+
+    def replayed(self) -> None:
+        """After a captured forward replayed: count its copies; the eager ring state is fenced again."""
+        self.copies += sum(1 for k in range(len(self.order)) if self._shared(k % self.ring))
+        self.bytes_in += self.graph_bytes()
+        self.fence()
 
     def prefetch(self, i: int) -> None:
         """Start copying block i into its ring slot (side stream on CUDA), unless it is there already."""
@@ -245,13 +303,15 @@ class BlockStreamer:
             return
         slot = self.pos[i] % self.ring
         self.prefetch(i)  # no-op when prefetched earlier
-        if self.cuda:
+        if self.cuda and self.ready[i] is not None:  # (None: copied before a fence)
             torch.cuda.current_stream(self.device).wait_event(self.ready[i])
         base = self.slots[slot]
         for owner, name, is_param, o, n, dt, shape in self.layout[i]:
             _point(owner, name, is_param, base[o : o + n].view(dt).view(shape))
         self.active = i
-        self.prefetch(self._next_streamed(i))  # overlaps block i's compute (and the resident ones after it)
+        nxt = self._next_streamed(i)
+        if nxt is not None:
+            self.prefetch(nxt)  # overlaps block i's compute (and the resident ones after it)
 
     def after(self, i: int) -> None:
         if i in self.resident:

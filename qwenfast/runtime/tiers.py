@@ -135,11 +135,13 @@ def plan(
     table_bytes: int = 0,
     dtype: torch.dtype = torch.bfloat16,
     ring: int = 2,
+    graphs: bool = False,
     calib: Calibration | None = None,
 ) -> VramPlan:
     """The plan for a model of `sizes` (16-bit weights unless `eight_bit_sizes`: measured on a loaded
     8-bit model) under `vram_gib` GiB, for one image of height x width (true CFG when `cfg`).
-    `table_bytes`: what the modulation table holds on the device; `ring`: the block streamer's slots.
+    `table_bytes`: what the modulation table holds on the device; `ring`: the block streamer's slots;
+    `graphs`: CUDA graphs capture the streamed forwards (their pool stays held through encode and decode).
     Raises `TooSmall` (saying the least
     budget that works) when even streaming every block does not fit."""
     if not vram_gib > 0:
@@ -156,7 +158,7 @@ def plan(
             offload, n, te = mode, s.num_blocks, s.te_blocks if mode == "none" else 0
             break
     else:
-        kw["modulation_on_host"] = True
+        kw.update(modulation_on_host=True, graph_pool=graphs)
         floor = pl.predict(height, width, 1, offload="blocks", tile=256, **kw).peak
         if floor > budget:
             need = (floor + table_bytes) / MARGIN / GiB
@@ -173,12 +175,14 @@ def plan(
         if n == s.num_blocks:
             te = pl.te_resident_layers(budget, height, width, 1, resident_blocks=n, **kw)
     kw.pop("modulation_on_host", None)
+    kw.pop("graph_pool", None)
     pkw = dict(
         kw,
         offload=offload,
         resident_blocks=n if offload == "blocks" else 0,
         te_resident_layers=te if offload != "none" else 0,
         modulation_on_host=offload == "blocks",
+        graph_pool=graphs and offload == "blocks",
     )
     pred = pl.predict(height, width, 1, **pkw)
     tiled = pred.phases["decode"] + pl.calib.overhead > budget
@@ -189,7 +193,8 @@ def plan(
         )
     if offload == "blocks" and n < s.num_blocks:
         notes.append(
-            "blocks stream: the transformer runs eagerly (no CUDA graphs) and without the step cache"
+            "blocks stream: the transformer runs without the step cache"
+            + ("; CUDA graphs hold each forward's block copies" if graphs else ", eagerly")
         )
     streamed = s.num_blocks - n if offload == "blocks" else 0
     per_block = s.transformer_block - s.block_modulation  # the modulation Linears stay on the host
