@@ -143,8 +143,22 @@ def test_vae_oom_splits_then_tiles(pipe):
         got = oom.vae_decode(vae, z[:1], events)
         assert got.shape == (1, 3, 64, 48) and torch.isfinite(got).all()
         assert any("VAE tiling" in e for e in events) and vae.tiling is False
+        assert vae.untiled_oom is None  # tiling=False was asked: nothing learnt for "auto"
+        vae.tiling = "auto"  # (on the CPU "auto" never tiles by itself: only what an OOM taught it)
+        events = []
+        first = oom.vae_decode(vae, z[:1], events)
+        assert any("VAE tiling" in e for e in events) and vae.untiled_oom == 64 * 48
+        calls.clear()
+        vae._decode_tile = lambda x: (calls.append(tuple(x.shape)), small_only(x))[1]
+        events = []
+        assert torch.equal(oom.vae_decode(vae, z[:1], events), first)
+        assert not events and max(h * w for *_, h, w in calls) <= 16  # tiled without trying untiled
+        pipe.configure(oom="raise")  # memory laid out anew: untiled may fit again
+        assert vae.untiled_oom is None
+        pipe.configure(oom="backoff")
     finally:
-        vae.tile_sample_min, vae.tile_sample_stride = 256, 192
+        vae.tile_sample_min, vae.tile_sample_stride, vae.tiling, vae.untiled_oom = 256, 192, "auto", None
+        vae._decode_tile = real
 
 
 def test_oom_everywhere_gives_a_clear_error_and_the_process_lives(pipe):

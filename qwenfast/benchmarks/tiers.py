@@ -55,7 +55,7 @@ def _timed(pipe, prompt: str, steps: int, cfg: float) -> dict:
     """A warm-up with `prompt` (same shapes: graphs captured, the schedule's modulation entries made), then
     a timed call that encodes the prompt again (`s`: a new prompt of the same length), then the same
     prompt once more (`same_prompt_s`: its embedding cached). Bytes host -> GPU of the timed calls, and
-    the transformer forwards they ran (CFG with prompts of unequal length runs two per step)."""
+    the transformer forwards they ran, eager or replayed (CFG with prompts of unequal length runs two per step)."""
     forwards = [0]
     hook = pipe.transformer.register_forward_pre_hook(lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
     try:
@@ -64,12 +64,12 @@ def _timed(pipe, prompt: str, steps: int, cfg: float) -> dict:
         out = {}
         for key in ("s", "same_prompt_s"):
             torch.cuda.synchronize()
-            (b0, e0), f0, t0 = _bytes(pipe), forwards[0], time.perf_counter()
+            (b0, e0), f0, t0 = _bytes(pipe), forwards[0] + pipe._graphs.replays, time.perf_counter()
             _call(pipe, prompt, steps, cfg)
             torch.cuda.synchronize()
             out[key] = round(time.perf_counter() - t0, 3)
             (b1, e1) = _bytes(pipe)
-            out["forwards"] = forwards[0] - f0
+            out["forwards"] = forwards[0] + pipe._graphs.replays - f0
             out[f"{'' if key == 's' else 'same_prompt_'}block_gb"] = round((b1 - b0) / 1e9, 2)
             out[f"{'' if key == 's' else 'same_prompt_'}text_encoder_gb"] = round((e1 - e0) / 1e9, 2)
         return out
@@ -92,7 +92,7 @@ def _h2d_gbps() -> float:
 
 def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
     """One process's row: `cap` GiB (None: resident, no cap)."""
-    from ..runtime.memory import MemoryPlanner
+    from ..runtime.memory import MemoryPlanner, graph_pools
     from .pipeline import build
 
     t0 = time.perf_counter()
@@ -123,8 +123,10 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
         p = f"a lighthouse on a cliff at dusk, {name} steps"
         try:
             torch.cuda.reset_peak_memory_stats()
+            ooms = torch.cuda.memory_stats().get("num_ooms", 0)
             r = _timed(pipe, p, **w)
             peak = torch.cuda.max_memory_allocated()
+            pool, _ = graph_pools(torch.device("cuda"))
             tr = pipe.transformer
             table = tr.modulation_table
             entry = len(tr.blocks) * 2 * 6 * tr.cfg.inner_dim * tr.dtype.itemsize  # one timestep's vectors
@@ -148,6 +150,9 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
                 "planned_block_gb": None if plan is None else round(r["forwards"] * plan.step_bytes / 1e9, 2),
                 "planned_prompt_gb": None if plan is None else round(plan.prompt_bytes / 1e9, 2),
                 "graphs_replayed": bool(pipe._graphs.graphs),
+                "graph_pool_gib": round(pool / GiB, 2),
+                "ooms": torch.cuda.memory_stats().get("num_ooms", 0) - ooms,  # caught: VAE tiled after
+                "vae_untiled_oom": pipe.vae.untiled_oom,
             }
         except Exception as e:  # noqa: BLE001 - the record says what happened
             row[name] = {

@@ -311,6 +311,10 @@ class QwenImageVAE(nn.Module):
       Tiles are `tile_sample_min` pixels with stride `tile_sample_stride` and linearly blended
       overlaps, as diffusers' `enable_tiling()` (256 / 192). Tiled output differs from untiled at
       the seams (the mid-block attention is global), as it does in diffusers.
+    - `untiled_oom`: output pixels of the smallest untiled decode that ran out of memory and was retried
+      tiled (`runtime.oom.vae_decode`); "auto" then tiles decodes that large without trying again
+      (an OOM costs a garbage collection and the allocator's cache). None: try; a pipeline's
+      `configure` resets it.
     """
 
     fast: bool = True
@@ -318,6 +322,7 @@ class QwenImageVAE(nn.Module):
     tile_sample_min: int = 256
     tile_sample_stride: int = 192
     tile_above_pixels: int | None = None
+    untiled_oom: int | None = None
 
     def __init__(self, cfg: VAEConfig):
         super().__init__()
@@ -376,6 +381,8 @@ class QwenImageVAE(nn.Module):
             return False
         if self.tile_above_pixels is not None:
             return height * width > self.tile_above_pixels
+        if not encode and self.untiled_oom is not None and height * width >= self.untiled_oom:
+            return True
         dev = next(self.parameters()).device
         if dev.type != "cuda":
             return False

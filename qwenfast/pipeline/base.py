@@ -156,6 +156,8 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds):
             )
         self.transformer.set_fused(new.fused)
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
+        if getattr(self.vae, "untiled_oom", None) is not None and new.changed(old):
+            self.vae.untiled_oom = None  # memory is laid out anew: an untiled decode may fit again
         if new.changed(old) & {
             "fp8",
             "int8",

@@ -37,6 +37,8 @@ class _GraphCache:
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.enabled = True
         self._pool = None
+        self.captures = 0  # stats: graphs captured and replays run so far
+        self.replays = 0
 
     def run(self, key: tuple, fn, *inputs: torch.Tensor | None) -> torch.Tensor:
         """`fn(*inputs)`, replayed from the graph captured for `key` (captured on first use); eager
@@ -61,6 +63,7 @@ class _GraphCache:
                 torch.cuda.synchronize()
                 return fn(*inputs)
             self.graphs[key] = entry
+            self.captures += 1
             while len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         else:
@@ -70,6 +73,7 @@ class _GraphCache:
             if dst is not None:
                 dst.copy_(src)
         graph.replay()
+        self.replays += 1
         self._replayed()
         return static_out.clone()  # the static buffer is overwritten by the next replay
 

@@ -37,6 +37,7 @@ __all__ = [
     "MemoryPlanner",
     "Prediction",
     "default_budget",
+    "graph_pools",
     "vae_activation_bytes",
 ]
 
@@ -211,10 +212,38 @@ def default_budget(
     if hasattr(torch.cuda, "get_per_process_memory_fraction"):
         cap = int(torch.cuda.get_per_process_memory_fraction(dev) * total)
         free = min(free + reserved, cap) - reserved  # the allocator's own limit
-    # memory the caching allocator holds but does not use is available to us too
-    free += reserved - torch.cuda.memory_allocated(dev)
+    # memory the caching allocator holds but does not use is available to us too (not a CUDA graph's pool)
+    free += cached_free(dev)
     used = torch.cuda.memory_allocated(dev) if include_allocated else 0
     return int(fraction * max(free, 0)) + used
+
+
+def graph_pools(device: torch.device) -> tuple[int, int]:
+    """(bytes reserved by CUDA graphs' private memory pools, bytes of the default pool cached but unused)
+    on `device`, from the caching allocator's segment list. A graph pool's free blocks are kept for its
+    graphs' replays: no other allocation can use them (a streamed forward's graph holds ~1 GiB there)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        segments = torch.cuda.memory_snapshot(include_traces=False)  # (no allocation history: fast)
+    except TypeError:  # an older torch
+        segments = torch.cuda.memory_snapshot()
+    private = free = 0
+    for seg in segments:
+        if seg.get("device", idx) != idx:
+            continue
+        if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0):
+            private += seg["total_size"]
+        else:
+            free += seg["total_size"] - seg["allocated_size"]
+    return private, free
+
+
+def cached_free(device: torch.device) -> int:
+    """Bytes the caching allocator holds unused that a new allocation could take (not graph pools')."""
+    try:
+        return graph_pools(device)[1]
+    except Exception:  # noqa: BLE001 - an allocator without segment lists: every cached byte
+        return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def _largest(hi: int, fits: Any) -> int:

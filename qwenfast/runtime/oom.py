@@ -96,6 +96,9 @@ def vae_decode(vae: torch.nn.Module, z: torch.Tensor, events: list | None = None
 
     def tiles():
         vae.tiling = True
+        if saved == "auto":  # later decodes this large tile without trying (an OOM costs a collection)
+            px = z.shape[-2] * z.shape[-1] * vae.spatial_compression_ratio**2
+            vae.untiled_oom = min(px, getattr(vae, "untiled_oom", None) or px)
 
     try:
         parts = run_in_chunks(
