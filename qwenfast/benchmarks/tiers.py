@@ -52,7 +52,8 @@ def _bytes(pipe) -> tuple[int, int]:
 
 
 def _timed(pipe, prompt: str, steps: int, cfg: float) -> dict:
-    """A warm-up with `prompt` (same shapes: graphs captured, the schedule's modulation entries made), then
+    """A warm-up with `prompt` (same shapes: graphs captured, the schedule's modulation entries made; a
+    first decode's out-of-memory retry), then
     a timed call that encodes the prompt again (`s`: a new prompt of the same length), then the same
     prompt once more (`same_prompt_s`: its embedding cached). Bytes host -> GPU of the timed calls, and
     the transformer forwards they ran, eager or replayed (CFG with prompts of unequal length runs two per step)."""
@@ -61,6 +62,7 @@ def _timed(pipe, prompt: str, steps: int, cfg: float) -> dict:
     try:
         _call(pipe, prompt, steps, cfg)
         pipe.text_encoder.clear_cache()
+        torch.cuda.reset_peak_memory_stats()  # the peak of the timed calls (a warm-up's OOM retry is not one)
         out = {}
         for key in ("s", "same_prompt_s"):
             torch.cuda.synchronize()
@@ -130,10 +132,17 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
             tr = pipe.transformer
             table = tr.modulation_table
             entry = len(tr.blocks) * 2 * 6 * tr.cfg.inner_dim * tr.dtype.itemsize  # one timestep's vectors
+            # the decode that ran: tiled when the plan said so or an untiled one ran out of memory (the
+            # VAE then tiles that size from the first OOM on: runtime/oom.py)
+            oom_px = pipe.vae.untiled_oom
+            tiled = bool(plan is not None and plan.vae_tiled) or (
+                oom_px is not None and oom_px <= 1024 * 1024
+            )
             pred = MemoryPlanner.from_pipeline(pipe).predict(
                 1024,
                 1024,
                 1,
+                tile=256 if tiled else None,
                 cfg=w["cfg"] > 1,
                 offload=pipe.options.offload,
                 resident_blocks=len(st.resident) if st is not None else 0,
@@ -151,6 +160,8 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
                 "planned_prompt_gb": None if plan is None else round(plan.prompt_bytes / 1e9, 2),
                 "graphs_replayed": bool(pipe._graphs.graphs),
                 "graph_pool_gib": round(pool / GiB, 2),
+                "planned_graph_pool_gib": round((pred.phases["denoise"] - pred.resident) / GiB, 2),
+                "vae_tiled": tiled,
                 "ooms": torch.cuda.memory_stats().get("num_ooms", 0) - ooms,  # caught: VAE tiled after
                 "vae_untiled_oom": pipe.vae.untiled_oom,
             }
