@@ -150,6 +150,22 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
                 te_resident_layers=len(te.resident) if te is not None else 0,
             )
             pred_peak = pred.peak + (len(table) * entry if table is not None else 0)
+            # graphs hold the denoise activations in their pool from the capture on: replays allocate
+            # nothing, so the timed calls' peak leaves them out; "held" counts the pool on both sides
+            streamed_graphs = bool(pipe._graphs.graphs) and st is not None
+            held = MemoryPlanner.from_pipeline(pipe).predict(
+                1024,
+                1024,
+                1,
+                tile=256 if tiled else None,
+                cfg=w["cfg"] > 1,
+                offload=pipe.options.offload,
+                resident_blocks=len(st.resident) if st is not None else 0,
+                modulation_on_host=bool(st is not None and st.held),
+                te_resident_layers=len(te.resident) if te is not None else 0,
+                graph_pool=streamed_graphs,
+            )
+            held_pred = held.peak + pred_peak - pred.peak
             row[name] = {
                 **r,
                 "peak_gib": round(peak / GiB, 2),
@@ -160,6 +176,9 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
                 "planned_prompt_gb": None if plan is None else round(plan.prompt_bytes / 1e9, 2),
                 "graphs_replayed": bool(pipe._graphs.graphs),
                 "graph_pool_gib": round(pool / GiB, 2),
+                "held_peak_gib": round((peak + pool) / GiB, 2),
+                "predicted_held_gib": round(held_pred / GiB, 2),
+                "held_prediction_err": round(held_pred / (peak + pool) - 1, 3),
                 "planned_graph_pool_gib": round((pred.phases["denoise"] - pred.resident) / GiB, 2),
                 "vae_tiled": tiled,
                 "ooms": torch.cuda.memory_stats().get("num_ooms", 0) - ooms,  # caught: VAE tiled after
