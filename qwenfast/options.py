@@ -1,7 +1,7 @@
 """`EngineOptions`: every speed switch of a pipeline in one frozen object.
 
-Why one object: the switches interact (FP8 needs weights resident, `blocks` offload re-points
-weights so no CUDA graph can be captured, a step cache needs a graph per step variant), and a
+Why one object: the switches interact (FP8 quantises before `blocks` offload copies the weights to
+host memory, a step cache does not run with streamed blocks and needs a graph per step variant), and a
 pipeline whose switches are scattered over attributes that any layer may set cannot check them.
 So: options are given once (`from_pretrained(..., options=EngineOptions(...))` or keyword
 shortcuts), read through `pipe.options`, and changed only through `pipe.configure(**changes)`,
@@ -183,7 +183,7 @@ class EngineOptions:
     int8: the same Linears as INT8 W8A8 GEMMs (kernels/int8_linear.py; the fast precision of Ampere and
       GeForce cards, see runtime/arch.py; lossy, one-way; not with fp8; LoRAs run unmerged as on FP8).
     offload: "none" | "model" (text encoder in host memory, streamed while encoding) | "blocks"
-      (also the transformer blocks streamed; no CUDA graphs). Goes only none -> model -> blocks.
+      (also the transformer blocks streamed; graphs hold their copies). Goes only none -> model -> blocks.
     offload_budget: GiB of GPU memory "blocks" may plan for: as many blocks as fit stay resident
       (the memory planner decides for the model's default size) and only the rest stream. None:
       the free GPU memory (respecting `torch.cuda.set_per_process_memory_fraction`); on CPU, all stream.

@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def tables() -> dict:
     """Every published table by name (the tables import records and each other's helpers: no cycle)."""
-    from .report_gpus import gpu_estimates, gpu_played, memory_tiers
+    from .report_gpus import gpu_estimates, gpu_played, memory_tiers, memory_tiers_held
     from .report_peers import diffusers_baseline, peers, peers_summary
     from .report_tables import TABLES
 
@@ -138,6 +138,7 @@ def tables() -> dict:
         "gpu-estimates": gpu_estimates,
         "gpu-played": gpu_played,
         "memory-tiers": memory_tiers,
+        "memory-tiers-held": memory_tiers_held,
     }
 
 

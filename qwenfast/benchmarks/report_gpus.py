@@ -164,8 +164,8 @@ def gpu_played(recs: list[Rec]) -> str:
 def memory_tiers(recs: list[Rec]) -> str:
     """`--vram N` measured: full-size Qwen-Image with FP8 weights, one fresh process per memory cap on an
     H100 (`set_per_process_memory_fraction`), against the uncapped resident run of the same record."""
-    r = newest(recs, "tiers.jsonl")
-    if r is None:
+    r = newest(recs, "tiers.jsonl", lambda r: any(row.get("cap_gib") is None for row in r["rows"]))
+    if r is None:  # (a run without its uncapped row has no "x resident": `--no-resident` runs are left out)
         return "*No record yet: `qwenfast bench tiers --caps 24,16,12,8 --results bench/results`.*"
     rows = []
     for row in r["rows"]:
@@ -198,3 +198,41 @@ def memory_tiers(recs: list[Rec]) -> str:
     head = ["cap", "workload", "plan", "new prompt", "same prompt", "peak / planned GiB", "host->GPU GB"]
     cmd = "qwenfast bench tiers --caps 24,16,12,8 --results bench/results"
     return table(head, rows) + source([r], cmd)
+
+
+def memory_tiers_held(recs: list[Rec]) -> str:
+    """The planner against what a capped process holds once CUDA graphs replay streamed forwards: the
+    timed calls' peak allocation plus the graph pool (which holds the denoise activations from the
+    capture on), against the plan that counts the pool; newest record per cap that measured it."""
+    rows, used = [], []
+    for cap in (24.0, 16.0, 12.0, 8.0):
+        r = newest(
+            recs,
+            "tiers.jsonl",
+            lambda r: any(
+                row.get("cap_gib") == cap and "held_peak_gib" in (row.get("4") or {}) for row in r["rows"]
+            ),
+        )
+        if r is None:
+            continue
+        used.append(r)
+        row = next(x for x in r["rows"] if x.get("cap_gib") == cap)
+        for name, label in (("4", "4 steps, no CFG"), ("50", "50 steps, CFG 4")):
+            c = row.get(name) or {}
+            if "held_peak_gib" in c:
+                rows.append(
+                    [
+                        f"{cap:g} GiB",
+                        label,
+                        f"{c['peak_gib']:.2f}",
+                        f"{c['graph_pool_gib']:.2f} / {c['planned_graph_pool_gib']:.2f}",
+                        f"{c['held_peak_gib']:.2f} / {c['predicted_held_gib']:.2f} ({c['held_prediction_err']:+.1%})",
+                        "tiled" if c.get("vae_tiled") else "untiled",
+                    ]
+                )
+    if not rows:
+        return "*No record yet: `qwenfast bench tiers --caps 8 --no-resident --results bench/results`.*"
+    head = ["cap", "workload", "peak allocated GiB", "graph pool / planned GiB", "held / planned GiB", "VAE"]
+    return table(head, rows) + source(
+        used, "qwenfast bench tiers --caps 8 --no-resident --results bench/results"
+    )
