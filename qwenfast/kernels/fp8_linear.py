@@ -263,7 +263,12 @@ class FP8Linear(LowBitLinear):
         return y if self.lora is None else self.add_lora(x2, y)
 
     def extra_repr(self) -> str:
-        r = "" if self.lora is None else f", lora_rank={self.lora[0].shape[0]}"
+        lo = self.lora
+        r = (
+            ""
+            if lo is None
+            else f", lora_rank={(lo.down.shape[1] if hasattr(lo, 'down') else lo[0].shape[0])}"
+        )
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 rowwise{r}"
 
 

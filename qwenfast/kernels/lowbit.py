@@ -14,10 +14,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
+from .lora_rows import RowLora
+
 
 class LowBitLinear(nn.Module):
     """Base of the 8-bit weight Linears: `in_features`, `out_features`, `out_dtype` (the activations'),
-    `weight_device`, and an unmerged LoRA `lora` = (down (R, K), up (N, R)) in `out_dtype`, or None.
+    `weight_device`, and an unmerged LoRA `lora` = (down (R, K), up (N, R)) in `out_dtype` (one set for
+    the whole batch), a `RowLora` (each row its own, `loading/lora_rows.py`), or None.
     The LoRA manager owns `lora` (strengths folded into `up`; R padded to a bucket and rewritten in
     place on a switch, so captured CUDA graphs stay valid). Plain attributes, not buffers: not part of
     the checkpoint's state dict."""
@@ -25,14 +28,17 @@ class LowBitLinear(nn.Module):
     in_features: int
     out_features: int
     out_dtype: torch.dtype
-    lora: tuple[torch.Tensor, torch.Tensor] | None = None
+    lora: tuple[torch.Tensor, torch.Tensor] | RowLora | None = None
 
     @property
     def weight_device(self) -> torch.device:
         raise NotImplementedError
 
     def add_lora(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
-        """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, summed into y2 when dtypes allow."""
+        """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, summed into y2 when dtypes allow;
+        with per-row LoRAs (`RowLora`, kernels/lora_rows.py) each batch row adds its own."""
+        if isinstance(self.lora, RowLora):
+            return self.lora.add(x2, y2)
         down, up = self.lora
         h = x2.to(down.dtype) @ down.t()  # (M, R)
         if y2.dtype == up.dtype:

@@ -19,14 +19,50 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import LoraError
 from ..kernels.lowbit import LowBitLinear
 
-__all__ = ["bucket", "set_side_lora"]
+__all__ = ["bucket", "set_side_lora", "side_rank", "write_side"]
 
 
 def bucket(rank: int) -> int:
     """The padded rank: a power of two, at least 16."""
     return max(16, 1 << (rank - 1).bit_length())
+
+
+def side_rank(parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]]) -> int:
+    """The rank of `parts` stacked along R (parts sharing one `down` tensor share its columns)."""
+    seen: dict[int, int] = {}
+    for _, _, down, _ in parts:
+        seen.setdefault(id(down), down.shape[0])
+    return sum(seen.values())
+
+
+@torch.no_grad()
+def write_side(
+    down_t: torch.Tensor,
+    up_t: torch.Tensor,
+    parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]],
+    pieces: int = 3,
+) -> None:
+    """Write `parts` [(slot, up (rows, r), down (r, K), factor), ...] into down_t (R, K) / up_t (N, R)
+    (R >= `side_rank(parts)`; the rest zeroed): their downs stacked along R, each up (times its factor)
+    in its columns and in the rows of its slot (`pieces` equal row blocks: 3 for Q|K|V)."""
+    N = up_t.shape[0]
+    cols: dict[int, tuple[int, torch.Tensor]] = {}  # id(down) -> (first column, down)
+    R = 0
+    for _, _, down, _ in parts:
+        if id(down) not in cols:
+            cols[id(down)] = (R, down)
+            R += down.shape[0]
+    down_t[R:].zero_()
+    up_t.zero_()
+    for c, down in cols.values():
+        down_t[c : c + down.shape[0]].copy_(down)
+    for slot, up, down, f in parts:  # parts sharing a down factor write different rows: no overlap
+        c = cols[id(down)][0]
+        rows = slice(None) if slot is None else slice(slot * (N // pieces), (slot + 1) * (N // pieces))
+        up_t[rows, c : c + down.shape[0]].copy_(up.to(up_t.device, torch.float32) * f)
 
 
 @torch.no_grad()
@@ -39,33 +75,25 @@ def set_side_lora(
     `pieces`: how many equal row blocks a slot indexes (3 for Q|K|V, 2 for 2.1's gate|up).
     Returns True when the layer's tensors were (re)allocated or removed (captured graphs are stale).
     """
+    if layer.lora is not None and not isinstance(layer.lora, tuple):
+        raise LoraError(
+            "per-row LoRAs are installed on this layer (loading/lora_rows.py RowAdapters): uninstall them "
+            "before loading LoRAs for the whole batch"
+        )
     if not parts:
         changed = layer.lora is not None
         layer.lora = None
         return changed
     N, K = layer.out_features, layer.in_features
-    dev, dt = layer.weight_device, layer.out_dtype
-    cols: dict[int, tuple[int, torch.Tensor]] = {}  # id(down) -> (first column, down)
-    R = 0
-    for _, _, down, _ in parts:
-        if id(down) not in cols:
-            cols[id(down)] = (R, down)
-            R += down.shape[0]
-    size = bucket(R)
-    realloc = layer.lora is None or layer.lora[0].shape[0] < size
+    size = bucket(side_rank(parts))
+    realloc = not isinstance(layer.lora, tuple) or layer.lora[0].shape[0] < size
     if realloc:
+        dev, dt = layer.weight_device, layer.out_dtype
         down_t = torch.empty(size, K, device=dev, dtype=dt)
         up_t = torch.empty(N, size, device=dev, dtype=dt)
     else:
         down_t, up_t = layer.lora
-    down_t[R:].zero_()
-    up_t.zero_()
-    for c, down in cols.values():
-        down_t[c : c + down.shape[0]].copy_(down)
-    for slot, up, down, f in parts:  # parts sharing a down factor write different rows: no overlap
-        c = cols[id(down)][0]
-        rows = slice(None) if slot is None else slice(slot * (N // pieces), (slot + 1) * (N // pieces))
-        up_t[rows, c : c + down.shape[0]].copy_(up.to(dev, torch.float32) * f)
+    write_side(down_t, up_t, parts, pieces)
     if realloc:
         layer.lora = (down_t, up_t)
     return realloc

@@ -1,0 +1,132 @@
+"""Per-row LoRA: each batch row adds its own low-rank updates beside a shared base GEMM (Punica-style).
+
+Why: a server batching requests that use different LoRAs cannot fuse them into the weights (a weight
+holds one set), and running one LoRA group at a time serialises the batch. So the adapters resident on
+the GPU are stacked per layer, and every row picks its own: with `down` (n, R, K) and `up` (n, N, R) the
+stacked factors of n adapter slots (ranks zero-padded to R; slot 0 all zeros: "no LoRA"), `idx` (B, S)
+the slots each row uses (up to S per row; unused entries 0) and `scale` (B, S) each one's strength,
+
+    y[b] += Σ_s scale[b, s] · (x[b] · down[idx[b, s]]ᵀ) · up[idx[b, s]]ᵀ.
+
+Shapes never depend on which adapters a row picks (the zero slot stands in for none), so one captured
+CUDA graph serves any mix: the selection lives in device tensors that the host rewrites before a replay.
+
+`lora_rows` gathers each row's factors and runs two batched GEMMs per selected slot: a row pays for its
+own rank (B · L · R · (K + N) multiply-adds per slot), not for every resident adapter's, as one GEMM over
+all of them concatenated would. `lora_rows_ref` is the per-row loop it must equal. A segmented Triton
+GEMM that skips slot 0's rows is the next step if the gathers show up in a profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["RowLora", "RowSelection", "lora_rows", "lora_rows_ref"]
+
+
+def _check(x, y, down, up, idx, scale) -> None:
+    B, L, K = x.shape
+    n, R, K2 = down.shape
+    if K2 != K or up.shape[0] != n or up.shape[2] != R or y.shape != (B, L, up.shape[1]):
+        raise ValueError(
+            f"lora_rows: x {tuple(x.shape)}, y {tuple(y.shape)}, down {tuple(down.shape)}, up {tuple(up.shape)} "
+            "do not agree: x (B, L, K), y (B, L, N), down (n, R, K), up (n, N, R)"
+        )
+    if idx.shape != scale.shape or idx.ndim != 2 or idx.shape[0] != B:
+        raise ValueError(
+            f"lora_rows: idx {tuple(idx.shape)} and scale {tuple(scale.shape)} must be (B={B}, S)"
+        )
+
+
+def lora_rows(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """y (B, L, N) + each row's LoRA updates of x (B, L, K); see the module docstring. Computed in the
+    factors' dtype and added into `y` in place when the dtypes match (y: the layer's fresh output)."""
+    _check(x, y, down, up, idx, scale)
+    xd = x.to(down.dtype)
+    for s in range(idx.shape[1]):
+        sel = idx[:, s]
+        d = down.index_select(0, sel)  # (B, R, K)
+        u = up.index_select(0, sel)  # (B, N, R)
+        h = torch.bmm(xd, d.transpose(1, 2))  # (B, L, R)
+        h = h * scale[:, s].to(h.dtype)[:, None, None]
+        if y.dtype == u.dtype:
+            y = y.baddbmm_(h, u.transpose(1, 2))
+        else:
+            y = torch.baddbmm(y.to(u.dtype), h, u.transpose(1, 2)).to(y.dtype)
+    return y
+
+
+def lora_rows_ref(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    down: torch.Tensor,
+    up: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+) -> torch.Tensor:
+    """The plain loop: row by row, slot by slot, in fp32."""
+    _check(x, y, down, up, idx, scale)
+    out = y.float().clone()
+    for b in range(x.shape[0]):
+        for s in range(idx.shape[1]):
+            j = int(idx[b, s])
+            out[b] += float(scale[b, s]) * (x[b].float() @ down[j].float().t()) @ up[j].float().t()
+    return out.to(y.dtype)
+
+
+class RowSelection:
+    """Which adapter slots each row of the coming forward uses, shared by every layer of a model: the host
+    writes it before a forward (`set`), each `RowLora` reads it. One pair of device buffers per batch size,
+    rewritten in place: a CUDA graph captured for a batch size reads the same buffers at every replay."""
+
+    def __init__(self, width: int = 2):
+        self.width = width  # S: adapters a row may combine
+        self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.current: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def set(self, rows: list[list[tuple[int, float]]], device: torch.device | str) -> None:
+        """`rows`: per batch row, its [(slot, strength), ...] (slot 0 / an empty list: no LoRA)."""
+        if any(len(r) > self.width for r in rows):
+            raise ValueError(f"a row combines more than {self.width} LoRAs (RowSelection.width)")
+        idx = torch.zeros(len(rows), self.width, dtype=torch.long)
+        scale = torch.zeros(len(rows), self.width, dtype=torch.float32)
+        for b, row in enumerate(rows):
+            for s, (slot, strength) in enumerate(row):
+                idx[b, s], scale[b, s] = slot, strength
+        key = (len(rows), str(torch.device(device)))
+        if key not in self.buffers:
+            self.buffers[key] = (idx.to(device), scale.to(device))
+        else:
+            self.buffers[key][0].copy_(idx, non_blocking=True)
+            self.buffers[key][1].copy_(scale, non_blocking=True)
+        self.current = self.buffers[key]
+
+
+@dataclass
+class RowLora:
+    """One layer's stacked adapters (`down` (n, R, K), `up` (n, N, R); slot 0 zeros) and the model's
+    selection: what `LowBitLinear.lora` holds when each row picks its own LoRAs."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    selection: RowSelection
+
+    def add(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+        """y2 (M, N) + the per-row updates of x2 (M, K); the M tokens are B rows of M / B, in order."""
+        if self.selection.current is None:
+            raise RuntimeError("per-row LoRAs: no selection was set for this forward (RowSelection.set)")
+        idx, scale = self.selection.current
+        B, (M, K), N = idx.shape[0], x2.shape, y2.shape[1]
+        if M % B:
+            raise RuntimeError(f"per-row LoRAs: {M} tokens do not split into the selection's {B} rows")
+        y = lora_rows(x2.reshape(B, M // B, K), y2.view(B, M // B, N), self.down, self.up, idx, scale)
+        return y.reshape(M, N)

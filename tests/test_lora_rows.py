@@ -1,0 +1,157 @@
+"""Per-row LoRAs (kernels/lora_rows.py, loading/lora_rows.py): each batch row adds its own adapters.
+
+The op against its per-row loop on odd shapes (fp32 and bf16; rows of the zero slot unchanged bit for
+bit). On a tiny FP8 transformer (emulated on the CPU, fp32 activations): a batch whose rows use different
+LoRA sets (one, two at other strengths, none) equals each row run alone with that set loaded for the
+whole batch (`LoraManager`, the unmerged FP8 path) within 1e-5, and the LoRAs move the output far more
+than that; the least recently used adapter is evicted when the slots are full and read again from the
+folder; adapters that touch other modules are refused with a message that says why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from qwenfast.errors import LoraError
+from qwenfast.kernels.lora_rows import lora_rows, lora_rows_ref
+from qwenfast.loading.lora_manager import LoraManager
+from qwenfast.loading.lora_rows import RowAdapters
+
+from .conftest import assert_close_finite
+
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "B,L,K,N,n,R,S", [(3, 7, 19, 23, 4, 5, 2), (1, 1, 8, 8, 2, 16, 1), (5, 33, 40, 17, 6, 3, 3)]
+)
+def test_lora_rows_equals_the_row_loop(dtype, tol, B, L, K, N, n, R, S):
+    g = torch.Generator().manual_seed(B * 100 + K)
+    x = torch.randn(B, L, K, generator=g).to(dtype)
+    y = torch.randn(B, L, N, generator=g).to(dtype)
+    down = torch.randn(n, R, K, generator=g).to(dtype)
+    up = torch.randn(n, N, R, generator=g).to(dtype)
+    down[0], up[0] = 0, 0  # slot 0: no LoRA
+    idx = torch.randint(0, n, (B, S), generator=g)
+    idx[0] = 0  # the first row uses none
+    scale = torch.rand(B, S, generator=g) * 2 - 0.5
+    want = lora_rows_ref(x, y, down, up, idx, scale)
+    got = lora_rows(x, y.clone(), down, up, idx, scale)
+    ref = want.float().abs().max().clamp_min(1)
+    assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
+    assert torch.equal(got[0], y[0])  # the zero slot adds exact zeros
+    with pytest.raises(ValueError, match="do not agree"):
+        lora_rows(x, y, down[:, :, :-1], up, idx, scale)
+
+
+BLOCK_LINEARS = {  # diffusers module names (per block) -> (in, out) of the tiny model below (inner 64)
+    "attn.to_q": (64, 64), "attn.to_k": (64, 64), "attn.to_v": (64, 64),
+    "attn.add_q_proj": (64, 64), "attn.add_v_proj": (64, 64),
+    "attn.to_out.0": (64, 64), "attn.to_add_out": (64, 64),
+    "img_mlp.net.0.proj": (64, 256), "img_mlp.net.2": (256, 64), "txt_mlp.net.2": (256, 64),
+}  # fmt: skip
+
+
+def _lora(seed: int, rank: int, layers=2, extra: str = "") -> dict[str, torch.Tensor]:
+    """A diffusers-named LoRA on the block Linears (rank `rank`, alpha/rank folded into up)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    names = list(BLOCK_LINEARS) + ([extra] if extra else [])
+    for i in range(layers):
+        for n in names:
+            k, o = BLOCK_LINEARS.get(n, (64, 384))
+            pre = f"transformer.transformer_blocks.{i}.{n}"
+            sd[f"{pre}.lora_A.weight"] = torch.randn(rank, k, generator=g) / k**0.5
+            sd[f"{pre}.lora_B.weight"] = torch.randn(o, rank, generator=g) * 0.3
+    return sd
+
+
+@pytest.fixture(scope="module")
+def model():
+    from qwenfast.config import TransformerConfig
+    from qwenfast.kernels.fp8_linear import quantize_model
+    from qwenfast.models.transformer import QwenImageTransformer
+
+    torch.manual_seed(0)
+    cfg = TransformerConfig(num_layers=2, num_attention_heads=2, attention_head_dim=32, joint_attention_dim=48,
+                            axes_dims_rope=(8, 12, 12))  # fmt: skip
+    m = QwenImageTransformer(cfg).eval()
+    with torch.no_grad():
+        for mod in m.modules():  # stronger residual branches than the default init: the blocks matter
+            if isinstance(mod, torch.nn.Linear) and mod.out_features == 6 * cfg.inner_dim:
+                mod.weight.mul_(4)
+    assert quantize_model(m) == 16
+    return m
+
+
+def _inputs(B: int):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(B, 96, 64, generator=g)
+    txt = torch.randn(B, 7, 48, generator=g)
+    return x, txt, torch.full((B,), 0.6), [(1, 8, 12)]  # img_shapes: one image's, shared by the rows
+
+
+@torch.no_grad()
+def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
+    """Each row against the same batch run with that row's set loaded for all of it (the unmerged FP8
+    path): same shapes, so the emulated per-token FP8 rounding sees the same base values (a batch of
+    another size differs ~1e-6 in fp32 on the CPU, which can move an e4m3 code)."""
+    loras = {"a": _lora(1, 4), "b": _lora(2, 8), "c": _lora(3, 16)}
+    sets = [[("a", 1.0)], [("b", 0.7), ("c", -0.5)], [], [("c", 1.3)]]
+    x, txt, t, shapes = _inputs(len(sets))
+
+    def alone(B: int, b: int) -> torch.Tensor:
+        m = LoraManager(model)
+        for name, s in sets[b]:
+            m.load(loras[name], s, name=name)
+        out = model(x[:B], txt[:B], None, t[:B], shapes)[b : b + 1]
+        m.unload()
+        return out
+
+    want = [alone(len(sets), b) for b in range(len(sets))]
+    want2 = [alone(2, b) for b in range(2)]
+    base = model(x, txt, None, t, shapes)
+    for name, sd in loras.items():
+        save_file(sd, tmp_path / f"{name}.safetensors")
+    rows = RowAdapters(model, slots=3, folder=tmp_path)
+    rows.install()
+    try:
+        rows.select(sets, "cpu")  # read from the folder on first use
+        got = model(x, txt, None, t, shapes)
+        assert rows.loads == 3 and set(rows.resident) == {"a", "b", "c"}
+        for b in range(len(sets)):
+            assert_close_finite(got[b : b + 1], want[b], rtol=0, atol=TOL)
+            moved = (want[b] - base[b : b + 1]).abs().max()
+            assert moved > 10 * TOL if sets[b] else moved == 0
+        # a fourth adapter: the least recently used one ("a": "b" and "c" were selected after it) goes
+        save_file(_lora(4, 4), tmp_path / "d.safetensors")
+        rows.select([[("c", 1.0)], [("d", 1.0)]], "cpu")
+        assert rows.evictions == 1 and set(rows.resident) == {"b", "c", "d"}
+        rows.select(sets[:2], "cpu")  # "a" read again: "d" goes ("b" and "c" are in this batch)
+        assert rows.loads == 5 and rows.evictions == 2 and set(rows.resident) == {"a", "b", "c"}
+        got2 = model(x[:2], txt[:2], None, t[:2], shapes)
+        for b in range(2):
+            assert_close_finite(got2[b : b + 1], want2[b], rtol=0, atol=TOL)
+        with pytest.raises(LoraError, match="per-row LoRAs are installed"):
+            LoraManager(model).load(loras["a"], name="a")  # one kind of LoRA per layer at a time
+    finally:
+        rows.uninstall()
+    assert torch.equal(model(x, txt, None, t, shapes), base)  # no LoRA left behind
+
+
+def test_adapters_outside_the_8bit_linears_are_refused(model, tmp_path):
+    rows = RowAdapters(model, slots=2)
+    with pytest.raises(LoraError, match="8-bit block Linears only"):
+        rows.put("mod", _lora(5, 4, extra="img_mod.1"))
+    assert not rows.resident and not rows.stacks
+    with pytest.raises(LoraError, match="not loaded"):
+        rows.select([[("nope", 1.0)]], "cpu")
+    rows.put("a", _lora(1, 4))
+    rows.put("b", _lora(2, 4))
+    with pytest.raises(LoraError, match="more than the 2 resident"):
+        rows.put("c", _lora(3, 4), keep=frozenset({"a", "b"}))
+    with pytest.raises(ValueError, match="more than 2 LoRAs"):
+        rows.select([[("a", 1.0), ("b", 1.0), ("a", 0.5)]], "cpu")
