@@ -10,6 +10,7 @@ folder; adapters that touch other modules are refused with a message that says w
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -155,3 +156,47 @@ def test_adapters_outside_the_8bit_linears_are_refused(model, tmp_path):
         rows.put("c", _lora(3, 4), keep=frozenset({"a", "b"}))
     with pytest.raises(ValueError, match="more than 2 LoRAs"):
         rows.select([[("a", 1.0), ("b", 1.0), ("a", 0.5)]], "cpu")
+
+
+@pytest.mark.parametrize("batched_cfg", [True, False])
+def test_pipeline_loras_per_prompt(tmp_path, batched_cfg):
+    """`pipe(prompts, loras=[...])`: each prompt's image equals the same call with that prompt's set loaded
+    for the whole batch, with true CFG as one batched forward (each image's rows twice) or two forwards."""
+    from pathlib import Path
+
+    from qwenfast import EngineOptions, QwenImagePipeline
+
+    tiny = Path(__file__).resolve().parent / "assets" / "tiny-random"
+    p = QwenImagePipeline.from_pretrained(tiny, device="cpu", dtype=torch.float32,
+                                          options=EngineOptions(fp8=True, batched_cfg=batched_cfg))  # fmt: skip
+    p.progress_bar = False
+    kw = dict(
+        height=32, width=48, num_inference_steps=2, output_type="np", negative_prompt=" ", true_cfg_scale=2.0
+    )
+    prompts = ["a red circle", "a blue square on grass", "green"]
+    loras = {"a": _lora(1, 4), "b": _lora(2, 8), "c": _lora(3, 4)}
+    sets = [[("a", 1.0)], [("b", 0.8), ("c", -0.4)], []]
+
+    def run(**extra):
+        gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+        return p(prompts, generator=gens, **kw, **extra).images
+
+    base = run()
+    want = []
+    for row in sets:
+        p.set_loras([(loras[n], s, n) for n, s in row])
+        want.append(run())
+    p.set_loras([])
+    for name, sd in loras.items():
+        save_file(sd, tmp_path / f"{name}.safetensors")
+    with pytest.raises(LoraError, match="enable_row_loras"):
+        run(loras=sets)
+    p.enable_row_loras(tmp_path, slots=4)
+    got = run(loras=sets)
+    for b, row in enumerate(sets):
+        assert_close_finite(got[b], want[b][b], rtol=0, atol=TOL)
+        moved = np.abs(want[b][b] - base[b]).max()
+        assert moved > 10 * TOL if row else moved <= TOL
+    assert p.row_loras.loads == 3
+    with pytest.raises(LoraError, match="one list per prompt"):
+        run(loras=sets[:2])

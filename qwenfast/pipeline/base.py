@@ -41,13 +41,14 @@ from . import sampling as S
 from .common import OUTPUT_TYPES, Generators, QwenImageOutput, plan_options, postprocess, randn_tensor
 from .diffusers_compat import DiffusersMethods
 from .prompts import PromptConds
+from .row_loras import RowLoraMethods
 from .state import SharedState, view
 from .tasks import Capabilities, model_capabilities, view_class
 
 log = logging.getLogger("qwenfast")
 
 
-class PipelineBase(SharedState, DiffusersMethods, PromptConds):
+class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
     """Shared machinery; see the module docstring. Subclasses define `__call__` and the conditioning,
     and declare what they load and can do (`folder_kinds`, `needs`, `checkpoints`, `CAPABILITIES`:
     pipeline/tasks.py). diffusers' pipeline methods (`.to()`, `enable_model_cpu_offload`, `interrupt`,

@@ -191,12 +191,14 @@ class QwenImagePipeline(PipelineBase):
         max_sequence_length: int = 512,
         scheduler_overrides: dict | None = None,
         callback: StepCallback | None = None,
+        loras: list[list[tuple[str, float]]] | None = None,
     ) -> QwenImageOutput | tuple:
         """Text-to-image with diffusers' arguments, in diffusers' order (see docs/diffusers.md).
         `prompt_embeds` (B, L, D) (+ `prompt_embeds_mask` (B, L), 1 = real token) replace `prompt`,
         as in diffusers: conditioning encoded elsewhere (a ComfyUI CONDITIONING, say); likewise
         `negative_prompt_embeds`. qwenfast's own: `scheduler_overrides` (scheduler config fields for
-        this call) and `callback(i, n, latents)` after each step (previews)."""
+        this call), `callback(i, n, latents)` after each step (previews), and `loras`: per prompt its
+        [(name, strength), ...], each row of the batch with its own (after `enable_row_loras`)."""
         d = self.defaults
         height = d["height"] if height is None else height
         width = d["width"] if width is None else width
@@ -234,5 +236,6 @@ class QwenImagePipeline(PipelineBase):
                 scheduler_overrides=scheduler_overrides,
                 callback=callback,
                 step_end=call.step_end,
+                forward_for=self._rows_forward(loras, k, num_images_per_prompt),
             )
         return call.output(out, return_dict)
