@@ -165,6 +165,7 @@ def create_app(
     cfg = cfg or ServerConfig()
     metrics = Metrics()
     sched = scheduler(metrics) if scheduler is not None else Scheduler(pipe, cfg, metrics)
+    per_row = getattr(pipe, "row_loras", None) is not None  # (Scheduler enabled them for --row-loras)
     loras = LoraResolver(cfg.lora_dir)
     urls = UrlStore(cfg.url_ttl_s, cfg.url_store_bytes)
     caps = capabilities(pipe)  # what the model can do (its pipeline's declaration; Ray: the replica's answer)
@@ -369,7 +370,7 @@ def create_app(
             p = validate(body, cfg.limits, gen_defaults, multiple=multiple)
             size_note(p)
             resolved = _check_common(body, p, "generations")
-            job = Job(p, asyncio.get_running_loop(), loras=resolved, stream_events=p.stream)
+            job = Job(p, asyncio.get_running_loop(), loras=resolved, stream_events=p.stream, per_row=per_row)
             return await _respond(request, job, "generations", t0)
         except APIError as e:
             metrics.request("generations", e.status)

@@ -53,7 +53,9 @@ class Job:
         images: list | None = None,
         stream_events: bool = False,
         mask=None,
+        per_row: bool = False,
     ):
+        """`per_row`: the pipeline runs each row's LoRAs (`--row-loras`): they leave the batch key."""
         self.id = uuid.uuid4().hex
         self.params, self.kind, self.loras, self.images, self.mask = params, kind, loras, images, mask
         self.seeds = params.seeds()
@@ -67,7 +69,8 @@ class Job:
         self.started: float | None = None
         p = params
         if kind == "t2i":
-            self.key = ("t2i", p.width, p.height, p.steps, p.cfg, p.negative is not None, loras, p.cache)
+            lkey = () if per_row else loras
+            self.key = ("t2i", p.width, p.height, p.steps, p.cfg, p.negative is not None, lkey, p.cache)
         else:  # edit / img2img / inpaint inputs differ per request; run alone (see app.py)
             self.key = (kind, self.id)
 
@@ -105,6 +108,9 @@ class Scheduler:
         self.avg_batch_s = 1.0
         self._loras = None  # the LoRA set currently applied to the pipeline
         self._lora = pipe.capabilities.lora  # what the pipeline declares (pipeline/tasks.py)
+        if cfg.row_loras and cfg.lora_dir:  # each request its own LoRAs inside a batch (8-bit weights)
+            pipe.enable_row_loras(cfg.lora_dir, slots=cfg.row_loras)
+        self._rows = getattr(pipe, "row_loras", None)
         self._default_cache = pipe.options.cache  # the server's --cache
         self._thread = threading.Thread(target=self._loop, name="qwenfast-worker", daemon=True)
 
@@ -222,6 +228,9 @@ class Scheduler:
             if job.started is None:
                 job.started = time.monotonic()
             job.post({"type": "image_generation.started", "batch_size": len(items)})
+        items = self._load_row_loras(items)
+        if not items:
+            return
         try:
             images = self._generate(items)
         except Cancelled:
@@ -279,8 +288,47 @@ class Scheduler:
         except Exception:  # pragma: no cover - best effort
             pass
 
+    def _load_row_loras(self, items: list[Item]) -> list[Item]:
+        """Per-row LoRAs: read each request's adapters before the batch runs, so that a broken file fails
+        its own requests (400) and not their batch-mates; returns the items that can run."""
+        if self._rows is None:
+            return items
+        keep = frozenset(Path(path).stem for it in items if it.job.kind == "t2i" for path, _ in it.job.loras)
+        ok = []
+        for job in dict.fromkeys(it.job for it in items):
+            try:
+                if job.kind == "t2i":
+                    for path, _ in job.loras:
+                        self._rows.put(Path(path).stem, path, keep=keep)
+            except Exception as e:  # noqa: BLE001 - a LoRA that cannot be read fails its request only
+                log.error("LoRA of request %s could not be loaded: %s: %s", job.id, type(e).__name__, e)
+                self._finish(
+                    job,
+                    APIError(
+                        400,
+                        f"LoRA {', '.join(repr(Path(p).stem) for p, _ in job.loras)} could not be loaded: "
+                        "the file in the server's LoRA folder is not a LoRA this model can run per request "
+                        "(the server log says why)",
+                        param="lora",
+                        code="invalid_lora",
+                    ),
+                )
+                continue
+            ok += [it for it in items if it.job is job]
+        return ok
+
     def _apply_loras(self, loras: tuple) -> None:
         """`pipe.set_loras([(path, strength), ...])` when the batch's LoRA set differs from the last."""
+        if self._rows is not None:  # per-row LoRAs: text-to-image passes them per row (`_generate`)
+            if loras:
+                raise APIError(
+                    400,
+                    "this server runs LoRAs per request for text-to-image only (--row-loras); "
+                    "this task cannot use a LoRA here",
+                    param="lora",
+                    code="lora_not_supported",
+                )
+            return
         if loras == self._loras:
             return
         if not self._lora:
@@ -316,7 +364,9 @@ class Scheduler:
         job0 = items[0].job
         p = job0.params
         jobs = list(dict.fromkeys(it.job for it in items))
-        self._apply_loras(job0.loras)
+        rows = self._rows is not None and job0.kind == "t2i"
+        if not rows:
+            self._apply_loras(job0.loras)
         self._apply_cache(p.cache)
         # previews only for clients that stream: nobody else would receive them (a decode each)
         preview_at = {
@@ -386,8 +436,15 @@ class Scheduler:
         prompts = [it.job.params.prompt for it in items]
         negs = [it.job.params.negative for it in items] if p.negative is not None else None
         # decode_per_image (load_pipeline): each image equals its request run alone
+        per_row = {"loras": [[(Path(f).stem, s) for f, s in it.job.loras] for it in items]} if rows else {}
         return self.pipe(
-            prompt=prompts, negative_prompt=negs, height=p.height, width=p.width, generator=gens, **common
+            prompt=prompts,
+            negative_prompt=negs,
+            height=p.height,
+            width=p.width,
+            generator=gens,
+            **common,
+            **per_row,
         ).images
 
 

@@ -43,6 +43,7 @@ class ServerConfig:
     batch_wait_s: float = 0.02  # how long a lone request waits for batch-mates (added latency cap)
     timeout_s: float = 600.0  # per request, queue wait included
     lora_dir: str | None = None
+    row_loras: int = 0  # > 0: each request its own LoRAs inside a batch, this many resident (8-bit weights)
     url_ttl_s: float = 3600.0  # response_format=url images live this long
     url_store_bytes: int = 1 << 30  # and at most this much memory; oldest go first
     preview_px: int = 192  # long side of the streamed preview images
@@ -80,6 +81,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per request, queue included")
     p.add_argument("--lora-dir", default=None, help="folder of LoRA .safetensors files requests may name")
+    p.add_argument(
+        "--row-loras",
+        type=int,
+        default=0,
+        metavar="N",
+        help="batch requests with different LoRAs together, each row with its own, N adapters kept on the "
+        "GPU (least recently used out first); needs --lora-dir and 8-bit weights (--weights fp8|int8); "
+        "text-to-image only (default 0: requests batch by LoRA set)",
+    )
     add_engine_arguments(p, cuda_graphs_default=False)  # --device --dtype --offload --fp8 --preset ...
     p.add_argument(
         "--max-size",
@@ -169,6 +179,8 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         max_upload_bytes=int(a.max_upload_mb * 2**20),
     )
     key = a.api_key if a.api_key is not None else os.environ.get("QWENFAST_API_KEY") or None
+    if a.row_loras < 0 or (a.row_loras and not a.lora_dir):
+        raise SystemExit("error: --row-loras N needs N >= 1 and --lora-dir (the folder the adapters come from)")
     return ServerConfig(
         api_key=key,
         max_queue=a.max_queue,
@@ -176,6 +188,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         batch_wait_s=max(0.0, a.batch_wait_ms / 1e3),
         timeout_s=a.timeout,
         lora_dir=a.lora_dir,
+        row_loras=a.row_loras,
         url_ttl_s=a.url_ttl,
         limits=lim,
         model_name=a.model_name,
