@@ -138,10 +138,8 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
             tiled = bool(plan is not None and plan.vae_tiled) or (
                 oom_px is not None and oom_px <= 1024 * 1024
             )
-            pred = MemoryPlanner.from_pipeline(pipe).predict(
-                1024,
-                1024,
-                1,
+            planner = MemoryPlanner.from_pipeline(pipe)
+            kw = dict(
                 tile=256 if tiled else None,
                 cfg=w["cfg"] > 1,
                 offload=pipe.options.offload,
@@ -149,22 +147,12 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
                 modulation_on_host=bool(st is not None and st.held),
                 te_resident_layers=len(te.resident) if te is not None else 0,
             )
+            pred = planner.predict(1024, 1024, 1, **kw)
             pred_peak = pred.peak + (len(table) * entry if table is not None else 0)
             # graphs hold the denoise activations in their pool from the capture on: replays allocate
             # nothing, so the timed calls' peak leaves them out; "held" counts the pool on both sides
             streamed_graphs = bool(pipe._graphs.graphs) and st is not None
-            held = MemoryPlanner.from_pipeline(pipe).predict(
-                1024,
-                1024,
-                1,
-                tile=256 if tiled else None,
-                cfg=w["cfg"] > 1,
-                offload=pipe.options.offload,
-                resident_blocks=len(st.resident) if st is not None else 0,
-                modulation_on_host=bool(st is not None and st.held),
-                te_resident_layers=len(te.resident) if te is not None else 0,
-                graph_pool=streamed_graphs,
-            )
+            held = planner.predict(1024, 1024, 1, graph_pool=streamed_graphs, **kw)
             held_pred = held.peak + pred_peak - pred.peak
             row[name] = {
                 **r,

@@ -111,15 +111,10 @@ class RowAdapters:
         st = self.stacks.get(mod)
         R = bucket(side_rank(parts))
         if st is None or st.down.shape[1] < R:  # a new or larger stack: every resident adapter again
-            dev, dt = layer.weight_device, layer.out_dtype
-            n = self.slots + 1
+            dev, dt, n = layer.weight_device, layer.out_dtype, self.slots + 1
             st = RowLora(
-                torch.zeros(
-                    n, max(R, 0 if st is None else st.down.shape[1]), layer.in_features, device=dev, dtype=dt
-                ),
-                torch.zeros(
-                    n, layer.out_features, max(R, 0 if st is None else st.up.shape[2]), device=dev, dtype=dt
-                ),
+                torch.zeros(n, R, layer.in_features, device=dev, dtype=dt),
+                torch.zeros(n, layer.out_features, R, device=dev, dtype=dt),
                 self.selection,
             )
             self.stacks[mod] = st

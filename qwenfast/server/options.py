@@ -180,7 +180,9 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
     )
     key = a.api_key if a.api_key is not None else os.environ.get("QWENFAST_API_KEY") or None
     if a.row_loras < 0 or (a.row_loras and not a.lora_dir):
-        raise SystemExit("error: --row-loras N needs N >= 1 and --lora-dir (the folder the adapters come from)")
+        raise SystemExit(
+            "error: --row-loras N needs N >= 1 and --lora-dir (the folder the adapters come from)"
+        )
     return ServerConfig(
         api_key=key,
         max_queue=a.max_queue,
