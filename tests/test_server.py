@@ -703,3 +703,33 @@ def test_step_cache_per_request(pipe):
         assert_same_image(got["fast"], alone(pipe, OK["prompt"], 3, 64, 64, steps=12), "fast")
     finally:
         pipe.configure(cache=None)
+
+
+def test_a_short_request_runs_between_two_steps_of_a_long_batch(pipe):
+    """Interleaving (batcher._interleave): a 1-step request that arrives while a 4-step batch runs is
+    answered before it, between two of its steps, and both images equal their requests run alone."""
+    gated = GatedPipe(pipe)
+    with running(gated, max_batch=4) as (base, app):
+        gated.gate.clear()
+        res, done = {}, []
+
+        def send(key, body):
+            res[key] = httpx.post(base + G, json=body, timeout=60)
+            done.append(key)
+
+        long = threading.Thread(target=send, args=("long", {**OK, "seed": 3, "steps": 4}))
+        long.start()
+        assert gated.entered.wait(30)  # in the long batch's first step
+        short = threading.Thread(target=send, args=("short", {**OK, "seed": 5, "steps": 1}))
+        short.start()
+        _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 1)
+        gated.gate.set()
+        for t in (long, short):
+            t.join()
+        metrics = httpx.get(base + "/metrics").text
+    assert res["long"].status_code == 200 and res["short"].status_code == 200
+    assert done == ["short", "long"] and gated.steps == [1, 4]  # the short one ended first, inside the long
+    assert "qwenfast_interleaved_batches_total 1" in metrics
+    for k, seed, steps in (("long", 3, 4), ("short", 5, 1)):
+        got = png_pixels(res[k].json()["data"][0]["b64_json"])
+        assert_same_image(got, alone(pipe, OK["prompt"], seed, 32, 32, steps=steps), k)

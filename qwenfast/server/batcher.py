@@ -111,6 +111,7 @@ class Scheduler:
         if cfg.row_loras and cfg.lora_dir:  # each request its own LoRAs inside a batch (8-bit weights)
             pipe.enable_row_loras(cfg.lora_dir, slots=cfg.row_loras)
         self._rows = getattr(pipe, "row_loras", None)
+        self._nested = False  # a batch interleaved into a running one is running (`_interleave`)
         self._default_cache = pipe.options.cache  # the server's --cache
         self._thread = threading.Thread(target=self._loop, name="qwenfast-worker", daemon=True)
 
@@ -210,16 +211,60 @@ class Scheduler:
                     if n >= limit or now >= deadline:
                         break
                     self.cond.wait(deadline - now)
-                take, rest = [], deque()
-                for it in self.pending:
-                    (take if len(take) < limit and it.job.key == key else rest).append(it)
-                self.pending = rest
+                take = self._take(key, limit)
                 if not take:  # the first request was cancelled while waiting for batch-mates
                     continue
-                for job in {it.job for it in take}:
-                    self.queued.discard(job)
-                    self.running.add(job)
                 return take
+
+    def _take(self, key: tuple, limit: int) -> list[Item]:
+        """Up to `limit` pending items of batch `key`, in arrival order, moved to running (hold `cond`)."""
+        take, rest = [], deque()
+        for it in self.pending:
+            (take if len(take) < limit and it.job.key == key else rest).append(it)
+        self.pending = rest
+        for job in {it.job for it in take}:
+            self.queued.discard(job)
+            self.running.add(job)
+        return take
+
+    def _interleave(self, job0: Job, remaining: int) -> None:
+        """Between two steps of a running text-to-image batch (its step callback): run one waiting batch of
+        shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
+        whole run. Policy: among pending text-to-image requests with fewer steps than the running batch
+        has left, the fewest steps first (then the oldest); one level deep (a nested batch is not
+        interrupted in turn) and one nested batch per step of the running one, so a stream of short
+        requests slows a long batch but never stops it. Only what cannot disturb the running batch: the
+        same LoRA set (any with --row-loras: each forward selects its rows) and no step cache (its
+        per-step state belongs to the running batch). Same images as batches run one after the other."""
+        if self._nested or not self.cfg.interleave or self.pipe.options.cache is not None:
+            return
+        with self.cond:
+            ok = [it for it in self.pending if self._can_interleave(it.job, job0, remaining)]
+            if not ok:
+                return
+            first = min(ok, key=lambda it: (it.job.params.steps, it.job.enqueued))
+            take = self._take(first.job.key, self.cfg.max_batch)
+        self._nested = True
+        self.metrics.interleaved += 1
+        try:
+            self._run(take)
+        finally:
+            self._nested = False
+            with self.cond:
+                for job in {it.job for it in take}:
+                    if job.done >= job.params.n or job.cancelled:
+                        self.running.discard(job)
+
+    def _can_interleave(self, job: Job, job0: Job, remaining: int) -> bool:
+        c = job.params.cache
+        cache = self._default_cache if c is None else (None if c == "off" else c)
+        return (
+            job.kind == "t2i"
+            and not job.cancelled
+            and job.params.steps < remaining
+            and cache is None
+            and (self._rows is not None or job.loras == job0.loras)
+        )
 
     def _run(self, items: list[Item]) -> None:
         jobs = list(dict.fromkeys(it.job for it in items))
@@ -380,6 +425,8 @@ class Scheduler:
                 raise Cancelled
             for job in jobs:
                 job.post({"type": "image_generation.progress", "step": i + 1, "steps": n})
+            if job0.kind == "t2i":
+                self._interleave(job0, n - i - 1)
             rows = [r for r, it in enumerate(items) if i in preview_at[it.job] and not it.job.cancelled]
             if rows and not p.size_auto:
                 try:

@@ -47,6 +47,7 @@ class Metrics:
         self.started = time.time()
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
         self.latency: dict[str, Histogram] = {}  # endpoint -> seconds, successful generations
+        self.interleaved = 0  # batches run between two steps of a longer one (batcher._interleave)
         self.batch_size = Histogram(BATCH_BUCKETS)
         self.batch_seconds = Histogram(LATENCY_BUCKETS)
         self.images_total = 0
@@ -126,6 +127,12 @@ class Metrics:
                 L.append(f'qwenfast_rejected_total{{reason="{r}"}} {c}')
             head("qwenfast_images_generated_total", "counter", "Images generated.")
             L.append(f"qwenfast_images_generated_total {self.images_total}")
+            head(
+                "qwenfast_interleaved_batches_total",
+                "counter",
+                "Batches run between two steps of a longer one.",
+            )
+            L.append(f"qwenfast_interleaved_batches_total {self.interleaved}")
             head("qwenfast_images_per_second", "gauge", "Images generated per second over the last minute.")
             L.append(f"qwenfast_images_per_second {self.images_per_second():.4f}")
             head("qwenfast_batch_size", "histogram", "Images per pipeline call.")

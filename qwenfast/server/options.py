@@ -44,6 +44,7 @@ class ServerConfig:
     timeout_s: float = 600.0  # per request, queue wait included
     lora_dir: str | None = None
     row_loras: int = 0  # > 0: each request its own LoRAs inside a batch, this many resident (8-bit weights)
+    interleave: bool = True  # short requests run between two steps of a longer batch (batcher._interleave)
     url_ttl_s: float = 3600.0  # response_format=url images live this long
     url_store_bytes: int = 1 << 30  # and at most this much memory; oldest go first
     preview_px: int = 192  # long side of the streamed preview images
@@ -81,6 +82,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds per request, queue included")
     p.add_argument("--lora-dir", default=None, help="folder of LoRA .safetensors files requests may name")
+    p.add_argument(
+        "--no-interleave",
+        action="store_true",
+        help="run batches strictly one after the other (default: a waiting batch of shorter text-to-image "
+        "requests runs between two steps of a longer one)",
+    )
     p.add_argument(
         "--row-loras",
         type=int,
@@ -191,6 +198,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         timeout_s=a.timeout,
         lora_dir=a.lora_dir,
         row_loras=a.row_loras,
+        interleave=not a.no_interleave,
         url_ttl_s=a.url_ttl,
         limits=lim,
         model_name=a.model_name,
