@@ -234,9 +234,12 @@ class Scheduler:
         has left, the fewest steps first (then the oldest); one level deep (a nested batch is not
         interrupted in turn) and one nested batch per step of the running one, so a stream of short
         requests slows a long batch but never stops it. Only what cannot disturb the running batch: the
-        same LoRA set (any with --row-loras: each forward selects its rows) and no step cache (its
-        per-step state belongs to the running batch). Same images as batches run one after the other."""
-        if self._nested or not self.cfg.interleave or self.pipe.options.cache is not None:
+        same LoRA set (any with --row-loras: each forward selects its rows), no step cache (its per-step
+        state belongs to the running batch), one process (not --parallel). Same images as batches run one
+        after the other."""
+        o = self.pipe.options
+        # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
+        if self._nested or not self.cfg.interleave or o.cache is not None or o.parallel is not None:
             return
         with self.cond:
             ok = [it for it in self.pending if self._can_interleave(it.job, job0, remaining)]
