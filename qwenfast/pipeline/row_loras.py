@@ -22,12 +22,10 @@ class RowLoraMethods:
     """`enable_row_loras`, `row_loras` and the forward wrapper the generation path uses (mixed into the
     pipelines: `self.transformer`, `self.options`, `self.lora_manager`, `self._graphs`)."""
 
-    _row_adapters = None
-
     @property
     def row_loras(self):
         """The `RowAdapters` (resident adapters, LRU counters) or None before `enable_row_loras`."""
-        return self._row_adapters
+        return getattr(self, "_row_adapters", None)  # (a shared attribute: unset until enabled)
 
     def enable_row_loras(
         self, folder: str | os.PathLike | None = None, slots: int = 8, width: int = 2
@@ -35,10 +33,13 @@ class RowLoraMethods:
         """Let each prompt of a call use its own LoRAs (`loras=` per prompt), read from `folder`
         (`name.safetensors`) on first use and kept in `slots` slots on the device, least recently used
         out first; a prompt combines up to `width`. Needs 8-bit weights (fp8 / int8: their LoRAs run
-        unmerged) and no LoRA loaded for the whole batch."""
+        unmerged) and no LoRA loaded for the whole batch; the class must declare it
+        (`capabilities.row_loras`: its call takes `loras=`)."""
         from ..kernels.lowbit import LowBitLinear
         from ..loading.lora_rows import RowAdapters
 
+        if not self.capabilities.row_loras:
+            raise ConfigureError(f"{type(self).__name__} does not take LoRAs per prompt (text-to-image does)")
         if not (self.options.fp8 or self.options.int8) or not any(
             isinstance(m, LowBitLinear) for m in self.transformer.modules()
         ):
@@ -60,7 +61,7 @@ class RowLoraMethods:
         without `loras`. `loras`: one list per prompt, repeated for its `per_prompt` images."""
         if loras is None:
             return None
-        if self._row_adapters is None:
+        if self.row_loras is None:
             raise LoraError("loras= per prompt needs pipe.enable_row_loras(folder) first")
         if len(loras) != prompts:
             raise LoraError(f"loras= has {len(loras)} lists for {prompts} prompts (one list per prompt)")

@@ -108,6 +108,8 @@ class SharedState:
     latent_cache_size = shared()
     _latent_cache = shared()  # edit models: reference latents
     _static_caches = shared()  # Qwen-Image-2.1: the KV caches its graphs read
+    _row_adapters = shared()  # per-row LoRAs (pipeline/row_loras.py), once enabled
+    _row_layout = shared()  # the adapters' layout the captured graphs were made with
 
     def settings(self) -> dict[str, Any]:
         """The loaded model's plain settings (no weights, no runtime objects): what `output_size`,

@@ -42,6 +42,9 @@ class Capabilities:
     mask: bool = False  # inpaints: a call takes a mask
     step_cache: bool = True  # the step cache preset may change from call to call (`configure(cache=...)`)
     lora: bool = True  # LoRAs: `load_lora`, `set_loras`
+    row_loras: bool = (
+        False  # each prompt its own LoRAs in one call (`enable_row_loras`, `loras=`; 8-bit weights)
+    )
     parallel: tuple[str, ...] = ("cfg", "ulysses")  # the axes of `EngineOptions.parallel` it runs; () one GPU
     single_files: bool = False  # loads ComfyUI single files (`from_single_files`)
     size_multiple: int = 16  # output sides are multiples of this (twice the VAE's downscale)
@@ -147,7 +150,7 @@ def _reachable_tasks(cls: type) -> list[str]:
 
 def model_capabilities(pipe: Any) -> Capabilities:
     """A loaded model's capabilities: its class's declaration answered for its folder, with every task
-    `for_task` reaches (registry order), the most images and any mask among those tasks."""
+    `for_task` reaches (registry order), the most images and any mask or per-row LoRAs among those tasks."""
     own = pipe._capabilities_of(type(pipe))
     others = [pipe._capabilities_of(c) for c in _reachable(type(pipe))]
     return replace(
@@ -155,4 +158,5 @@ def model_capabilities(pipe: Any) -> Capabilities:
         tasks=tuple(dict.fromkeys(t for c in others for t in c.tasks)),
         max_images=max(c.max_images for c in others),
         mask=any(c.mask for c in others),
+        row_loras=any(c.row_loras for c in others),
     )

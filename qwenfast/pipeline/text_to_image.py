@@ -46,7 +46,7 @@ class QwenImagePipeline(PipelineBase):
 
     folder_kinds = ("text-to-image",)
     checkpoints = "a text-to-image model (Qwen-Image, -2512)"
-    CAPABILITIES = Capabilities("qwen-image", tasks=("text-to-image",), single_files=True)
+    CAPABILITIES = Capabilities("qwen-image", tasks=("text-to-image",), single_files=True, row_loras=True)
 
     # ---------------------------------------------------------------- loading
     @classmethod

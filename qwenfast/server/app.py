@@ -165,7 +165,7 @@ def create_app(
     cfg = cfg or ServerConfig()
     metrics = Metrics()
     sched = scheduler(metrics) if scheduler is not None else Scheduler(pipe, cfg, metrics)
-    per_row = getattr(pipe, "row_loras", None) is not None  # (Scheduler enabled them for --row-loras)
+    per_row = bool(cfg.row_loras and cfg.lora_dir)  # (the Scheduler enabled them: --row-loras)
     loras = LoraResolver(cfg.lora_dir)
     urls = UrlStore(cfg.url_ttl_s, cfg.url_store_bytes)
     caps = capabilities(pipe)  # what the model can do (its pipeline's declaration; Ray: the replica's answer)

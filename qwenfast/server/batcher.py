@@ -28,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import ConfigureError
 from .imaging import jpeg_b64
 from .metrics import Metrics
 from .options import ServerConfig
@@ -108,9 +109,15 @@ class Scheduler:
         self.avg_batch_s = 1.0
         self._loras = None  # the LoRA set currently applied to the pipeline
         self._lora = pipe.capabilities.lora  # what the pipeline declares (pipeline/tasks.py)
-        if cfg.row_loras and cfg.lora_dir:  # each request its own LoRAs inside a batch (8-bit weights)
+        self._rows = None  # per-row LoRAs (--row-loras): each request its own inside a batch
+        if cfg.row_loras and cfg.lora_dir:
+            if not pipe.capabilities.row_loras:
+                raise ConfigureError(
+                    f"--row-loras: this model ({pipe.capabilities.model_type}, {', '.join(pipe.capabilities.tasks)}) "
+                    "does not take LoRAs per request; leave the flag out"
+                )
             pipe.enable_row_loras(cfg.lora_dir, slots=cfg.row_loras)
-        self._rows = getattr(pipe, "row_loras", None)
+            self._rows = pipe.row_loras
         self._nested = False  # a batch interleaved into a running one is running (`_interleave`)
         self._default_cache = pipe.options.cache  # the server's --cache
         self._thread = threading.Thread(target=self._loop, name="qwenfast-worker", daemon=True)
