@@ -83,6 +83,10 @@ ERRORS: dict[str, tuple[int, str]] = {
         "`negative_prompt` or with `true_cfg_scale` <= 1",
     ),
     "lora_not_enabled": (400, "the request names a LoRA but the server runs without --lora-dir"),
+    "lora_not_supported": (
+        400,
+        "a LoRA on a task that cannot take one per request (--row-loras: text-to-image only)",
+    ),
     "invalid_lora_name": (400, "a LoRA name that is not a plain file name (no folders)"),
     "lora_unsupported": (400, "the server's pipeline cannot apply LoRAs"),
     # 401, 404, 405, 413, 415, 422
