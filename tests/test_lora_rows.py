@@ -72,20 +72,9 @@ def _lora(seed: int, rank: int, layers=2, extra: str = "") -> dict[str, torch.Te
 
 @pytest.fixture(scope="module")
 def model():
-    from qwenfast.config import TransformerConfig
-    from qwenfast.kernels.fp8_linear import quantize_model
-    from qwenfast.models.transformer import QwenImageTransformer
+    from .test_fp8_fused import _tiny_fp8_model
 
-    torch.manual_seed(0)
-    cfg = TransformerConfig(num_layers=2, num_attention_heads=2, attention_head_dim=32, joint_attention_dim=48,
-                            axes_dims_rope=(8, 12, 12))  # fmt: skip
-    m = QwenImageTransformer(cfg).eval()
-    with torch.no_grad():
-        for mod in m.modules():  # stronger residual branches than the default init: the blocks matter
-            if isinstance(mod, torch.nn.Linear) and mod.out_features == 6 * cfg.inner_dim:
-                mod.weight.mul_(4)
-    assert quantize_model(m) == 16
-    return m
+    return _tiny_fp8_model(False, "cpu")  # two blocks, FP8 block Linears, stronger modulation (fp32 on the CPU)
 
 
 def _inputs(B: int):
