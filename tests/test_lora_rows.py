@@ -1,11 +1,13 @@
 """Per-row LoRAs (kernels/lora_rows.py, loading/lora_rows.py): each batch row adds its own adapters.
 
 The op against its per-row loop on odd shapes (fp32 and bf16; rows of the zero slot unchanged bit for
-bit). On a tiny FP8 transformer (emulated on the CPU, fp32 activations): a batch whose rows use different
-LoRA sets (one, two at other strengths, none) equals each row run alone with that set loaded for the
-whole batch (`LoraManager`, the unmerged FP8 path) within 1e-5, and the LoRAs move the output far more
-than that; the least recently used adapter is evicted when the slots are full and read again from the
-folder; adapters that touch other modules are refused with a message that says why.
+bit). On a tiny FP8 transformer (emulated on the CPU, fp32 activations) and on the same model with float
+weights: a batch whose rows use different LoRA sets (one, two at other strengths, none) equals each row
+run alone with that set loaded for the whole batch (`LoraManager`: the unmerged FP8 path, or fused into
+the float weights) within 1e-5, and the LoRAs move the output far more than that; the least recently
+used adapter is evicted when the slots are full and read again from the folder; adapters that touch
+other modules are refused with a message that says why. Through the pipeline with bf16-style float,
+FP8 and INT8 weights.
 """
 
 from __future__ import annotations
@@ -70,11 +72,12 @@ def _lora(seed: int, rank: int, layers=2, extra: str = "") -> dict[str, torch.Te
     return sd
 
 
-@pytest.fixture(scope="module")
-def model():
+@pytest.fixture(scope="module", params=["fp8", "float"])
+def model(request):
     from .test_fp8_fused import _tiny_fp8_model
 
-    return _tiny_fp8_model(False, "cpu")  # two blocks, FP8 block Linears, stronger modulation (fp32 on the CPU)
+    # two blocks, stronger modulation, fp32 on the CPU; FP8 block Linears or the float ones
+    return _tiny_fp8_model(False, "cpu", quantize=request.param == "fp8")
 
 
 def _inputs(B: int):
@@ -87,8 +90,11 @@ def _inputs(B: int):
 @torch.no_grad()
 def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
     """Each row against the same batch run with that row's set loaded for all of it (the unmerged FP8
-    path): same shapes, so the emulated per-token FP8 rounding sees the same base values (a batch of
-    another size differs ~1e-6 in fp32 on the CPU, which can move an e4m3 code)."""
+    path, or merged into float weights): same shapes, so the emulated per-token FP8 rounding sees the same
+    base values (a batch of another size differs ~1e-6 in fp32 on the CPU, which can move an e4m3 code).
+    On float weights a `RowLoraLinear` stands in for each touched Linear and `uninstall` puts the very
+    same modules back."""
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     loras = {"a": _lora(1, 4), "b": _lora(2, 8), "c": _lora(3, 16)}
     sets = [[("a", 1.0)], [("b", 0.7), ("c", -0.5)], [], [("c", 1.3)]]
     x, txt, t, shapes = _inputs(len(sets))
@@ -130,11 +136,12 @@ def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
     finally:
         rows.uninstall()
     assert torch.equal(model(x, txt, None, t, shapes), base)  # no LoRA left behind
+    assert linears == {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
 
-def test_adapters_outside_the_8bit_linears_are_refused(model, tmp_path):
+def test_adapters_outside_the_block_linears_are_refused(model, tmp_path):
     rows = RowAdapters(model, slots=2)
-    with pytest.raises(LoraError, match="8-bit block Linears only"):
+    with pytest.raises(LoraError, match="blocks' Linears only"):
         rows.put("mod", _lora(5, 4, extra="img_mod.1"))
     assert not rows.resident and not rows.stacks
     with pytest.raises(LoraError, match="not loaded"):
@@ -147,17 +154,21 @@ def test_adapters_outside_the_8bit_linears_are_refused(model, tmp_path):
         rows.select([[("a", 1.0), ("b", 1.0), ("a", 0.5)]], "cpu")
 
 
-@pytest.mark.parametrize("batched_cfg", [True, False])
-def test_pipeline_loras_per_prompt(tmp_path, batched_cfg):
+@pytest.mark.parametrize(
+    "weights,batched_cfg", [("fp8", True), ("fp8", False), ("float", True), ("int8", True)]
+)
+def test_pipeline_loras_per_prompt(tmp_path, weights, batched_cfg):
     """`pipe(prompts, loras=[...])`: each prompt's image equals the same call with that prompt's set loaded
-    for the whole batch, with true CFG as one batched forward (each image's rows twice) or two forwards."""
+    for the whole batch, with true CFG as one batched forward (each image's rows twice) or two forwards;
+    on float weights (merged when loaded for the whole batch), FP8 and INT8 (unmerged)."""
     from pathlib import Path
 
     from qwenfast import EngineOptions, QwenImagePipeline
 
     tiny = Path(__file__).resolve().parent / "assets" / "tiny-random"
     p = QwenImagePipeline.from_pretrained(tiny, device="cpu", dtype=torch.float32,
-                                          options=EngineOptions(fp8=True, batched_cfg=batched_cfg))  # fmt: skip
+                                          options=EngineOptions(fp8=weights == "fp8", int8=weights == "int8",
+                                                                  batched_cfg=batched_cfg))  # fmt: skip
     p.progress_bar = False
     kw = dict(
         height=32, width=48, num_inference_steps=2, output_type="np", negative_prompt=" ", true_cfg_scale=2.0
@@ -189,3 +200,51 @@ def test_pipeline_loras_per_prompt(tmp_path, batched_cfg):
     assert p.row_loras.loads == 3
     with pytest.raises(LoraError, match="one list per prompt"):
         run(loras=sets[:2])
+    with pytest.raises(LoraError, match="per-row LoRAs are enabled"):
+        p.set_loras([(loras["a"], 1.0, "a")])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("weights", ["bf16", "fp8", "int8"])
+@torch.no_grad()
+def test_rows_on_the_gpu(weights):
+    """On CUDA in bf16, with the real 8-bit GEMMs: each row of a mixed batch against the same batch with its
+    set loaded for all of it, within bf16 tolerance (1e-2 of the output's scale), and far from no LoRA."""
+    from qwenfast.kernels.fp8_linear import fp8_supported, quantize_model
+    from qwenfast.kernels.int8_linear import quantize_model_int8
+
+    from .test_fp8_fused import _tiny_fp8_model
+
+    if weights == "fp8" and not fp8_supported(torch.device("cuda")):
+        pytest.skip("needs an FP8 GPU")
+    model = _tiny_fp8_model(False, "cuda", quantize=False)
+    if weights != "bf16":
+        assert (quantize_model if weights == "fp8" else quantize_model_int8)(model) == 16
+    loras = {"a": _lora(1, 4), "b": _lora(2, 8), "c": _lora(3, 16)}
+    sets = [[("a", 1.0)], [("b", 0.7), ("c", -0.5)], [], [("c", 1.3)]]
+    x, txt, t, shapes = (v.cuda() if torch.is_tensor(v) else v for v in _inputs(len(sets)))
+    x, txt = x.bfloat16(), txt.bfloat16()
+    base = model(x, txt, None, t, shapes).float()
+    want = []
+    for b in range(len(sets)):
+        m = LoraManager(model)
+        for name, s in sets[b]:
+            m.load(loras[name], s, name=name)
+        want.append(model(x, txt, None, t, shapes)[b].float())
+        m.unload()
+    rows = RowAdapters(model, slots=3, device="cuda")
+    for name, sd in loras.items():
+        rows.put(name, sd)
+    rows.install()
+    try:
+        rows.select(sets, "cuda")
+        got = model(x, txt, None, t, shapes).float()
+    finally:
+        rows.uninstall()
+    scale = base.abs().max()
+    for b in range(len(sets)):
+        assert torch.isfinite(got[b]).all()
+        err = (got[b] - want[b]).abs().max() / scale
+        assert err < 1e-2, (weights, b, float(err))
+        moved = (want[b] - base[b]).abs().max() / scale
+        assert moved > 10 * 1e-2 if sets[b] else moved < 1e-2

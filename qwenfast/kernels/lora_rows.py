@@ -15,6 +15,9 @@ CUDA graph serves any mix: the selection lives in device tensors that the host r
 own rank (B · L · R · (K + N) multiply-adds per slot), not for every resident adapter's, as one GEMM over
 all of them concatenated would. `lora_rows_ref` is the per-row loop it must equal. A segmented Triton
 GEMM that skips slot 0's rows is the next step if the gathers show up in a profile.
+
+`RowLoraLinear` is a float Linear (bf16 / fp32 weights) with the same side path: the per-row adapters
+cannot be fused into one weight, so such a layer runs its GEMM as is and adds each row's updates after.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
-__all__ = ["RowLora", "RowSelection", "lora_rows", "lora_rows_ref"]
+__all__ = ["RowLora", "RowLoraLinear", "RowSelection", "lora_rows", "lora_rows_ref"]
 
 
 def _check(x, y, down, up, idx, scale) -> None:
@@ -130,3 +135,27 @@ class RowLora:
             raise RuntimeError(f"per-row LoRAs: {M} tokens do not split into the selection's {B} rows")
         y = lora_rows(x2.reshape(B, M // B, K), y2.view(B, M // B, N), self.down, self.up, idx, scale)
         return y.reshape(M, N)
+
+
+class RowLoraLinear(nn.Linear):
+    """A float Linear whose rows add their own LoRAs (`lora`: a `RowLora`, or None: a plain Linear).
+    It shares the Linear it stands in for's parameters (`wrap`): same names, same storage, so batch-wide
+    LoRA merges, offload streaming and checkpoints see the layer they knew. Fused paths that read a
+    Linear's weight directly (the MLP's GELU epilogue) take it only when `type(layer) is nn.Linear`."""
+
+    lora: RowLora | None = None
+
+    @classmethod
+    def wrap(cls, lin: nn.Linear) -> RowLoraLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        new.weight, new.bias = lin.weight, lin.bias  # the same Parameters, not copies
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is None:
+            return y
+        K, N = x.shape[-1], y.shape[-1]
+        return self.lora.add(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import LoraError
+from ..kernels.lora_rows import RowLoraLinear
 from ..kernels.lowbit import LowBitLinear
 from .lora import LoraDelta, LoraSource, ModuleIndex, plan_lora, read_lora
 from .lora_fp8 import set_side_lora
@@ -181,6 +182,11 @@ class LoraManager:
                 dev, dt = layer.weight_device, layer.out_dtype
                 deltas[i] = dataclasses.replace(d, up=d.up.to(dev, dt), down=_shared(d.down, dev, dt, moved))
                 continue
+            if isinstance(layer, RowLoraLinear) and layer.lora is not None:
+                raise LoraError(
+                    f"{where}: per-row LoRAs are installed on {d.module} (loading/lora_rows.py RowAdapters): "
+                    "uninstall them before loading LoRAs for the whole batch"
+                )
             w = layer.weight
             if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
                 raise LoraError(

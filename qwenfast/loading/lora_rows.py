@@ -12,11 +12,14 @@ gathered low-rank GEMMs).
   `folder` (`name.safetensors`) on first use; marks them used and writes the selection every layer reads.
 - `install()` points each touched 8-bit layer at its stack (`LowBitLinear.lora` = `RowLora`).
 
-Limits today: the 8-bit block Linears only (FP8 / INT8 bases, whose LoRA already runs unmerged). An
-adapter that touches another module is refused, saying which: the modulation Linears (the modulation
-table shares one row of them between all rows of a timestep) and bf16 Linears (fused into) need a seam
-of their own. No PEFT biases. Shapes are static (slots x rank bucket), so captured CUDA graphs stay valid
-while adapters come and go; `layout` changes when a stack grows (a larger rank bucket): graphs go then.
+Which layers: the model's block Linears (`model.fp8_linears()`, the ones 8-bit weights replace). On an
+8-bit base (FP8 / INT8) the stack goes into `LowBitLinear.lora`; on a float base (bf16, or fp32 for
+tests) `install` stands a `RowLoraLinear` (same Parameters) in for the Linear and `uninstall` puts the
+Linear back, so nothing is fused into float weights either. An adapter that touches another module is
+refused, saying which: the modulation Linears (the modulation table shares one row of them between all
+rows of a timestep) need a seam of their own. No PEFT biases. Shapes are static (slots x rank bucket), so
+captured CUDA graphs stay valid while adapters come and go; `layout` changes when a stack grows (a larger
+rank bucket) or a layer is swapped: graphs go then.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import LoraError
-from ..kernels.lora_rows import RowLora, RowSelection
+from ..kernels.lora_rows import RowLora, RowLoraLinear, RowSelection
 from ..kernels.lowbit import LowBitLinear
 from .lora import ModuleIndex, plan_lora, read_lora
 from .lora_fp8 import bucket, side_rank, write_side
@@ -44,11 +47,20 @@ class RowAdapters:
     out first; see the module docstring."""
 
     def __init__(
-        self, model: nn.Module, slots: int = 8, width: int = 2, folder: str | os.PathLike | None = None
+        self,
+        model: nn.Module,
+        slots: int = 8,
+        width: int = 2,
+        folder: str | os.PathLike | None = None,
+        device: torch.device | str | None = None,
     ):
+        """`device`: where the stacks live (the pipeline's device; default: the model's)."""
         if slots < 1:
             raise ValueError("RowAdapters needs at least one adapter slot")
         self.model, self.index, self.slots = model, ModuleIndex(model), slots
+        self.targets = frozenset(model.fp8_linears())  # the block Linears (runtime.contract.BlockModel)
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.originals: dict[str, nn.Linear] = {}  # module -> the float Linear a RowLoraLinear stands in for
         self.folder = Path(folder) if folder is not None else None
         self.selection = RowSelection(width)
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
@@ -70,15 +82,16 @@ class RowAdapters:
         parts: dict[str, Parts] = {}
         refused = set()
         for d in plan_lora(sd, self.index, meta, where):
-            if not isinstance(self.index.linear[d.module], LowBitLinear) or d.bias is not None:
+            if d.module not in self.targets or d.bias is not None:
                 refused.add(d.module + (" (bias)" if d.bias is not None else ""))
                 continue
             parts.setdefault(d.module, []).append((d.slot, d.up, d.down, d.scale))
         if refused:
             shown = ", ".join(sorted(refused)[:4]) + (" ..." if len(refused) > 4 else "")
             raise LoraError(
-                f"{where} changes {shown}: per-row LoRAs run on the 8-bit block Linears only (FP8 / INT8 "
-                "weights, no biases); load it for the whole batch instead (set_loras)"
+                f"{where} changes {shown}: per-row LoRAs run on the transformer blocks' Linears only (not "
+                "the modulation or the model's input and output layers; no biases); load it for the whole "
+                "batch instead (set_loras)"
             )
         slot = self._free_slot(keep)
         self.parts[name] = parts
@@ -111,7 +124,8 @@ class RowAdapters:
         st = self.stacks.get(mod)
         R = bucket(side_rank(parts))
         if st is None or st.down.shape[1] < R:  # a new or larger stack: every resident adapter again
-            dev, dt, n = layer.weight_device, layer.out_dtype, self.slots + 1
+            dt = layer.out_dtype if isinstance(layer, LowBitLinear) else layer.weight.dtype
+            dev, n = self.device, self.slots + 1
             st = RowLora(
                 torch.zeros(n, R, layer.in_features, device=dev, dtype=dt),
                 torch.zeros(n, layer.out_features, R, device=dev, dtype=dt),
@@ -151,18 +165,37 @@ class RowAdapters:
 
     def _point(self, mod: str) -> None:
         layer = self.index.linear[mod]
-        if isinstance(layer.lora, tuple):
-            raise LoraError(
-                f"{mod} has a LoRA loaded for the whole batch: unload it (set_loras([])) before per-row LoRAs"
-            )
+        if isinstance(layer, LowBitLinear):
+            if isinstance(layer.lora, tuple):
+                raise LoraError(
+                    f"{mod} has a LoRA loaded for the whole batch: unload it (set_loras([])) before per-row "
+                    "LoRAs"
+                )
+        elif not isinstance(layer, RowLoraLinear):  # a float Linear: a RowLoraLinear on its Parameters
+            new = RowLoraLinear.wrap(layer)
+            self._swap(mod, new)
+            self.originals[mod] = layer
+            self.layout += 1  # graphs captured the old module's GEMM
+            layer = new
         layer.lora = self.stacks[mod]
 
+    def _swap(self, mod: str, new: nn.Module) -> None:
+        parent, _, leaf = mod.rpartition(".")
+        setattr(self.model.get_submodule(parent), leaf, new)
+        self.index.linear[mod] = new
+
     def uninstall(self) -> None:
-        """The layers without per-row LoRAs again (the stacks stay, for `install`)."""
+        """The layers without per-row LoRAs again (the stacks stay, for `install`); float Linears are the
+        very modules they were."""
         for mod in self.stacks:
             layer = self.index.linear[mod]
-            if isinstance(layer.lora, RowLora):
+            if isinstance(layer, LowBitLinear) and isinstance(layer.lora, RowLora):
                 layer.lora = None
+        for mod, lin in self.originals.items():
+            self._swap(mod, lin)
+        if self.originals:
+            self.layout += 1
+        self.originals.clear()
         self.installed = False
 
     @property

@@ -131,6 +131,8 @@ class FeedForward(nn.Module):
             return out(
                 F.gelu(h, approximate="tanh") if c is None else gelu_tanh_fp8(h, keep=c.lora is not None)
             )
+        if type(p) is not nn.Linear:  # a subclass adds to its GEMM (per-row LoRAs): no fused epilogue
+            return out(F.gelu(p(x), approximate="tanh"))
         return out(linear_gelu_tanh(x, p.weight, p.bias))
 
 

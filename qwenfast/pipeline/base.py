@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..config import SchedulerConfig
-from ..errors import ConfigureError, OptionsError
+from ..errors import ConfigureError, LoraError, OptionsError
 from ..kernels import use_backend
 from ..models.text_encoder import TextEncoder, decoder_layers
 from ..options import EngineOptions, check_transition
@@ -476,6 +476,8 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
 
     def set_loras(self, loras: list[tuple]) -> None:
         """Make the active LoRAs exactly `[(path, strength[, name]), ...]`, changing only what differs."""
+        if loras and self.row_loras is not None:
+            raise LoraError("per-row LoRAs are enabled (enable_row_loras): pass loras= per prompt instead")
         layout = self.lora_manager.side_layout
         try:
             self.lora_manager.set(loras)

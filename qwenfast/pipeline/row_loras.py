@@ -32,25 +32,20 @@ class RowLoraMethods:
     ) -> None:
         """Let each prompt of a call use its own LoRAs (`loras=` per prompt), read from `folder`
         (`name.safetensors`) on first use and kept in `slots` slots on the device, least recently used
-        out first; a prompt combines up to `width`. Needs 8-bit weights (fp8 / int8: their LoRAs run
-        unmerged) and no LoRA loaded for the whole batch; the class must declare it
-        (`capabilities.row_loras`: its call takes `loras=`)."""
-        from ..kernels.lowbit import LowBitLinear
+        out first; a prompt combines up to `width`. Any weights (bf16, fp8, int8: the adapters run
+        unmerged beside the block GEMMs), no LoRA loaded for the whole batch, the transformer resident
+        on the device; the class must declare it (`capabilities.row_loras`: its call takes `loras=`)."""
         from ..loading.lora_rows import RowAdapters
 
         if not self.capabilities.row_loras:
             raise ConfigureError(f"{type(self).__name__} does not take LoRAs per prompt (text-to-image does)")
-        if not (self.options.fp8 or self.options.int8) or not any(
-            isinstance(m, LowBitLinear) for m in self.transformer.modules()
-        ):
-            raise ConfigureError(
-                "per-row LoRAs need 8-bit weights for now: configure(weights='fp8' or 'int8') first"
-            )
+        if self.options.offload == "blocks":
+            raise ConfigureError("per-row LoRAs need the transformer resident on the device (no offload)")
         if self.lora_manager.active:
             raise ConfigureError("LoRAs are loaded for the whole batch: set_loras([]) before per-row LoRAs")
         if self.options.parallel is not None:
             raise ConfigureError("per-row LoRAs do not run with --parallel yet")
-        adapters = RowAdapters(self.transformer, slots=slots, width=width, folder=folder)
+        adapters = RowAdapters(self.transformer, slots=slots, width=width, folder=folder, device=self.device)
         adapters.install()
         self._row_adapters = adapters
         self._row_layout = adapters.layout
