@@ -733,3 +733,63 @@ def test_a_short_request_runs_between_two_steps_of_a_long_batch(pipe):
     for k, seed, steps in (("long", 3, 4), ("short", 5, 1)):
         got = png_pixels(res[k].json()["data"][0]["b64_json"])
         assert_same_image(got, alone(pipe, OK["prompt"], seed, 32, 32, steps=steps), k)
+
+
+def test_a_short_request_runs_between_two_cached_steps_and_short_ones_start_first(pipe):
+    """A long batch with the step cache (`cache: fast`) is interleaved too, its cache bypassed for the
+    short request (pipe.step_cache_bypassed): both images equal their requests run alone. And when the
+    GPU frees up, the waiting request with the fewest steps starts first, not the oldest."""
+    gated = GatedPipe(pipe)
+    long_body = {**OK, "seed": 3, "steps": 12, "cache": "fast"}
+    with running(gated, max_batch=4) as (base, app):
+        gated.gate.clear()
+        res, done = {}, []
+
+        def send(key, body):
+            res[key] = httpx.post(base + G, json=body, timeout=60)
+            done.append(key)
+
+        long = threading.Thread(target=send, args=("long", long_body))
+        long.start()
+        assert gated.entered.wait(30)
+        short = threading.Thread(target=send, args=("short", {**OK, "seed": 5, "steps": 2}))
+        short.start()
+        _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 1)
+        gated.gate.set()
+        for t in (long, short):
+            t.join()
+        # shortest first at a batch boundary: hold the worker in a 3-step batch, queue a 3-step then a
+        # 2-step request (no interleaving: neither is shorter than what the running batch has left)
+        gated.gate.clear()
+        gated.entered.clear()
+        hold = threading.Thread(target=send, args=("hold", {**OK, "seed": 1, "steps": 3}))
+        hold.start()
+        assert gated.entered.wait(30)
+        done.clear()
+        older = threading.Thread(
+            target=send, args=("older", {**OK, "seed": 2, "steps": 3, "prompt": "a dog"})
+        )
+        older.start()
+        _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 1)
+        newer = threading.Thread(
+            target=send, args=("newer", {**OK, "seed": 4, "steps": 2, "prompt": "a fox"})
+        )
+        newer.start()
+        _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 2)
+        gated.gate.set()
+        for t in (hold, older, newer):
+            t.join()
+    assert all(r.status_code == 200 for r in res.values())
+    assert gated.steps[:2] == [2, 12]  # the short one ran inside the cached one
+    assert done.index("newer") < done.index("older") and gated.steps[2:] == [3, 2, 3]
+    pipe.configure(cache="fast")
+    try:
+        want_long = alone(pipe, OK["prompt"], 3, 32, 32, steps=12)
+    finally:
+        pipe.configure(cache=None)
+    assert_same_image(png_pixels(res["long"].json()["data"][0]["b64_json"]), want_long, "long")
+    assert_same_image(
+        png_pixels(res["short"].json()["data"][0]["b64_json"]),
+        alone(pipe, OK["prompt"], 5, 32, 32, steps=2),
+        "short",
+    )

@@ -61,7 +61,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cfg", type=float, default=1.0, help="true CFG scale (1 = off, as with Lightning-8 LoRAs)"
     )
     p.add_argument(
-        "--concurrency", type=int, nargs="+", default=[1, 2, 4, 8], help="client counts, one level each"
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="client counts, one level each (default 1 2 4 8; mixed: 4 8 16)",
+    )
+    p.add_argument(
+        "--workload",
+        choices=("uniform", "mixed"),
+        default="uniform",
+        help="uniform: one size and step count; mixed: sizes, step counts, LoRAs, caches, streaming and "
+        "hang-ups, against the old batcher and a diffusers loop (benchmarks/serve_mixed.py)",
+    )
+    p.add_argument("--loras", type=int, default=10, help="mixed: random LoRAs in the workload")
+    p.add_argument(
+        "--lora-slots", type=int, default=None, help="mixed: the server's --row-loras (default --loras)"
+    )
+    p.add_argument(
+        "--old-concurrency",
+        type=int,
+        nargs="*",
+        default=[8],
+        help="mixed: levels for the old batcher (LoRA set in the batch key, no interleaving)",
+    )
+    p.add_argument(
+        "--diffusers-s", type=float, default=0.0, help="mixed: seconds of the plain diffusers loop (0: none)"
+    )
+    p.add_argument(
+        "--duration", type=float, default=None, help="mixed: soak for this many seconds instead of the levels"
+    )
+    p.add_argument(
+        "--lora-folder",
+        default=None,
+        help="mixed: where the random LoRAs go (reused when it holds them; default: a temp folder)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=("bf16", "fp8", "int8"),
+        default=None,
+        help="mixed: the transformer's weights (default fp8 on a GPU, bf16 otherwise)",
     )
     p.add_argument(
         "--requests", type=int, default=None, help="measured requests per level (default max(8, 3*c))"
@@ -291,12 +330,35 @@ def _summarise(res: dict) -> None:
 
 
 def run_from_args(a: argparse.Namespace) -> int:
+    if a.workload == "mixed":
+        import torch
+
+        from .serve_mixed import run as run_mixed
+
+        run_mixed(
+            model=a.model,
+            concurrency=tuple(a.concurrency or (4, 8, 16)),
+            requests=a.requests,
+            n_loras=a.loras,
+            slots=a.lora_slots,
+            old_concurrency=tuple(a.old_concurrency),
+            diffusers_s=a.diffusers_s,
+            duration=a.duration,
+            weights=a.weights or ("fp8" if torch.cuda.is_available() else "bf16"),
+            cuda_graphs=a.cuda_graphs,
+            max_batch=a.max_batch,
+            device=a.device,
+            dtype=a.dtype,
+            lora_folder=a.lora_folder,
+            out_dir=results_dir(a.results),
+        )
+        return 0
     run(
         model=a.model,
         size=a.size,
         steps=a.steps,
         cfg=a.cfg,
-        concurrency=tuple(a.concurrency),
+        concurrency=tuple(a.concurrency or (1, 2, 4, 8)),
         requests=a.requests,
         max_batch=a.max_batch,
         baseline=not a.no_baseline,

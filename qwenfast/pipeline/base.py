@@ -15,6 +15,7 @@ text encoder, installed from here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -474,6 +475,18 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
         """Active LoRAs, name -> strength, in load order."""
         return self.lora_manager.loras
 
+    @contextlib.contextmanager
+    def step_cache_bypassed(self) -> Iterator[None]:
+        """Calls inside run as if no step cache were configured, and leave the configured cache's state
+        alone: the server runs a short uncached request between two steps of a cached batch this way
+        (server/batcher.py). Same images as a call with `cache=None` configured."""
+        prev = getattr(self, "_step_cache_off", False)
+        self._step_cache_off = True
+        try:
+            yield
+        finally:
+            self._step_cache_off = prev
+
     def set_loras(self, loras: list[tuple]) -> None:
         """Make the active LoRAs exactly `[(path, strength[, name]), ...]`, changing only what differs."""
         if loras and self.row_loras is not None:
@@ -542,6 +555,8 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
     ) -> torch.Tensor:
         """What the denoise core calls: the transformer, replayed as a CUDA graph where possible.
         `additional_t_cond` (Layered) and `block_residuals` (ControlNet) go to the transformer as is."""
+        if step is not None and getattr(self, "_step_cache_off", False):  # (unset until first bypassed)
+            step = dataclasses.replace(step, cache=False)
         kw = {"step": step, "shard": shard, "block_residuals": block_residuals}
         mods = self._modulations(t, step, additional_t_cond)
         if mods is not None:

@@ -110,6 +110,7 @@ class SharedState:
     _static_caches = shared()  # Qwen-Image-2.1: the KV caches its graphs read
     _row_adapters = shared()  # per-row LoRAs (pipeline/row_loras.py), once enabled
     _row_layout = shared()  # the adapters' layout the captured graphs were made with
+    _step_cache_off = shared()  # inside `step_cache_bypassed()`: forwards skip the configured step cache
 
     def settings(self) -> dict[str, Any]:
         """The loaded model's plain settings (no weights, no runtime objects): what `output_size`,

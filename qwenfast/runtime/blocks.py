@@ -37,13 +37,16 @@ class StepContext:
 
     step: 0-based index; steps: how many in this run; sigma: the noise level of the input;
     branch: "cond", "uncond" (true CFG's negative pass) or "both" (cond and uncond batched in one
-    forward, cond rows first).
+    forward, cond rows first). cache: False for a call that must not use the step cache the pipeline
+    has (a short request run between two steps of a cached batch: `step_cache_bypassed`); a step cache
+    runs such a forward through every block and keeps none of it.
     """
 
     step: int = 0
     steps: int = 1
     sigma: float = 1.0
     branch: str = "cond"
+    cache: bool = True
 
     def __post_init__(self):
         if self.branch not in BRANCHES:

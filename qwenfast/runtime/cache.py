@@ -65,10 +65,10 @@ class StepCacheRunner(BlockRunner):
     # ------------------------------------------------------------------ decisions
     def variant(self, step: StepContext | None) -> Hashable:
         p = self.policy
+        if step is None or not step.cache:
+            return "plain"  # every block, nothing kept: not a full step's graph, which records residuals
         if p.kind == "adaptive":
             return "adaptive"
-        if step is None:
-            return "full"
         if step.step == 0:
             return "first"  # a full step that also restarts the cache (its own graph)
         return "full" if p.static_full(step.step, step.steps) else "cached"
@@ -80,7 +80,7 @@ class StepCacheRunner(BlockRunner):
     def prepare(self, step: StepContext | None, device: torch.device) -> None:
         """Host-side bookkeeping before a forward (eager; before a CUDA-graph replay too): counts, and
         the static Taylor factor of a cached step. Idempotent per (branch, step)."""
-        if step is None or self.policy.kind != "static":
+        if step is None or not step.cache or self.policy.kind != "static":
             return
         mark = (step.branch, step.step, step.steps)
         if self._seen.get(step.branch) == mark:
@@ -125,7 +125,7 @@ class StepCacheRunner(BlockRunner):
         p = self.policy
         n = len(blocks)
         first, last = min(p.first, n), min(p.last, max(0, n - p.first))
-        if step is None or first + last >= n:  # no step context, or nothing in the middle
+        if step is None or not step.cache or first + last >= n:  # no step context / cache, or no middle
             return super().run(blocks, call, img, txt, step)
         if not (img.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.prepare(step, img.device)

@@ -12,13 +12,16 @@ What remains
 batch-dependent is inside the transformer (see `tests/test_server.py::test_batched_equals_alone`).
 
 A lone request waits at most `batch_wait_s` for batch-mates, counted from when it was queued, so
-batching never adds more than that to anyone's latency. Batches are formed FIFO by their oldest
-item, so a rare size is never starved by a common one.
+batching never adds more than that to anyone's latency. The next batch starts with the waiting request
+of fewest steps (then the oldest), so a 4-step request does not queue behind 50-step ones, unless the
+oldest request has waited `age_bound_s`: then the oldest goes first, so nothing starves (`_first`).
+Between two steps of a running batch, shorter requests may run to the end first (`_interleave`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
@@ -208,7 +211,7 @@ class Scheduler:
                     if self.stopping:
                         return None
                     self.cond.wait()
-                first = self.pending[0]
+                first = self._first()
                 key = first.job.key
                 limit = self.cfg.max_batch if first.job.kind == "t2i" else 1
                 deadline = first.job.enqueued + self.cfg.batch_wait_s
@@ -222,6 +225,14 @@ class Scheduler:
                 if not take:  # the first request was cancelled while waiting for batch-mates
                     continue
                 return take
+
+    def _first(self) -> Item:
+        """The next batch's first item (hold `cond`): fewest steps, then oldest; the oldest once it has
+        waited `age_bound_s` (pending is in arrival order)."""
+        oldest = self.pending[0]
+        if time.monotonic() - oldest.job.enqueued >= self.cfg.age_bound_s:
+            return oldest
+        return min(self.pending, key=lambda it: (it.job.params.steps, it.job.enqueued))
 
     def _take(self, key: tuple, limit: int) -> list[Item]:
         """Up to `limit` pending items of batch `key`, in arrival order, moved to running (hold `cond`)."""
@@ -241,12 +252,13 @@ class Scheduler:
         has left, the fewest steps first (then the oldest); one level deep (a nested batch is not
         interrupted in turn) and one nested batch per step of the running one, so a stream of short
         requests slows a long batch but never stops it. Only what cannot disturb the running batch: the
-        same LoRA set (any with --row-loras: each forward selects its rows), no step cache (its per-step
-        state belongs to the running batch), one process (not --parallel). Same images as batches run one
-        after the other."""
+        same LoRA set (any with --row-loras: each forward selects its rows), no step cache for the short
+        batch (a running batch's step cache is bypassed for it and its state left alone:
+        `pipe.step_cache_bypassed`), one process (not --parallel). Same images as batches run one after
+        the other."""
         o = self.pipe.options
         # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
-        if self._nested or not self.cfg.interleave or o.cache is not None or o.parallel is not None:
+        if self._nested or not self.cfg.interleave or o.parallel is not None:
             return
         with self.cond:
             ok = [it for it in self.pending if self._can_interleave(it.job, job0, remaining)]
@@ -257,7 +269,8 @@ class Scheduler:
         self._nested = True
         self.metrics.interleaved += 1
         try:
-            self._run(take)
+            with self.pipe.step_cache_bypassed() if o.cache is not None else contextlib.nullcontext():
+                self._run(take)
         finally:
             self._nested = False
             with self.cond:
@@ -422,7 +435,8 @@ class Scheduler:
         rows = self._rows is not None and job0.kind == "t2i"
         if not rows:
             self._apply_loras(job0.loras)
-        self._apply_cache(p.cache)
+        if not self._nested:  # a nested batch has no cache of its own (`_can_interleave`)
+            self._apply_cache(p.cache)
         # previews only for clients that stream: nobody else would receive them (a decode each)
         preview_at = {
             job: _preview_steps(job.params.steps, job.params.partial_images if job.events else 0)

@@ -43,8 +43,9 @@ class ServerConfig:
     batch_wait_s: float = 0.02  # how long a lone request waits for batch-mates (added latency cap)
     timeout_s: float = 600.0  # per request, queue wait included
     lora_dir: str | None = None
-    row_loras: int = 0  # > 0: each request its own LoRAs inside a batch, this many resident (8-bit weights)
+    row_loras: int = 0  # > 0: each request its own LoRAs inside a batch, this many resident
     interleave: bool = True  # short requests run between two steps of a longer batch (batcher._interleave)
+    age_bound_s: float = 30.0  # the next batch: fewest steps first, unless the oldest waited this long
     url_ttl_s: float = 3600.0  # response_format=url images live this long
     url_store_bytes: int = 1 << 30  # and at most this much memory; oldest go first
     preview_px: int = 192  # long side of the streamed preview images
@@ -89,12 +90,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "requests runs between two steps of a longer one)",
     )
     p.add_argument(
+        "--age-bound",
+        type=float,
+        default=d.age_bound_s,
+        metavar="S",
+        help="the next batch starts with the waiting request of fewest steps, unless the oldest has "
+        "waited S seconds: then that one (default 30)",
+    )
+    p.add_argument(
         "--row-loras",
         type=int,
         default=0,
         metavar="N",
         help="batch requests with different LoRAs together, each row with its own, N adapters kept on the "
-        "GPU (least recently used out first); needs --lora-dir and 8-bit weights (--weights fp8|int8); "
+        "GPU (least recently used out first); needs --lora-dir and the transformer resident (no block offload); "
         "text-to-image only (default 0: requests batch by LoRA set)",
     )
     add_engine_arguments(p, cuda_graphs_default=False)  # --device --dtype --offload --fp8 --preset ...
@@ -199,6 +208,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         lora_dir=a.lora_dir,
         row_loras=a.row_loras,
         interleave=not a.no_interleave,
+        age_bound_s=a.age_bound,
         url_ttl_s=a.url_ttl,
         limits=lim,
         model_name=a.model_name,

@@ -1,0 +1,107 @@
+"""What `qwenfast bench serve --workload mixed` measures beside the server (benchmarks/serve_mixed.py):
+a plain diffusers loop over the same requests, and the per-row LoRA overhead of one forward.
+
+The diffusers loop is what a user would write to serve this workload: one request at a time through
+diffusers' QwenImagePipeline (bf16, PEFT adapters for the LoRAs: `load_lora_weights` on first use,
+`set_adapters` per request, `disable_lora` for none; at most `keep` adapters loaded, the least recently
+used deleted). Adapter loading is left out of the time (a service would load them ahead); the step
+cache is diffusers' none (it has no `cache=` per request), so those requests run full 50 steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from . import median_ms
+
+
+def diffusers_loop(ref, reqs: list, folder: Path, seconds: float, keep: int = 4) -> dict:
+    """Serve `reqs` in order with diffusers' pipeline `ref` for `seconds` -> images/min and counts."""
+    loaded: OrderedDict[str, None] = OrderedDict()
+    done, ooms, load_s, per_cls = 0, 0, 0.0, {}
+    t0 = time.perf_counter()
+    for r in reqs:
+        if time.perf_counter() - t0 - load_s >= seconds:
+            break
+        t_load = time.perf_counter()
+        if r.lora is not None:
+            if r.lora not in loaded:
+                if len(loaded) >= keep:
+                    ref.delete_adapters(loaded.popitem(last=False)[0])
+                ref.load_lora_weights(str(folder / f"{r.lora}.safetensors"), adapter_name=r.lora)
+                loaded[r.lora] = None
+            loaded.move_to_end(r.lora)
+            ref.enable_lora()
+            ref.set_adapters([r.lora], adapter_weights=[r.strength])
+        elif loaded:
+            ref.disable_lora()
+        torch.cuda.synchronize()
+        load_s += time.perf_counter() - t_load
+        t = time.perf_counter()
+        try:
+            ref(
+                prompt=r.prompt,
+                negative_prompt=" " if r.cfg > 1 else None,
+                true_cfg_scale=r.cfg,
+                height=r.height,
+                width=r.width,
+                num_inference_steps=r.steps,
+                generator=torch.Generator("cpu").manual_seed(r.seed),
+                output_type="pil",
+            )
+        except torch.OutOfMemoryError:
+            ooms += 1
+            torch.cuda.empty_cache()
+            continue
+        done += 1
+        per_cls.setdefault(r.cls, []).append(time.perf_counter() - t)
+    wall = time.perf_counter() - t0 - load_s
+    return {
+        "images": done,
+        "oom": ooms,
+        "wall_s": round(wall, 2),
+        "images_per_min": round(60 * done / wall, 2),
+        "adapter_load_s_left_out": round(load_s, 1),
+        "mean_s": {k: round(sum(v) / len(v), 3) for k, v in per_cls.items()},
+    }
+
+
+@torch.no_grad()
+def row_overhead(pipe, names: list[str], size: int = 1024, batch: int = 4, txt_len: int = 128) -> dict:
+    """One transformer forward (batch `batch`, `size`², no CFG, eager) with no per-row adapters installed,
+    with each row its own LoRA (`names[:batch]`), and with every row choosing none; ms (median of 10)."""
+    tr, dev = pipe.transformer, pipe.device
+    h = w = size // 16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(batch, h * w, 64, device=dev, dtype=pipe.dtype, generator=g)
+    txt = torch.randn(batch, txt_len, tr.cfg.joint_attention_dim, device=dev, dtype=pipe.dtype, generator=g)
+    t = torch.full((batch,), 0.7, device=dev)
+
+    def fwd():
+        return tr(x, txt, None, t, [(1, h, w)])
+
+    rows = pipe.row_loras
+    res = {"batch": batch, "size": size, "ranks": []}
+    if rows is not None:
+        rows.uninstall()
+    res["none_installed_ms"] = round(median_ms(fwd), 2)
+    if rows is None:
+        return res
+    rows.install()
+    try:
+        sel = [[(n, 1.0)] for n in names[:batch]]
+        rows.select(sel, dev)
+        res["ranks"] = [int(rows.stacks[m].down.shape[1]) for m in list(rows.stacks)[:1]]
+        res["each_row_its_lora_ms"] = round(median_ms(fwd), 2)
+        rows.select([[] for _ in range(batch)], dev)
+        res["rows_without_lora_ms"] = round(median_ms(fwd), 2)
+    finally:
+        rows.select([[] for _ in range(batch)], dev)
+    base = res["none_installed_ms"]
+    res["overhead_pct"] = round(100 * (res["each_row_its_lora_ms"] / base - 1), 1)
+    res["no_lora_rows_overhead_pct"] = round(100 * (res["rows_without_lora_ms"] / base - 1), 1)
+    return res

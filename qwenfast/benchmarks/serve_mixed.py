@@ -1,0 +1,577 @@
+"""`qwenfast bench serve --workload mixed`: many users on one GPU, each with their own size, step count,
+LoRA and step cache, against the same workload through the old batcher and a plain diffusers loop.
+
+The workload (`workload`, seeded): sizes 1024² (55%), 1328², 928x1664 and 1664x928 (15% each); 4-step
+(45%) and 8-step (35%) requests without CFG, as with Lightning LoRAs, and 50-step true-CFG requests
+(20%, half of them with the `fast` step cache); each request names one of `--loras` random LoRAs
+(rank 32 or 64 on every block Linear, diffusers names, written to a folder first) or none, at a strength
+in 0.6..1; 30% stream (SSE, with progress events), 5% of the clients hang up mid-request (after the
+first event, or after 0.3 s without streaming).
+
+Closed loop at each concurrency c: c client threads take the next request of the sequence, wait for its
+answer, take the next. Figures per level: images/min, p50/p95 latency per class (queue included), the
+answers by status, the GPU memory sampled every 0.5 s, graph captures, adapter loads/evictions, batches
+run between two steps of a longer one. Rows, in one run on one GPU with the same weights:
+
+- `per-row`: `--row-loras` (each request its LoRA inside any batch) with step-boundary interleaving;
+- `old batcher`: the LoRA set in the batch key (one LoRA group at a time, `set_loras` between batches),
+  no interleaving: what the server did before;
+- `diffusers loop` (`--diffusers-s S`): diffusers' QwenImagePipeline in bf16 with the same LoRAs loaded
+  as PEFT adapters, one request at a time for S seconds (what a user would write); images/min only.
+
+Also measured: each class's idle latency (one request alone, warm), and the per-row LoRA overhead of one
+transformer forward (batch 4 at 1024², four different rank-64 LoRAs, and all rows without one) against
+the same forward with no adapters installed.
+
+`--duration S` turns it into a soak: the per-row server at the top concurrency for S seconds; halfway a
+broken LoRA file is dropped into the folder and some requests name it (answered 422 invalid_lora);
+the record says whether anything answered 5xx, was lost (sent but never answered), or was answered twice
+(the server's 200 count against the clients'), and how far allocated memory moved after the warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+SIZES_FULL = [((1024, 1024), 0.55), ((1328, 1328), 0.15), ((928, 1664), 0.15), ((1664, 928), 0.15)]
+SIZES_DEMO = [((128, 128), 0.55), ((144, 144), 0.15), ((96, 160), 0.15), ((160, 96), 0.15)]  # its own scale
+CLASSES = {  # name -> (steps, true CFG, step cache, share)
+    "4-step": (4, 1.0, None, 0.45),
+    "8-step": (8, 1.0, None, 0.35),
+    "50-step": (50, 4.0, None, 0.10),
+    "50-step fast": (50, 4.0, "fast", 0.10),
+}
+PROMPTS = [
+    "a watercolor painting of a lighthouse at dawn",
+    "a red fox in deep snow, telephoto",
+    "isometric pixel art of a tiny bakery with a striped awning",
+    'a poster that says "OPEN LATE" in bold neon letters',
+    "macro photo of dew on a spider web",
+    "an astronaut riding a horse on the moon, oil painting, dramatic light",
+]
+
+
+@dataclass
+class Req:
+    k: int
+    cls: str
+    width: int
+    height: int
+    steps: int
+    cfg: float
+    cache: str | None
+    lora: str | None
+    strength: float
+    prompt: str
+    seed: int
+    stream: bool
+    hang_up: bool
+
+
+def workload(n: int, seed: int, loras: list[str], demo: bool = False) -> list[Req]:
+    """The seeded request sequence (see the module docstring); `demo`: the embedded model's sizes."""
+    rng = random.Random(seed)
+    sizes = SIZES_DEMO if demo else SIZES_FULL
+    out = []
+    for k in range(n):
+        (w, h) = rng.choices([s for s, _ in sizes], [p for _, p in sizes])[0]
+        cls = rng.choices(list(CLASSES), [c[3] for c in CLASSES.values()])[0]
+        steps, cfg, cache, _ = CLASSES[cls]
+        lora = rng.choice([*loras, None])
+        out.append(
+            Req(
+                k,
+                cls,
+                w,
+                h,
+                steps,
+                cfg,
+                cache,
+                lora,
+                round(rng.uniform(0.6, 1.0), 2),
+                rng.choice(PROMPTS),
+                1000 + k,
+                rng.random() < 0.3,
+                rng.random() < 0.05,
+            )
+        )
+    return out
+
+
+def body(r: Req) -> dict:
+    b = {
+        "prompt": r.prompt,
+        "size": f"{r.width}x{r.height}",
+        "steps": r.steps,
+        "true_cfg_scale": r.cfg,
+        "seed": r.seed,
+        "cache": r.cache or "off",
+    }
+    if r.lora:
+        b["lora"] = [{"name": r.lora, "strength": r.strength}]
+    if r.stream:
+        b.update(stream=True, progress=True)
+    return b
+
+
+def send(base: str, r: Req, timeout: float = 3600) -> tuple[str, float]:
+    """One request -> (outcome, seconds): "200", another status, "hung up" (on purpose) or "error: ..."."""
+    req = urllib.request.Request(
+        base + "/v1/images/generations",
+        data=json.dumps(body(r)).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=0.3 if r.hang_up and not r.stream else timeout) as resp:
+            if not r.stream:
+                ok = len(json.loads(resp.read())["data"]) == 1
+                return ("200" if ok else "error: no image"), time.perf_counter() - t
+            outcome = "error: stream ended early"
+            for line in resp:
+                if not line.startswith(b"data: "):
+                    continue
+                if r.hang_up:
+                    return "hung up", time.perf_counter() - t  # closing the response drops the connection
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    break
+                ev = json.loads(data)
+                if ev["type"] == "image_generation.completed":
+                    outcome = "200"
+                elif ev["type"] == "error":
+                    code = ev["error"].get("code")
+                    outcome = {"invalid_lora": "422", "timeout": "504"}.get(code, f"stream error {code}")
+            return outcome, time.perf_counter() - t
+    except urllib.error.HTTPError as e:
+        return str(e.code), time.perf_counter() - t
+    except TimeoutError:
+        if r.hang_up:
+            return "hung up", time.perf_counter() - t
+        return "error: timeout", time.perf_counter() - t
+    except (urllib.error.URLError, OSError) as e:
+        if r.hang_up and "timed out" in str(e):
+            return "hung up", time.perf_counter() - t
+        return f"error: {type(e).__name__}: {e}", time.perf_counter() - t
+
+
+def closed_loop(base: str, reqs: list[Req], c: int, stop_at: float | None = None, hook=None) -> list[dict]:
+    """c clients through `reqs` in order (until `stop_at`, a perf_counter time, if given); one dict per
+    request sent: its class, outcome, latency. `hook(k)` runs before request k is sent (the soak's drop)."""
+    out: list[dict] = []
+    lock = threading.Lock()
+    it = iter(reqs)
+
+    def client() -> None:
+        while True:
+            with lock:
+                r = next(it, None)
+                if r is None or (stop_at is not None and time.perf_counter() >= stop_at):
+                    return
+                if hook is not None:
+                    r = hook(r)
+            outcome, s = send(base, r)
+            with lock:
+                out.append({"k": r.k, "cls": r.cls, "outcome": outcome, "s": s, "lora": r.lora})
+
+    threads = [threading.Thread(target=client) for _ in range(c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+class MemorySampler:
+    """torch.cuda.memory_allocated / memory_reserved every `every` s in a thread (the server runs in this
+    process); `mark()` starts the window the summary covers (after the warm-up)."""
+
+    def __init__(self, every: float = 0.5):
+        self.every, self.samples, self.start = every, [], 0
+        self._stop = threading.Event()
+        self._th = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        while not self._stop.is_set():
+            if torch.cuda.is_available():
+                self.samples.append(
+                    (time.perf_counter() - t0, torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+                )
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> MemorySampler:
+        self._th.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._th.join()
+
+    def mark(self) -> None:
+        self.start = len(self.samples)
+
+    def summary(self) -> dict:
+        s = self.samples[self.start :]
+        if not s:
+            return {}
+        gib = 2**30
+        alloc, res = [a for _, a, _ in s], [r for _, _, r in s]
+        return {
+            "samples": len(s),
+            "allocated_min_gib": round(min(alloc) / gib, 3),
+            "allocated_max_gib": round(max(alloc) / gib, 3),
+            "allocated_spread_gib": round((max(alloc) - min(alloc)) / gib, 3),
+            "reserved_max_gib": round(max(res) / gib, 3),
+            "series": [(round(t, 1), round(a / gib, 2)) for t, a, _ in s[:: max(1, len(s) // 120)]],
+        }
+
+
+def summarise(rows: list[dict], wall: float) -> dict:
+    """Per-level figures from the per-request dicts of `closed_loop`."""
+    done = [r for r in rows if r["outcome"] == "200"]
+    by = {}
+    for cls in CLASSES:
+        lat = sorted(r["s"] for r in done if r["cls"] == cls)
+        if lat:
+            by[cls] = {"n": len(lat), "p50_s": round(_q(lat, 0.5), 3), "p95_s": round(_q(lat, 0.95), 3)}
+    outcomes: dict[str, int] = {}
+    for r in rows:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    return {
+        "sent": len(rows),
+        "images": len(done),
+        "wall_s": round(wall, 2),
+        "images_per_min": round(60 * len(done) / wall, 2),
+        "classes": by,
+        "outcomes": outcomes,
+        "server_errors": sum(v for k, v in outcomes.items() if k.startswith("5") or k.startswith("error")),
+    }
+
+
+def _q(xs: list[float], p: float) -> float:
+    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
+
+
+def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None = None, hook=None) -> dict:
+    """One closed-loop level against a running server, with the server-side counters it moved."""
+    m = app.state.metrics
+    g = pipe._graphs  # the transformer's graph cache (captures, replays)
+    before = (dict(m.requests), m.interleaved, m.batch_size.count, m.batch_size.sum, g.captures, g.replays)
+    rows_ = pipe.row_loras
+    ad0 = (rows_.loads, rows_.evictions) if rows_ is not None else (0, 0)
+    t0 = time.perf_counter()
+    rows = closed_loop(base, reqs, c, stop_at, hook)
+    wall = time.perf_counter() - t0
+    res = {"concurrency": c, **summarise(rows, wall)}
+    ok_server = sum(v for (ep, st), v in m.requests.items() if st == 200) - sum(
+        v for (ep, st), v in before[0].items() if st == 200
+    )
+    res["server_200"] = ok_server  # against the clients' 200s: a duplicate or a lost answer shows here
+    res["interleaved"] = m.interleaved - before[1]
+    res["mean_batch"] = round((m.batch_size.sum - before[3]) / max(1, m.batch_size.count - before[2]), 2)
+    res["graph_captures"], res["graph_replays"] = g.captures - before[4], g.replays - before[5]
+    res["graphs_resident"] = len(g.graphs)
+    if rows_ is not None:
+        res["adapter_loads"], res["adapter_evictions"] = rows_.loads - ad0[0], rows_.evictions - ad0[1]
+    return res
+
+
+def print_level(name: str, r: dict) -> None:
+    cls = "  ".join(f"{k} {v['p50_s']:.2f}/{v['p95_s']:.2f}s" for k, v in r["classes"].items())
+    print(
+        f"  {name:<12} c={r['concurrency']:<3} {r['images_per_min']:7.1f} img/min  batch {r['mean_batch']:.2f}  "
+        f"interleaved {r['interleaved']}  captures {r['graph_captures']}  outcomes {r['outcomes']}\n"
+        f"               p50/p95: {cls}"
+    )
+
+
+def save_loras(folder: Path, model, n: int, seed: int = 0) -> list[str]:
+    """n random LoRAs on every block Linear of `model` (diffusers names, rank 32 or 64 alternating,
+    bf16), written to `folder` as lora-<i>.safetensors; their names."""
+    import torch
+    from safetensors.torch import save_file
+
+    dim = model.cfg.inner_dim
+    ff = 4 * dim
+    shapes = {
+        "attn.to_q": (dim, dim),
+        "attn.to_k": (dim, dim),
+        "attn.to_v": (dim, dim),
+        "attn.add_q_proj": (dim, dim),
+        "attn.add_k_proj": (dim, dim),
+        "attn.add_v_proj": (dim, dim),
+        "attn.to_out.0": (dim, dim),
+        "attn.to_add_out": (dim, dim),
+        "img_mlp.net.0.proj": (dim, ff),
+        "img_mlp.net.2": (ff, dim),
+        "txt_mlp.net.0.proj": (dim, ff),
+        "txt_mlp.net.2": (ff, dim),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    dev = model.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    names = []
+    for i in range(n):
+        rank = 32 if i % 2 == 0 else 64
+        sd = {}
+        for b in range(len(model.transformer_blocks)):
+            for mod, (k, o) in shapes.items():
+                pre = f"transformer.transformer_blocks.{b}.{mod}"
+                a = torch.randn(rank, k, device=dev, generator=g) / k**0.5
+                up = torch.randn(o, rank, device=dev, generator=g) * (0.02 / rank**0.5)
+                sd[f"{pre}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+                sd[f"{pre}.lora_B.weight"] = up.to(torch.bfloat16).cpu()
+        names.append(f"lora-{i}")
+        save_file(sd, str(folder / f"{names[-1]}.safetensors"))
+    return names
+
+
+def json_default(o):
+    return asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
+
+
+def run(
+    model: str | None = None,
+    concurrency: tuple[int, ...] = (4, 8, 16),
+    requests: int | None = None,
+    n_loras: int = 10,
+    slots: int | None = None,
+    old_concurrency: tuple[int, ...] = (8,),
+    diffusers_s: float = 0.0,
+    duration: float | None = None,
+    weights: str = "fp8",
+    cuda_graphs: bool = True,
+    max_batch: int = 8,
+    device=None,
+    dtype=None,
+    seed: int = 0,
+    lora_folder: str | None = None,
+    out_dir: Path | None = None,
+) -> dict:
+    """The mixed workload (see the module docstring); `duration`: the soak instead of the levels."""
+    import gc
+    import tempfile
+
+    import torch
+
+    from ..server.app import create_app
+    from ..server.options import ServerConfig
+    from ..server.run import load_pipeline, start_server, stop_server
+    from . import emit, versions
+    from .serve_baselines import diffusers_loop, row_overhead
+
+    full = model == "random-full"
+    t0 = time.perf_counter()
+    ref = None
+    if full:
+        if not torch.cuda.is_available():
+            raise RuntimeError("--model random-full builds full-size weights on a CUDA GPU; none is visible")
+        from .pipeline import build
+
+        pipe, ref = build(smoke=False, diffusers_transformer=diffusers_s > 0 and duration is None)
+        ref = ref if diffusers_s > 0 and duration is None else None
+    else:
+        from ..options import EngineOptions
+
+        pipe = load_pipeline(model, device, dtype, EngineOptions.from_env(cuda_graphs=cuda_graphs))
+    folder = Path(lora_folder) if lora_folder else Path(tempfile.mkdtemp(prefix="qwenfast-loras-"))
+    names = [f"lora-{i}" for i in range(n_loras)]
+    if not all((folder / f"{n}.safetensors").is_file() for n in names):  # (a folder of an earlier run: kept)
+        names = save_loras(folder, pipe.transformer, n_loras)
+    (folder / "broken.safetensors").unlink(missing_ok=True)
+    reqs = workload(20_000 if duration else max(64, 4 * max(concurrency)), seed, names, demo=not full)
+    res = {
+        "bench": "serve_mixed",
+        "mode": "soak" if duration else "levels",
+        **versions(),
+        "model": model or "demo-t2i",
+        "weights": weights,
+        "loras": n_loras,
+        "lora_ranks": [32, 64],
+        "max_batch": max_batch,
+        "cuda_graphs": cuda_graphs,
+        "classes": {k: v[:3] for k, v in CLASSES.items()},
+        "sizes": [s for s, _ in (SIZES_DEMO if not full else SIZES_FULL)],
+    }
+    print(f"qwenfast bench serve --workload mixed: {res['model']} ({weights}) on {res.get('gpu') or 'cpu'}")
+    if ref is not None:
+        res["diffusers_loop"] = diffusers_loop(ref, reqs, folder, diffusers_s)
+        print(f"  diffusers loop: {res['diffusers_loop']}")
+        ref = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    pipe.set_progress_bar_config(disable=True)
+    pipe.configure(
+        cuda_graphs=cuda_graphs, decode_per_image=True, fp8=weights == "fp8", int8=weights == "int8"
+    )
+    res["build_s"] = round(time.perf_counter() - t0, 1)
+    warm = [
+        Req(
+            -1 - i,
+            "4-step",
+            *_size(reqs, i),
+            4,
+            1.0,
+            None,
+            n,
+            1.0,
+            PROMPTS[i % len(PROMPTS)],
+            i,
+            False,
+            False,
+        )
+        for i, n in enumerate([*names, None])
+    ]
+
+    def server(row_loras: int, interleave: bool):
+        scfg = ServerConfig(
+            max_batch=max_batch,
+            max_queue=4096,
+            batch_wait_s=0.02,
+            timeout_s=3600,
+            lora_dir=str(folder),
+            row_loras=row_loras,
+            interleave=interleave,
+        )
+        app = create_app(pipe, scfg)
+        return app, *start_server(app)
+
+    with MemorySampler() as mem:
+        if duration is None and old_concurrency:  # the old batcher first: per-row LoRAs stay on once enabled
+            app, srv, th, base = server(0, False)
+            try:
+                closed_loop(base, warm, 4)
+                res["old_batcher"] = []
+                for c in old_concurrency:
+                    r = level(app, pipe, base, reqs[: requests or max(32, 3 * c)], c)
+                    res["old_batcher"].append(r)
+                    print_level("old batcher", r)
+            finally:
+                stop_server(srv, th)
+            pipe.set_loras([])
+        app, srv, th, base = server(slots or n_loras, True)
+        try:
+            closed_loop(base, warm, len(warm) if duration else 4)
+            res["idle_s"] = {}
+            for cls in ("4-step", "8-step"):
+                steps = CLASSES[cls][0]
+                one = [
+                    Req(
+                        -100 - i,
+                        cls,
+                        *SIZES_FULL[0][0] if full else SIZES_DEMO[0][0],
+                        steps,
+                        1.0,
+                        None,
+                        names[i % len(names)],
+                        1.0,
+                        PROMPTS[0],
+                        i,
+                        False,
+                        False,
+                    )
+                    for i in range(4)
+                ]
+                lat = sorted(s for _, s in (send(base, r) for r in one))
+                res["idle_s"][cls] = round(statistics.median(lat[1:]), 3)  # the first may capture a graph
+            print(f"  idle latency (one request alone): {res['idle_s']}")
+            mem.mark()
+            if duration is None:
+                res["per_row"] = []
+                for c in concurrency:
+                    r = level(app, pipe, base, reqs[: requests or max(32, 3 * c)], c)
+                    res["per_row"].append(r)
+                    print_level("per-row", r)
+                res["memory"] = mem.summary()
+            else:
+                res["soak"] = soak(app, pipe, base, reqs, max(concurrency), duration, folder)
+                res["memory"] = mem.summary()
+                res["memory"].update(_windows(mem))
+                print(f"  soak: {json.dumps({k: v for k, v in res['soak'].items() if k != 'classes'})}")
+        finally:
+            stop_server(srv, th)
+    if full and duration is None:
+        res["row_overhead"] = row_overhead(pipe, names[1::2])
+        print(f"  per-row LoRA overhead, one forward: {res['row_overhead']}")
+    _verdicts(res)
+    emit(res, "serve_mixed.jsonl", out_dir)
+    return res
+
+
+def _size(reqs: list[Req], i: int) -> tuple[int, int]:
+    sizes = list(dict.fromkeys((r.width, r.height) for r in reqs))
+    return sizes[i % len(sizes)]
+
+
+def soak(app, pipe, base: str, reqs: list[Req], c: int, duration: float, folder: Path) -> dict:
+    """The per-row server at concurrency c for `duration` s; halfway a broken LoRA file appears and every
+    tenth request from then on names it."""
+    t0 = time.perf_counter()
+    half = t0 + duration / 2
+    dropped = []
+
+    def hook(r: Req) -> Req:
+        if time.perf_counter() >= half:
+            if not dropped:
+                (folder / "broken.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+                dropped.append(time.perf_counter() - t0)
+            if r.k % 10 == 7:
+                r = Req(**{**asdict(r), "lora": "broken", "hang_up": False})
+        return r
+
+    r = level(app, pipe, base, reqs, c, stop_at=t0 + duration, hook=hook)
+    out = r["outcomes"]
+    r["broken_dropped_at_s"] = round(dropped[0], 1) if dropped else None
+    r["lost"] = sum(v for k, v in out.items() if k.startswith("error"))
+    r["fivexx"] = sum(v for k, v in out.items() if k.startswith("5"))
+    r["duplicated"] = max(0, r["server_200"] - out.get("200", 0) - out.get("hung up", 0))
+    return r
+
+
+def _windows(mem: MemorySampler, width: float = 60.0) -> dict:
+    """The resting floor (min) and the peak (max) of allocated memory per `width`-second window after the
+    warm-up: a leak moves the floor, a growing pool or cache moves the peaks."""
+    s = mem.samples[mem.start :]
+    if not s:
+        return {}
+    w0 = s[0][0]
+    wins: dict[int, list[int]] = {}
+    for t, a, _ in s:
+        wins.setdefault(int((t - w0) // width), []).append(a)
+    lows, highs = [min(v) for v in wins.values()], [max(v) for v in wins.values()]
+    gib = 2**30
+    return {
+        "window_s": width,
+        "floor_gib": [round(x / gib, 2) for x in lows],
+        "peak_gib": [round(x / gib, 2) for x in highs],
+        "floor_drift_gib": round((max(lows) - min(lows)) / gib, 3),
+        "peak_drift_gib": round((max(highs) - min(highs)) / gib, 3),
+    }
+
+
+def _verdicts(res: dict) -> None:
+    """The acceptance ratios the record should carry: per-row vs old batcher at the same concurrency,
+    4-step p95 under load vs idle."""
+    old = {r["concurrency"]: r for r in res.get("old_batcher", [])}
+    for r in res.get("per_row", []):
+        o = old.get(r["concurrency"])
+        if o and o["images_per_min"]:
+            r["x_old_batcher"] = round(r["images_per_min"] / o["images_per_min"], 2)
+        d = res.get("diffusers_loop")
+        if d and d["images_per_min"]:
+            r["x_diffusers_loop"] = round(r["images_per_min"] / d["images_per_min"], 2)
+        idle = res.get("idle_s", {}).get("4-step")
+        p95 = r["classes"].get("4-step", {}).get("p95_s")
+        if idle and p95:
+            r["p95_4step_x_idle"] = round(p95 / idle, 2)
