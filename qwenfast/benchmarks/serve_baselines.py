@@ -21,6 +21,7 @@ from . import median_ms
 
 def diffusers_loop(ref, reqs: list, folder: Path, seconds: float, keep: int = 4) -> dict:
     """Serve `reqs` in order with diffusers' pipeline `ref` for `seconds` -> images/min and counts."""
+    ref.set_progress_bar_config(disable=True)
     loaded: OrderedDict[str, None] = OrderedDict()
     done, ooms, load_s, per_cls = 0, 0, 0.0, {}
     t0 = time.perf_counter()

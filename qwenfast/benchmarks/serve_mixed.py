@@ -2,8 +2,8 @@
 LoRA and step cache, against the same workload through the old batcher and a plain diffusers loop.
 
 The workload (`workload`, seeded): sizes 1024² (55%), 1328², 928x1664 and 1664x928 (15% each); 4-step
-(45%) and 8-step (35%) requests without CFG, as with Lightning LoRAs, and 50-step true-CFG requests
-(20%, half of them with the `fast` step cache); each request names one of `--loras` random LoRAs
+(50%) and 8-step (40%) requests without CFG, as with Lightning LoRAs, and 50-step true-CFG requests
+(10%, half of them with the `fast` step cache: a 50-step CFG request costs ~25 times a 4-step one); each request names one of `--loras` random LoRAs
 (rank 32 or 64 on every block Linear, diffusers names, written to a folder first) or none, at a strength
 in 0.6..1; 30% stream (SSE, with progress events), 5% of the clients hang up mid-request (after the
 first event, or after 0.3 s without streaming).
@@ -44,10 +44,10 @@ from pathlib import Path
 SIZES_FULL = [((1024, 1024), 0.55), ((1328, 1328), 0.15), ((928, 1664), 0.15), ((1664, 928), 0.15)]
 SIZES_DEMO = [((128, 128), 0.55), ((144, 144), 0.15), ((96, 160), 0.15), ((160, 96), 0.15)]  # its own scale
 CLASSES = {  # name -> (steps, true CFG, step cache, share)
-    "4-step": (4, 1.0, None, 0.45),
-    "8-step": (8, 1.0, None, 0.35),
-    "50-step": (50, 4.0, None, 0.10),
-    "50-step fast": (50, 4.0, "fast", 0.10),
+    "4-step": (4, 1.0, None, 0.50),
+    "8-step": (8, 1.0, None, 0.40),
+    "50-step": (50, 4.0, None, 0.05),
+    "50-step fast": (50, 4.0, "fast", 0.05),
 }
 PROMPTS = [
     "a watercolor painting of a lighthouse at dawn",
@@ -454,7 +454,7 @@ def run(
                 closed_loop(base, warm, 4)
                 res["old_batcher"] = []
                 for c in old_concurrency:
-                    r = level(app, pipe, base, reqs[: requests or max(32, 3 * c)], c)
+                    r = level(app, pipe, base, reqs[: requests or max(24, 3 * c)], c)
                     res["old_batcher"].append(r)
                     print_level("old batcher", r)
             finally:
@@ -490,7 +490,7 @@ def run(
             if duration is None:
                 res["per_row"] = []
                 for c in concurrency:
-                    r = level(app, pipe, base, reqs[: requests or max(32, 3 * c)], c)
+                    r = level(app, pipe, base, reqs[: requests or max(24, 3 * c)], c)
                     res["per_row"].append(r)
                     print_level("per-row", r)
                 res["memory"] = mem.summary()

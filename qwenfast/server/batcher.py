@@ -250,8 +250,9 @@ class Scheduler:
         shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
         whole run. Policy: among pending text-to-image requests with fewer steps than the running batch
         has left, the fewest steps first (then the oldest); one level deep (a nested batch is not
-        interrupted in turn) and one nested batch per step of the running one, so a stream of short
-        requests slows a long batch but never stops it. Only what cannot disturb the running batch: the
+        interrupted in turn), one nested batch per step of the running one, and none once the running
+        batch's first request has waited `age_bound_s` (queue included), so a stream of short requests
+        slows a long batch for a bounded time. Only what cannot disturb the running batch: the
         same LoRA set (any with --row-loras: each forward selects its rows), no step cache for the short
         batch (a running batch's step cache is bypassed for it and its state left alone:
         `pipe.step_cache_bypassed`), one process (not --parallel). Same images as batches run one after
@@ -259,6 +260,8 @@ class Scheduler:
         o = self.pipe.options
         # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
         if self._nested or not self.cfg.interleave or o.parallel is not None:
+            return
+        if time.monotonic() - job0.enqueued >= self.cfg.age_bound_s:  # the long batch has waited enough
             return
         with self.cond:
             ok = [it for it in self.pending if self._can_interleave(it.job, job0, remaining)]
