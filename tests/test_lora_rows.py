@@ -209,8 +209,9 @@ def test_pipeline_loras_per_prompt(tmp_path, weights, batched_cfg):
 @torch.no_grad()
 def test_rows_on_the_gpu(weights):
     """On CUDA in bf16, with the real 8-bit GEMMs: each row of a mixed batch against the same batch with its
-    set loaded for all of it, within the weights' tolerance (of the output's scale: bf16 1e-2; FP8 3e-2,
-    where a bf16-level difference can move an activation's e4m3 code downstream), and the LoRAs (at twice
+    set loaded for all of it, within the weights' tolerance (of the output's scale: bf16 and INT8 2e-2, where
+    the batch-wide LoRA is merged into rounded bf16 weights or summed in another order; FP8 3e-2, where a
+    bf16-level difference can move an activation's e4m3 code downstream), and the LoRAs (at twice
     the CPU test's strengths) move each row at least 10x that."""
     from qwenfast.kernels.fp8_linear import fp8_supported, quantize_model
     from qwenfast.kernels.int8_linear import quantize_model_int8
@@ -224,7 +225,7 @@ def test_rows_on_the_gpu(weights):
         assert (quantize_model if weights == "fp8" else quantize_model_int8)(model) == 16
     loras = {"a": _lora(1, 4), "b": _lora(2, 8), "c": _lora(3, 16)}
     sets = [[("a", 2.0)], [("b", 1.4), ("c", -1.0)], [], [("c", 2.6)]]
-    tol = {"bf16": 1e-2, "fp8": 3e-2, "int8": 1e-2}[weights]
+    tol = {"bf16": 2e-2, "fp8": 3e-2, "int8": 2e-2}[weights]
     x, txt, t, shapes = (v.cuda() if torch.is_tensor(v) else v for v in _inputs(len(sets)))
     x, txt = x.bfloat16(), txt.bfloat16()
     base = model(x, txt, None, t, shapes).float()
