@@ -46,6 +46,21 @@ def test_lora_rows_equals_the_row_loop(dtype, tol, B, L, K, N, n, R, S):
     ref = want.float().abs().max().clamp_min(1)
     assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
     assert torch.equal(got[0], y[0])  # the zero slot adds exact zeros
+    from qwenfast.kernels.lora_rows import RowLora, RowSelection
+    from qwenfast.loading.lora_fp8 import bucket
+
+    sel = RowSelection(S)  # an eager forward: only the columns some row uses, nothing when none does
+    lora = RowLora(down, up, sel)
+    sel.set([[] for _ in range(B)], "cpu")
+    y2 = y.reshape(B * L, N).clone()
+    assert lora.add(x.reshape(B * L, K), y2) is y2 and sel.used == 0
+    rows = [[(int(j), float(v))] for j, v in zip(idx[:, 0], scale[:, 0])]
+    sel.set(rows, "cpu")
+    want1 = lora_rows_ref(x, y, down, up, idx[:, :1], scale[:, :1])
+    got1 = lora.add(x.reshape(B * L, K), y.reshape(B * L, N).clone()).view(B, L, N)
+    assert sel.used == 1 and sel.eager_view()[0].shape == (B, 1)
+    assert_close_finite(got1.float() / ref, want1.float() / ref, rtol=0, atol=tol)
+    assert [bucket(r) for r in (1, 16, 17, 64, 65, 192, 193)] == [16, 16, 32, 64, 128, 192, 256]
     with pytest.raises(ValueError, match="do not agree"):
         lora_rows(x, y, down[:, :, :-1], up, idx, scale)
 

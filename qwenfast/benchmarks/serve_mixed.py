@@ -485,7 +485,10 @@ def run(
                 ]
                 lat = sorted(s for _, s in (send(base, r) for r in one))
                 res["idle_s"][cls] = round(statistics.median(lat[1:]), 3)  # the first may capture a graph
-            print(f"  idle latency (one request alone): {res['idle_s']}")
+            res["idle_pipeline_s"] = _pipeline_s(pipe, *(SIZES_FULL if full else SIZES_DEMO)[0][0], names[0])
+            print(
+                f"  idle latency (one request alone): {res['idle_s']}; the pipeline call: {res['idle_pipeline_s']}"
+            )
             mem.mark()
             if duration is None:
                 res["per_row"] = []
@@ -507,6 +510,22 @@ def run(
     _verdicts(res)
     emit(res, "serve_mixed.jsonl", out_dir)
     return res
+
+
+def _pipeline_s(pipe, width: int, height: int, lora: str) -> dict:
+    """The 4-step request's pipeline call alone (median of 3, no HTTP, no PNG): with its LoRA, and without."""
+    import torch
+
+    out = {}
+    for name, loras in (("4-step with LoRA", [[(lora, 1.0)]]), ("4-step no LoRA", [[]])):
+        ts = []
+        for i in range(3):
+            t = time.perf_counter()
+            pipe(prompt=[PROMPTS[0]], height=height, width=width, num_inference_steps=4, true_cfg_scale=1.0,
+                 generator=[torch.Generator("cpu").manual_seed(i)], output_type="pil", loras=loras)  # fmt: skip
+            ts.append(time.perf_counter() - t)
+        out[name] = round(statistics.median(ts), 3)
+    return out
 
 
 def _size(reqs: list[Req], i: int) -> tuple[int, int]:

@@ -11,9 +11,10 @@ the slots each row uses (up to S per row; unused entries 0) and `scale` (B, S) e
 Shapes never depend on which adapters a row picks (the zero slot stands in for none), so one captured
 CUDA graph serves any mix: the selection lives in device tensors that the host rewrites before a replay.
 
-`lora_rows` gathers each row's factors and runs two batched GEMMs per selected slot: a row pays for its
-own rank (B · L · R · (K + N) multiply-adds per slot), not for every resident adapter's, as one GEMM over
-all of them concatenated would. `lora_rows_ref` is the per-row loop it must equal. A segmented Triton
+`lora_rows` gathers each row's factors and runs two batched GEMMs over all its selected slots at once: a
+row pays for its own rank (B · L · R · (K + N) multiply-adds per slot), not for every resident adapter's,
+as one GEMM over all of them concatenated would; an eager forward skips the slot columns no row uses,
+and the whole side path when no row has a LoRA (`RowSelection.eager_view`). `lora_rows_ref` is the per-row loop it must equal. A segmented Triton
 GEMM that skips slot 0's rows is the next step if the gathers show up in a profile.
 
 `RowLoraLinear` is a float Linear (bf16 / fp32 weights) with the same side path: the per-row adapters
@@ -54,20 +55,22 @@ def lora_rows(
     scale: torch.Tensor,
 ) -> torch.Tensor:
     """y (B, L, N) + each row's LoRA updates of x (B, L, K); see the module docstring. Computed in the
-    factors' dtype and added into `y` in place when the dtypes match (y: the layer's fresh output)."""
+    factors' dtype and added into `y` in place when the dtypes match (y: the layer's fresh output).
+
+    One pass whatever S: a row's S selected factors are gathered side by side along the rank, so x is
+    read once and y read and written once (a loop over S would do both S times)."""
     _check(x, y, down, up, idx, scale)
-    xd = x.to(down.dtype)
-    for s in range(idx.shape[1]):
-        sel = idx[:, s]
-        d = down.index_select(0, sel)  # (B, R, K)
-        u = up.index_select(0, sel)  # (B, N, R)
-        h = torch.bmm(xd, d.transpose(1, 2))  # (B, L, R)
-        h = h * scale[:, s].to(h.dtype)[:, None, None]
-        if y.dtype == u.dtype:
-            y = y.baddbmm_(h, u.transpose(1, 2))
-        else:
-            y = torch.baddbmm(y.to(u.dtype), h, u.transpose(1, 2)).to(y.dtype)
-    return y
+    B, S = idx.shape
+    n, R, K = down.shape
+    N = up.shape[1]
+    sel = idx.reshape(-1)  # (B*S,)
+    d = down.index_select(0, sel).view(B, S * R, K)  # (B, S*R, K): row b's factors, slot after slot
+    u = up.index_select(0, sel).view(B, S, N, R).permute(0, 2, 1, 3).reshape(B, N, S * R)  # (B, N, S*R)
+    h = torch.bmm(x.to(down.dtype), d.transpose(1, 2))  # (B, L, S*R)
+    h = (h.view(B, -1, S, R) * scale.to(h.dtype)[:, None, :, None]).view(B, -1, S * R)
+    if y.dtype == u.dtype:
+        return y.baddbmm_(h, u.transpose(1, 2))
+    return torch.baddbmm(y.to(u.dtype), h, u.transpose(1, 2)).to(y.dtype)
 
 
 def lora_rows_ref(
@@ -97,6 +100,7 @@ class RowSelection:
         self.width = width  # S: adapters a row may combine
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.current: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.used = width  # the most adapters any row of the current selection combines (host-side)
 
     def set(self, rows: list[list[tuple[int, float]]], device: torch.device | str) -> None:
         """`rows`: per batch row, its [(slot, strength), ...] (slot 0 / an empty list: no LoRA)."""
@@ -114,6 +118,18 @@ class RowSelection:
             self.buffers[key][0].copy_(idx, non_blocking=True)
             self.buffers[key][1].copy_(scale, non_blocking=True)
         self.current = self.buffers[key]
+        self.used = max((len(r) for r in rows), default=0)
+
+    def eager_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The current selection cut to the columns some row uses, or None when no row has a LoRA: what an
+        eager forward needs. A forward being captured into a CUDA graph takes the full width instead
+        (`current`), so that its replays serve any later selection."""
+        idx, scale = self.current
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return idx, scale
+        if self.used == 0:
+            return None
+        return idx[:, : self.used], scale[:, : self.used]
 
 
 @dataclass
@@ -129,7 +145,10 @@ class RowLora:
         """y2 (M, N) + the per-row updates of x2 (M, K); the M tokens are B rows of M / B, in order."""
         if self.selection.current is None:
             raise RuntimeError("per-row LoRAs: no selection was set for this forward (RowSelection.set)")
-        idx, scale = self.selection.current
+        view = self.selection.eager_view()
+        if view is None:  # no row of this forward has a LoRA: nothing to add
+            return y2
+        idx, scale = view
         B, (M, K), N = idx.shape[0], x2.shape, y2.shape[1]
         if M % B:
             raise RuntimeError(f"per-row LoRAs: {M} tokens do not split into the selection's {B} rows")

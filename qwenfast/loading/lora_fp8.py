@@ -10,7 +10,7 @@ The cost is two thin GEMMs per layer (rank R against K and N: ~2R/N of the layer
 rank 64 on a 3072-wide projection). All LoRAs active on a layer are concatenated along the rank:
 down (R, K) stacks their down factors, up (N, R) holds each one's up factor (times strength · scale)
 in its columns and in the rows of its Q/K/V third. R is padded with zeros to a bucket (16, 32, 64,
-128, 256, ...) and the tensors are rewritten in place while the bucket fits, so CUDA graphs captured
+128, 192, 256, ...) and the tensors are rewritten in place while the bucket fits, so CUDA graphs captured
 with them stay valid across switches; `LoraManager.side_layout` changes only when a layer's bucket
 grows or its LoRA goes away, and the pipeline drops its graphs then.
 """
@@ -26,8 +26,10 @@ __all__ = ["bucket", "set_side_lora", "side_rank", "write_side"]
 
 
 def bucket(rank: int) -> int:
-    """The padded rank: a power of two, at least 16."""
-    return max(16, 1 << (rank - 1).bit_length())
+    """The padded rank: a power of two from 16 to 64, then a multiple of 64 (three rank-64 factors of a
+    LoRA with separate Q, K and V stack to 192 on the fused projection: padding that to 256 would add a
+    third to its side GEMMs)."""
+    return max(16, 1 << (rank - 1).bit_length()) if rank <= 64 else -(-rank // 64) * 64
 
 
 def side_rank(parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]]) -> int:
