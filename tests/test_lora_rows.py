@@ -58,7 +58,7 @@ def test_lora_rows_equals_the_row_loop(dtype, tol, B, L, K, N, n, R, S):
     sel.set(rows, "cpu")
     want1 = lora_rows_ref(x, y, down, up, idx[:, :1], scale[:, :1])
     got1 = lora.add(x.reshape(B * L, K), y.reshape(B * L, N).clone()).view(B, L, N)
-    assert sel.used == 1 and sel.eager_view()[0].shape == (B, 1)
+    assert sel.used == 1 and len(sel.groups) <= B
     assert_close_finite(got1.float() / ref, want1.float() / ref, rtol=0, atol=tol)
     assert [bucket(r) for r in (1, 16, 17, 64, 65, 192, 193)] == [16, 16, 32, 64, 128, 192, 256]
     with pytest.raises(ValueError, match="do not agree"):
@@ -175,7 +175,10 @@ def test_adapters_outside_the_block_linears_are_refused(model, tmp_path):
 def test_pipeline_loras_per_prompt(tmp_path, weights, batched_cfg):
     """`pipe(prompts, loras=[...])`: each prompt's image equals the same call with that prompt's set loaded
     for the whole batch, with true CFG as one batched forward (each image's rows twice) or two forwards;
-    on float weights (merged when loaded for the whole batch), FP8 and INT8 (unmerged)."""
+    on float weights (merged when loaded for the whole batch), FP8 and INT8 (unmerged). Within 1e-5, or
+    1e-4 with FP8 weights: the emulated per-token e4m3 rounding of an activation can flip one code on a
+    1e-7 difference in how the strength is applied (here at run time, there folded into the factors)."""
+    tol = 1e-4 if weights == "fp8" else TOL
     from pathlib import Path
 
     from qwenfast import EngineOptions, QwenImagePipeline
@@ -209,9 +212,9 @@ def test_pipeline_loras_per_prompt(tmp_path, weights, batched_cfg):
     p.enable_row_loras(tmp_path, slots=4)
     got = run(loras=sets)
     for b, row in enumerate(sets):
-        assert_close_finite(got[b], want[b][b], rtol=0, atol=TOL)
+        assert_close_finite(got[b], want[b][b], rtol=0, atol=tol)
         moved = np.abs(want[b][b] - base[b]).max()
-        assert moved > 10 * TOL if row else moved <= TOL
+        assert moved > 10 * tol if row else moved <= tol
     assert p.row_loras.loads == 3
     with pytest.raises(LoraError, match="one list per prompt"):
         run(loras=sets[:2])

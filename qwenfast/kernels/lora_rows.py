@@ -13,8 +13,9 @@ CUDA graph serves any mix: the selection lives in device tensors that the host r
 
 `lora_rows` gathers each row's factors and runs two batched GEMMs over all its selected slots at once: a
 row pays for its own rank (B · L · R · (K + N) multiply-adds per slot), not for every resident adapter's,
-as one GEMM over all of them concatenated would; an eager forward skips the slot columns no row uses,
-and the whole side path when no row has a LoRA (`RowSelection.eager_view`). `lora_rows_ref` is the per-row loop it must equal. A segmented Triton
+as one GEMM over all of them concatenated would. That is the captured path (static shapes); an eager
+forward knows the selection on the host and runs plain GEMMs per run of rows sharing adapters, at each
+adapter's own rank, and nothing for rows without one (`RowLora.add`). `lora_rows_ref` is the per-row loop it must equal. A segmented Triton
 GEMM that skips slot 0's rows is the next step if the gathers show up in a profile.
 
 `RowLoraLinear` is a float Linear (bf16 / fp32 weights) with the same side path: the per-row adapters
@@ -23,7 +24,7 @@ cannot be fused into one weight, so such a layer runs its GEMM as is and adds ea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -101,6 +102,8 @@ class RowSelection:
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.current: tuple[torch.Tensor, torch.Tensor] | None = None
         self.used = width  # the most adapters any row of the current selection combines (host-side)
+        # host-side runs of consecutive rows with the same adapters: [(first row, end row, [(slot, s)])]
+        self.groups: list[tuple[int, int, list[tuple[int, float]]]] = []
 
     def set(self, rows: list[list[tuple[int, float]]], device: torch.device | str) -> None:
         """`rows`: per batch row, its [(slot, strength), ...] (slot 0 / an empty list: no LoRA)."""
@@ -119,41 +122,59 @@ class RowSelection:
             self.buffers[key][1].copy_(scale, non_blocking=True)
         self.current = self.buffers[key]
         self.used = max((len(r) for r in rows), default=0)
-
-    def eager_view(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The current selection cut to the columns some row uses, or None when no row has a LoRA: what an
-        eager forward needs. A forward being captured into a CUDA graph takes the full width instead
-        (`current`), so that its replays serve any later selection."""
-        idx, scale = self.current
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return idx, scale
-        if self.used == 0:
-            return None
-        return idx[:, : self.used], scale[:, : self.used]
+        self.groups = []
+        for b, row in enumerate(rows):
+            row = [(int(j), float(v)) for j, v in row if j != 0 and v != 0]
+            if self.groups and self.groups[-1][2] == row and self.groups[-1][1] == b:
+                self.groups[-1] = (self.groups[-1][0], b + 1, row)
+            else:
+                self.groups.append((b, b + 1, row))
+        self.groups = [g for g in self.groups if g[2]]
 
 
 @dataclass
 class RowLora:
-    """One layer's stacked adapters (`down` (n, R, K), `up` (n, N, R); slot 0 zeros) and the model's
-    selection: what `LowBitLinear.lora` holds when each row picks its own LoRAs."""
+    """One layer's stacked adapters (`down` (n, R, K), `up` (n, N, R); slot 0 zeros), each slot's own
+    rank (`ranks`, host-side: R is the largest, padded), and the model's selection: what
+    `LowBitLinear.lora` holds when each row picks its own LoRAs."""
 
     down: torch.Tensor
     up: torch.Tensor
     selection: RowSelection
+    ranks: list[int] = field(default_factory=list)
 
     def add(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
-        """y2 (M, N) + the per-row updates of x2 (M, K); the M tokens are B rows of M / B, in order."""
-        if self.selection.current is None:
+        """y2 (M, N) + the per-row updates of x2 (M, K); the M tokens are B rows of M / B, in order.
+
+        Captured into a CUDA graph: `lora_rows` over the selection's device buffers (any later selection
+        replays correctly). Eager: per run of rows with the same adapters, two plain GEMMs per adapter at
+        its own rank (the strength as the second one's alpha), nothing for rows without one: at batch 1
+        as cheap as a LoRA loaded for the whole batch, and no gathers or padded ranks."""
+        sel = self.selection
+        if sel.current is None:
             raise RuntimeError("per-row LoRAs: no selection was set for this forward (RowSelection.set)")
-        view = self.selection.eager_view()
-        if view is None:  # no row of this forward has a LoRA: nothing to add
-            return y2
-        idx, scale = view
-        B, (M, K), N = idx.shape[0], x2.shape, y2.shape[1]
+        B, (M, K), N = sel.current[0].shape[0], x2.shape, y2.shape[1]
         if M % B:
             raise RuntimeError(f"per-row LoRAs: {M} tokens do not split into the selection's {B} rows")
-        y = lora_rows(x2.reshape(B, M // B, K), y2.view(B, M // B, N), self.down, self.up, idx, scale)
-        return y.reshape(M, N)
+        T = M // B
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            idx, scale = sel.current
+            return lora_rows(x2.reshape(B, T, K), y2.view(B, T, N), self.down, self.up, idx, scale).reshape(
+                M, N
+            )
+        dt = self.down.dtype
+        for b0, b1, adapters in sel.groups:
+            xs, ys = x2[b0 * T : b1 * T], y2[b0 * T : b1 * T]  # (rows*T, K), (rows*T, N): row blocks
+            for slot, strength in adapters:
+                r = self.ranks[slot] if slot < len(self.ranks) else self.down.shape[1]
+                if r == 0:  # this adapter leaves this layer alone
+                    continue
+                h = xs.to(dt) @ self.down[slot, :r].t()  # (rows*T, r)
+                if ys.dtype == dt:
+                    ys.addmm_(h, self.up[slot, :, :r].t(), alpha=strength)
+                else:
+                    ys.copy_(torch.addmm(ys.to(dt), h, self.up[slot, :, :r].t(), alpha=strength))
+        return y2
 
 
 class RowLoraLinear(nn.Linear):

@@ -116,6 +116,7 @@ class RowAdapters:
             st = self.stacks[mod]
             st.down[slot].zero_()
             st.up[slot].zero_()
+            st.ranks[slot] = 0
         self.evictions += 1
         return slot
 
@@ -130,6 +131,7 @@ class RowAdapters:
                 torch.zeros(n, R, layer.in_features, device=dev, dtype=dt),
                 torch.zeros(n, layer.out_features, R, device=dev, dtype=dt),
                 self.selection,
+                [0] * n if st is None else st.ranks,
             )
             self.stacks[mod] = st
             self.layout += 1
@@ -139,6 +141,7 @@ class RowAdapters:
             if self.installed:
                 self._point(mod)
         write_side(st.down[slot], st.up[slot], parts, self.index.pieces.get(mod, 1))
+        st.ranks[slot] = side_rank(parts)
 
     # ------------------------------------------------------------ batches
     def select(self, rows: list[list[tuple[str, float]]], device: torch.device | str) -> None:
