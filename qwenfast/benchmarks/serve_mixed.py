@@ -463,32 +463,35 @@ def run(
         app, srv, th, base = server(slots or n_loras, True)
         try:
             closed_loop(base, warm, len(warm) if duration else 4)
-            res["idle_s"] = {}
-            for cls in ("4-step", "8-step"):
-                steps = CLASSES[cls][0]
-                one = [
-                    Req(
-                        -100 - i,
-                        cls,
-                        *SIZES_FULL[0][0] if full else SIZES_DEMO[0][0],
-                        steps,
-                        1.0,
-                        None,
-                        names[i % len(names)],
-                        1.0,
-                        PROMPTS[0],
-                        i,
-                        False,
-                        False,
-                    )
-                    for i in range(4)
-                ]
-                lat = sorted(s for _, s in (send(base, r) for r in one))
-                res["idle_s"][cls] = round(statistics.median(lat[1:]), 3)  # the first may capture a graph
-            res["idle_pipeline_s"] = _pipeline_s(pipe, *(SIZES_FULL if full else SIZES_DEMO)[0][0], names[0])
-            print(
-                f"  idle latency (one request alone): {res['idle_s']}; the pipeline call: {res['idle_pipeline_s']}"
-            )
+            if duration is None:  # (the soak spends its time on the load)
+                res["idle_s"] = {}
+                for cls in ("4-step", "8-step"):
+                    steps = CLASSES[cls][0]
+                    one = [
+                        Req(
+                            -100 - i,
+                            cls,
+                            *SIZES_FULL[0][0] if full else SIZES_DEMO[0][0],
+                            steps,
+                            1.0,
+                            None,
+                            names[i % len(names)],
+                            1.0,
+                            PROMPTS[0],
+                            i,
+                            False,
+                            False,
+                        )
+                        for i in range(4)
+                    ]
+                    lat = sorted(s for _, s in (send(base, r) for r in one))
+                    res["idle_s"][cls] = round(statistics.median(lat[1:]), 3)  # the first may capture a graph
+                res["idle_pipeline_s"] = _pipeline_s(
+                    pipe, *(SIZES_FULL if full else SIZES_DEMO)[0][0], names[0]
+                )
+                print(
+                    f"  idle latency (one request alone): {res['idle_s']}; the pipeline call: {res['idle_pipeline_s']}"
+                )
             mem.mark()
             if duration is None:
                 res["per_row"] = []
@@ -502,6 +505,7 @@ def run(
                 res["memory"] = mem.summary()
                 res["memory"].update(_windows(mem))
                 print(f"  soak: {json.dumps({k: v for k, v in res['soak'].items() if k != 'classes'})}")
+                print(f"  memory: {json.dumps({k: v for k, v in res['memory'].items() if k != 'series'})}")
         finally:
             stop_server(srv, th)
     if full and duration is None:
