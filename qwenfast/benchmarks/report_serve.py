@@ -1,0 +1,89 @@
+"""The mixed-load serving tables of `qwenfast bench report`: `serve-mixed` (the newest levels record of
+`qwenfast bench serve --workload mixed`: per-row LoRAs against the old batcher and a diffusers loop in the
+same run) and `serve-soak` (the newest soak record)."""
+
+from __future__ import annotations
+
+from .records import Rec
+from .report_tables import newest, ratio, secs, source, table
+
+COMMAND = "qwenfast bench serve --workload mixed --model random-full --diffusers-s 45 --results bench/results"
+
+
+def _p(cls: dict | None) -> str:
+    return "—" if not cls else f"{secs(cls['p50_s'])} / {secs(cls['p95_s'])}"
+
+
+def serve_mixed(recs: list[Rec]) -> str:
+    r = newest(
+        recs, "serve_mixed.jsonl", lambda r: r.get("mode") == "levels" and r.get("model") == "random-full"
+    )
+    if r is None:
+        return f"*No mixed-load record yet: `{COMMAND}`.*"
+    idle = r.get("idle_s", {}).get("4-step")
+    rows = []
+    for name, key in (
+        ("old batcher (LoRA set in the batch key)", "old_batcher"),
+        ("per-row LoRAs", "per_row"),
+    ):
+        for x in r.get(key, []):
+            p95 = x["classes"].get("4-step", {}).get("p95_s")
+            rows.append(
+                [
+                    name,
+                    str(x["concurrency"]),
+                    f"{x['images_per_min']:.1f}",
+                    ratio(x.get("x_old_batcher")),
+                    f"{x['mean_batch']:.2f}",
+                    _p(x["classes"].get("4-step")),
+                    ratio(p95 / idle) if p95 and idle else "—",
+                    _p(x["classes"].get("8-step")),
+                    str(x["server_errors"]),
+                ]
+            )
+    d = r.get("diffusers_loop")
+    if d:
+        rows.append(["diffusers loop, one request at a time", "1", f"{d['images_per_min']:.1f}"] + ["—"] * 6)
+    head = ["server", "clients", "images/min", "× old batcher", "mean batch", "4-step p50 / p95",
+            "4-step p95 / idle", "8-step p50 / p95", "5xx"]  # fmt: skip
+    o = r.get("row_overhead") or {}
+    notes = [
+        f"Idle (one request alone): 4-step {secs(idle)}; its bare pipeline call "
+        f"{secs(r.get('idle_pipeline_s', {}).get('4-step with LoRA'))} with its LoRA, "
+        f"{secs(r.get('idle_pipeline_s', {}).get('4-step no LoRA'))} without.",
+    ]
+    if o:
+        notes.append(
+            f"One forward, batch {o['batch']} at {o['size']}², eager: no adapters {o['none_installed_ms']:.0f} ms; "
+            f"each row its own rank-64 LoRA {o['each_row_its_lora_ms']:.0f} ms (+{o['overhead_pct']:.0f}%); "
+            f"adapters installed, no row using one {o['rows_without_lora_ms']:.0f} ms (+{o['no_lora_rows_overhead_pct']:.0f}%)."
+        )
+    return (
+        table(head, rows)
+        + "\n\n"
+        + "\n".join(f"- {n}" for n in notes)
+        + "\n"
+        + source([r], r.get("command") or COMMAND)
+    )
+
+
+def serve_soak(recs: list[Rec]) -> str:
+    r = newest(recs, "serve_mixed.jsonl", lambda r: r.get("mode") == "soak")
+    if r is None:
+        return f"*No soak record yet: `{COMMAND} --duration 480`.*"
+    s, m = r["soak"], r.get("memory", {})
+    out = s["outcomes"]
+    rows = [
+        ["wall time, clients", f"{secs(s['wall_s'])}, {s['concurrency']}"],
+        ["requests sent / answered 200 (server's count)", f"{s['sent']} / {out.get('200', 0)} ({s['server_200']})"],
+        ["hung up on purpose / 422 for the broken LoRA", f"{out.get('hung up', 0)} / {out.get('422', 0)}"],
+        ["5xx / lost / answered twice", f"{s['fivexx']} / {s['lost']} / {s['duplicated']}"],
+        ["images/min", f"{s['images_per_min']:.1f}"],
+        ["CUDA graphs captured / replays / resident (LRU of 8)",
+         f"{s['graph_captures']} / {s['graph_replays']} / {s['graphs_resident']}"],
+        ["allocated, per-minute floor (GiB)", " ".join(f"{v:.2f}" for v in m.get("floor_gib", []))],
+        ["allocated, per-minute peak (GiB)", " ".join(f"{v:.2f}" for v in m.get("peak_gib", []))],
+    ]  # fmt: skip
+    return (
+        table(["soak", "figure"], rows) + "\n" + source([r], r.get("command") or f"{COMMAND} --duration 480")
+    )
