@@ -220,6 +220,11 @@ def test_pipeline_loras_per_prompt(tmp_path, weights, batched_cfg):
         run(loras=sets[:2])
     with pytest.raises(LoraError, match="per-row LoRAs are enabled"):
         p.set_loras([(loras["a"], 1.0, "a")])
+    if weights == "float":
+        from qwenfast.errors import ConfigureError
+
+        with pytest.raises(ConfigureError, match="before enable_row_loras"):
+            p.configure(fp8=True)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

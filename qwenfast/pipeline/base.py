@@ -124,6 +124,13 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
         ):
             new = self._plan_memory(old, new)  # the plan's weights and offload, checked again
             check_transition(old, new)
+        if self.row_loras is not None and (
+            (new.fp8, new.int8) != (old.fp8, old.int8)
+            or (new.offload == "blocks") != (old.offload == "blocks")
+        ):  # the adapters' stacks point at the layers the weights or the offload would replace
+            raise ConfigureError(
+                "per-row LoRAs are enabled: choose weights and offload before enable_row_loras"
+            )
         if new.fp8 and not old.fp8:
             if old.offload == "blocks":
                 raise ConfigureError("FP8 cannot be enabled after offload='blocks'; enable it first")
