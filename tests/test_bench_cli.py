@@ -31,3 +31,29 @@ def test_bench_serve_runs_at_the_models_own_size(capsys, caplog):
     assert rec["bench"] == "serve" and rec["size"] == 128 and rec["model"] == "demo-t2i"
     assert rec["levels"][0]["errors"] == 0 and rec["levels"][0]["images"] == 1
     assert not [r for r in caplog.records if "trained at" in r.getMessage()], caplog.text
+
+
+def test_bench_serve_mixed_and_its_soak(capsys):
+    """The mixed workload on the demo model: every request answered (or hung up on purpose), the server's
+    200s equal the clients', the ratios against the old batcher computed; and a short soak with its
+    broken LoRA dropped halfway: no 5xx, nothing lost or answered twice, memory windows recorded."""
+    pytest.importorskip("fastapi")
+    from qwenfast.benchmarks.serve_mixed import CLASSES, workload
+
+    reqs = workload(200, 0, ["a", "b"])  # the mix is seeded and shaped as documented
+    assert [r.k for r in reqs] == list(range(200)) and {r.cls for r in reqs} == set(CLASSES)
+    assert {r.lora for r in reqs} == {"a", "b", None} and workload(200, 0, ["a", "b"]) == reqs
+    assert main(["bench", "serve", "--workload", "mixed", "--concurrency", "2", "--requests", "4", "--loras", "2",
+                 "--old-concurrency", "2", "--device", "cpu"]) == 0  # fmt: skip
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["bench"] == "serve_mixed" and rec["mode"] == "levels"
+    for lv in rec["old_batcher"] + rec["per_row"]:
+        assert lv["sent"] == 4 and lv["server_errors"] == 0
+        assert lv["server_200"] == lv["outcomes"].get("200", 0) == lv["images"]
+    assert "x_old_batcher" in rec["per_row"][0] and set(rec["idle_s"]) == {"4-step", "8-step"}
+    assert main(["bench", "serve", "--workload", "mixed", "--concurrency", "2", "--loras", "2", "--duration", "6",
+                 "--device", "cpu"]) == 0  # fmt: skip
+    soak = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    s = soak["soak"]
+    assert soak["mode"] == "soak" and s["sent"] > 0 and s["broken_dropped_at_s"] is not None
+    assert s["fivexx"] == s["lost"] == s["duplicated"] == 0

@@ -417,20 +417,7 @@ def run(
     )
     res["build_s"] = round(time.perf_counter() - t0, 1)
     warm = [
-        Req(
-            -1 - i,
-            "4-step",
-            *_size(reqs, i),
-            4,
-            1.0,
-            None,
-            n,
-            1.0,
-            PROMPTS[i % len(PROMPTS)],
-            i,
-            False,
-            False,
-        )
+        _plain(-1 - i, "4-step", _size(reqs, i), n, PROMPTS[i % len(PROMPTS)], i)
         for i, n in enumerate([*names, None])
     ]
 
@@ -466,23 +453,9 @@ def run(
             if duration is None:  # (the soak spends its time on the load)
                 res["idle_s"] = {}
                 for cls in ("4-step", "8-step"):
-                    steps = CLASSES[cls][0]
+                    size = (SIZES_FULL if full else SIZES_DEMO)[0][0]
                     one = [
-                        Req(
-                            -100 - i,
-                            cls,
-                            *SIZES_FULL[0][0] if full else SIZES_DEMO[0][0],
-                            steps,
-                            1.0,
-                            None,
-                            names[i % len(names)],
-                            1.0,
-                            PROMPTS[0],
-                            i,
-                            False,
-                            False,
-                        )
-                        for i in range(4)
+                        _plain(-100 - i, cls, size, names[i % len(names)], PROMPTS[0], i) for i in range(4)
                     ]
                     lat = sorted(s for _, s in (send(base, r) for r in one))
                     res["idle_s"][cls] = round(statistics.median(lat[1:]), 3)  # the first may capture a graph
@@ -530,6 +503,11 @@ def _pipeline_s(pipe, width: int, height: int, lora: str) -> dict:
             ts.append(time.perf_counter() - t)
         out[name] = round(statistics.median(ts), 3)
     return out
+
+
+def _plain(k: int, cls: str, size: tuple[int, int], lora: str | None, prompt: str, seed: int) -> Req:
+    """A request of class `cls` outside the workload (warm-up, idle timing): no CFG, no cache, no stream."""
+    return Req(k, cls, *size, CLASSES[cls][0], 1.0, None, lora, 1.0, prompt, seed, False, False)
 
 
 def _size(reqs: list[Req], i: int) -> tuple[int, int]:
