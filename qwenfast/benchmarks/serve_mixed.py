@@ -304,20 +304,10 @@ def save_loras(folder: Path, model, n: int, seed: int = 0) -> list[str]:
 
     dim = model.cfg.inner_dim
     ff = 4 * dim
-    shapes = {
-        "attn.to_q": (dim, dim),
-        "attn.to_k": (dim, dim),
-        "attn.to_v": (dim, dim),
-        "attn.add_q_proj": (dim, dim),
-        "attn.add_k_proj": (dim, dim),
-        "attn.add_v_proj": (dim, dim),
-        "attn.to_out.0": (dim, dim),
-        "attn.to_add_out": (dim, dim),
-        "img_mlp.net.0.proj": (dim, ff),
-        "img_mlp.net.2": (ff, dim),
-        "txt_mlp.net.0.proj": (dim, ff),
-        "txt_mlp.net.2": (ff, dim),
-    }
+    attn = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")
+    shapes = {f"attn.{n}": (dim, dim) for n in attn}
+    for stream in ("img", "txt"):
+        shapes |= {f"{stream}_mlp.net.0.proj": (dim, ff), f"{stream}_mlp.net.2": (ff, dim)}
     folder.mkdir(parents=True, exist_ok=True)
     dev = model.device
     g = torch.Generator(device=dev).manual_seed(seed)
