@@ -227,7 +227,7 @@ def test_pipeline_loras_per_prompt(tmp_path, weights, batched_cfg):
             p.configure(fp8=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("weights", ["bf16", "fp8", "int8"])
 @torch.no_grad()
 def test_rows_on_the_gpu(weights):
