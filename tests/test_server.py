@@ -453,6 +453,15 @@ def test_metrics(server):
         assert name in text, name
     assert metric(text, "qwenfast_batch_size_count") >= 1
     assert metric(text, 'qwenfast_request_duration_seconds_count{endpoint="generations"}') >= 1
+    # each successful request's latency split into its phases, which add up to it
+    total = metric(text, 'qwenfast_request_duration_seconds_sum{endpoint="generations"}')
+    count = metric(text, 'qwenfast_request_duration_seconds_count{endpoint="generations"}')
+    parts = {ph: metric(text, f'qwenfast_request_phase_seconds_sum{{endpoint="generations",phase="{ph}"}}')
+             for ph in ("queue", "generate", "encode", "other")}  # fmt: skip
+    for ph in parts:
+        assert metric(text, f'qwenfast_request_phase_seconds_count{{endpoint="generations",phase="{ph}"}}') == count
+    assert parts["generate"] > 0 and parts["encode"] > 0
+    assert sum(parts.values()) == pytest.approx(total, rel=1e-4, abs=1e-4 * count)
     # GPU memory gauges appear on CUDA only
     assert ("qwenfast_gpu_memory_allocated_bytes" in text) == torch.cuda.is_available()
 

@@ -263,9 +263,26 @@ def _q(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
 
 
+def phase_sums(m) -> dict[str, tuple[float, int]]:
+    """The server's request phases so far (generations): phase -> (seconds summed, requests)."""
+    with m.lock:
+        return {ph: (h.sum, h.count) for (ep, ph), h in m.phases.items() if ep == "generations"}
+
+
+def phase_means(before: dict, after: dict) -> dict[str, float]:
+    """Mean seconds per request of each phase between two `phase_sums`."""
+    out = {}
+    for ph, (s, n) in after.items():
+        s0, n0 = before.get(ph, (0.0, 0))
+        if n > n0:
+            out[ph] = round((s - s0) / (n - n0), 3)
+    return out
+
+
 def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None = None, hook=None) -> dict:
     """One closed-loop level against a running server, with the server-side counters it moved."""
     m = app.state.metrics
+    ph0 = phase_sums(m)
     g = pipe._graphs  # the transformer's graph cache (captures, replays)
     before = (dict(m.requests), m.interleaved, m.batch_size.count, m.batch_size.sum, g.captures, g.replays)
     rows_ = pipe.row_loras
@@ -282,6 +299,7 @@ def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None =
     res["mean_batch"] = round((m.batch_size.sum - before[3]) / max(1, m.batch_size.count - before[2]), 2)
     res["graph_captures"], res["graph_replays"] = g.captures - before[4], g.replays - before[5]
     res["graphs_resident"] = len(g.graphs)
+    res["server_phases_s"] = phase_means(ph0, phase_sums(m))  # mean per successful request
     if rows_ is not None:
         res["adapter_loads"], res["adapter_evictions"] = rows_.loads - ad0[0], rows_.evictions - ad0[1]
     return res
@@ -441,19 +459,23 @@ def run(
         try:
             closed_loop(base, warm, len(warm) if duration else 4)
             if duration is None:  # (the soak spends its time on the load)
-                res["idle_s"] = {}
+                res["idle_s"], res["idle_server_phases_s"] = {}, {}
                 for cls in ("4-step", "8-step"):
                     size = (SIZES_FULL if full else SIZES_DEMO)[0][0]
                     one = [
                         _plain(-100 - i, cls, size, names[i % len(names)], PROMPTS[0], i) for i in range(4)
                     ]
-                    lat = sorted(s for _, s in (send(base, r) for r in one))
-                    res["idle_s"][cls] = round(statistics.median(lat[1:]), 3)  # the first may capture a graph
+                    send(base, one[0])  # (the first may capture a graph)
+                    ph0 = phase_sums(app.state.metrics)
+                    lat = sorted(s for _, s in (send(base, r) for r in one[1:]))
+                    res["idle_s"][cls] = round(statistics.median(lat), 3)
+                    res["idle_server_phases_s"][cls] = phase_means(ph0, phase_sums(app.state.metrics))
                 res["idle_pipeline_s"] = _pipeline_s(
                     pipe, *(SIZES_FULL if full else SIZES_DEMO)[0][0], names[0]
                 )
                 print(
                     f"  idle latency (one request alone): {res['idle_s']}; the pipeline call: {res['idle_pipeline_s']}"
+                    f"; in the server: {res['idle_server_phases_s']}"
                 )
             mem.mark()
             if duration is None:

@@ -610,8 +610,11 @@ def create_app(
                 code="timeout",
             )
         images = job.future.result()  # raises the job's APIError
+        enc = time.monotonic()
         data = await asyncio.to_thread(_encode_all, job, images, base)
-        metrics.request(endpoint, 200, time.monotonic() - t0)
+        done = time.monotonic()
+        metrics.request(endpoint, 200, done - t0)
+        metrics.request_phases(endpoint, job.spans(t0, enc, done))
         p = job.params
         return {
             "created": int(time.time()),
@@ -704,6 +707,7 @@ def create_app(
                 yield _event({"type": "error", "error": err})
                 return
             images = job.future.result()
+            enc = time.monotonic()
             data = await asyncio.to_thread(_encode_all, job, images, base)
             for i, d in enumerate(data):
                 ev = {
@@ -720,6 +724,7 @@ def create_app(
                 yield _event(ev)
             status = 200
             yield "data: [DONE]\n\n"
+            metrics.request_phases(endpoint, job.spans(t0, enc, time.monotonic()))
         finally:
             if not job.future.done():
                 sched.cancel(job, "disconnect")

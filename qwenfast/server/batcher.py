@@ -70,13 +70,22 @@ class Job:
         self.done = 0
         self.cancelled = False
         self.enqueued = time.monotonic()
-        self.started: float | None = None
+        self.started: float | None = None  # its first image's batch began (worker thread)
+        self.finished: float | None = None  # its answer (images or error) was handed over
         p = params
         if kind == "t2i":
             lkey = () if per_row else loras
             self.key = ("t2i", p.width, p.height, p.steps, p.cfg, p.negative is not None, lkey, p.cache)
         else:  # edit / img2img / inpaint inputs differ per request; run alone (see app.py)
             self.key = (kind, self.id)
+
+    def spans(self, t0: float, encoded_from: float, done: float) -> dict[str, float]:
+        """`metrics.PHASES` of a request that arrived at `t0` and was answered at `done`, its images
+        encoded from `encoded_from` (all `time.monotonic()`)."""
+        started = self.enqueued if self.started is None else self.started
+        finished = encoded_from if self.finished is None else self.finished
+        q, g, e = started - self.enqueued, finished - started, done - encoded_from
+        return {"queue": q, "generate": g, "encode": e, "other": done - t0 - q - g - e}
 
     # called from the worker thread -------------------------------------------------------------
     def post(self, event: dict) -> None:
@@ -85,6 +94,8 @@ class Job:
 
     def finish(self, result) -> None:
         """Resolve the request with a list of images or an exception (thread-safe, idempotent)."""
+        if self.finished is None:
+            self.finished = time.monotonic()
 
         def _set():  # nobody awaits a cancelled request: leave its future alone (no "never retrieved" noise)
             if not self.future.done() and not self.cancelled:

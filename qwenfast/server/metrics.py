@@ -15,6 +15,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+# A successful request's time, split: "queue" (queued until its batch started: batch-mates, the GPU
+# busy), "generate" (its batch started until its last image was done: the pipeline call), "encode"
+# (PNG/JPEG/WebP and base64 of its images; a stream's also sending them) and "other" (the rest: reading
+# and checking the request, handing the result from the worker thread to the event loop, the answer's
+# JSON). The four add up to the latency.
+PHASES = ("queue", "generate", "encode", "other")
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -47,6 +53,7 @@ class Metrics:
         self.started = time.time()
         self.requests: dict[tuple[str, int], int] = {}  # (endpoint, status) -> count
         self.latency: dict[str, Histogram] = {}  # endpoint -> seconds, successful generations
+        self.phases: dict[tuple[str, str], Histogram] = {}  # (endpoint, phase) -> seconds (`PHASES`)
         self.interleaved = 0  # batches run between two steps of a longer one (batcher._interleave)
         self.batch_size = Histogram(BATCH_BUCKETS)
         self.batch_seconds = Histogram(LATENCY_BUCKETS)
@@ -59,6 +66,12 @@ class Metrics:
             self.requests[(endpoint, status)] = self.requests.get((endpoint, status), 0) + 1
             if seconds is not None and status == 200:
                 self.latency.setdefault(endpoint, Histogram(LATENCY_BUCKETS)).observe(seconds)
+
+    def request_phases(self, endpoint: str, spans: dict[str, float]) -> None:
+        """Where a successful request's time went (`PHASES`): each span in seconds."""
+        with self.lock:
+            for phase, v in spans.items():
+                self.phases.setdefault((endpoint, phase), Histogram(LATENCY_BUCKETS)).observe(max(0.0, v))
 
     def reject(self, reason: str) -> None:
         with self.lock:
@@ -122,6 +135,13 @@ class Metrics:
             head("qwenfast_request_duration_seconds", "histogram", "Latency of successful image requests.")
             for ep, h in sorted(self.latency.items()):
                 L.extend(h.lines("qwenfast_request_duration_seconds", f'endpoint="{ep}"'))
+            head(
+                "qwenfast_request_phase_seconds",
+                "histogram",
+                "Where successful image requests spent their time: queue, generate, encode, other.",
+            )
+            for (ep, ph), h in sorted(self.phases.items()):
+                L.extend(h.lines("qwenfast_request_phase_seconds", f'endpoint="{ep}",phase="{ph}"'))
             head("qwenfast_rejected_total", "counter", "Requests not served, by reason.")
             for r, c in sorted(self.rejected.items()):
                 L.append(f'qwenfast_rejected_total{{reason="{r}"}} {c}')

@@ -247,6 +247,8 @@ class RemoteScheduler:
                 job.finish(err)
                 return True
             if t == "image_generation.started":
+                if job.started is None:  # (the request's phases: queue until here, then generate)
+                    job.started = time.monotonic()
                 self.waiting.discard(job)
                 self.running.add(job)
             job.post(ev)
