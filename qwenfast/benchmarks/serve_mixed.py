@@ -283,8 +283,8 @@ def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None =
     """One closed-loop level against a running server, with the server-side counters it moved."""
     m = app.state.metrics
     ph0 = phase_sums(m)
-    g = pipe._graphs  # the transformer's graph cache (captures, replays)
-    before = (dict(m.requests), m.interleaved, m.batch_size.count, m.batch_size.sum, g.captures, g.replays)
+    g0 = pipe.graph_stats()
+    before = (dict(m.requests), m.interleaved, m.batch_size.count, m.batch_size.sum)
     rows_ = pipe.row_loras
     ad0 = (rows_.loads, rows_.evictions) if rows_ is not None else (0, 0)
     t0 = time.perf_counter()
@@ -297,8 +297,9 @@ def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None =
     res["server_200"] = ok_server  # against the clients' 200s: a duplicate or a lost answer shows here
     res["interleaved"] = m.interleaved - before[1]
     res["mean_batch"] = round((m.batch_size.sum - before[3]) / max(1, m.batch_size.count - before[2]), 2)
-    res["graph_captures"], res["graph_replays"] = g.captures - before[4], g.replays - before[5]
-    res["graphs_resident"] = len(g.graphs)
+    g = pipe.graph_stats()
+    res["graph_captures"], res["graph_replays"] = g["captures"] - g0["captures"], g["replays"] - g0["replays"]
+    res["graphs_resident"] = g["resident"]
     res["server_phases_s"] = phase_means(ph0, phase_sums(m))  # mean per successful request
     if rows_ is not None:
         res["adapter_loads"], res["adapter_evictions"] = rows_.loads - ad0[0], rows_.evictions - ad0[1]

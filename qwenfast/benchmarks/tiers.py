@@ -66,12 +66,12 @@ def _timed(pipe, prompt: str, steps: int, cfg: float) -> dict:
         out = {}
         for key in ("s", "same_prompt_s"):
             torch.cuda.synchronize()
-            (b0, e0), f0, t0 = _bytes(pipe), forwards[0] + pipe._graphs.replays, time.perf_counter()
+            (b0, e0), f0, t0 = _bytes(pipe), forwards[0] + pipe.graph_stats()["replays"], time.perf_counter()
             _call(pipe, prompt, steps, cfg)
             torch.cuda.synchronize()
             out[key] = round(time.perf_counter() - t0, 3)
             (b1, e1) = _bytes(pipe)
-            out["forwards"] = forwards[0] + pipe._graphs.replays - f0
+            out["forwards"] = forwards[0] + pipe.graph_stats()["replays"] - f0
             out[f"{'' if key == 's' else 'same_prompt_'}block_gb"] = round((b1 - b0) / 1e9, 2)
             out[f"{'' if key == 's' else 'same_prompt_'}text_encoder_gb"] = round((e1 - e0) / 1e9, 2)
         return out
@@ -151,7 +151,7 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
             pred_peak = pred.peak + (len(table) * entry if table is not None else 0)
             # graphs hold the denoise activations in their pool from the capture on: replays allocate
             # nothing, so the timed calls' peak leaves them out; "held" counts the pool on both sides
-            streamed_graphs = bool(pipe._graphs.graphs) and st is not None
+            streamed_graphs = bool(pipe.graph_stats()["resident"]) and st is not None
             held = planner.predict(1024, 1024, 1, graph_pool=streamed_graphs, **kw)
             held_pred = held.peak + pred_peak - pred.peak
             row[name] = {
@@ -162,7 +162,7 @@ def one(cap: float | None, weights: str, workloads: tuple[str, ...]) -> dict:
                 "prediction_err": round(pred_peak / peak - 1, 3),
                 "planned_block_gb": None if plan is None else round(r["forwards"] * plan.step_bytes / 1e9, 2),
                 "planned_prompt_gb": None if plan is None else round(plan.prompt_bytes / 1e9, 2),
-                "graphs_replayed": bool(pipe._graphs.graphs),
+                "graphs_replayed": bool(pipe.graph_stats()["resident"]),
                 "graph_pool_gib": round(pool / GiB, 2),
                 "held_peak_gib": round((peak + pool) / GiB, 2),
                 "predicted_held_gib": round(held_pred / GiB, 2),

@@ -94,6 +94,8 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
         self._parallel = None  # runtime.parallel.ParallelGroups when options.parallel is set
         self._vae_offloader: ModelOffloader | None = None
         self.memory_plan = None  # runtime.tiers.VramPlan when options.vram_gib planned the memory
+        self._row_adapters = None  # per-row LoRAs once enabled (pipeline/row_loras.py)
+        self._step_cache_off = False  # inside `step_cache_bypassed()`
         opts = options if options is not None else EngineOptions.from_env()
         self.configure(
             **{f.name: getattr(opts, f.name) for f in fields(opts)}
@@ -267,6 +269,11 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
         measuring memory, say, or after changing `pipe.transformer`'s weights by hand)."""
         self._graphs.clear()
         self._clear_modulations()
+
+    def graph_stats(self) -> dict[str, int]:
+        """The transformer's CUDA graphs so far: captures, replays, and how many are resident now."""
+        g = self._graphs
+        return {"captures": g.captures, "replays": g.replays, "resident": len(g.graphs)}
 
     def _cfg_batching(self) -> bool | str:
         """The `batched_cfg` option, except that "auto" batches cond and uncond even with a padding mask
@@ -487,7 +494,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
         """Calls inside run as if no step cache were configured, and leave the configured cache's state
         alone: the server runs a short uncached request between two steps of a cached batch this way
         (server/batcher.py). Same images as a call with `cache=None` configured."""
-        prev = getattr(self, "_step_cache_off", False)
+        prev = self._step_cache_off
         self._step_cache_off = True
         try:
             yield
@@ -562,7 +569,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods):
     ) -> torch.Tensor:
         """What the denoise core calls: the transformer, replayed as a CUDA graph where possible.
         `additional_t_cond` (Layered) and `block_residuals` (ControlNet) go to the transformer as is."""
-        if step is not None and getattr(self, "_step_cache_off", False):  # (unset until first bypassed)
+        if step is not None and self._step_cache_off:
             step = dataclasses.replace(step, cache=False)
         kw = {"step": step, "shard": shard, "block_residuals": block_residuals}
         mods = self._modulations(t, step, additional_t_cond)

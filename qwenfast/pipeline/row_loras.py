@@ -25,7 +25,7 @@ class RowLoraMethods:
     @property
     def row_loras(self):
         """The `RowAdapters` (resident adapters, LRU counters) or None before `enable_row_loras`."""
-        return getattr(self, "_row_adapters", None)  # (a shared attribute: unset until enabled)
+        return self._row_adapters
 
     def enable_row_loras(
         self, folder: str | os.PathLike | None = None, slots: int = 8, width: int = 2
