@@ -26,9 +26,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from . import RESULTS_HELP, emit, results_dir, versions
 
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from ..pipeline.text_to_image import QwenImagePipeline
 
+T, R = TypeVar("T"), TypeVar("R")  # closed_loop's items and results
 TEXT_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
            "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
            "max_window_layers": 28, "layer_types": ["full_attention"] * 28}  # fmt: skip
@@ -160,58 +161,77 @@ def _post(url: str, body: dict, timeout: float = 3600) -> dict:
         return json.loads(r.read())
 
 
-def run_level(base: str, c: int, n_requests: int, size: int, steps: int, cfg: float, seed0: int) -> dict:
-    """Closed loop: c clients, n_requests in total. -> throughput and latencies."""
-    lat: list[float] = []
-    errors: list[str] = []
+def closed_loop(
+    items: Iterable[T],
+    c: int,
+    one: Callable[[T], R],
+    stop_at: float | None = None,
+    take: Callable[[T], T] | None = None,
+) -> list[R]:
+    """c client threads, each taking the next item and running `one(item)` (a request and its wait) until
+    the items run out or `stop_at` (a perf_counter time) has passed -> the results in completion order.
+    `take(item)`, if given, runs under the clients' lock as an item is taken (and may replace it)."""
+    out: list[R] = []
     lock = threading.Lock()
-    counter = iter(range(n_requests))
+    it = iter(items)
 
     def client() -> None:
         while True:
             with lock:
-                k = next(counter, None)
-            if k is None:
-                return
-            body = {
-                "prompt": f"a watercolor painting of a lighthouse, variation {k % 10}",
-                "size": f"{size}x{size}",
-                "steps": steps,
-                "true_cfg_scale": cfg,
-                "seed": seed0 + k,
-            }
-            t = time.perf_counter()
-            try:
-                out = _post(base + "/v1/images/generations", body)
-                assert len(out["data"]) == 1
-            except (urllib.error.URLError, AssertionError, KeyError, OSError) as e:
-                with lock:
-                    errors.append(f"{type(e).__name__}: {e}")
-                continue
+                x = next(it, None)
+                if x is None or (stop_at is not None and time.perf_counter() >= stop_at):
+                    return
+                if take is not None:
+                    x = take(x)
+            r = one(x)
             with lock:
-                lat.append(time.perf_counter() - t)
+                out.append(r)
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(c)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return out
+
+
+def quantile(xs: list[float], p: float) -> float:
+    """The p-quantile of the sorted `xs` (nearest rank); NaN when there are none."""
+    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))] if xs else float("nan")
+
+
+def run_level(base: str, c: int, n_requests: int, size: int, steps: int, cfg: float, seed0: int) -> dict:
+    """Closed loop: c clients, n_requests in total. -> throughput and latencies."""
+
+    def one(k: int) -> tuple[float | None, str | None]:
+        body = {
+            "prompt": f"a watercolor painting of a lighthouse, variation {k % 10}",
+            "size": f"{size}x{size}",
+            "steps": steps,
+            "true_cfg_scale": cfg,
+            "seed": seed0 + k,
+        }
+        t = time.perf_counter()
+        try:
+            out = _post(base + "/v1/images/generations", body)
+            assert len(out["data"]) == 1
+        except (urllib.error.URLError, AssertionError, KeyError, OSError) as e:
+            return None, f"{type(e).__name__}: {e}"
+        return time.perf_counter() - t, None
+
+    t0 = time.perf_counter()
+    rows = closed_loop(range(n_requests), c, one)
     wall = time.perf_counter() - t0
-    lat.sort()
-    q = (
-        (lambda p: lat[min(len(lat) - 1, int(round(p * (len(lat) - 1))))])
-        if lat
-        else (lambda p: float("nan"))
-    )
+    lat = sorted(s for s, _ in rows if s is not None)
+    errors = [e for _, e in rows if e is not None]
     return {
         "images": len(lat),
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
         "wall_s": round(wall, 3),
         "images_per_s": round(len(lat) / wall, 4),
-        "p50_s": round(q(0.5), 4),
-        "p95_s": round(q(0.95), 4),
+        "p50_s": round(quantile(lat, 0.5), 4),
+        "p95_s": round(quantile(lat, 0.95), 4),
         "mean_s": round(statistics.fmean(lat), 4) if lat else None,
     }
 

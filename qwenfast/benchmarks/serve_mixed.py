@@ -41,6 +41,9 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from . import serve
+from .serve import quantile
+
 SIZES_FULL = [((1024, 1024), 0.55), ((1328, 1328), 0.15), ((928, 1664), 0.15), ((1664, 928), 0.15)]
 SIZES_DEMO = [((128, 128), 0.55), ((144, 144), 0.15), ((96, 160), 0.15), ((160, 96), 0.15)]  # its own scale
 CLASSES = {  # name -> (steps, true CFG, step cache, share)
@@ -165,29 +168,13 @@ def send(base: str, r: Req, timeout: float = 3600) -> tuple[str, float]:
 
 def closed_loop(base: str, reqs: list[Req], c: int, stop_at: float | None = None, hook=None) -> list[dict]:
     """c clients through `reqs` in order (until `stop_at`, a perf_counter time, if given); one dict per
-    request sent: its class, outcome, latency. `hook(k)` runs before request k is sent (the soak's drop)."""
-    out: list[dict] = []
-    lock = threading.Lock()
-    it = iter(reqs)
+    request sent: its class, outcome, latency. `hook(r)` runs as request r is taken (the soak's drop)."""
 
-    def client() -> None:
-        while True:
-            with lock:
-                r = next(it, None)
-                if r is None or (stop_at is not None and time.perf_counter() >= stop_at):
-                    return
-                if hook is not None:
-                    r = hook(r)
-            outcome, s = send(base, r)
-            with lock:
-                out.append({"k": r.k, "cls": r.cls, "outcome": outcome, "s": s, "lora": r.lora})
+    def one(r: Req) -> dict:
+        outcome, s = send(base, r)
+        return {"k": r.k, "cls": r.cls, "outcome": outcome, "s": s, "lora": r.lora}
 
-    threads = [threading.Thread(target=client) for _ in range(c)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
+    return serve.closed_loop(reqs, c, one, stop_at, take=hook)
 
 
 class MemorySampler:
@@ -244,7 +231,11 @@ def summarise(rows: list[dict], wall: float) -> dict:
     for cls in CLASSES:
         lat = sorted(r["s"] for r in done if r["cls"] == cls)
         if lat:
-            by[cls] = {"n": len(lat), "p50_s": round(_q(lat, 0.5), 3), "p95_s": round(_q(lat, 0.95), 3)}
+            by[cls] = {
+                "n": len(lat),
+                "p50_s": round(quantile(lat, 0.5), 3),
+                "p95_s": round(quantile(lat, 0.95), 3),
+            }
     outcomes: dict[str, int] = {}
     for r in rows:
         outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
@@ -257,10 +248,6 @@ def summarise(rows: list[dict], wall: float) -> dict:
         "outcomes": outcomes,
         "server_errors": sum(v for k, v in outcomes.items() if k.startswith("5") or k.startswith("error")),
     }
-
-
-def _q(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))]
 
 
 def phase_sums(m) -> dict[str, tuple[float, int]]:
