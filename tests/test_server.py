@@ -269,23 +269,16 @@ def test_lora_requests_apply_and_never_share_a_batch(pipe, lora_dir):
     gated = GatedPipe(pipe)
     with running(gated, max_batch=4, lora_dir=str(lora_dir)) as (base, _):
         gated.gate.clear()
-        res = {}
-
-        def send(key, body):
-            res[key] = httpx.post(base + G, json=body, timeout=60)
-
-        first = threading.Thread(target=send, args=("first", {**OK, "seed": 9}))
-        first.start()
+        send = Senders(base)
+        send.start("first", {**OK, "seed": 9})
         assert gated.entered.wait(30)
-        ts = [threading.Thread(target=send, args=(k, b)) for k, b in (
-            ("plain", {**OK, "seed": 1}), ("lora", {**OK, "seed": 1, "lora": [{"name": "style", "strength": 0.7}]}),
-            ("plain2", {**OK, "seed": 2}), ("lora2", {**OK, "seed": 2, "lora": [{"name": "style", "strength": 0.7}]}))]  # fmt: skip
-        for t in ts:
-            t.start()
+        for k, b in (("plain", {**OK, "seed": 1}), ("lora", {**OK, "seed": 1, "lora": [{"name": "style", "strength": 0.7}]}),
+                     ("plain2", {**OK, "seed": 2}), ("lora2", {**OK, "seed": 2, "lora": [{"name": "style", "strength": 0.7}]})):  # fmt: skip
+            send.start(k, b)
         _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 4)
         gated.gate.set()
-        for t in [first, *ts]:
-            t.join()
+        send.join()
+    res = send.res
     assert all(r.status_code == 200 for r in res.values()), {k: r.text[:200] for k, r in res.items()}
     # batches: [first], then [plain, plain2] without LoRA and [lora, lora2] with it, in arrival order
     calls = [(len(c["prompts"]), sorted(c["loras"].items())) for c in gated.calls]
@@ -714,30 +707,46 @@ def test_step_cache_per_request(pipe):
         pipe.configure(cache=None)
 
 
+class Senders:
+    """Requests sent from threads against a running server: `start(key, body, queued=n)` sends one and,
+    with `queued`, returns once the server's queue holds n images; `join()` waits for all; `res` holds the
+    answers by key and `done` the keys in the order they were answered."""
+
+    def __init__(self, base: str):
+        self.base, self.res, self.done, self.threads = base, {}, [], []
+
+    def start(self, key: str, body: dict, queued: int | None = None) -> None:
+        def send():
+            self.res[key] = httpx.post(self.base + G, json=body, timeout=60)
+            self.done.append(key)
+
+        self.threads.append(threading.Thread(target=send))
+        self.threads[-1].start()
+        if queued is not None:
+            _wait(lambda: httpx.get(self.base + "/health").json()["queue"]["images"] == queued)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+        self.threads.clear()
+
+
 def test_a_short_request_runs_between_two_steps_of_a_long_batch(pipe):
     """Interleaving (batcher._interleave): a 1-step request that arrives while a 4-step batch runs is
     answered before it, between two of its steps, and both images equal their requests run alone."""
     gated = GatedPipe(pipe)
     with running(gated, max_batch=4) as (base, app):
         gated.gate.clear()
-        res, done = {}, []
-
-        def send(key, body):
-            res[key] = httpx.post(base + G, json=body, timeout=60)
-            done.append(key)
-
-        long = threading.Thread(target=send, args=("long", {**OK, "seed": 3, "steps": 4}))
-        long.start()
+        send = Senders(base)
+        send.start("long", {**OK, "seed": 3, "steps": 4})
         assert gated.entered.wait(30)  # in the long batch's first step
-        short = threading.Thread(target=send, args=("short", {**OK, "seed": 5, "steps": 1}))
-        short.start()
-        _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 1)
+        send.start("short", {**OK, "seed": 5, "steps": 1}, queued=1)
         gated.gate.set()
-        for t in (long, short):
-            t.join()
+        send.join()
         metrics = httpx.get(base + "/metrics").text
+    res = send.res
     assert res["long"].status_code == 200 and res["short"].status_code == 200
-    assert done == ["short", "long"] and gated.steps == [1, 4]  # the short one ended first, inside the long
+    assert send.done == ["short", "long"] and gated.steps == [1, 4]  # the short one ended first, inside
     assert "qwenfast_interleaved_batches_total 1" in metrics
     for k, seed, steps in (("long", 3, 4), ("short", 5, 1)):
         got = png_pixels(res[k].json()["data"][0]["b64_json"])
@@ -752,42 +761,24 @@ def test_a_short_request_runs_between_two_cached_steps_and_short_ones_start_firs
     long_body = {**OK, "seed": 3, "steps": 12, "cache": "fast"}
     with running(gated, max_batch=4) as (base, app):
         gated.gate.clear()
-        res, done = {}, []
-
-        def send(key, body):
-            res[key] = httpx.post(base + G, json=body, timeout=60)
-            done.append(key)
-
-        long = threading.Thread(target=send, args=("long", long_body))
-        long.start()
+        send = Senders(base)
+        send.start("long", long_body)
         assert gated.entered.wait(30)
-        short = threading.Thread(target=send, args=("short", {**OK, "seed": 5, "steps": 2}))
-        short.start()
-        _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 1)
+        send.start("short", {**OK, "seed": 5, "steps": 2}, queued=1)
         gated.gate.set()
-        for t in (long, short):
-            t.join()
+        send.join()
         # shortest first at a batch boundary: hold the worker in a 3-step batch, queue a 3-step then a
         # 2-step request (no interleaving: neither is shorter than what the running batch has left)
         gated.gate.clear()
         gated.entered.clear()
-        hold = threading.Thread(target=send, args=("hold", {**OK, "seed": 1, "steps": 3}))
-        hold.start()
+        send.start("hold", {**OK, "seed": 1, "steps": 3})
         assert gated.entered.wait(30)
-        done.clear()
-        older = threading.Thread(
-            target=send, args=("older", {**OK, "seed": 2, "steps": 3, "prompt": "a dog"})
-        )
-        older.start()
-        _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 1)
-        newer = threading.Thread(
-            target=send, args=("newer", {**OK, "seed": 4, "steps": 2, "prompt": "a fox"})
-        )
-        newer.start()
-        _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 2)
+        send.done.clear()
+        send.start("older", {**OK, "seed": 2, "steps": 3, "prompt": "a dog"}, queued=1)
+        send.start("newer", {**OK, "seed": 4, "steps": 2, "prompt": "a fox"}, queued=2)
         gated.gate.set()
-        for t in (hold, older, newer):
-            t.join()
+        send.join()
+    res, done = send.res, send.done
     assert all(r.status_code == 200 for r in res.values())
     assert gated.steps[:2] == [2, 12]  # the short one ran inside the cached one
     assert done.index("newer") < done.index("older") and gated.steps[2:] == [3, 2, 3]

@@ -4,7 +4,6 @@ tiny FP8 pipeline, emulated)."""
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 from qwenfast import EngineOptions, QwenImagePipeline  # noqa: E402
 
 from .test_lora_rows import _lora  # noqa: E402
-from .test_server import G, GatedPipe, _wait, assert_same_image, png_pixels, running  # noqa: E402
+from .test_server import GatedPipe, Senders, _wait, assert_same_image, png_pixels, running  # noqa: E402
 
 TINY = Path(__file__).resolve().parent / "assets" / "tiny-random"
 OK = {"prompt": "a cat", "size": "32x32", "steps": 1}
@@ -38,24 +37,18 @@ def test_requests_with_different_loras_share_a_batch(tmp_path):
         "none": {**OK, "seed": 3},
         "bad": {**OK, "seed": 4, "lora": [{"name": "bad", "strength": 1.0}]},
     }
-    res = {}
     with running(gated, max_batch=4, lora_dir=str(tmp_path), row_loras=2) as (base, _):
         assert pipe.row_loras is not None and pipe.row_loras.slots == 2
         gated.gate.clear()
-
-        def send(key, body):
-            res[key] = httpx.post(base + G, json=body, timeout=60)
-
-        first = threading.Thread(target=send, args=("first", {**OK, "seed": 9}))
-        first.start()
+        send = Senders(base)
+        send.start("first", {**OK, "seed": 9})
         assert gated.entered.wait(30)
-        ts = [threading.Thread(target=send, args=(k, b)) for k, b in bodies.items()]
-        for t in ts:
-            t.start()
+        for k, b in bodies.items():
+            send.start(k, b)
         _wait(lambda: httpx.get(base + "/health").json()["queue"]["images"] == 4)
         gated.gate.set()
-        for t in [first, *ts]:
-            t.join()
+        send.join()
+    res = send.res
     assert res["bad"].status_code == 422 and res["bad"].json()["error"]["code"] == "invalid_lora"
     assert str(tmp_path) not in res["bad"].text  # no host paths in answers
     assert all(res[k].status_code == 200 for k in ("first", "a", "b", "none")), {
