@@ -1,8 +1,20 @@
 #!/usr/bin/env bash
-# The serving table (docs/serving.md): `qwenfast serve`'s throughput and p50/p95 latency at concurrency
-# 1, 2, 4, 8 with batching on and off, full-size random weights, 8 steps without CFG, at 1024² and 512².
-# One H100 or H200; about 6 minutes.
+# The serving tables (docs/serving.md). One H100 or H200 each stage.
+#   STAGE=uniform  `qwenfast serve`'s throughput and p50/p95 latency at concurrency 1, 2, 4, 8 with batching
+#                  on and off, full-size random weights, 8 steps without CFG, at 1024² and 512² (about 6 minutes)
+#   STAGE=mixed    many users at once: the seeded mixed workload (sizes, 4/8/50 steps, random LoRAs, streams,
+#                  hang-ups) at concurrency 4, 8, 16 with per-row LoRAs, against the old batcher and a plain
+#                  diffusers loop in the same run (about 9 minutes; GRAPHS=1 adds --cuda-graphs)
+#   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, a broken LoRA dropped
+#                  into the folder halfway (about 10 minutes with the build and warm-up)
+# The random LoRAs are written once to $LORAS (default .bench_loras) and reused by later stages on the same machine.
 source bench/env.sh
-for size in 1024 512; do
-    $QF bench serve --model random-full --size "$size" --results "$RESULTS"
-done
+LORAS=${LORAS:-.bench_loras}
+case "${STAGE:-uniform}" in
+    uniform) for size in 1024 512; do $QF bench serve --model random-full --size "$size" --results "$RESULTS"; done ;;
+    mixed) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --diffusers-s 45 \
+               ${GRAPHS:+--cuda-graphs} --results "$RESULTS" ;;
+    soak) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --cuda-graphs \
+              --duration 480 --concurrency 8 --results "$RESULTS" ;;
+    *) echo "STAGE must be uniform, mixed or soak" >&2; exit 2 ;;
+esac

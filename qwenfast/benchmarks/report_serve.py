@@ -7,7 +7,7 @@ from __future__ import annotations
 from .records import Rec
 from .report_tables import newest, ratio, secs, source, table
 
-COMMAND = "qwenfast bench serve --workload mixed --model random-full --diffusers-s 45 --results bench/results"
+COMMAND = "STAGE=mixed bash bench/serve.sh"
 
 
 def _p(cls: dict | None) -> str:
@@ -70,7 +70,7 @@ def serve_mixed(recs: list[Rec]) -> str:
 def serve_soak(recs: list[Rec]) -> str:
     r = newest(recs, "serve_mixed.jsonl", lambda r: r.get("mode") == "soak")
     if r is None:
-        return f"*No soak record yet: `{COMMAND} --duration 480`.*"
+        return "*No soak record yet: `STAGE=soak bash bench/serve.sh`.*"
     s, m = r["soak"], r.get("memory", {})
     out = s["outcomes"]
     rows = [
@@ -85,5 +85,7 @@ def serve_soak(recs: list[Rec]) -> str:
         ["allocated, per-minute peak (GiB)", " ".join(f"{v:.2f}" for v in m.get("peak_gib", []))],
     ]  # fmt: skip
     return (
-        table(["soak", "figure"], rows) + "\n" + source([r], r.get("command") or f"{COMMAND} --duration 480")
+        table(["soak", "figure"], rows)
+        + "\n"
+        + source([r], r.get("command") or "STAGE=soak bash bench/serve.sh")
     )
