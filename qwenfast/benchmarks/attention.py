@@ -5,9 +5,10 @@ runs the three). Every step prints a table, a line per result starting with `ATT
 JSON lines (appended to DIR/attention.jsonl with --results); a failing candidate prints its error
 and the run goes on.
 
-- micro: Qwen-Image's joint attention (B=1, 24 heads, d=128, 4224 and 7017 tokens, the model's BSHD
-  buffers): cuDNN bf16, FA3 bf16 (if its wheel loads), "cudnn-fp8" (per-tensor scales) and "fa3-fp8"
-  (per-head scales). Per candidate: ms per layer (CUDA events, median) for quantisation + kernel, the
+- micro: Qwen-Image's joint attention (B=1, 24 heads, d=128, 4224, 7017, 16512 and 24777 tokens: 1024²,
+  1328², 2048², 2512²; the model's BSHD buffers): cuDNN bf16, FA3 bf16 (if its wheel loads), "cudnn-fp8"
+  (per-tensor scales), "fa3-fp8" (per-head scales) and "int8-qk-fp8-pv" (`kernels.attn_int8`: INT8 Q·Kᵀ
+  after K smoothing, per-block scales, FP8 P·V). Per candidate: ms per layer (CUDA events, median) for quantisation + kernel, the
   kernel alone and the quantisation alone; rel. error vs exact fp32 and vs cuDNN bf16 on N(0, 1)
   inputs and on sharper ones (Q, K x2); NaN checks (all-zero rows, 1e4-magnitude rows, all-zero
   tensors); a CUDA-graph replay equal to the eager call. PASS = rel. error vs fp32 <= PASS_TOL and
@@ -38,7 +39,14 @@ from . import emit, median_ms, rel_err, versions
 PASS_TOL = 0.08  # rel. error vs exact fp32 on N(0, 1) inputs (e4m3 Q/K alone: ~0.046 at d=128)
 TARGET_MS_PER_FORWARD = 12.0  # the goal: attention <= 12 ms of a 60-layer 1024² forward
 LAYERS = 60
-SIZES = {4224: "1024² (4096 image + 128 text tokens)", 7017: "1328² (6889 image + 128 text tokens)"}
+# the 8-bit candidates and the QWENFAST_FP8_ATTENTION engine each one is
+ENGINE_OF = {"cudnn-fp8": "cudnn", "fa3-fp8": "fa3", "int8-qk-fp8-pv": "int8"}
+SIZES = {
+    4224: "1024² (4096 image + 128 text tokens)",
+    7017: "1328² (6889 image + 128 text tokens)",
+    16512: "2048² (16384 image + 128 text tokens)",
+    24777: "2512² (24649 image + 128 text tokens)",
+}
 
 
 def _say(tag: str, **kw) -> None:
@@ -71,6 +79,7 @@ def _cudnn_bf16(q, k, v):
 
 def _candidates() -> dict:
     """name -> (run(q, k, v), kernel-only timer factory or None, quant-only fn or None, note)."""
+    from .. import kernels as K
     from ..kernels.attn_quant import quantize_qkv
     from ..runtime import attention_fp8 as A8
 
@@ -87,6 +96,18 @@ def _candidates() -> dict:
         )
     except Exception as e:  # noqa: BLE001
         _say("unavailable", candidate="fa3-bf16", error=repr(f"{type(e).__name__}: {e}"))
+    from ..kernels.attn_int8 import attention_int8, attention_int8_quantized, quantize_int8_attention
+
+    def int8_kernel_only(q, k, v):
+        z = quantize_int8_attention(q, k, v)
+        return lambda: attention_int8_quantized(z, q.dtype)
+
+    cands["int8-qk-fp8-pv"] = (
+        attention_int8,
+        int8_kernel_only,
+        lambda q, k, v: lambda: quantize_int8_attention(q, k, v),
+        A8.Int8Sage().version if K.triton_available() else "triton missing",
+    )
     for name in ("cudnn", "fa3"):
         eng = A8.load_engine(name)
         if eng is None:
@@ -215,7 +236,7 @@ def micro(out_dir: Path | None) -> dict:
         torch.cuda.empty_cache()
     _print_micro(rows)
     base = {r["S"]: r.get("ms_layer") for r in rows if r["candidate"] == "cudnn-bf16"}
-    fp8 = [r for r in rows if r["S"] == 4224 and r["candidate"].endswith("-fp8") and r.get("pass")]
+    fp8 = [r for r in rows if r["S"] == 4224 and r["candidate"] in ENGINE_OF and r.get("pass")]
     winner = min(fp8, key=lambda r: r["ms_layer"])["candidate"] if fp8 else None
     summary = {
         "bench": "attention_summary",
@@ -223,7 +244,7 @@ def micro(out_dir: Path | None) -> dict:
         "winner": winner,
         "pass_tol": PASS_TOL,
         "cudnn_bf16_ms_layer": base,
-        "fp8_engine_for_backend": (winner or "none").removesuffix("-fp8"),
+        "fp8_engine_for_backend": ENGINE_OF.get(winner, "none"),
         "winner_ms_forward_60_4224": next(
             (r["ms_forward_60"] for r in fp8 if r["candidate"] == winner), None
         ),
@@ -238,7 +259,7 @@ def micro(out_dir: Path | None) -> dict:
     emit(summary, "attention.jsonl", out_dir)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "attn_winner.txt").write_text((winner or "none").removesuffix("-fp8") + "\n")
+        (Path(out_dir) / "attn_winner.txt").write_text(ENGINE_OF.get(winner, "none") + "\n")
     return summary
 
 

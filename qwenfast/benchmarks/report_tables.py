@@ -522,20 +522,29 @@ def attention(recs: list[Rec]) -> str:
 
 
 def attention_quality(recs: list[Rec]) -> str:
+    """Per suite, the newest gate record of each (device, FP8 attention engine): GPU runs of the kernels
+    themselves, and CPU runs where each engine's quantisation is emulated in fp32 torch."""
     rows, used = [], []
     for model, what in (("demo-t2i", "text-to-image"), ("edit", "edits")):
-        r = newest(
-            recs, "attention.jsonl", lambda r, m=model: r["bench"] == "attention_quality" and r["model"] == m
-        )
-        if r is None:
-            continue
-        used.append(r)
-        for row in r["rows"]:
-            rows.append(
-                [what, row["path"], row.get("attention", ""), f"{row['score']:.1f}%", f"{row['gap']:+.1f}"]
-            )
-    return table(["suite (120 items)", "path", "attention", "score", "vs fp32 reference"], rows) + source(
-        used, "bash bench/attention.sh"
+        keys = {}
+        for r in recs:
+            if r.file == "attention.jsonl" and r["bench"] == "attention_quality" and r["model"] == model:
+                eng = (r.get("env") or {}).get("QWENFAST_FP8_ATTENTION", "auto")
+                keys.setdefault((r.get("gpu") is None, eng), []).append(r)
+        for key in sorted(keys):
+            r = newest(keys[key], "attention.jsonl")
+            used.append(r)
+            where = "CPU (emulated)" if key[0] else gpu_name(r)
+            for row in r["rows"]:
+                att = row.get("attention", "")
+                if att == "fp8":
+                    att = f"8-bit, {key[1]} engine"
+                rows.append([what, where, row["path"], att, f"{row['score']:.1f}%", f"{row['gap']:+.1f}"])
+    head = ["suite (120 items)", "device", "path", "attention", "score", "vs fp32 reference"]
+    return table(head, rows) + source(
+        used,
+        "bash bench/attention.sh (GPU); QWENFAST_FP8_ATTENTION=int8 (or auto) qwenfast bench attention quality "
+        "--device cpu [--model edit] (CPU)",
     )
 
 

@@ -12,7 +12,12 @@ auto | cudnn | fa3, read once; auto takes the first that works, in `ENGINE_ORDER
 - "fa3": FlashAttention-3's FP8 forward (`fa3_fwd_interface`, the `fa3-fwd` wheel, or
   `flash_attn_interface`); it takes (batch, head) descales, so Q, K, V get one scale per head.
 
-Both return bf16 (or the inputs' half type). Quantisation: `kernels.attn_quant.quantize_qkv`
+- "int8": INT8 Q·Kᵀ after K smoothing, with per-block scales, and FP8 P·V (`kernels.attn_int8`, a Triton
+  kernel; SageAttention 2's recipe). It takes the bf16 Q, K, V and quantises them itself; the only engine
+  whose emulation keeps the demo's quality gate (see that module). Not in `auto` until it is timed on
+  the GPU; `QWENFAST_FP8_ATTENTION=int8` chooses it (on CPU too: the reference then emulates it).
+
+Each returns bf16 (or the inputs' half type). Quantisation: `kernels.attn_quant.quantize_qkv`
 (amax on the GPU, no host sync). Where neither can run the backend says so once (a warning) and
 runs cuDNN's bf16 SDPA: no library, a GPU without FP8 tensor cores, a head dim the kernel lacks, or
 a padding mask (most calls have none: `trim_padding` drops the padding a batch shares; only a batch
@@ -44,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..kernels.attn_quant import FP8, dequantize, descale_rows, quantize_heads, quantize_qkv, quantize_qkv_ref
 from .arch import arch
 
-ENGINES = ("auto", "cudnn", "fa3")
+ENGINES = ("auto", "cudnn", "fa3", "int8")
 ENGINE_ORDER = ("cudnn", "fa3")  # auto: the first that loads and takes the shape
 ENV_VAR = "QWENFAST_FP8_ATTENTION"
 P_SCALE = 256.0  # cuDNN: softmax probabilities (<= 1) times 256 in e4m3 (2^-9..448): ~2^-17 resolution
@@ -294,7 +299,31 @@ class ReferenceFP8:
         return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask).to(out_dtype)
 
 
-_FACTORIES: dict[str, Callable[[], object]] = {"cudnn": CudnnFP8, "fa3": FA3FP8}
+class Int8Sage:
+    """`kernels.attn_int8`: bf16 Q, K, V in (it quantises them itself), bf16 out; needs Triton."""
+
+    name = "int8"
+    per_head = True
+    takes_bf16 = True  # `run(q, k, v)`, not the e4m3 inputs of the other engines
+
+    def __init__(self) -> None:
+        from ..kernels import triton_available
+
+        if not triton_available():
+            raise ImportError("the int8 attention kernel needs triton")
+
+    def version(self) -> str:
+        import triton
+
+        return f"qwenfast attn_int8 (triton {triton.__version__})"
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from ..kernels.attn_int8 import attention_int8
+
+        return attention_int8(q, k, v)
+
+
+_FACTORIES: dict[str, Callable[[], object]] = {"cudnn": CudnnFP8, "fa3": FA3FP8, "int8": Int8Sage}
 REFERENCE = ReferenceFP8()
 _engines: dict[str, object] = {}
 _engine_errors: dict[str, str] = {}
@@ -331,6 +360,8 @@ def engine_choice() -> str:
 
 def run_engine(engine, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Quantise (per head where the engine takes it) and run one FP8 engine; (B, H, S, D) out."""
+    if getattr(engine, "takes_bf16", False):
+        return engine.run(q, k, v)
     q8, k8, v8, desc = quantize_qkv(q, k, v, per_head=engine.per_head)
     return engine(q8, k8, v8, desc, q.dtype)
 
@@ -367,6 +398,11 @@ def fp8_attention(
     """The "fp8" backend: CPU -> the reference; CUDA -> an FP8 engine, or `fallback(q, k, v, mask)`
     (cuDNN bf16) with a one-time warning saying why."""
     if not q.is_cuda:
+        if engine_choice() == "int8":
+            from ..kernels.attn_int8 import attention_int8_ref
+
+            CALLS["cpu reference (int8)"] += 1
+            return attention_int8_ref(q, k, v, mask)
         CALLS["cpu reference"] += 1
         return fp8_attention_ref(q, k, v, mask)
     why = _why_not(q, k, v, mask)
@@ -433,11 +469,13 @@ def joint_engine(x: torch.Tensor, head_dim: int, mask: torch.Tensor | None):
     `fp8_attention` would pick, or None (no engine, a mask, ...: the caller takes the plain path,
     which falls back to bf16 and says why)."""
     if not x.is_cuda:
-        return REFERENCE
+        return None if engine_choice() == "int8" else REFERENCE  # int8: `fp8_attention` emulates it
     if _why_not_meta(x.dtype, x.device, head_dim, mask) is not None:
         return None
     for name in engine_names(x.device):
         eng = load_engine(name)
+        if eng is not None and getattr(eng, "takes_bf16", False):
+            return None  # it quantises bf16 Q, K, V itself: the plain path brings them
         if eng is not None and (name, "joint") not in _engine_errors:
             return eng
     return None
