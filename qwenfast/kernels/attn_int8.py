@@ -65,24 +65,31 @@ def _int8_blocks(x: torch.Tensor, Sp: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int8_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    kernels: bool | None = None,
 ) -> Int8QKV:
     """Q, K, V (B, H, S, D), any float dtype and strides -> `Int8QKV`; `mask` (B, 1, 1, S) bool: the keys
-    to keep (the smoothing mean is over those)."""
+    to keep (the smoothing mean is over those). The per-tensor statistics (K's mean, V's channel amax) are
+    torch reductions; the per-block quantisation is one Triton pass per tensor where `kernels` (None: where
+    `kernel_runs`), else torch (`_int8_blocks`, the reference: the kernels may differ by one rounding step
+    in rare elements, where the GPU's division rounds differently)."""
     B, H, S, D = q.shape
     Sp = -(-S // PAD) * PAD
-    kf = k.float()
     if mask is None:
-        mean = kf.mean(dim=2, keepdim=True)
+        mean = k.mean(dim=2, keepdim=True, dtype=torch.float32)  # (B, H, 1, D)
     else:
         m = mask.reshape(B, 1, S, 1).to(torch.float32)
-        mean = (kf * m).sum(dim=2, keepdim=True) / m.sum(dim=2, keepdim=True).clamp_min(1.0)
-    q8, qs = _int8_blocks(q, Sp)
-    k8, ks = _int8_blocks(kf - mean, Sp)
-    vf = v.float()
-    vs = vf.abs().amax(dim=2) / P_SCALE  # (B, H, D)
+        mean = (k.float() * m).sum(dim=2, keepdim=True) / m.sum(dim=2, keepdim=True).clamp_min(1.0)
+    vs = v.abs().amax(dim=2).float() / P_SCALE  # (B, H, D)
     vs = torch.where(vs > 0, vs, torch.ones_like(vs))
-    v8 = (vf / vs[:, :, None, :]).to(E4M3)
+    if kernels if kernels is not None else kernel_runs(q):
+        return _quantize_kernels(q, k, v, mean, vs, Sp)
+    q8, qs = _int8_blocks(q, Sp)
+    k8, ks = _int8_blocks(k.float() - mean, Sp)
+    v8 = (v.float() / vs[:, :, None, :]).to(E4M3)
     v8t = torch.nn.functional.pad(v8.view(torch.uint8), (0, 0, 0, Sp - S)).view(E4M3).transpose(2, 3)
     return Int8QKV(q8, qs, k8, ks, v8t.contiguous(), vs, S)
 
@@ -133,6 +140,43 @@ if triton_available():
     import triton.language as tl
 
     from .attn_quant import _round_e4m3
+
+    @triton.jit
+    def _quant_int8_kernel(
+        X, Y, SC, MEAN, S, Sp, H, sx_b, sx_h, sx_s, QB: tl.constexpr, D: tl.constexpr, SMOOTH: tl.constexpr
+    ):
+        """One (QB, D) block of one head -> int8 (rows past S: zeros) and its scale."""
+        blk = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        rows = blk * QB + tl.arange(0, QB)
+        cols = tl.arange(0, D)
+        keep = (rows < S)[:, None]
+        src = X + (bh // H) * sx_b + (bh % H) * sx_h + rows.to(tl.int64)[:, None] * sx_s + cols[None, :]
+        x = tl.load(src, mask=keep, other=0.0).to(tl.float32)
+        if SMOOTH:
+            x = tl.where(keep, x - tl.load(MEAN + bh * D + cols)[None, :], 0.0)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        sc = tl.where(amax > 0, amax / 127.0, 1.0)
+        y = (x / sc + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |y| <= 127 to the nearest even integer
+        y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+        tl.store(Y + bh * Sp * D + rows[:, None] * D + cols[None, :], y.to(tl.int8))
+        tl.store(SC + bh * (Sp // QB) + blk, sc)
+
+    @triton.jit
+    def _quant_v_kernel(
+        X, Y, VS, S, Sp, H, sx_b, sx_h, sx_s, QB: tl.constexpr, D: tl.constexpr, INTERP: tl.constexpr
+    ):
+        """One (QB, D) block of V over its channel scales -> e4m3, stored transposed (D, rows)."""
+        blk = tl.program_id(0)
+        bh = tl.program_id(1).to(tl.int64)
+        rows = blk * QB + tl.arange(0, QB)
+        cols = tl.arange(0, D)
+        keep = (rows < S)[:, None]
+        src = X + (bh // H) * sx_b + (bh % H) * sx_h + rows.to(tl.int64)[:, None] * sx_s + cols[None, :]
+        y = tl.load(src, mask=keep, other=0.0).to(tl.float32) / tl.load(VS + bh * D + cols)[None, :]
+        if INTERP:
+            y = _round_e4m3(y)  # (the interpreter's own e4m3 cast is off)
+        tl.store(Y + bh * D * Sp + cols[None, :] * Sp + rows[:, None], y.to(tl.float8e4nv))
 
     @triton.jit
     def _attn_int8_kernel(
@@ -217,11 +261,77 @@ def attention_int8_quantized(
     grid = (triton.cdiv(z.S, BM), B * H)
     with _on_device(o):
         _attn_int8_kernel[grid](
-            z.q8, z.qs, z.k8, z.ks, z.v8t, z.vs, o, math.log2(math.e) / math.sqrt(D), z.S, Sp, H,
-            o.stride(0), o.stride(2), o.stride(1), D=D, QB=QUANT_BLOCK, BLOCK_M=BM, BLOCK_N=BN,
-            P_MAX=P_SCALE, INTERP=interpreting(), num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+            z.q8,
+            z.qs,
+            z.k8,
+            z.ks,
+            z.v8t,
+            z.vs,
+            o,
+            math.log2(math.e) / math.sqrt(D),
+            z.S,
+            Sp,
+            H,
+            o.stride(0),
+            o.stride(2),
+            o.stride(1),
+            D=D,
+            QB=QUANT_BLOCK,
+            BLOCK_M=BM,
+            BLOCK_N=BN,
+            P_MAX=P_SCALE,
+            INTERP=interpreting(),
+            num_warps=warps,
+            num_stages=stages,
+        )
     return o.transpose(1, 2)
+
+
+def _quantize_kernels(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mean: torch.Tensor, vs: torch.Tensor, Sp: int
+) -> Int8QKV:
+    """The per-block quantisation of `quantize_int8_attention` as three Triton passes."""
+    B, H, S, D = q.shape
+    dev = q.device
+    nb = Sp // QUANT_BLOCK
+    grid = (nb, B * H)
+    out = []
+    with _on_device(q):
+        for x, smooth in ((q, False), (k, True)):
+            x8 = torch.empty(B, H, Sp, D, dtype=torch.int8, device=dev)
+            sc = torch.empty(B, H, nb, dtype=torch.float32, device=dev)
+            _quant_int8_kernel[grid](
+                x,
+                x8,
+                sc,
+                mean.contiguous(),
+                S,
+                Sp,
+                H,
+                x.stride(0),
+                x.stride(1),
+                x.stride(2),
+                QB=QUANT_BLOCK,
+                D=D,
+                SMOOTH=smooth,
+            )
+            out += [x8, sc]
+        v8t = torch.empty(B, H, D, Sp, dtype=E4M3, device=dev)
+        _quant_v_kernel[grid](
+            v,
+            v8t,
+            vs.contiguous(),
+            S,
+            Sp,
+            H,
+            v.stride(0),
+            v.stride(1),
+            v.stride(2),
+            QB=QUANT_BLOCK,
+            D=D,
+            INTERP=interpreting(),
+        )
+    return Int8QKV(*out, v8t, vs, S)
 
 
 def kernel_runs(q: torch.Tensor) -> bool:
