@@ -1,16 +1,18 @@
-"""8-bit attention that keeps the demo's quality gate: INT8 Q·Kᵀ with per-block scales after K smoothing,
-then FP8 (e4m3) P·V — SageAttention 2's recipe, as one Triton kernel (`attention_int8`).
+"""8-bit attention that keeps the demo's quality gate: INT8 Q·Kᵀ after K smoothing (Q scaled per token, K
+per block of keys), then FP8 (e4m3) P·V — SageAttention 2's recipe, as one Triton kernel (`attention_int8`).
 
 Why not e4m3 for Q and K (what cuDNN's and FA3's FP8 kernels take): e4m3 keeps 3 mantissa bits, so every
-product in Q·Kᵀ carries ~6% error whatever the scale, and sharp attention rows move. Scored on the demo's
-120 held-out edits in fp32 on the CPU with each scheme's quantisation emulated (`attention_int8_ref` and the
-same study for the e4m3 schemes): exact attention 88.3%; e4m3 Q, K, V per tensor or per head, with or
-without K smoothing, 85.8% (-2.5, the gate allows 2); this file's scheme 88.3% (+0.0).
+product in Q·Kᵀ carries ~6% error whatever the scale, and sharp attention rows move; INT8 keeps 7 bits
+relative to its scale's largest value. With each engine's quantisation emulated on the CPU (everything
+else fp32), the e4m3 engines lose more than the gate's 2 points on the demo's edits and this scheme does
+not: docs/speed.md's 8-bit attention quality table (`QWENFAST_FP8_ATTENTION=int8|auto qwenfast bench
+attention quality --device cpu [--model edit]`).
 
 The math (q, k, v: (B, H, S, D); all scales fp32):
 - K smoothing: K' = K - mean over tokens of K (per head). Every logit of a query moves by the same q·mean,
   which softmax cancels: exact. It removes the keys' common component, so K' quantises finer.
-- Q and K' -> int8 per block of `QUANT_BLOCK` tokens (per head): scale = amax / 127, round to nearest even.
+- Q -> int8 per token, K' -> int8 per block of `QUANT_BLOCK` tokens (per head): scale = amax / 127, round to
+  nearest even. (One scale per 64 queries too cost the text-to-image suite one more item of 120.)
   Q·K'ᵀ is exact in int32 (|sum| <= 127² · D); times the two block scales and 1/sqrt(D).
 - Online softmax in fp32 (exp2). P̃ = exp(S - running max) <= 1 -> e4m3 at scale `P_SCALE` (448, e4m3's
   largest value); V -> e4m3 with one scale per channel (over tokens), applied to the output, which is
@@ -33,7 +35,7 @@ from . import _on_device, interpreting, triton_available, use_triton
 
 __all__ = ["attention_int8", "attention_int8_ref", "quantize_int8_attention", "QUANT_BLOCK", "P_SCALE"]
 
-QUANT_BLOCK = 64  # tokens per Q / K scale
+QUANT_BLOCK = 64  # keys per K scale (and the quantisation passes' tile); Q has one scale per token
 P_SCALE = 448.0  # P̃ <= 1 times e4m3's largest finite value
 PAD = 128  # Q, K, V buffers are padded to a multiple of the largest kernel tile
 E4M3 = torch.float8_e4m3fn
@@ -41,8 +43,8 @@ E4M3 = torch.float8_e4m3fn
 
 @dataclass
 class Int8QKV:
-    """Quantised attention inputs. q8, k8: (B, H, Sp, D) int8 (padded rows zero); qs, ks: (B, H, Sp /
-    QUANT_BLOCK) fp32 scales; v8t: (B, H, D, Sp) e4m3 (V transposed: the kernel's P·V operand is then
+    """Quantised attention inputs. q8, k8: (B, H, Sp, D) int8 (padded rows zero); qs: (B, H, Sp) fp32 scales
+    (one per token), ks: (B, H, Sp / QUANT_BLOCK) (one per block of keys); v8t: (B, H, D, Sp) e4m3 (V transposed: the kernel's P·V operand is then
     K-major); vs: (B, H, D) fp32 per-channel scales; S: real tokens."""
 
     q8: torch.Tensor
@@ -54,10 +56,10 @@ class Int8QKV:
     S: int
 
 
-def _int8_blocks(x: torch.Tensor, Sp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, S, D) -> int8 (B, H, Sp, D) and its (B, H, Sp / QUANT_BLOCK) scales."""
+def _int8_blocks(x: torch.Tensor, Sp: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, S, D) -> int8 (B, H, Sp, D) and its (B, H, Sp / block) scales (one per `block` tokens)."""
     B, H, S, D = x.shape
-    xp = torch.nn.functional.pad(x.float(), (0, 0, 0, Sp - S)).view(B, H, Sp // QUANT_BLOCK, QUANT_BLOCK, D)
+    xp = torch.nn.functional.pad(x.float(), (0, 0, 0, Sp - S)).view(B, H, Sp // block, block, D)
     s = xp.abs().amax(dim=(-2, -1)) / 127.0
     s = torch.where(s > 0, s, torch.ones_like(s))  # an all-zero block: any scale (its values are 0)
     x8 = torch.round(xp / s[..., None, None]).clamp_(-127, 127).to(torch.int8)
@@ -87,16 +89,16 @@ def quantize_int8_attention(
     vs = torch.where(vs > 0, vs, torch.ones_like(vs))
     if kernels if kernels is not None else kernel_runs(q):
         return _quantize_kernels(q, k, v, mean, vs, Sp)
-    q8, qs = _int8_blocks(q, Sp)
-    k8, ks = _int8_blocks(k.float() - mean, Sp)
+    q8, qs = _int8_blocks(q, Sp, 1)
+    k8, ks = _int8_blocks(k.float() - mean, Sp, QUANT_BLOCK)
     v8 = (v.float() / vs[:, :, None, :]).to(E4M3)
     v8t = torch.nn.functional.pad(v8.view(torch.uint8), (0, 0, 0, Sp - S)).view(E4M3).transpose(2, 3)
     return Int8QKV(q8, qs, k8, ks, v8t.contiguous(), vs, S)
 
 
-def _rows(s: torch.Tensor, S: int) -> torch.Tensor:
-    """(B, H, Sp / QUANT_BLOCK) block scales -> (B, H, S, 1), one per token."""
-    return s.repeat_interleave(QUANT_BLOCK, dim=2)[:, :, :S, None]
+def _rows(s: torch.Tensor, S: int, block: int) -> torch.Tensor:
+    """(B, H, Sp / block) scales -> (B, H, S, 1), one per token."""
+    return s.repeat_interleave(block, dim=2)[:, :, :S, None]
 
 
 def attention_int8_ref(
@@ -113,8 +115,8 @@ def attention_int8_ref(
     B, H, S, D = q.shape
     bn = block_n or _config(D)[1]
     z = quantize_int8_attention(q, k, v, mask)
-    qd = z.q8[:, :, :S].float() * _rows(z.qs, S)
-    kd = z.k8[:, :, :S].float() * _rows(z.ks, S)
+    qd = z.q8[:, :, :S].float() * _rows(z.qs, S, 1)
+    kd = z.k8[:, :, :S].float() * _rows(z.ks, S, QUANT_BLOCK)
     vd = z.v8t[:, :, :, :S].float().transpose(2, 3)  # (B, H, S, D), unscaled: the scale goes on the output
     s = (qd @ kd.transpose(-1, -2)) / math.sqrt(D)  # (B, H, S, S)
     if mask is not None:
@@ -143,9 +145,23 @@ if triton_available():
 
     @triton.jit
     def _quant_int8_kernel(
-        X, Y, SC, MEAN, S, Sp, H, sx_b, sx_h, sx_s, QB: tl.constexpr, D: tl.constexpr, SMOOTH: tl.constexpr
+        X,
+        Y,
+        SC,
+        MEAN,
+        S,
+        Sp,
+        H,
+        sx_b,
+        sx_h,
+        sx_s,
+        QB: tl.constexpr,
+        D: tl.constexpr,
+        SMOOTH: tl.constexpr,
+        PER_ROW: tl.constexpr,
     ):
-        """One (QB, D) block of one head -> int8 (rows past S: zeros) and its scale."""
+        """One (QB, D) block of one head -> int8 (rows past S: zeros) and its scale, or (PER_ROW) one scale
+        per row."""
         blk = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         rows = blk * QB + tl.arange(0, QB)
@@ -155,12 +171,19 @@ if triton_available():
         x = tl.load(src, mask=keep, other=0.0).to(tl.float32)
         if SMOOTH:
             x = tl.where(keep, x - tl.load(MEAN + bh * D + cols)[None, :], 0.0)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        sc = tl.where(amax > 0, amax / 127.0, 1.0)
-        y = (x / sc + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |y| <= 127 to the nearest even integer
+        if PER_ROW:
+            amax = tl.max(tl.abs(x), axis=1)
+            sc = tl.where(amax > 0, amax / 127.0, 1.0)
+            y = x / sc[:, None]
+            tl.store(SC + bh * Sp + rows, sc)
+        else:
+            amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+            sc = tl.where(amax > 0, amax / 127.0, 1.0)
+            y = x / sc
+            tl.store(SC + bh * (Sp // QB) + blk, sc)
+        y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |y| <= 127 to the nearest even integer
         y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         tl.store(Y + bh * Sp * D + rows[:, None] * D + cols[None, :], y.to(tl.int8))
-        tl.store(SC + bh * (Sp // QB) + blk, sc)
 
     @triton.jit
     def _quant_v_kernel(
@@ -205,9 +228,9 @@ if triton_available():
         bh = tl.program_id(1).to(tl.int64)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
-        nqb = Sp // QB
+        nkb = Sp // QB
         q = tl.load(Q8 + bh * Sp * D + offs_m[:, None] * D + offs_d[None, :])  # (BLOCK_M, D) int8
-        qs = tl.load(QS + bh * nqb + offs_m // QB) * scale_log2  # (BLOCK_M,) per-row scale, log2 units
+        qs = tl.load(QS + bh * Sp + offs_m) * scale_log2  # (BLOCK_M,) per-token scales, log2 units
         if INTERP:  # the interpreter's dot: fp32 is exact for these int8 products and sums (< 2^24)
             q = q.to(tl.float32)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -216,7 +239,7 @@ if triton_available():
         for start in range(0, S, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             k = tl.load(K8 + bh * Sp * D + offs_n[:, None] * D + offs_d[None, :])  # (BLOCK_N, D) int8
-            ks = tl.load(KS + bh * nqb + offs_n // QB)
+            ks = tl.load(KS + bh * nkb + offs_n // QB)
             if INTERP:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -297,9 +320,9 @@ def _quantize_kernels(
     grid = (nb, B * H)
     out = []
     with _on_device(q):
-        for x, smooth in ((q, False), (k, True)):
+        for x, smooth in ((q, False), (k, True)):  # Q: one scale per token; K: per block of keys
             x8 = torch.empty(B, H, Sp, D, dtype=torch.int8, device=dev)
-            sc = torch.empty(B, H, nb, dtype=torch.float32, device=dev)
+            sc = torch.empty(B, H, nb if smooth else Sp, dtype=torch.float32, device=dev)
             _quant_int8_kernel[grid](
                 x,
                 x8,
@@ -314,6 +337,7 @@ def _quantize_kernels(
                 QB=QUANT_BLOCK,
                 D=D,
                 SMOOTH=smooth,
+                PER_ROW=not smooth,
             )
             out += [x8, sc]
         v8t = torch.empty(B, H, D, Sp, dtype=E4M3, device=dev)
