@@ -10,7 +10,7 @@ import pytest
 
 from qwenfast.benchmarks import peers
 from qwenfast.benchmarks.records import Rec
-from qwenfast.benchmarks.report_peers import diffusers_baseline
+from qwenfast.benchmarks.report_peers import diffusers_baseline, peers_highres
 from qwenfast.benchmarks.report_peers import peers as peers_table
 
 
@@ -38,6 +38,22 @@ def test_smoke_run_times_every_engine_over_the_same_weights(smoke_record):
     for name in ("qwenfast bf16 + fast cache", "diffusers + cache-dit DBCache (F1B0, R 0.12)"):
         assert 0 < rows[name]["computed_fraction"] <= 1
         assert "mean_abs_diff_vs_diffusers" not in rows[name]  # a cached row's difference is a quality question
+
+
+def test_the_high_resolution_suite_has_its_own_table(smoke_record, tmp_path):
+    """`bench peers --highres` (2048², 2512²): its record says so, its table shows each call's peak memory,
+    and it never displaces the main table's record (the newest of the main suite)."""
+    rec = peers.run(["e2e:2048:4:nocfg", "e2e:2512:2:nocfg"], ["diffusers", "qwenfast"], [], tmp_path,
+                    smoke=True, timeout_s=600)  # fmt: skip
+    assert rec["suite"] == "highres" and smoke_record["suite"] == "main"
+    assert not [r for r in rec["rows"] if "error" in r], rec["rows"]
+    rows = {(r["row"], r["case"]) for r in rec["rows"] if "row" in r}
+    assert {("diffusers eager", "e2e:2512:2:nocfg"), ("qwenfast bf16", "e2e:2048:4:nocfg")} <= rows
+    recs = [Rec("peers.jsonl", 1, {**smoke_record, "smoke": False}), Rec("peers.jsonl", 2, {**rec, "smoke": False})]
+    hi = peers_highres(recs)
+    assert "2048², 4 steps" in hi and "2512², 2 steps" in hi and ", peak " in hi and "line 2" in hi
+    assert "1024², 4 steps" in peers_table(recs) and "line 1" in peers_table(recs)
+    assert "No high-resolution record" in peers_highres(recs[:1])
 
 
 def test_compare_sees_a_changed_output(tmp_path):

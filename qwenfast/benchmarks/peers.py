@@ -16,7 +16,9 @@ Rows (each engine in its own process, `peers_worker.py`, so no engine's globals 
 Cases: one transformer forward at 1024², 1328², 2048² (median of 10, CUDA events; the host's
 time to return from a call beside it: near the GPU time when the host is the limit, or when the engine
 waits on the GPU inside its forward), and end to end (text encoder + denoise + VAE)
-1024² 50 steps true CFG and 1024² 4 steps. Each full-compute row's output is compared with diffusers
+1024² 50 steps true CFG and 1024² 4 steps; `--highres`: the forward at 2048² and end to end 2048² 4 steps and
+2512² 2 steps, each with its peak memory (the VAE tiles as each engine decides), a table of their own.
+Each full-compute row's output is compared with diffusers
 eager's (forward: relative error; images: mean |difference|); cached rows give their computed fraction.
 Same weights: every worker draws them from one seed in one order and reports a fingerprint; the run
 fails if two differ. `--smoke`: the demo model on the CPU (the harness only; times mean nothing).
@@ -38,7 +40,7 @@ import numpy as np
 from . import RESULTS_HELP, emit, results_dir, versions
 from .peers_comfyui import ENV as COMFYUI_ENV
 from .peers_comfyui import NOT_RUN_E2E as COMFYUI_NOT_E2E
-from .peers_worker import CASES, ENGINES
+from .peers_worker import CASES, ENGINES, HIGHRES_CASES, MAIN_CASES
 
 CACHE_PRESETS = ("balanced", "fast")
 # Peers we could not run on the GPU machine: why, and the figure they publish (their GPU, their setup).
@@ -197,6 +199,7 @@ def run(
         "bench": "peers",
         **versions(),
         "smoke": smoke,
+        "suite": "highres" if set(cases) <= set(HIGHRES_CASES) else "main",  # (two tables: report_peers)
         "cases": cases,
         "same_weights": check_same_weights(rows),
         "rows": [{k: v for k, v in r.items() if k not in ("output", "fingerprint")} for r in rows],
@@ -213,10 +216,20 @@ def run(
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--case", action="append", choices=list(CASES), help="cases (default: all five)")
+    p.add_argument(
+        "--case", action="append", choices=list(CASES), help=f"cases (default: {', '.join(MAIN_CASES)})"
+    )
+    p.add_argument(
+        "--highres",
+        action="store_true",
+        help=f"the high-resolution cases instead ({', '.join(HIGHRES_CASES)}): their own table, with peak memory",
+    )
     p.add_argument("--engine", action="append", choices=list(ENGINES), help="engines (default: all)")
     p.add_argument(
-        "--cache", action="append", choices=CACHE_PRESETS, help="qwenfast step-cache presets (default: both)"
+        "--cache",
+        action="append",
+        choices=[*CACHE_PRESETS, "none"],
+        help="qwenfast step-cache presets (default: both; none: no cached rows)",
     )
     p.add_argument("--smoke", action="store_true", help="the demo model on the CPU (checks the harness)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per engine process (default 900)")
@@ -231,9 +244,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_from_args(a: argparse.Namespace) -> int:
     rec = run(
-        a.case or list(CASES),
+        a.case or list(HIGHRES_CASES if a.highres else MAIN_CASES),
         a.engine or list(ENGINES),
-        a.cache or list(CACHE_PRESETS),
+        [c for c in a.cache or CACHE_PRESETS if c != "none"],
         results_dir(a.results),
         smoke=a.smoke,
         timeout_s=a.timeout,

@@ -38,7 +38,11 @@ CASES = {
     "fwd:2048": ("fwd", 2048, 0, False),
     "e2e:1024:50:cfg": ("e2e", 1024, 50, True),
     "e2e:1024:4:nocfg": ("e2e", 1024, 4, False),
+    "e2e:2048:4:nocfg": ("e2e", 2048, 4, False),
+    "e2e:2512:2:nocfg": ("e2e", 2512, 2, False),
 }
+MAIN_CASES = ("fwd:1024", "fwd:1328", "fwd:2048", "e2e:1024:50:cfg", "e2e:1024:4:nocfg")  # the default run
+HIGHRES_CASES = ("fwd:2048", "e2e:2048:4:nocfg", "e2e:2512:2:nocfg")  # `bench peers --highres`
 DIFFUSERS_ENGINES = ("diffusers", "diffusers-torchao", "cache-dit")
 # comfyui: `peers_comfyui` (forwards), comfyui-workflow: `peers_comfyui_e2e`; both need $QWENFAST_COMFYUI
 ENGINES = (*DIFFUSERS_ENGINES, "comfyui", "comfyui-workflow", "qwenfast")

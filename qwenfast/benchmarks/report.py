@@ -127,13 +127,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def tables() -> dict:
     """Every published table by name (the tables import records and each other's helpers: no cycle)."""
     from .report_gpus import gpu_estimates, gpu_played, memory_tiers, memory_tiers_held
-    from .report_peers import diffusers_baseline, peers, peers_summary
+    from .report_peers import diffusers_baseline, peers, peers_highres, peers_summary
     from .report_serve import serve_mixed, serve_soak
     from .report_tables import TABLES
 
     return {
         **TABLES,
         "peers": peers,
+        "peers-highres": peers_highres,
         "serve-mixed": serve_mixed,
         "serve-soak": serve_soak,
         "peers-summary": peers_summary,

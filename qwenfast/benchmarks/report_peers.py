@@ -7,7 +7,8 @@ from .records import Rec
 from .report_tables import gpu_name, ms, newest, ratio, secs, source, table
 
 COLUMNS = {"fwd:1024": "forward 1024²", "fwd:1328": "forward 1328²", "fwd:2048": "forward 2048²",
-           "e2e:1024:50:cfg": "1024², 50 steps, true CFG", "e2e:1024:4:nocfg": "1024², 4 steps"}  # fmt: skip
+           "e2e:1024:50:cfg": "1024², 50 steps, true CFG", "e2e:1024:4:nocfg": "1024², 4 steps",
+           "e2e:2048:4:nocfg": "2048², 4 steps", "e2e:2512:2:nocfg": "2512², 2 steps"}  # fmt: skip
 
 
 def _cell(r: dict | None) -> str:
@@ -23,7 +24,7 @@ def _cell(r: dict | None) -> str:
 
 
 def peers(recs: list[Rec]) -> str:
-    r = newest(recs, "peers.jsonl", lambda r: not r.get("smoke"))
+    r = newest(recs, "peers.jsonl", lambda r: not r.get("smoke") and r.get("suite", "main") == "main")
     if r is None:
         return "*No peers record yet: `bash bench/peers.sh`.*"
     rows = [x for x in r["rows"] if "row" in x]
@@ -55,6 +56,52 @@ def peers(recs: list[Rec]) -> str:
         "diffusers eager in that run."
     )
     return head + "\n\n" + out + "\n\n" + "\n".join(notes) + "\n" + source([r], "bash bench/peers.sh")
+
+
+def attention_share(size: int, txt: int = 128) -> float:
+    """Attention's share of a Qwen-Image forward's FLOPs at size² (the config's count)."""
+    from ..config import TransformerConfig
+
+    cfg = TransformerConfig()
+    n = (size // 16) ** 2
+    L = n + txt
+    return cfg.num_layers * 4 * L * L * cfg.inner_dim / cfg.flops_per_forward(n, txt)
+
+
+def peers_highres(recs: list[Rec]) -> str:
+    """The newest `bench peers --highres` record: time (× diffusers eager) and peak memory per engine."""
+    r = newest(recs, "peers.jsonl", lambda r: not r.get("smoke") and r.get("suite") == "highres")
+    if r is None:
+        return "*No high-resolution record yet: `STAGE=highres bash bench/peers.sh`.*"
+    rows = [x for x in r["rows"] if "row" in x]
+    cases = [c for c in COLUMNS if any(x["case"] == c for x in rows)]
+    by = {(x["row"], x["case"]): x for x in rows}
+    body = []
+    for name in dict.fromkeys(x["row"] for x in rows):
+        cells = []
+        for c in cases:
+            x = by.get((name, c))
+            cell = _cell(x)
+            if x is not None and "peak_gib" in x:
+                cell += f", peak {x['peak_gib']:.1f} GiB"
+            cells.append(cell)
+        body.append([name, *cells])
+    failed = [f"- **{x['engine']}**: {x.get('why') or x['error'][:200]}." for x in r["rows"] if "error" in x]
+    share = ", ".join(f"{s}² {attention_share(s):.0%}" for s in (1024, 2048, 2512))
+    head = (
+        f"One {gpu_name(r)}, one run, every engine in its own process over the same random full-size weights; "
+        f"(×) is the speed-up over diffusers eager. Attention's share of a forward's FLOPs: {share}."
+    )
+    out = table(["engine", *(COLUMNS[c] for c in cases)], body)
+    return (
+        head
+        + "\n\n"
+        + out
+        + "\n"
+        + "\n".join(failed)
+        + ("\n" if failed else "")
+        + source([r], "STAGE=highres bash bench/peers.sh")
+    )
 
 
 BASELINE_MODES = {
@@ -123,7 +170,7 @@ SUMMARY_ROWS = ("diffusers eager", "diffusers + regional compile", "diffusers + 
 
 def peers_summary(recs: list[Rec]) -> str:
     """README: the peers table's headline rows (what a user would run instead, and qwenfast)."""
-    r = newest(recs, "peers.jsonl", lambda r: not r.get("smoke"))
+    r = newest(recs, "peers.jsonl", lambda r: not r.get("smoke") and r.get("suite", "main") == "main")
     if r is None:
         return "*No peers record yet: `bash bench/peers.sh`.*"
     by = {(x["row"], x["case"]): x for x in r["rows"] if "row" in x}
