@@ -238,6 +238,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return run_from_args(a)
     if a.what in ("transformer", "pipeline") and a.model_type == "2.1":
         return _bench21(a, on_cpu=(a.device == "cpu") if a.what == "transformer" else a.smoke)
+    if a.what == "pipeline" and a.size is not None:
+        print(
+            "error: bench pipeline --size is for --model-type 2.1; Qwen-Image's sizes are its --case "
+            "choices (the high-resolution ones: bench peers --highres)",
+            file=sys.stderr,
+        )
+        return 2
     if a.what == "pipeline" and a.task and (a.smoke or torch.cuda.is_available()):  # img2img / inpaint rows
         from .benchmarks import results_dir
         from .benchmarks.tasks_inpaint import run_tasks
@@ -306,6 +313,8 @@ def _bench21(a: argparse.Namespace, on_cpu: bool) -> int:
         name = "qwenimage21.jsonl"  # one file for the 2.1 records: the transformer and the end-to-end rows
         argv = ["--fp8"] if a.fp8 else []
         argv += ["--steps", str(a.steps or (2 if on_cpu else 40))]
+        if a.size and not on_cpu:
+            argv += ["--size", str(a.size)]
         if on_cpu:  # one full-width block, a 64² image, a 2-layer text encoder, one timed call per row
             argv += [
                 "--device",

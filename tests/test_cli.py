@@ -348,3 +348,19 @@ def test_bench_21_from_the_cli_on_cpu(tmp_path, what):
         turbo = next(r for r in rows if r["what"].endswith("turbo-4"))
         assert turbo["diffusers_s"] > 0 and turbo["ours_s"] > 0 and turbo["mean_abs_diff_vs_diffusers"] < 0.05
         assert {r.get("cache") for r in rows if "cache" in r} == {"off", "balanced", "fast"}
+
+
+def test_bench_pipeline_size_goes_to_the_21_bench_and_is_refused_elsewhere(monkeypatch, capsys):
+    """`--size 2048 --model-type 2.1` reaches the 2.1 bench's own --size (the GPU path, its bench stubbed);
+    without --model-type 2.1 the flag is refused with what to use instead."""
+    import torch
+
+    import qwenfast.benchmarks.pipeline21 as p21
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(p21, "main", lambda argv: seen.append(argv))
+    assert main(["bench", "pipeline", "--model-type", "2.1", "--size", "2048"]) == 0
+    assert seen and seen[0][seen[0].index("--size") + 1] == "2048" and "--steps" in seen[0]
+    assert main(["bench", "pipeline", "--size", "2048"]) == 2
+    assert "--model-type 2.1" in capsys.readouterr().err

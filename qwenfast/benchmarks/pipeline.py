@@ -342,6 +342,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--steps", type=int, default=None, help="with --task: steps of the timed call (default 30)"
     )
     p.add_argument(
+        "--size",
+        type=int,
+        default=None,
+        help="with --model-type 2.1: the image's side in pixels (default 1024; 2.1's own code defaults to 2048)",
+    )
+    p.add_argument(
         "--model-type",
         choices=["qwen-image", "2.1"],
         default="qwen-image",
