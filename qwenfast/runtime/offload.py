@@ -30,7 +30,7 @@ LoRA changes and FP8 must happen before offloading (the fused weights are what i
 Nothing here replaces a method or touches a pipeline: the transformer's blocks are streamed by a
 block runner (`runtime.blocks.StreamingBlockRunner`) that calls `before(i)` / `after(i)`; the text
 encoder's decoder layers (a transformers model, whose loop we do not own) through forward hooks;
-the pipeline decides which parts to offload (`pipeline/base.py`).
+the pipeline decides which parts to offload (`pipeline/placement.py`).
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ are the ones whose predicted peak fits, in this order of preference (each costs 
    FP8 on Ada/Hopper/Blackwell, INT8 on Ampere), which also halves what has to stream;
 2. offload "none" when everything fits; "model" (the text encoder streams its layers while encoding);
    "blocks" (the transformer blocks that do not fit stream every step; the budget goes first to resident
-   blocks, then to text-encoder layers, as `pipeline/base.py` plans it);
+   blocks, then to text-encoder layers, as `pipeline/placement.py` plans it);
 3. the VAE tiles when the untiled decode would not fit what is left (the VAE decides per call, from the
    same planner: `models/vae.py` "auto").
 
 The plan also says how many bytes cross PCIe per image: that, not the FLOPs, is what a small card pays.
-Nothing here touches a pipeline: `pipeline/base.py` turns a plan into options (`VramPlan.options`).
+Nothing here touches a pipeline: `pipeline/placement.py` turns a plan into options (`VramPlan.options`).
 """
 
 from __future__ import annotations
