@@ -1,5 +1,6 @@
 """`PipelineBase`: what every Qwen-Image pipeline shares — options, the forward the denoise core
-calls, the OOM back-off around the core, LoRA and presets, decoding, previews.
+calls, the OOM back-off around the core, presets, decoding, previews (LoRAs, memory placement and
+diffusers' methods come from the mixins it names).
 
 A pipeline call is: check the request -> prepare conditioning (prompts, reference images) -> draw
 the whole batch's noise -> `sampling.denoise(...)` (split into chunks on CUDA OOM) -> decode ->
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from ..config import SchedulerConfig
-from ..errors import ConfigureError, LoraError, OptionsError
+from ..errors import ConfigureError, OptionsError
 from ..kernels import use_backend
 from ..models.text_encoder import TextEncoder
 from ..options import EngineOptions, check_transition
@@ -41,6 +42,7 @@ from ..runtime.oom import run_in_chunks, vae_decode
 from . import sampling as S
 from .common import OUTPUT_TYPES, Generators, QwenImageOutput, postprocess, randn_tensor
 from .diffusers_compat import DiffusersMethods
+from .loras import LoraMethods
 from .placement import PlacementMethods
 from .prompts import PromptConds
 from .row_loras import RowLoraMethods
@@ -50,13 +52,14 @@ from .tasks import Capabilities, model_capabilities, view_class
 log = logging.getLogger("qwenfast")
 
 
-class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods, PlacementMethods):
+class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowLoraMethods, PlacementMethods):
     """Shared machinery; see the module docstring. Subclasses define `__call__` and the conditioning,
     and declare what they load and can do (`folder_kinds`, `needs`, `checkpoints`, `CAPABILITIES`:
     pipeline/tasks.py). diffusers' pipeline methods (`.to()`, `enable_model_cpu_offload`, `interrupt`,
     ...) come from `DiffusersMethods` (diffusers_compat.py), prompt conditioning from `PromptConds`
-    (prompts.py), memory planning and offload from `PlacementMethods` (placement.py); the loaded
-    model's attributes live in one state its task views share (state.py)."""
+    (prompts.py), LoRAs from `LoraMethods` (loras.py) and `RowLoraMethods` (row_loras.py), memory
+    planning and offload from `PlacementMethods` (placement.py); the loaded model's attributes live in
+    one state its task views share (state.py)."""
 
     folder_kinds: tuple[str, ...] = ()
     needs: tuple[str, ...] = ()
@@ -217,12 +220,6 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods, P
             m.rebind()
         return sum(isinstance(x, LowBitLinear) for x in self.transformer.modules())
 
-    def _lora_changed(self, layout: int) -> None:
-        """After a LoRA change: drop captured graphs if FP8 layers' LoRA tensors were reallocated."""
-        self._clear_modulations()  # a LoRA may touch the modulation Linears
-        if self.lora_manager.side_layout != layout:
-            self._graphs.clear()
-
     def release_graphs(self) -> None:
         """Drop every captured CUDA graph and its memory pool, and the modulation table (before
         measuring memory, say, or after changing `pipe.transformer`'s weights by hand)."""
@@ -300,46 +297,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods, P
             height,
         )
 
-    # ---------------------------------------------------------------- LoRA and presets (loading/lora.py)
-    @property
-    def lora_manager(self):
-        """The LoRAs fused into `self.transformer` (created on first use; see `LoraManager`)."""
-        m = getattr(self, "_lora_manager", None)
-        if m is None or m.model is not self.transformer:
-            if m is not None and m.active:
-                raise RuntimeError("pipe.transformer was replaced while LoRAs were fused into the old one")
-            from ..loading.lora_manager import LoraManager
-
-            m = self._lora_manager = LoraManager(self.transformer)
-        return m
-
-    def load_lora(self, lora: str | Path | dict, strength: float = 1.0, name: str | None = None) -> str:
-        """Fuse a LoRA (.safetensors path or state dict, any common naming) into the transformer; returns its name.
-
-        Several LoRAs stack. Errors (unknown layers, wrong shapes, unreadable file) are raised before
-        any weight changes. The original values of touched weights are kept in host memory so that
-        `unload_lora` restores them bitwise (as much host memory as the touched weights). With FP8 or
-        INT8 the LoRA runs unmerged beside the 8-bit GEMMs (`loading/lora_fp8.py`): nothing is copied.
-        """
-        layout = self.lora_manager.side_layout
-        try:
-            return self.lora_manager.load(lora, strength, name)
-        finally:
-            self._lora_changed(layout)
-
-    def unload_lora(self, name: str | None = None) -> None:
-        """Remove one LoRA by name, or all of them: touched weights are restored bitwise."""
-        layout = self.lora_manager.side_layout
-        try:
-            self.lora_manager.unload(name)
-        finally:
-            self._lora_changed(layout)
-
-    @property
-    def loras(self) -> dict[str, float]:
-        """Active LoRAs, name -> strength, in load order."""
-        return self.lora_manager.loras
-
+    # ---------------------------------------------------------------- presets
     @contextlib.contextmanager
     def step_cache_bypassed(self) -> Iterator[None]:
         """Calls inside run as if no step cache were configured, and leave the configured cache's state
@@ -351,16 +309,6 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, RowLoraMethods, P
             yield
         finally:
             self._step_cache_off = prev
-
-    def set_loras(self, loras: list[tuple]) -> None:
-        """Make the active LoRAs exactly `[(path, strength[, name]), ...]`, changing only what differs."""
-        if loras and self.row_loras is not None:
-            raise LoraError("per-row LoRAs are enabled (enable_row_loras): pass loras= per prompt instead")
-        layout = self.lora_manager.side_layout
-        try:
-            self.lora_manager.set(loras)
-        finally:
-            self._lora_changed(layout)
 
     def apply_preset(self, name: str) -> None:
         """Sampling defaults for a distilled LoRA (`qwenfast.config.PRESETS`): steps, true CFG and scheduler fields.
