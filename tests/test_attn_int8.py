@@ -147,3 +147,24 @@ def test_interpreter_subprocess(request):
     from .conftest import interpreter_cases
 
     run_interpreter_cases(__file__, at_least=len(interpreter_cases(request)), exactly=True)
+
+
+def test_the_gate_table_keeps_each_device_and_engine():
+    """docs/speed.md's 8-bit attention gate table: the newest record per (device, engine), so a CPU run
+    of the int8 engine's emulation sits beside the GPU's rows instead of replacing them."""
+    from qwenfast.benchmarks.records import Rec
+    from qwenfast.benchmarks.report_tables import attention_quality
+
+    def rec(line, gpu, eng, score, date):
+        rows = [{"path": "reference fp32", "attention": "auto (exact, fp32)", "score": 88.3, "gap": 0.0},
+                {"path": "bf16 + kernels + graphs", "attention": "fp8", "score": score, "gap": score - 88.3}]  # fmt: skip
+        env = {} if eng == "auto" else {"QWENFAST_FP8_ATTENTION": eng}
+        return Rec("attention.jsonl", line, {"bench": "attention_quality", "model": "edit", "gpu": gpu, "env": env,
+                                             "rows": rows, "date": date, "commit": "abc1234"})  # fmt: skip
+
+    recs = [rec(1, "NVIDIA H200", "auto", 85.0, "2026-11-23"), rec(2, "cpu", "int8", 87.5, "2026-11-26"),
+            rec(3, "cpu", "auto", 85.8, "2026-11-26"), rec(4, "cpu", "int8", 88.3, "2026-11-27")]  # fmt: skip
+    t = attention_quality(recs)
+    assert "| edits | H200 | bf16 + kernels + graphs | 8-bit, auto engine | 85.0% | -3.3 |" in t
+    assert "| edits | CPU (emulated) | bf16 + kernels + graphs | 8-bit, int8 engine | 88.3% | +0.0 |" in t
+    assert "8-bit, auto engine | 85.8%" in t and "87.5%" not in t  # the newer int8 CPU run replaced line 2

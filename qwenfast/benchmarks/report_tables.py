@@ -530,7 +530,7 @@ def attention_quality(recs: list[Rec]) -> str:
         for r in recs:
             if r.file == "attention.jsonl" and r["bench"] == "attention_quality" and r["model"] == model:
                 eng = (r.get("env") or {}).get("QWENFAST_FP8_ATTENTION", "auto")
-                keys.setdefault((r.get("gpu") is None, eng), []).append(r)
+                keys.setdefault((r.get("gpu") in (None, "cpu"), eng), []).append(r)
         for key in sorted(keys):
             r = newest(keys[key], "attention.jsonl")
             used.append(r)
