@@ -360,9 +360,9 @@ def _quantize_kernels(
 
 def kernel_runs(q: torch.Tensor) -> bool:
     """Whether `attention_int8` runs the kernel for `q` (else the reference): Triton on the tensor's
-    device, a power-of-two head dim 16..256, and no autograd."""
+    device, a power-of-two head dim 32..256 (INT8 tensor-core products take K >= 32), and no autograd."""
     D = q.shape[-1]
-    return triton_available() and use_triton(q) and D in (16, 32, 64, 128, 256)
+    return triton_available() and use_triton(q) and D in (32, 64, 128, 256)
 
 
 def attention_int8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
