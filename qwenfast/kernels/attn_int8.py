@@ -13,13 +13,15 @@ The math (q, k, v: (B, H, S, D); all scales fp32):
   which softmax cancels: exact. It removes the keys' common component, so K' quantises finer.
 - Q -> int8 per token, K' -> int8 per block of `QUANT_BLOCK` tokens (per head): scale = amax / 127, round to
   nearest even. (One scale per 64 queries too cost the text-to-image suite one more item of 120.)
-  Q·K'ᵀ is exact in int32 (|sum| <= 127² · D); times the two block scales and 1/sqrt(D).
+  Q·K'ᵀ is exact in int32 (|sum| <= 127² · D); times the query's and the key block's scales and 1/sqrt(D).
 - Online softmax in fp32 (exp2). P̃ = exp(S - running max) <= 1 -> e4m3 at scale `P_SCALE` (448, e4m3's
   largest value); V -> e4m3 with one scale per channel (over tokens), applied to the output, which is
   exact. Each key block's P8·V8 comes out of the tensor cores in fp32 and is added to an fp32 accumulator
   (the two-level accumulation that Hopper's reduced-precision FP8 accumulation needs).
 
-The quantisation runs in torch here (a few passes over Q, K, V); the kernel reads int8 Q/K and e4m3 Vᵀ.
+The quantisation is two torch reductions (K's mean, V's channel amax) and one Triton pass per tensor; the
+attention kernel reads int8 Q/K and e4m3 Vᵀ. Not fused into the QK-norm + RoPE kernel yet: the engine
+takes the bf16 Q, K, V that kernel writes.
 No padding mask: the caller (runtime/attention_fp8.py) runs exact attention where there is one; the
 reference takes one (a key mask) so the CPU path can run every call.
 """
@@ -44,8 +46,9 @@ E4M3 = torch.float8_e4m3fn
 @dataclass
 class Int8QKV:
     """Quantised attention inputs. q8, k8: (B, H, Sp, D) int8 (padded rows zero); qs: (B, H, Sp) fp32 scales
-    (one per token), ks: (B, H, Sp / QUANT_BLOCK) (one per block of keys); v8t: (B, H, D, Sp) e4m3 (V transposed: the kernel's P·V operand is then
-    K-major); vs: (B, H, D) fp32 per-channel scales; S: real tokens."""
+    (one per token), ks: (B, H, Sp / QUANT_BLOCK) (one per block of keys); v8t: (B, H, D, Sp) e4m3 (V
+    transposed: the kernel's P·V operand is then K-major); vs: (B, H, D) fp32 per-channel scales; S: real
+    tokens."""
 
     q8: torch.Tensor
     qs: torch.Tensor
@@ -108,22 +111,22 @@ def attention_int8_ref(
     mask: torch.Tensor | None = None,
     block_n: int | None = None,
 ) -> torch.Tensor:
-    """What the kernel computes, in fp32 torch: the same quantisation, exact logits of the quantised Q and
+    """What the kernel computes, in fp32 torch on q's device: the same quantisation (torch's), exact logits of the quantised Q and
     K', an online softmax over key blocks of `block_n` (None: the kernel's on this device) whose P̃ (against
     the running max, as the kernel rounds it) goes to e4m3 at `P_SCALE`, the quantised V. q, k, v (B, H, S,
     D), mask (B, 1, 1, S) bool (keys to keep) -> (B, H, S, D) in q's dtype."""
     B, H, S, D = q.shape
     bn = block_n or _config(D)[1]
-    z = quantize_int8_attention(q, k, v, mask)
+    z = quantize_int8_attention(q, k, v, mask, kernels=False)
     qd = z.q8[:, :, :S].float() * _rows(z.qs, S, 1)
     kd = z.k8[:, :, :S].float() * _rows(z.ks, S, QUANT_BLOCK)
     vd = z.v8t[:, :, :, :S].float().transpose(2, 3)  # (B, H, S, D), unscaled: the scale goes on the output
     s = (qd @ kd.transpose(-1, -2)) / math.sqrt(D)  # (B, H, S, S)
     if mask is not None:
         s = s.masked_fill(~mask.reshape(B, 1, 1, S).bool(), float("-inf"))
-    m = torch.full((B, H, S, 1), float("-inf"))
-    denom = torch.zeros(B, H, S, 1)
-    acc = torch.zeros(B, H, S, D)
+    m = torch.full((B, H, S, 1), float("-inf"), device=q.device)
+    denom = torch.zeros(B, H, S, 1, device=q.device)
+    acc = torch.zeros(B, H, S, D, device=q.device)
     for j in range(0, S, bn):
         blk = s[..., j : j + bn]
         m_new = torch.maximum(m, blk.amax(dim=-1, keepdim=True))
