@@ -22,22 +22,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 from . import RESULTS_HELP, emit, results_dir, versions
+from .clients import closed_loop, quantile
 
 if TYPE_CHECKING:
     import torch
 
     from ..pipeline.text_to_image import QwenImagePipeline
 
-T, R = TypeVar("T"), TypeVar("R")  # closed_loop's items and results
 TEXT_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
            "num_key_value_heads": 4, "vocab_size": 152064, "max_position_embeddings": 128000,
            "max_window_layers": 28, "layer_types": ["full_attention"] * 28}  # fmt: skip
@@ -159,45 +158,6 @@ def _post(url: str, body: dict, timeout: float = 3600) -> dict:
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
-
-
-def closed_loop(
-    items: Iterable[T],
-    c: int,
-    one: Callable[[T], R],
-    stop_at: float | None = None,
-    take: Callable[[T], T] | None = None,
-) -> list[R]:
-    """c client threads, each taking the next item and running `one(item)` (a request and its wait) until
-    the items run out or `stop_at` (a perf_counter time) has passed -> the results in completion order.
-    `take(item)`, if given, runs under the clients' lock as an item is taken (and may replace it)."""
-    out: list[R] = []
-    lock = threading.Lock()
-    it = iter(items)
-
-    def client() -> None:
-        while True:
-            with lock:
-                x = next(it, None)
-                if x is None or (stop_at is not None and time.perf_counter() >= stop_at):
-                    return
-                if take is not None:
-                    x = take(x)
-            r = one(x)
-            with lock:
-                out.append(r)
-
-    threads = [threading.Thread(target=client) for _ in range(c)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return out
-
-
-def quantile(xs: list[float], p: float) -> float:
-    """The p-quantile of the sorted `xs` (nearest rank); NaN when there are none."""
-    return xs[min(len(xs) - 1, int(round(p * (len(xs) - 1))))] if xs else float("nan")
 
 
 def run_level(base: str, c: int, n_requests: int, size: int, steps: int, cfg: float, seed0: int) -> dict:

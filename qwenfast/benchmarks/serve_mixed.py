@@ -41,8 +41,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import serve
-from .serve import quantile
+from . import clients
+from .clients import quantile
 
 SIZES_FULL = [((1024, 1024), 0.55), ((1328, 1328), 0.15), ((928, 1664), 0.15), ((1664, 928), 0.15)]
 SIZES_DEMO = [((128, 128), 0.55), ((144, 144), 0.15), ((96, 160), 0.15), ((160, 96), 0.15)]  # its own scale
@@ -174,7 +174,7 @@ def closed_loop(base: str, reqs: list[Req], c: int, stop_at: float | None = None
         outcome, s = send(base, r)
         return {"k": r.k, "cls": r.cls, "outcome": outcome, "s": s, "lora": r.lora}
 
-    return serve.closed_loop(reqs, c, one, stop_at, take=hook)
+    return clients.closed_loop(reqs, c, one, stop_at, take=hook)
 
 
 class MemorySampler:
