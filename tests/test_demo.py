@@ -153,6 +153,18 @@ def test_shipped_demo_model_scores_on_cpu():
 MIN_SCORE_16 = 75.0  # % of the first 16 held-out prompts passing every check (measured 93.8% on CPU)
 
 
+def test_gate_rows_carry_each_items_pass_and_the_flips():
+    """`quality_paths` rows: one pass bit per item, and the items lost / gained against the reference,
+    whose difference is the gap in items (a path scored against itself: no flips)."""
+    from qwenfast.demo.bench import PATHS, quality_paths
+
+    rows = quality_paths(DEMO, n=6, device="cpu", paths=(PATHS[0], PATHS[0], PATHS[1]))  # fp32, fp32, bf16
+    for r in rows:
+        assert len(r["passes"]) == 6 and set(r["passes"]) <= {"0", "1"}
+        assert r["gained"] - r["lost"] == round(r["gap"] * 6 / 100)
+    assert rows[1]["passes"] == rows[0]["passes"] and rows[1]["lost"] == rows[1]["gained"] == 0
+
+
 @pytest.mark.skipif(not (DEMO / "transformer").is_dir(), reason="demo model not built")
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="the fast paths need a GPU")
 def test_fast_paths_keep_the_score_on_gpu():

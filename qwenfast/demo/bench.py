@@ -219,7 +219,8 @@ def quality_paths(
     # (name, dtype, kernel backend, CUDA graphs, batched CFG, fast VAE, 8-bit weights), as in PATHS
     paths: Sequence[tuple[str, torch.dtype, str, bool, bool, bool, str]] = PATHS,
 ) -> list[dict]:
-    """Score the held-out suite once per code path (same seeds); rows with the gap to the reference.
+    """Score the held-out suite once per code path (same seeds); rows with the gap to the reference, each
+    item's pass ("passes") and the items lost and gained against the reference.
 
     Edit models score `n` edits (beyond the 36 held-out ones the suite continues with the same
     generator, so 2 points are more than one item). FP8 rows are skipped where FP8 GEMMs are not
@@ -229,7 +230,7 @@ def quality_paths(
     from ..pipeline.text_to_image import resolve_device
 
     dev = resolve_device(device)
-    rows, ref = [], None
+    rows, ref, ref_passes = [], None, None
     for name, dtype, kernels, graphs, batched, fast_vae, weights in paths:
         if weights == "fp8" and not fp8_supported(dev):
             rows.append({"path": name, "skipped": f"FP8 GEMMs need an Ada/Hopper GPU, not {dev}"})
@@ -254,6 +255,12 @@ def quality_paths(
         }
         ref = row["score"] if ref is None else ref
         row["gap"] = round(row["score"] - ref, 2)
+        # which items pass ("1"/"0" in suite order), and against the reference the items this path lost and
+        # gained: a gap of one or two items with many flips each way is noise of the numerics, not a loss
+        row["passes"] = "".join("1" if it["pass"] else "0" for it in res.items)
+        ref_passes = row["passes"] if ref_passes is None else ref_passes
+        row["lost"] = sum(a > b for a, b in zip(ref_passes, row["passes"]))
+        row["gained"] = sum(a < b for a, b in zip(ref_passes, row["passes"]))
         rows.append(row)
         print(f"  {name:40s} {row['score']:5.1f}%  (gap {row['gap']:+.1f})  {row['s']:.1f}s", flush=True)
         del pipe
