@@ -25,10 +25,12 @@ if TYPE_CHECKING:
 
 def progress_bar(total: int, what: str):
     """The suite's progress on stderr (images done of `total`), so a minute-long run is never silent
-    (stdout keeps the table and the final JSON line)."""
+    (stdout keeps the table and the final JSON line). Every batch redraws it (miniters 1, no minimum
+    interval): a suite of a few fast images still shows its count before the bar clears."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=what, unit="img", file=sys.stderr, leave=False, dynamic_ncols=True)
+    kw = dict(file=sys.stderr, leave=False, dynamic_ncols=True, miniters=1, mininterval=0)
+    return tqdm(total=total, desc=what, unit="img", **kw)
 
 
 def generate(
