@@ -147,6 +147,17 @@ if triton_available():
     from .attn_quant import _round_e4m3
 
     @triton.jit
+    def _load_block(X, S, H, sx_b, sx_h, sx_s, QB: tl.constexpr, D: tl.constexpr):
+        """This program's (QB, D) block of tokens of one head, fp32 (rows past S: zeros) -> (x, rows, cols,
+        keep, bh)."""
+        bh = tl.program_id(1).to(tl.int64)
+        rows = tl.program_id(0) * QB + tl.arange(0, QB)
+        cols = tl.arange(0, D)
+        keep = (rows < S)[:, None]
+        src = X + (bh // H) * sx_b + (bh % H) * sx_h + rows.to(tl.int64)[:, None] * sx_s + cols[None, :]
+        return tl.load(src, mask=keep, other=0.0).to(tl.float32), rows, cols, keep, bh
+
+    @triton.jit
     def _quant_int8_kernel(
         X,
         Y,
@@ -165,13 +176,7 @@ if triton_available():
     ):
         """One (QB, D) block of one head -> int8 (rows past S: zeros) and its scale, or (PER_ROW) one scale
         per row."""
-        blk = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        rows = blk * QB + tl.arange(0, QB)
-        cols = tl.arange(0, D)
-        keep = (rows < S)[:, None]
-        src = X + (bh // H) * sx_b + (bh % H) * sx_h + rows.to(tl.int64)[:, None] * sx_s + cols[None, :]
-        x = tl.load(src, mask=keep, other=0.0).to(tl.float32)
+        x, rows, cols, keep, bh = _load_block(X, S, H, sx_b, sx_h, sx_s, QB, D)
         if SMOOTH:
             x = tl.where(keep, x - tl.load(MEAN + bh * D + cols)[None, :], 0.0)
         if PER_ROW:
@@ -183,7 +188,7 @@ if triton_available():
             amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
             sc = tl.where(amax > 0, amax / 127.0, 1.0)
             y = x / sc
-            tl.store(SC + bh * (Sp // QB) + blk, sc)
+            tl.store(SC + bh * (Sp // QB) + tl.program_id(0), sc)
         y = (y + 12582912.0) - 12582912.0  # 1.5 * 2^23: rounds |y| <= 127 to the nearest even integer
         y = tl.minimum(tl.maximum(y, -127.0), 127.0)
         tl.store(Y + bh * Sp * D + rows[:, None] * D + cols[None, :], y.to(tl.int8))
@@ -193,13 +198,8 @@ if triton_available():
         X, Y, VS, S, Sp, H, sx_b, sx_h, sx_s, QB: tl.constexpr, D: tl.constexpr, INTERP: tl.constexpr
     ):
         """One (QB, D) block of V over its channel scales -> e4m3, stored transposed (D, rows)."""
-        blk = tl.program_id(0)
-        bh = tl.program_id(1).to(tl.int64)
-        rows = blk * QB + tl.arange(0, QB)
-        cols = tl.arange(0, D)
-        keep = (rows < S)[:, None]
-        src = X + (bh // H) * sx_b + (bh % H) * sx_h + rows.to(tl.int64)[:, None] * sx_s + cols[None, :]
-        y = tl.load(src, mask=keep, other=0.0).to(tl.float32) / tl.load(VS + bh * D + cols)[None, :]
+        x, rows, cols, keep, bh = _load_block(X, S, H, sx_b, sx_h, sx_s, QB, D)
+        y = x / tl.load(VS + bh * D + cols)[None, :]
         if INTERP:
             y = _round_e4m3(y)  # (the interpreter's own e4m3 cast is off)
         tl.store(Y + bh * D * Sp + cols[None, :] * Sp + rows[:, None], y.to(tl.float8e4nv))
@@ -326,37 +326,12 @@ def _quantize_kernels(
         for x, smooth in ((q, False), (k, True)):  # Q: one scale per token; K: per block of keys
             x8 = torch.empty(B, H, Sp, D, dtype=torch.int8, device=dev)
             sc = torch.empty(B, H, nb if smooth else Sp, dtype=torch.float32, device=dev)
-            _quant_int8_kernel[grid](
-                x,
-                x8,
-                sc,
-                mean.contiguous(),
-                S,
-                Sp,
-                H,
-                x.stride(0),
-                x.stride(1),
-                x.stride(2),
-                QB=QUANT_BLOCK,
-                D=D,
-                SMOOTH=smooth,
-                PER_ROW=not smooth,
-            )
+            args = (x, x8, sc, mean.contiguous(), S, Sp, H, *x.stride()[:3])
+            _quant_int8_kernel[grid](*args, QB=QUANT_BLOCK, D=D, SMOOTH=smooth, PER_ROW=not smooth)
             out += [x8, sc]
         v8t = torch.empty(B, H, D, Sp, dtype=E4M3, device=dev)
         _quant_v_kernel[grid](
-            v,
-            v8t,
-            vs.contiguous(),
-            S,
-            Sp,
-            H,
-            v.stride(0),
-            v.stride(1),
-            v.stride(2),
-            QB=QUANT_BLOCK,
-            D=D,
-            INTERP=interpreting(),
+            v, v8t, vs.contiguous(), S, Sp, H, *v.stride()[:3], QB=QUANT_BLOCK, D=D, INTERP=interpreting()
         )
     return Int8QKV(*out, v8t, vs, S)
 
