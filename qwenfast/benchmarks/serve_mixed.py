@@ -250,12 +250,6 @@ def summarise(rows: list[dict], wall: float) -> dict:
     }
 
 
-def phase_sums(m) -> dict[str, tuple[float, int]]:
-    """The server's request phases so far (generations): phase -> (seconds summed, requests)."""
-    with m.lock:
-        return {ph: (h.sum, h.count) for (ep, ph), h in m.phases.items() if ep == "generations"}
-
-
 def phase_means(before: dict, after: dict) -> dict[str, float]:
     """Mean seconds per request of each phase between two `phase_sums`."""
     out = {}
@@ -269,7 +263,7 @@ def phase_means(before: dict, after: dict) -> dict[str, float]:
 def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None = None, hook=None) -> dict:
     """One closed-loop level against a running server, with the server-side counters it moved."""
     m = app.state.metrics
-    ph0 = phase_sums(m)
+    ph0 = m.phase_sums("generations")
     g0 = pipe.graph_stats()
     before = (dict(m.requests), m.interleaved, m.batch_size.count, m.batch_size.sum)
     rows_ = pipe.row_loras
@@ -287,7 +281,7 @@ def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None =
     g = pipe.graph_stats()
     res["graph_captures"], res["graph_replays"] = g["captures"] - g0["captures"], g["replays"] - g0["replays"]
     res["graphs_resident"] = g["resident"]
-    res["server_phases_s"] = phase_means(ph0, phase_sums(m))  # mean per successful request
+    res["server_phases_s"] = phase_means(ph0, m.phase_sums("generations"))  # mean per successful request
     if rows_ is not None:
         res["adapter_loads"], res["adapter_evictions"] = rows_.loads - ad0[0], rows_.evictions - ad0[1]
     return res
@@ -454,10 +448,12 @@ def run(
                         _plain(-100 - i, cls, size, names[i % len(names)], PROMPTS[0], i) for i in range(4)
                     ]
                     send(base, one[0])  # (the first may capture a graph)
-                    ph0 = phase_sums(app.state.metrics)
+                    ph0 = app.state.metrics.phase_sums("generations")
                     lat = sorted(s for _, s in (send(base, r) for r in one[1:]))
                     res["idle_s"][cls] = round(statistics.median(lat), 3)
-                    res["idle_server_phases_s"][cls] = phase_means(ph0, phase_sums(app.state.metrics))
+                    res["idle_server_phases_s"][cls] = phase_means(
+                        ph0, app.state.metrics.phase_sums("generations")
+                    )
                 res["idle_pipeline_s"] = _pipeline_s(
                     pipe, *(SIZES_FULL if full else SIZES_DEMO)[0][0], names[0]
                 )

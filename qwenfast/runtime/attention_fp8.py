@@ -303,7 +303,6 @@ class Int8Sage:
     """`kernels.attn_int8`: bf16 Q, K, V in (it quantises them itself), bf16 out; needs Triton."""
 
     name = "int8"
-    per_head = True
     takes_bf16 = True  # `run(q, k, v)`, not the e4m3 inputs of the other engines
 
     def __init__(self) -> None:

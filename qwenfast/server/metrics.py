@@ -73,6 +73,11 @@ class Metrics:
             for phase, v in spans.items():
                 self.phases.setdefault((endpoint, phase), Histogram(LATENCY_BUCKETS)).observe(max(0.0, v))
 
+    def phase_sums(self, endpoint: str) -> dict[str, tuple[float, int]]:
+        """The request phases of `endpoint` so far: phase -> (seconds summed, requests)."""
+        with self.lock:
+            return {ph: (h.sum, h.count) for (ep, ph), h in self.phases.items() if ep == endpoint}
+
     def reject(self, reason: str) -> None:
         with self.lock:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
