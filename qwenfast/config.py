@@ -91,8 +91,14 @@ class TransformerConfig:
         """Matmul + attention FLOPs of one forward (2 per multiply-add), for the benchmark's floor."""
         d, L = self.inner_dim, img_tokens + txt_tokens
         per_block_linear = 2 * L * (3 * d * d + d * d + 2 * 4 * d * d)  # qkv, out, mlp (both streams)
-        attn = 2 * 2 * L * L * d  # QK^T and PV
-        return batch * self.num_layers * (per_block_linear + attn)
+        return batch * self.num_layers * per_block_linear + self.attention_flops(
+            img_tokens, txt_tokens, batch
+        )
+
+    def attention_flops(self, img_tokens: int, txt_tokens: int, batch: int = 1) -> float:
+        """The attention part of `flops_per_forward`: QK^T and PV of the joint sequence, every layer."""
+        L = img_tokens + txt_tokens
+        return batch * self.num_layers * 2 * 2 * L * L * self.inner_dim
 
 
 @dataclass(frozen=True)

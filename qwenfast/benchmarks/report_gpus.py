@@ -31,10 +31,8 @@ def _split_flops() -> tuple[float, float]:
     from ..config import TransformerConfig
 
     cfg = TransformerConfig()
-    total = cfg.flops_per_forward(4096, 128)
-    L = 4096 + 128
-    attn = cfg.num_layers * 2 * 2 * L * L * cfg.inner_dim
-    return total - attn, attn
+    attn = cfg.attention_flops(4096, 128)
+    return cfg.flops_per_forward(4096, 128) - attn, attn
 
 
 def _weights_gb(path: str) -> float:

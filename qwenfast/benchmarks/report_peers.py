@@ -62,10 +62,8 @@ def attention_share(size: int, txt: int = 128) -> float:
     """Attention's share of a Qwen-Image forward's FLOPs at size² (the config's count)."""
     from ..config import TransformerConfig
 
-    cfg = TransformerConfig()
-    n = (size // 16) ** 2
-    L = n + txt
-    return cfg.num_layers * 4 * L * L * cfg.inner_dim / cfg.flops_per_forward(n, txt)
+    cfg, n = TransformerConfig(), (size // 16) ** 2
+    return cfg.attention_flops(n, txt) / cfg.flops_per_forward(n, txt)
 
 
 def peers_highres(recs: list[Rec]) -> str:
