@@ -51,9 +51,14 @@ def test_kernel_equals_reference(device, shape, dtype):
     with K.use_backend("triton"):
         got = attention_int8_quantized(quantize_int8_attention(q, k, v, kernels=False), dtype, out=out)
         # (its own quantisation passes: on a GPU a rare element one rounding step apart)
-        assert rel(attention_int8(q, k, v), want) <= (1e-5 if device == "interp" else 1e-3) + 1e-2 * (dtype != torch.float32)
+        assert rel(attention_int8(q, k, v), want) <= (1e-5 if device == "interp" else 1e-3) + 1e-2 * (
+            dtype != torch.float32
+        )
     assert got.shape == (B, H, S, D) and got.data_ptr() == out.data_ptr()
-    assert rel(got, want) <= (1e-5 if dtype == torch.float32 else 1e-2)
+    # fp32 on a GPU: Hopper's FP8 tensor cores add up a key block's P·V products in reduced precision
+    # (~14 mantissa bits), so the kernel sits ~1e-4 from the reference's exact sums; the interpreter's is exact
+    tol = 1e-2 if dtype != torch.float32 else 1e-5 if device == "interp" else 5e-4
+    assert rel(got, want) <= tol
 
 
 @pytest.mark.parametrize("device", DEVICES)

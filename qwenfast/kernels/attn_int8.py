@@ -15,8 +15,8 @@ The math (q, k, v: (B, H, S, D); all scales fp32):
   nearest even. (One scale per 64 queries too cost the text-to-image suite one more item of 120.)
   Q·K'ᵀ is exact in int32 (|sum| <= 127² · D); times the query's and the key block's scales and 1/sqrt(D).
 - Online softmax in fp32 (exp2). P̃ = exp(S - running max) <= 1 -> e4m3 at scale `P_SCALE` (448, e4m3's
-  largest value); V -> e4m3 with one scale per channel (over tokens), applied to the output, which is
-  exact. Each key block's P8·V8 comes out of the tensor cores in fp32 and is added to an fp32 accumulator
+  largest value; folded into the exponent and carried by the row sums too, so the division cancels it);
+  V -> e4m3 with one scale per channel (over tokens), applied to the output, which is exact. Each key block's P8·V8 comes out of the tensor cores in fp32 and is added to an fp32 accumulator
   (the two-level accumulation that Hopper's reduced-precision FP8 accumulation needs).
 
 The quantisation is two torch reductions (K's mean, V's channel amax) and one Triton pass per tensor; the
@@ -132,11 +132,11 @@ def attention_int8_ref(
         m_new = torch.maximum(m, blk.amax(dim=-1, keepdim=True))
         base = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # a row masked so far: 0
         alpha = torch.exp(m - base)
-        p = torch.exp(blk - base)  # <= 1
-        denom = denom * alpha + p.sum(dim=-1, keepdim=True)
-        acc = acc * alpha + (p * P_SCALE).to(E4M3).float() @ vd[:, :, j : j + bn]
+        p = torch.exp(blk - base + math.log(P_SCALE))  # P̃ times P_SCALE: <= P_SCALE
+        denom = denom * alpha + p.sum(dim=-1, keepdim=True)  # carries P_SCALE too: the division cancels it
+        acc = acc * alpha + p.to(E4M3).float() @ vd[:, :, j : j + bn]
         m = m_new
-    out = acc * (z.vs[:, :, None, :] / P_SCALE) / denom
+    out = acc * z.vs[:, :, None, :] / denom
     return out.to(q.dtype)
 
 
@@ -205,6 +205,55 @@ if triton_available():
         tl.store(Y + bh * D * Sp + cols[None, :] * Sp + rows[:, None], y.to(tl.float8e4nv))
 
     @triton.jit
+    def _attn_int8_block(
+        acc,
+        l_i,
+        m_i,
+        q,
+        qs,
+        K8,
+        KS,
+        V8T,
+        start,
+        S,
+        Sp,
+        nkb,
+        bh,
+        offs_d,
+        log2_p,
+        D: tl.constexpr,
+        QB: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MASK: tl.constexpr,
+        INTERP: tl.constexpr,
+    ):
+        """One key block of the online softmax: (acc, l_i, m_i) updated. l_i and acc both carry P's scale
+        (2^log2_p: folded into the exponent), which the output's division cancels."""
+        offs_n = start + tl.arange(0, BLOCK_N)
+        k = tl.load(K8 + bh * Sp * D + offs_n[:, None] * D + offs_d[None, :])  # (BLOCK_N, D) int8
+        ks = tl.load(KS + bh * nkb + offs_n // QB)  # (BLOCK_N,) per-block key scales
+        if INTERP:  # the interpreter's dot: fp32 is exact for these int8 products and sums (< 2^24)
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32)
+            # int32 -> fp32 without the conversion unit (16 a clock per SM, as exp2): |s| <= 127² * 256 < 2^22,
+            # so s + 1.5 * 2^23 read as fp32 bits is that float, exactly; subtract it back.
+            s = (s + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+        s = s * qs[:, None] * ks[None, :]  # (BLOCK_M, BLOCK_N) logits, log2 units
+        if MASK:  # only the last block holds keys past S (the buffers' zero padding)
+            s = tl.where((offs_n < S)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - (m_new - log2_p)[:, None])  # P̃ times P's scale: <= 2^log2_p
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(V8T + bh * D * Sp + offs_d[:, None] * Sp + offs_n[None, :])  # (D, BLOCK_N) e4m3
+        if INTERP:  # exact e4m3 rounding (the interpreter's own cast is off), then an fp32 dot
+            pv = tl.dot(_round_e4m3(p), tl.trans(vt.to(tl.float32)), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(tl.float8e4nv), tl.trans(vt))
+        return acc * alpha[:, None] + pv, l_i, m_new
+
+    @triton.jit
     def _attn_int8_kernel(
         Q8,
         QS,
@@ -232,36 +281,63 @@ if triton_available():
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, D)
         nkb = Sp // QB
+        log2_p = tl.log2(P_MAX)
         q = tl.load(Q8 + bh * Sp * D + offs_m[:, None] * D + offs_d[None, :])  # (BLOCK_M, D) int8
         qs = tl.load(QS + bh * Sp + offs_m) * scale_log2  # (BLOCK_M,) per-token scales, log2 units
-        if INTERP:  # the interpreter's dot: fp32 is exact for these int8 products and sums (< 2^24)
+        if INTERP:
             q = q.to(tl.float32)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-        for start in range(0, S, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            k = tl.load(K8 + bh * Sp * D + offs_n[:, None] * D + offs_d[None, :])  # (BLOCK_N, D) int8
-            ks = tl.load(KS + bh * nkb + offs_n // QB)
-            if INTERP:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-            s = s * qs[:, None] * ks[None, :]
-            s = tl.where((offs_n < S)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])  # <= 1
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            vt = tl.load(V8T + bh * D * Sp + offs_d[:, None] * Sp + offs_n[None, :])  # (D, BLOCK_N) e4m3
-            if INTERP:  # exact e4m3 rounding (the interpreter's own cast is off), then an fp32 dot
-                pv = tl.dot(_round_e4m3(p * P_MAX), tl.trans(vt.to(tl.float32)), input_precision="ieee")
-            else:
-                pv = tl.dot((p * P_MAX).to(tl.float8e4nv), tl.trans(vt))
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+        full = (S // BLOCK_N) * BLOCK_N
+        for start in range(0, full, BLOCK_N):
+            acc, l_i, m_i = _attn_int8_block(
+                acc,
+                l_i,
+                m_i,
+                q,
+                qs,
+                K8,
+                KS,
+                V8T,
+                start,
+                S,
+                Sp,
+                nkb,
+                bh,
+                offs_d,
+                log2_p,
+                D,
+                QB,
+                BLOCK_N,
+                False,
+                INTERP,
+            )
+        if full < S:
+            acc, l_i, m_i = _attn_int8_block(
+                acc,
+                l_i,
+                m_i,
+                q,
+                qs,
+                K8,
+                KS,
+                V8T,
+                full,
+                S,
+                Sp,
+                nkb,
+                bh,
+                offs_d,
+                log2_p,
+                D,
+                QB,
+                BLOCK_N,
+                True,
+                INTERP,
+            )
         vs = tl.load(VS + bh * D + offs_d)  # (D,) V's per-channel scales
-        out = acc * (vs[None, :] / P_MAX) / l_i[:, None]
+        out = acc * vs[None, :] / l_i[:, None]
         b = bh // H
         h = bh % H
         optr = Out + b * so_b + h * so_h + offs_m[:, None].to(tl.int64) * so_s + offs_d[None, :]
@@ -269,21 +345,26 @@ if triton_available():
 
 
 def _config(D: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages): FlashAttention-2's usual Hopper tiles for d <= 128; a
-    first choice, to be tuned on the GPU (`qwenfast bench attention micro` times the kernel)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). d <= 128: the fastest of 18 tiles at 4224 and 16512 tokens
+    on an H100 (bench/attn_int8_tiles.py, bench/results/attention.jsonl); d = 256: untimed."""
     if interpreting():
         return 32, 32, 4, 1
-    return (128, 64, 8, 3) if D <= 128 else (64, 32, 4, 2)
+    return (64, 128, 4, 3) if D <= 128 else (64, 32, 4, 2)
 
 
 def attention_int8_quantized(
-    z: Int8QKV, out_dtype: torch.dtype, out: torch.Tensor | None = None
+    z: Int8QKV,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """The kernel on quantised inputs -> (B, H, S, D) in `out_dtype`, a view of (B, S, H, D) memory
-    (`out`, when given: a contiguous (B, S, H, D) buffer to write)."""
+    (`out`, when given: a contiguous (B, S, H, D) buffer to write). `config`: (BLOCK_M, BLOCK_N,
+    num_warps, num_stages), default `_config` (a tile sweep passes others; BLOCK_N a multiple of
+    QUANT_BLOCK or a divisor of it, BLOCK_M and BLOCK_N dividing PAD)."""
     B, H, Sp, D = z.q8.shape
     o = torch.empty(B, z.S, H, D, dtype=out_dtype, device=z.q8.device) if out is None else out
-    BM, BN, warps, stages = _config(D)
+    BM, BN, warps, stages = config or _config(D)
     grid = (triton.cdiv(z.S, BM), B * H)
     with _on_device(o):
         _attn_int8_kernel[grid](
