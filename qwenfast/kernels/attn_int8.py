@@ -345,11 +345,14 @@ if triton_available():
 
 
 def _config(D: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). d <= 128: the fastest of 18 tiles at 4224 and 16512 tokens
-    on an H100 (bench/attn_int8_tiles.py, bench/results/attention.jsonl); d = 256: untimed."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_N is the online softmax's key block, so it sets
+    where P̃ is rounded and the quality gate's result; BLOCK_M and the rest change only the speed. d <= 128:
+    the fastest tile with 64-key blocks on an H100 (bench/attn_int8_tiles.py; outputs bit-equal to the
+    other 64-key tiles). 128-key blocks ran ~15% faster but lost the text-to-image gate (-3.3 points
+    against -1.7: bench/results/attention.jsonl). d = 256: untimed."""
     if interpreting():
         return 32, 32, 4, 1
-    return (64, 128, 4, 3) if D <= 128 else (64, 32, 4, 2)
+    return (64, 64, 4, 3) if D <= 128 else (64, 32, 4, 2)
 
 
 def attention_int8_quantized(
