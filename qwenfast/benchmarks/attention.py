@@ -299,9 +299,9 @@ def _profile_ms(fn) -> dict[str, float]:
         if t <= 0 or e.key.startswith("ProfilerStep"):
             continue
         n = e.key.lower()
-        if "_amax_kernel" in n or "_quant_kernel" in n:
+        if any(s in n for s in ("_amax_kernel", "_quant_kernel", "_quant_int8_kernel", "_quant_v_kernel")):
             cats["fp8_quant"] += t
-        elif any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn", "fprop")):
+        elif any(s in n for s in ("flash", "fmha", "attention", "sdpa", "cudnn", "fprop", "_attn_int8")):
             cats["attention"] += t
         elif any(s in n for s in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "_mm")):
             cats["gemm"] += t
@@ -436,6 +436,12 @@ def quality(out_dir: Path | None, model: str | None, n: int, device: str = "cuda
         "gate_ok": worst is not None and worst <= 2.0,
         "fp8_calls": dict(CALLS),
     }
+    if CALLS.get("int8"):  # the key block sets where P is rounded, so the gate's result: record the tile
+        from ..kernels.attn_int8 import _config
+
+        rec["int8_tile"] = list(
+            _config(128)
+        )  # (the interpreter's on a CPU run: the report keys GPU rows only)
     for r in rows:
         _say(
             "quality",

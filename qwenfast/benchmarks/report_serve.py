@@ -84,6 +84,13 @@ def serve_soak(recs: list[Rec]) -> str:
         ["allocated, per-minute floor (GiB)", " ".join(f"{v:.2f}" for v in m.get("floor_gib", []))],
         ["allocated, per-minute peak (GiB)", " ".join(f"{v:.2f}" for v in m.get("peak_gib", []))],
     ]  # fmt: skip
+    floors, peaks = m.get("floor_gib", []), m.get("peak_gib", [])
+    if len(floors) > 2:  # the first minute holds the warm-up's tail; the last, the drain
+        rest = floors[1:]
+        ranges = f"{max(rest) - min(rest):.2f} / {max(peaks[1:-1]) - min(peaks[1:-1]):.2f}"
+        rows.append(["allocated after the first minute: floor range / peak range (GiB)", ranges])
+    if "allocated_spread_gib" in m:
+        rows.append(["allocated, max − min over the load (GiB)", f"{m['allocated_spread_gib']:.2f}"])
     return (
         table(["soak", "figure"], rows)
         + "\n"

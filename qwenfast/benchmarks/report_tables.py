@@ -511,14 +511,35 @@ def attention(recs: list[Rec]) -> str:
     if tr is not None:
         used.append(tr)
         c, p = tr["rows"]["cudnn"], tr["rows"]["fp8"]
+        engines = ", ".join(sorted(k for k in (tr.get("fp8_calls") or {}) if " " not in k)) or "auto"
+        p_att = p["attention_ms_eager_incl_quant"]
+        # (a profile before the int8 kernel's names were counted as attention put it under "other")
+        p_att = "not split out" if not p_att and "int8" in engines else ms(p_att)
         out += "\n\n" + table(
             ["60-layer FP8 forward, 1024²", "forward", "attention (eager profile)"],
             [
                 ["bf16 attention", ms(c["ms_forward_graph"]), ms(c["attention_ms_eager_incl_quant"])],
-                ['`attention="fp8"`', ms(p["ms_forward_graph"]), ms(p["attention_ms_eager_incl_quant"])],
+                [f'`attention="fp8"` ({engines} engine)', ms(p["ms_forward_graph"]), p_att],
             ],
         )
-    return out + source(used, "bash bench/attention.sh")
+    from ..kernels.attn_int8 import gpu_tile
+
+    tiles = newest(recs, f, lambda r: r["bench"] == "attn_int8_tiles")
+    if tiles is not None:  # the int8 kernel alone, per tile: its default against the fastest
+        used.append(tiles)
+        rows = []
+        for S in sorted(int(k) for k in tiles["best"]):
+            ok = [r for r in tiles["rows"] if r["S"] == S and "ms" in r]
+            fast = min(ok, key=lambda r: r["ms"])
+            dflt = [r for r in ok if r["tile"] == list(gpu_tile(128))]
+            for label, r in (("default", dflt[0] if dflt else None), ("fastest", fast)):
+                if r is not None:
+                    rows.append([label, str(tuple(r["tile"])), f"{S}", ms(r["ms"]), f"{r['tops']:.0f} TOP/s"])
+        out += "\n\n" + table(
+            ["int8 kernel alone", "tile (BLOCK_M, BLOCK_N, warps, stages)", "tokens", "per layer", "rate"],
+            rows,
+        )
+    return out + source(used, "bash bench/attention.sh; python bench/attn_int8_tiles.py")
 
 
 def attention_quality(recs: list[Rec]) -> str:
@@ -530,6 +551,12 @@ def attention_quality(recs: list[Rec]) -> str:
         for r in recs:
             if r.file == "attention.jsonl" and r["bench"] == "attention_quality" and r["model"] == model:
                 eng = (r.get("env") or {}).get("QWENFAST_FP8_ATTENTION", "auto")
+                tile = r.get("int8_tile")  # its key block (tile[1]) sets where P is rounded
+                eng += (
+                    f" engine, {tile[1]}-key blocks"
+                    if tile and r.get("gpu") not in (None, "cpu")
+                    else " engine"
+                )
                 keys.setdefault((r.get("gpu") in (None, "cpu"), eng), []).append(r)
         for key in sorted(keys):
             r = newest(keys[key], "attention.jsonl")
@@ -538,7 +565,7 @@ def attention_quality(recs: list[Rec]) -> str:
             for row in r["rows"]:
                 att = row.get("attention", "")
                 if att == "fp8":
-                    att = f"8-bit, {key[1]} engine"
+                    att = f"8-bit, {key[1]}"
                 rows.append([what, where, row["path"], att, f"{row['score']:.1f}%", f"{row['gap']:+.1f}"])
     head = ["suite (120 items)", "device", "path", "attention", "score", "vs fp32 reference"]
     return table(head, rows) + source(

@@ -344,15 +344,18 @@ if triton_available():
         tl.store(optr, out.to(Out.dtype.element_ty), mask=(offs_m < S)[:, None])
 
 
-def _config(D: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). BLOCK_N is the online softmax's key block, so it sets
-    where P̃ is rounded and the quality gate's result; BLOCK_M and the rest change only the speed. d <= 128:
-    the fastest tile with 64-key blocks on an H100 (bench/attn_int8_tiles.py; outputs bit-equal to the
-    other 64-key tiles). 128-key blocks ran ~15% faster but lost the text-to-image gate (-3.3 points
+def gpu_tile(D: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) on a GPU. BLOCK_N is the online softmax's key block, so it
+    sets where P̃ is rounded and the quality gate's result; BLOCK_M and the rest change only the speed.
+    d <= 128: the fastest tile with 64-key blocks on an H100 (bench/attn_int8_tiles.py; outputs bit-equal to
+    the other 64-key tiles). 128-key blocks ran ~15% faster but lost the text-to-image gate (-3.3 points
     against -1.7: bench/results/attention.jsonl). d = 256: untimed."""
-    if interpreting():
-        return 32, 32, 4, 1
     return (64, 64, 4, 3) if D <= 128 else (64, 32, 4, 2)
+
+
+def _config(D: int) -> tuple[int, int, int, int]:
+    """The tile this process runs: `gpu_tile`, or small tiles in Triton's CPU interpreter."""
+    return (32, 32, 4, 1) if interpreting() else gpu_tile(D)
 
 
 def attention_int8_quantized(
