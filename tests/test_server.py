@@ -452,7 +452,10 @@ def test_metrics(server):
     parts = {ph: metric(text, f'qwenfast_request_phase_seconds_sum{{endpoint="generations",phase="{ph}"}}')
              for ph in ("queue", "generate", "encode", "other")}  # fmt: skip
     for ph in parts:
-        assert metric(text, f'qwenfast_request_phase_seconds_count{{endpoint="generations",phase="{ph}"}}') == count
+        assert (
+            metric(text, f'qwenfast_request_phase_seconds_count{{endpoint="generations",phase="{ph}"}}')
+            == count
+        )
     assert parts["generate"] > 0 and parts["encode"] > 0
     assert sum(parts.values()) == pytest.approx(total, rel=1e-4, abs=1e-4 * count)
     # GPU memory gauges appear on CUDA only
@@ -751,6 +754,31 @@ def test_a_short_request_runs_between_two_steps_of_a_long_batch(pipe):
     for k, seed, steps in (("long", 3, 4), ("short", 5, 1)):
         got = png_pixels(res[k].json()["data"][0]["b64_json"])
         assert_same_image(got, alone(pipe, OK["prompt"], seed, 32, 32, steps=steps), k)
+
+
+def test_the_pause_budget_bounds_interleaving_not_the_long_requests_age(pipe):
+    """The bound on interleaving is the time a running batch has spent paused for shorter ones
+    (`--age-bound`), not how long its request waited: a long batch whose request is older than the bound
+    still lets a short request through; with the budget at zero it never pauses. Images as alone."""
+    gated = GatedPipe(pipe)
+    for bound, want in ((0.3, ["short", "long"]), (0.0, ["long", "short"])):
+        with running(gated, max_batch=4, age_bound_s=bound) as (base, app):
+            gated.gate.clear()
+            gated.entered.clear()
+            send = Senders(base)
+            send.start("long", {**OK, "seed": 3, "steps": 4})
+            assert gated.entered.wait(30)
+            time.sleep(0.5)  # the long request is now older than the 0.3 s bound
+            send.start("short", {**OK, "seed": 5, "steps": 1}, queued=1)
+            gated.gate.set()
+            send.join()
+            interleaved = app.state.metrics.interleaved
+        assert send.done == want, (bound, send.done)
+        assert interleaved == (1 if bound else 0)
+        for k, seed, steps in (("long", 3, 4), ("short", 5, 1)):
+            assert send.res[k].status_code == 200
+            got = png_pixels(send.res[k].json()["data"][0]["b64_json"])
+            assert_same_image(got, alone(pipe, OK["prompt"], seed, 32, 32, steps=steps), f"{k} at {bound}")
 
 
 def test_a_short_request_runs_between_two_cached_steps_and_short_ones_start_first(pipe):

@@ -15,7 +15,8 @@ A lone request waits at most `batch_wait_s` for batch-mates, counted from when i
 batching never adds more than that to anyone's latency. The next batch starts with the waiting request
 of fewest steps (then the oldest), so a 4-step request does not queue behind 50-step ones, unless the
 oldest request has waited `age_bound_s`: then the oldest goes first, so nothing starves (`_first`).
-Between two steps of a running batch, shorter requests may run to the end first (`_interleave`).
+Between two steps of a running batch, shorter requests may run to the end first (`_interleave`), for
+at most `age_bound_s` of pauses per running batch.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class Job:
         self.cancelled = False
         self.enqueued = time.monotonic()
         self.started: float | None = None  # its first image's batch began (worker thread)
+        self.paused_s = 0.0  # time its running batch spent on interleaved batches (worker thread)
         self.finished: float | None = None  # its answer (images or error) was handed over
         p = params
         if kind == "t2i":
@@ -262,8 +264,11 @@ class Scheduler:
         whole run. Policy: among pending text-to-image requests with fewer steps than the running batch
         has left, the fewest steps first (then the oldest); one level deep (a nested batch is not
         interrupted in turn), one nested batch per step of the running one, and none once the running
-        batch's first request has waited `age_bound_s` (queue included), so a stream of short requests
-        slows a long batch for a bounded time. Only what cannot disturb the running batch: the
+        batch has been paused `age_bound_s` in all, so a stream of short requests slows a long batch by
+        a bounded time (that bound plus one nested batch). The pauses count, not the long batch's wait
+        in the queue: under a saturating load long requests have often waited that long already, and
+        bounding by their age then held every short request for a long batch's whole run (the mixed
+        soak's 4-step p95). Only what cannot disturb the running batch: the
         same LoRA set (any with --row-loras: each forward selects its rows), no step cache for the short
         batch (a running batch's step cache is bypassed for it and its state left alone:
         `pipe.step_cache_bypassed`), one process (not --parallel). Same images as batches run one after
@@ -272,7 +277,7 @@ class Scheduler:
         # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
         if self._nested or not self.cfg.interleave or o.parallel is not None:
             return
-        if time.monotonic() - job0.enqueued >= self.cfg.age_bound_s:  # the long batch has waited enough
+        if job0.paused_s >= self.cfg.age_bound_s:  # the long batch has yielded enough
             return
         with self.cond:
             ok = [it for it in self.pending if self._can_interleave(it.job, job0, remaining)]
@@ -282,11 +287,13 @@ class Scheduler:
             take = self._take(first.job.key, self.cfg.max_batch)
         self._nested = True
         self.metrics.interleaved += 1
+        t0 = time.monotonic()
         try:
             with self.pipe.step_cache_bypassed() if o.cache is not None else contextlib.nullcontext():
                 self._run(take)
         finally:
             self._nested = False
+            job0.paused_s += time.monotonic() - t0
             with self.cond:
                 for job in {it.job for it in take}:
                     if job.done >= job.params.n or job.cancelled:

@@ -45,7 +45,7 @@ class ServerConfig:
     lora_dir: str | None = None
     row_loras: int = 0  # > 0: each request its own LoRAs inside a batch, this many resident
     interleave: bool = True  # short requests run between two steps of a longer batch (batcher._interleave)
-    age_bound_s: float = 30.0  # the next batch: fewest steps first, unless the oldest waited this long
+    age_bound_s: float = 30.0  # fewest steps first unless the oldest waited this long; pauses per long batch
     url_ttl_s: float = 3600.0  # response_format=url images live this long
     url_store_bytes: int = 1 << 30  # and at most this much memory; oldest go first
     preview_px: int = 192  # long side of the streamed preview images
@@ -95,7 +95,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=d.age_bound_s,
         metavar="S",
         help="the next batch starts with the waiting request of fewest steps, unless the oldest has "
-        "waited S seconds: then that one (default 30)",
+        "waited S seconds: then that one; and a running batch pauses for shorter ones S seconds at "
+        "most in all (default 30)",
     )
     p.add_argument(
         "--row-loras",
