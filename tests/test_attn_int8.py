@@ -146,6 +146,53 @@ def test_the_int8_engine_runs_it(monkeypatch):
     assert A8.joint_engine(q, 32, None) is A8.REFERENCE
 
 
+def test_the_sage_engine_adapts_the_models_layout(monkeypatch):
+    """QWENFAST_FP8_ATTENTION=sage (SageAttention 2's Hopper kernel, built from source): without the
+    package it is unavailable with the reason; with it, the adapter hands the kernel the model's (B, S, H,
+    D) buffers as they are ("NHD", no copy), asks for K smoothing and fp32 + fp32 P·V accumulation, and
+    returns a (B, H, S, D) view. On the CPU the int8 engine's reference stands in, as for "int8"."""
+    import sys
+    import types
+
+    from qwenfast.runtime import attention_fp8 as A8
+    from qwenfast.runtime.attention import attention, use_attention
+
+    monkeypatch.setattr(A8, "_engines", {})
+    monkeypatch.setattr(A8, "_engine_errors", {})
+    monkeypatch.setitem(sys.modules, "sageattention", None)  # not installed
+    assert A8.load_engine("sage") is None and "sageattention" in A8.engine_error("sage")
+
+    seen = {}
+
+    def kernel(q, k, v, **kw):  # stands in for sageattn_qk_int8_pv_fp8_cuda_sm90
+        seen.update(kw, shapes=[tuple(t.shape) for t in (q, k, v)], q_is_view=q._base is not None)
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        ).transpose(1, 2)
+
+    fake = types.ModuleType("sageattention")
+    fake.sageattn_qk_int8_pv_fp8_cuda_sm90 = kernel
+    fake.core = types.SimpleNamespace(SM90_ENABLED=True)
+    monkeypatch.setitem(sys.modules, "sageattention", fake)
+    monkeypatch.setattr(A8, "_engine_errors", {})
+    eng = A8.load_engine("sage")
+    q, k, v = _qkv(2, 3, 40, 32, seed=4)  # (B, H, S, D) views of (B, S, H, D) memory
+    out = A8.run_engine(eng, q, k, v)
+    assert seen["tensor_layout"] == "NHD" and seen["shapes"] == [(2, 40, 3, 32)] * 3 and seen["q_is_view"]
+    assert seen["smooth_k"] is True and seen["pv_accum_dtype"] == "fp32+fp32" and not seen["is_causal"]
+    assert out.shape == (2, 3, 40, 32) and rel(out, F.scaled_dot_product_attention(q, k, v)) < 1e-6
+    fake.core.SM90_ENABLED = False  # a build without the sm_90 kernel is refused, not run
+    monkeypatch.setattr(A8, "_engines", {})
+    assert A8.load_engine("sage") is None and "sm_90" in A8.engine_error("sage")
+
+    monkeypatch.setenv(A8.ENV_VAR, "sage")
+    A8.CALLS.clear()
+    with use_attention("fp8"):
+        out = attention(q, k, v, None)
+    assert A8.CALLS["cpu reference (int8)"] == 1 and rel(out, attention_int8_ref(q, k, v)) == 0.0
+    assert A8.joint_engine(q, 32, None) is None
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERP, reason="already running under the interpreter")

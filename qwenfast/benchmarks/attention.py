@@ -8,7 +8,8 @@ and the run goes on.
 - micro: Qwen-Image's joint attention (B=1, 24 heads, d=128, 4224, 7017, 16512 and 24777 tokens: 1024²,
   1328², 2048², 2512²; the model's BSHD buffers): cuDNN bf16, FA3 bf16 (if its wheel loads), "cudnn-fp8"
   (per-tensor scales), "fa3-fp8" (per-head scales) and "int8-qk-fp8-pv" (`kernels.attn_int8`: INT8 Q·Kᵀ
-  after K smoothing, per-block scales, FP8 P·V). Per candidate: ms per layer (CUDA events, median) for quantisation + kernel, the
+  after K smoothing, per-block scales, FP8 P·V), and "sage-int8-fp8" (SageAttention 2's CUDA kernel for
+  Hopper, the same recipe, where bench/build_sageattention.py built it). Per candidate: ms per layer (CUDA events, median) for quantisation + kernel, the
   kernel alone and the quantisation alone; rel. error vs exact fp32 and vs cuDNN bf16 on N(0, 1)
   inputs and on sharper ones (Q, K x2); NaN checks (all-zero rows, 1e4-magnitude rows, all-zero
   tensors); a CUDA-graph replay equal to the eager call. PASS = rel. error vs fp32 <= PASS_TOL and
@@ -16,6 +17,8 @@ and the run goes on.
 - transformer: the full-size 60-layer model (random bf16 weights, FP8 block GEMMs as `bench
   transformer`'s FP8 row) at 1024², CUDA graphs, attention "cudnn" vs "fp8": ms per forward, kernel
   time by category (eager profile: GEMM, attention, quantisation, other), rel. error of the output.
+- tiles: the int8 kernel alone over its tiles (BLOCK_M, BLOCK_N, num_warps, num_stages) at 4224 and
+  16512 tokens: ms, TOP/s, rel. error vs its default tile and vs exact fp32 (how `gpu_tile` was chosen).
 - quality: the demo quality gate (`demo.bench.quality_paths`) at batch 1, so the prompts carry no
   padding mask and the FP8 kernels really run (batched prompts of different lengths need a mask, for
   which "fp8" runs cuDNN bf16): bf16 + kernels + graphs and FP8 GEMMs + kernels + graphs, both with
@@ -25,6 +28,7 @@ and the run goes on.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -40,7 +44,7 @@ PASS_TOL = 0.08  # rel. error vs exact fp32 on N(0, 1) inputs (e4m3 Q/K alone: ~
 TARGET_MS_PER_FORWARD = 12.0  # the goal: attention <= 12 ms of a 60-layer 1024² forward
 LAYERS = 60
 # the 8-bit candidates and the QWENFAST_FP8_ATTENTION engine each one is
-ENGINE_OF = {"cudnn-fp8": "cudnn", "fa3-fp8": "fa3", "int8-qk-fp8-pv": "int8"}
+ENGINE_OF = {"cudnn-fp8": "cudnn", "fa3-fp8": "fa3", "int8-qk-fp8-pv": "int8", "sage-int8-fp8": "sage"}
 SIZES = {
     4224: "1024² (4096 image + 128 text tokens)",
     7017: "1328² (6889 image + 128 text tokens)",
@@ -108,6 +112,11 @@ def _candidates() -> dict:
         lambda q, k, v: lambda: quantize_int8_attention(q, k, v),
         A8.Int8Sage().version if K.triton_available() else "triton missing",
     )
+    sage = A8.load_engine("sage")  # SageAttention 2's CUDA kernel, where built (bench/build_sageattention.py)
+    if sage is None:
+        _say("unavailable", candidate="sage-int8-fp8", error=repr(A8.engine_error("sage")))
+    else:
+        cands["sage-int8-fp8"] = (lambda q, k, v, e=sage: e.run(q, k, v), None, None, sage.version)
     for name in ("cudnn", "fa3"):
         eng = A8.load_engine(name)
         if eng is None:
@@ -282,6 +291,60 @@ def _print_micro(rows: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------------------------ full forward
+
+
+TILE_SIZES = {4224: "1024²", 16512: "2048²"}
+TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages); 64 rows over 8 warps: wgmma's M is 64 per warp group
+    (bm, bn, w, st)
+    for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))
+    if not (bm == 64 and w == 8)
+]
+
+
+def tiles(out_dir: Path | None) -> dict:
+    """The int8 kernel (quantisation excluded) per tile; a tile that fails to compile is a row with its
+    error. Each tile must equal the default one up to fp32 summation order where its key block is the
+    same (the key block moves where P is rounded)."""
+    from ..kernels.attn_int8 import attention_int8_quantized, gpu_tile, quantize_int8_attention
+
+    default, rows = gpu_tile(128), []
+    for S, what in TILE_SIZES.items():
+        g = torch.Generator(device="cuda").manual_seed(S)
+        q, k, v = (
+            torch.randn(1, S, 24, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
+            for _ in range(3)
+        )
+        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        z = quantize_int8_attention(q, k, v)
+        ref = attention_int8_quantized(z, q.dtype, config=default).clone()
+        for tile in TILES:
+            r = {"S": S, "size": what, "tile": list(tile), "default": tile == default}
+            try:
+                out = attention_int8_quantized(z, q.dtype, config=tile)
+                r["rel_err_vs_default"] = float(f"{rel_err(out, ref):.2e}")
+                r["rel_err_vs_fp32"] = float(f"{rel_err(out, exact):.2e}")
+                r["ms"] = round(
+                    median_ms(lambda t=tile: attention_int8_quantized(z, q.dtype, config=t), 5, 30), 4
+                )
+                r["tops"] = round(4 * S * S * 128 * 24 / r["ms"] / 1e9, 1)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile is a row, not the end
+                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            rows.append(r)
+            print(
+                f"{S:6d} {str(tile):18s} {r.get('ms', float('nan')):8.4f} ms {r.get('tops', 0):7.1f} TOP/s  "
+                f"err(default) {r.get('rel_err_vs_default')}  err(fp32) {r.get('rel_err_vs_fp32')} "
+                f"{r.get('error', '')}",
+                flush=True,
+            )
+        torch.cuda.empty_cache()
+    best = {}
+    for S in TILE_SIZES:
+        ok = [r for r in rows if r["S"] == S and "ms" in r]
+        best[S] = min(ok, key=lambda r: r["ms"])["tile"] if ok else None
+        print(f"fastest at {S}: {best[S]} (default {list(default)})")
+    rec = {"bench": "attn_int8_tiles", **versions(), "default": list(default), "rows": rows, "best": best}
+    emit(rec, "attention.jsonl", out_dir)
+    return rec
 
 
 def _profile_ms(fn) -> dict[str, float]:
@@ -463,9 +526,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """`qwenfast bench attention ...` and `python -m qwenfast.benchmarks.attention ...` take the same."""
     p.add_argument(
         "part",
-        choices=["micro", "transformer", "quality"],
+        choices=["micro", "transformer", "tiles", "quality"],
         help="micro: kernels per layer; transformer: the 60-layer FP8 forward, cudnn vs fp8; "
-        "quality: the demo gate with fp8 attention",
+        "tiles: the int8 kernel per tile; quality: the demo gate with fp8 attention",
     )
     p.add_argument("--results", default=None, metavar="DIR", help="append JSON lines to DIR/attention.jsonl")
     p.add_argument("--model", default=None, help="quality: demo model (default text-to-image; 'edit')")
@@ -481,7 +544,7 @@ def run_from_args(a: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU")
         return 1
-    micro(out) if a.part == "micro" else transformer(out)
+    {"micro": micro, "transformer": transformer, "tiles": tiles}[a.part](out)
     return 0
 
 

@@ -539,7 +539,7 @@ def attention(recs: list[Rec]) -> str:
             ["int8 kernel alone", "tile (BLOCK_M, BLOCK_N, warps, stages)", "tokens", "per layer", "rate"],
             rows,
         )
-    return out + source(used, "bash bench/attention.sh; python bench/attn_int8_tiles.py")
+    return out + source(used, "bash bench/attention.sh")
 
 
 def attention_quality(recs: list[Rec]) -> str:

@@ -13,9 +13,14 @@ auto | cudnn | fa3, read once; auto takes the first that works, in `ENGINE_ORDER
   `flash_attn_interface`); it takes (batch, head) descales, so Q, K, V get one scale per head.
 
 - "int8": INT8 Q·Kᵀ after K smoothing, with per-block scales, and FP8 P·V (`kernels.attn_int8`, a Triton
-  kernel; SageAttention 2's recipe). It takes the bf16 Q, K, V and quantises them itself; the only engine
-  whose emulation keeps the demo's quality gate (see that module). Not in `auto` until it is timed on
-  the GPU; `QWENFAST_FP8_ATTENTION=int8` chooses it (on CPU too: the reference then emulates it).
+  kernel; SageAttention 2's recipe). It takes the bf16 Q, K, V and quantises them itself; it keeps the
+  demo's quality gate (see that module) but is slower than bf16 attention on an H100, so not in `auto`;
+  `QWENFAST_FP8_ATTENTION=int8` chooses it (on CPU too: the reference then emulates it).
+- "sage": the same recipe from SageAttention 2's own CUDA kernel for Hopper
+  (`sageattention.sageattn_qk_int8_pv_fp8_cuda_sm90`: warp-specialised wgmma, INT8 Q·Kᵀ with K smoothed,
+  FP8 P·V with fp32 + fp32 accumulation), where the `sageattention` package is installed (no wheel on
+  PyPI: bench/build_sageattention.py builds it on the GPU machine). bf16 Q, K, V in; on CPU the int8
+  engine's reference stands in (the same recipe; Sage's scales are finer).
 
 Each returns bf16 (or the inputs' half type). Quantisation: `kernels.attn_quant.quantize_qkv`
 (amax on the GPU, no host sync). Where neither can run the backend says so once (a warning) and
@@ -49,7 +54,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..kernels.attn_quant import FP8, dequantize, descale_rows, quantize_heads, quantize_qkv, quantize_qkv_ref
 from .arch import arch
 
-ENGINES = ("auto", "cudnn", "fa3", "int8")
+ENGINES = ("auto", "cudnn", "fa3", "int8", "sage")
 ENGINE_ORDER = ("cudnn", "fa3")  # auto: the first that loads and takes the shape
 ENV_VAR = "QWENFAST_FP8_ATTENTION"
 P_SCALE = 256.0  # cuDNN: softmax probabilities (<= 1) times 256 in e4m3 (2^-9..448): ~2^-17 resolution
@@ -322,7 +327,45 @@ class Int8Sage:
         return attention_int8(q, k, v)
 
 
-_FACTORIES: dict[str, Callable[[], object]] = {"cudnn": CudnnFP8, "fa3": FA3FP8, "int8": Int8Sage}
+class SageFP8:
+    """SageAttention 2's Hopper kernel (`sageattention`, built from source): bf16 Q, K, V in (it smooths
+    and quantises them itself: INT8 Q and K per thread's rows, FP8 V per channel), bf16 out."""
+
+    name = "sage"
+    takes_bf16 = True
+
+    def __init__(self) -> None:
+        import sageattention
+
+        self.mod = sageattention
+        self.fn = getattr(sageattention, "sageattn_qk_int8_pv_fp8_cuda_sm90", None)
+        if self.fn is None or not getattr(sageattention.core, "SM90_ENABLED", False):
+            raise ImportError("sageattention is installed without its sm_90 kernel (build it with sm_90a)")
+
+    def version(self) -> str:
+        return f"sageattention {getattr(self.mod, '__version__', '')} sm90".replace("  ", " ")
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # (B, H, S, D) views of the model's (B, S, H, D) buffers: "NHD" reads them as they are
+        out = self.fn(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            tensor_layout="NHD",
+            is_causal=False,
+            qk_quant_gran="per_thread",
+            pv_accum_dtype="fp32+fp32",
+            smooth_k=True,
+        )
+        return out.transpose(1, 2)
+
+
+_FACTORIES: dict[str, Callable[[], object]] = {
+    "cudnn": CudnnFP8,
+    "fa3": FA3FP8,
+    "int8": Int8Sage,
+    "sage": SageFP8,
+}
 REFERENCE = ReferenceFP8()
 _engines: dict[str, object] = {}
 _engine_errors: dict[str, str] = {}
@@ -397,7 +440,7 @@ def fp8_attention(
     """The "fp8" backend: CPU -> the reference; CUDA -> an FP8 engine, or `fallback(q, k, v, mask)`
     (cuDNN bf16) with a one-time warning saying why."""
     if not q.is_cuda:
-        if engine_choice() == "int8":
+        if engine_choice() in ("int8", "sage"):  # sage: the same recipe (its scales are finer)
             from ..kernels.attn_int8 import attention_int8_ref
 
             CALLS["cpu reference (int8)"] += 1
@@ -468,7 +511,8 @@ def joint_engine(x: torch.Tensor, head_dim: int, mask: torch.Tensor | None):
     `fp8_attention` would pick, or None (no engine, a mask, ...: the caller takes the plain path,
     which falls back to bf16 and says why)."""
     if not x.is_cuda:
-        return None if engine_choice() == "int8" else REFERENCE  # int8: `fp8_attention` emulates it
+        # int8, sage: `fp8_attention` emulates them (on the plain path)
+        return None if engine_choice() in ("int8", "sage") else REFERENCE
     if _why_not_meta(x.dtype, x.device, head_dim, mask) is not None:
         return None
     for name in engine_names(x.device):

@@ -1,0 +1,79 @@
+"""Build SageAttention 2's Hopper kernel on the GPU machine, for the "sage" 8-bit attention engine
+(`QWENFAST_FP8_ATTENTION=sage`, runtime/attention_fp8.py). SageAttention has no wheel on PyPI and its
+setup.py compiles every architecture's kernels; this builds only the two extensions a Hopper GPU runs —
+`_qattn_sm90` (the attention kernel) and `_fused` (its quantisation kernels) — for sm_90a with
+torch's JIT builder (ninja, all cores), next to a copy of the Python package in `--target`.
+
+The source is not part of qwenfast: put it in `.sage/` (git-ignored) first, e.g. from a clone of
+https://github.com/thu-ml/SageAttention (Apache 2.0):
+
+    git -C SageAttention archive HEAD sageattention csrc | tar -x -C .sage
+    python bench/build_sageattention.py [--src .sage] [--target /tmp/site]   # then PYTHONPATH=/tmp/site
+
+Prints the build time and imports the result. One H100 / H200 with nvcc (CUDA >= 12.3); a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+CXX = ["-O3", "-std=c++17", "-DENABLE_BF16", "-fopenmp"]
+NVCC = ["-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+        "--use_fast_math", "--threads=8", "-diag-suppress=174", "-DENABLE_BF16",
+        "-gencode", "arch=compute_90a,code=sm_90a"]  # fmt: skip
+EXTENSIONS = {  # module -> its sources under csrc/ (SageAttention's setup.py, the sm_90 entries)
+    "_qattn_sm90": ["qattn/pybind_sm90.cpp", "qattn/qk_int_sv_f8_cuda_sm90.cu"],
+    "_fused": ["fused/pybind.cpp", "fused/fused.cu"],
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--src", default=".sage", help="SageAttention source: sageattention/ and csrc/ (default .sage)"
+    )
+    ap.add_argument("--target", default="/tmp/site", help="where the package goes (put it on PYTHONPATH)")
+    a = ap.parse_args()
+    src, target = Path(a.src).resolve(), Path(a.target)
+    if not (src / "sageattention").is_dir() or not (src / "csrc").is_dir():
+        print(
+            f"error: {src} holds no sageattention/ and csrc/ (see this script's docstring)", file=sys.stderr
+        )
+        return 2
+    import torch
+    from torch.utils.cpp_extension import load
+
+    pkg = target / "sageattention"
+    shutil.rmtree(pkg, ignore_errors=True)
+    shutil.copytree(src / "sageattention", pkg)
+    os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 8))
+    print(
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}; building {', '.join(EXTENSIONS)}", flush=True
+    )
+    t0 = time.perf_counter()
+    for name, sources in EXTENSIONS.items():
+        t1 = time.perf_counter()
+        build = target / f".build_{name}"
+        build.mkdir(parents=True, exist_ok=True)
+        load(name=name, sources=[str(src / "csrc" / s) for s in sources], extra_cflags=CXX,
+             extra_cuda_cflags=NVCC, extra_ldflags=["-lcuda"], build_directory=str(build),
+             verbose=False, is_python_module=True)  # fmt: skip
+        so = next(build.glob(f"{name}*.so"))
+        shutil.copy(so, pkg / f"{name}.so")  # imported as sageattention.<name>
+        print(f"  {name}: {time.perf_counter() - t1:.0f} s", flush=True)
+    print(f"built in {time.perf_counter() - t0:.0f} s into {pkg}", flush=True)
+    sys.path.insert(0, str(target))
+    import sageattention
+
+    ok = getattr(sageattention.core, "SM90_ENABLED", False)
+    print(f"import sageattention: sm_90 kernel {'loaded' if ok else 'MISSING'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
