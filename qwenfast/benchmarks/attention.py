@@ -9,9 +9,9 @@ and the run goes on.
   1328², 2048², 2512²; the model's BSHD buffers): cuDNN bf16, FA3 bf16 (if its wheel loads), "cudnn-fp8"
   (per-tensor scales), "fa3-fp8" (per-head scales) and "int8-qk-fp8-pv" (`kernels.attn_int8`: INT8 Q·Kᵀ
   after K smoothing, per-block scales, FP8 P·V), and "sage-int8-fp8" (SageAttention 2's CUDA kernel for
-  Hopper, the same recipe, where bench/build_sageattention.py built it). Per candidate: ms per layer (CUDA events, median) for quantisation + kernel, the
-  kernel alone and the quantisation alone; rel. error vs exact fp32 and vs cuDNN bf16 on N(0, 1)
-  inputs and on sharper ones (Q, K x2); NaN checks (all-zero rows, 1e4-magnitude rows, all-zero
+  Hopper, the same recipe, where bench/build_sageattention.py built it). Per candidate: ms per layer
+  (CUDA events, median) for quantisation + kernel, the kernel alone and the quantisation alone; rel.
+  error vs exact fp32 and vs cuDNN bf16 on N(0, 1) inputs and on sharper ones (Q, K x2); NaN checks (all-zero rows, 1e4-magnitude rows, all-zero
   tensors); a CUDA-graph replay equal to the eager call. PASS = rel. error vs fp32 <= PASS_TOL and
   every NaN and graph check. The winner (fastest PASS at 4224 tokens) goes to DIR/attn_winner.txt.
 - transformer: the full-size 60-layer model (random bf16 weights, FP8 block GEMMs as `bench
@@ -502,9 +502,8 @@ def quality(out_dir: Path | None, model: str | None, n: int, device: str = "cuda
     if CALLS.get("int8"):  # the key block sets where P is rounded, so the gate's result: record the tile
         from ..kernels.attn_int8 import _config
 
-        rec["int8_tile"] = list(
-            _config(128)
-        )  # (the interpreter's on a CPU run: the report keys GPU rows only)
+        # (on a CPU run the interpreter's tile: the report keys GPU rows only by it)
+        rec["int8_tile"] = list(_config(128))
     for r in rows:
         _say(
             "quality",

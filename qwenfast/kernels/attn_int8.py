@@ -16,8 +16,9 @@ The math (q, k, v: (B, H, S, D); all scales fp32):
   Q·K'ᵀ is exact in int32 (|sum| <= 127² · D); times the query's and the key block's scales and 1/sqrt(D).
 - Online softmax in fp32 (exp2). P̃ = exp(S - running max) <= 1 -> e4m3 at scale `P_SCALE` (448, e4m3's
   largest value; folded into the exponent and carried by the row sums too, so the division cancels it);
-  V -> e4m3 with one scale per channel (over tokens), applied to the output, which is exact. Each key block's P8·V8 comes out of the tensor cores in fp32 and is added to an fp32 accumulator
-  (the two-level accumulation that Hopper's reduced-precision FP8 accumulation needs).
+  V -> e4m3 with one scale per channel (over tokens), applied to the output, which is exact. Each key
+  block's P8·V8 comes out of the tensor cores in fp32 and is added to an fp32 accumulator (the two-level
+  accumulation that Hopper's reduced-precision FP8 accumulation needs).
 
 The quantisation is two torch reductions (K's mean, V's channel amax) and one Triton pass per tensor; the
 attention kernel reads int8 Q/K and e4m3 Vᵀ. Not fused into the QK-norm + RoPE kernel yet: the engine
