@@ -11,8 +11,8 @@ and the run goes on.
   after K smoothing, per-block scales, FP8 P·V), and "sage-int8-fp8" (SageAttention 2's CUDA kernel for
   Hopper, the same recipe, where bench/build_sageattention.py built it). Per candidate: ms per layer
   (CUDA events, median) for quantisation + kernel, the kernel alone and the quantisation alone; rel.
-  error vs exact fp32 and vs cuDNN bf16 on N(0, 1) inputs and on sharper ones (Q, K x2); NaN checks (all-zero rows, 1e4-magnitude rows, all-zero
-  tensors); a CUDA-graph replay equal to the eager call. PASS = rel. error vs fp32 <= PASS_TOL and
+  error vs exact fp32 and vs cuDNN bf16 on N(0, 1) inputs and on sharper ones (Q, K x2); NaN checks
+  (all-zero rows, 1e4-magnitude rows, all-zero tensors); a CUDA-graph replay equal to the eager call. PASS = rel. error vs fp32 <= PASS_TOL and
   every NaN and graph check. The winner (fastest PASS at 4224 tokens) goes to DIR/attn_winner.txt.
 - transformer: the full-size 60-layer model (random bf16 weights, FP8 block GEMMs as `bench
   transformer`'s FP8 row) at 1024², CUDA graphs, attention "cudnn" vs "fp8": ms per forward, kernel
