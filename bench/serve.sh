@@ -6,7 +6,10 @@
 #                  hang-ups) at concurrency 4, 8, 16 with per-row LoRAs, against the old batcher and a plain
 #                  diffusers loop in the same run (about 9 minutes; GRAPHS=1 adds --cuda-graphs)
 #   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, a broken LoRA dropped
-#                  into the folder halfway (about 10 minutes with the build and warm-up)
+#                  into the folder halfway (about 10 minutes with the build, warm-up and drain: more than one
+#                  10-minute device call, so start it detached and collect the record in a second call:
+#                  (RESULTS=/tmp/soak STAGE=soak setsid nohup bash bench/serve.sh > /tmp/soak/log 2>&1 &)
+#                  then wait for /tmp/soak/serve_mixed.jsonl)
 # The random LoRAs are written once to $LORAS (default .bench_loras) and reused by later stages on the same machine.
 source bench/env.sh
 LORAS=${LORAS:-.bench_loras}
