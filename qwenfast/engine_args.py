@@ -101,6 +101,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
     )
     g.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run eagerly")
     g.add_argument(
+        "--graph-slots",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="transformer graphs kept captured, least recently used out first (default 8; a server's "
+        "mixed sizes and batches hold more)",
+    )
+    g.add_argument(
         "--kernels",
         choices=list(KERNELS),
         default=None,
@@ -144,7 +152,7 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
         extra.setdefault("int8", True)
     if getattr(a, "offload_budget", None) is not None:
         extra.setdefault("offload_budget", a.offload_budget)
-    for flag, field in (("vram", "vram_gib"), ("weights", "weights")):
+    for flag, field in (("vram", "vram_gib"), ("weights", "weights"), ("graph_slots", "graph_slots")):
         if getattr(a, flag, None) is not None:
             extra.setdefault(field, getattr(a, flag))
     return EngineOptions.from_env(

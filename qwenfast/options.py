@@ -178,6 +178,9 @@ class EngineOptions:
     attention: joint-attention backend for this pipeline's calls ("auto": cuDNN first on CUDA; "fp8":
       8-bit attention, lossy; see runtime/attention.py); None = the process-wide switch.
     cuda_graphs: replay the transformer forward and the text encode as CUDA graphs (CUDA only).
+    graph_slots: how many transformer graphs stay captured (an LRU; one per input shape and block-runner
+      variant; they share one memory pool). A server's mixed sizes, batches and prompt lengths hold more
+      shapes than the default, and each miss costs a capture (warm-up forwards included).
     batched_cfg: cond and uncond in one batch-2 forward; "auto" only when no padding mask is needed.
     fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
     int8: the same Linears as INT8 W8A8 GEMMs (kernels/int8_linear.py; the fast precision of Ampere and
@@ -209,6 +212,7 @@ class EngineOptions:
     fused: bool = True
     attention: str | None = None
     cuda_graphs: bool = True
+    graph_slots: int = 8
     batched_cfg: bool | str = "auto"
     fp8: bool = False
     int8: bool = False
@@ -267,6 +271,12 @@ class EngineOptions:
                 )
             if self.parallel.world > 1 and self.offload != "none":
                 raise OptionsError("parallel layouts need every weight resident (offload='none')")
+        if (
+            isinstance(self.graph_slots, bool)
+            or not isinstance(self.graph_slots, int)
+            or self.graph_slots < 1
+        ):
+            raise OptionsError(f"graph_slots is a number of graphs (>= 1), got {self.graph_slots!r}")
         if (
             isinstance(self.modulation_cache, bool)
             or not isinstance(self.modulation_cache, int)

@@ -42,7 +42,8 @@ def test_options_are_frozen_validated_and_read_from_the_environment(monkeypatch)
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.fp8 = True
     for bad in (dict(offload="disk"), dict(oom="retry"), dict(batched_cfg="yes"), dict(kernels="cuda"),
-                dict(cuda_graphs=1), dict(offload_budget=0), dict(offload_budget="8")):  # fmt: skip
+                dict(cuda_graphs=1), dict(offload_budget=0), dict(offload_budget="8"), dict(graph_slots=0),
+                dict(graph_slots=True), dict(graph_slots=2.0)):  # fmt: skip
         with pytest.raises(OptionsError):
             EngineOptions(**bad)
     with pytest.raises(OptionsError, match="unknown engine option"):
@@ -68,6 +69,23 @@ def test_pipeline_options_are_read_only_and_configure_rebuilds(pipe):
     with pytest.raises(OptionsError):
         pipe.configure(offload="disk")
     assert pipe.options == EngineOptions.from_env()  # a refused change changes nothing
+
+
+def test_graph_slots_bound_the_graph_lru(pipe):
+    """`graph_slots` is the transformer graphs' LRU size: configure resizes it, dropping the least recently
+    used graphs first (stand-in entries: capturing needs CUDA)."""
+    g = pipe._graphs
+    try:
+        pipe.configure(graph_slots=3)
+        assert g.max_graphs == 3
+        g.graphs.update((k, ("graph", k)) for k in "abc")
+        g.graphs.move_to_end("a")  # used last
+        pipe.configure(graph_slots=1)
+        assert g.max_graphs == 1 and list(g.graphs) == ["a"]
+    finally:
+        g.graphs.clear()
+        pipe.configure(graph_slots=EngineOptions().graph_slots)
+    assert g.max_graphs == 8
 
 
 def test_one_way_changes_are_refused_with_advice():
@@ -218,7 +236,9 @@ def test_an_oom_is_handled_per_call(pipe):
         del pipe.transformer.forward
     assert out.info["oom_backoff"] and pipe.options == before and pipe.offload == "none"
     sizes.clear()
-    pipe.transformer.forward = lambda *a, **k: (sizes.append(a[0].shape[0]), real(pipe.transformer, *a, **k))[1]
+    pipe.transformer.forward = lambda *a, **k: (sizes.append(a[0].shape[0]), real(pipe.transformer, *a, **k))[
+        1
+    ]
     try:
         again = pipe(["a", "b"], generator=[_gen(5), _gen(6)], true_cfg_scale=1.0, **KW)
     finally:
@@ -251,6 +271,10 @@ def test_server_uses_only_the_public_pipeline_api():
             if isinstance(node, ast.ImportFrom) and node.module:
                 mod = node.module
                 names = {a.name for a in node.names}
-                if "runtime" in mod.split(".") or mod.endswith("sampling") or names & {"sampling", "scheduler"}:
+                if (
+                    "runtime" in mod.split(".")
+                    or mod.endswith("sampling")
+                    or names & {"sampling", "scheduler"}
+                ):
                     bad.append(f"{f.name}:{node.lineno} from {'.' * node.level}{mod} import {sorted(names)}")
     assert not bad, bad

@@ -79,7 +79,7 @@ def serve_soak(recs: list[Rec]) -> str:
         ["hung up on purpose / 422 for the broken LoRA", f"{out.get('hung up', 0)} / {out.get('422', 0)}"],
         ["5xx / lost / answered twice", f"{s['fivexx']} / {s['lost']} / {s['duplicated']}"],
         ["images/min", f"{s['images_per_min']:.1f}"],
-        ["CUDA graphs captured / replays / resident (LRU of 8)",
+        [f"CUDA graphs captured / replays / resident (LRU of {r.get('graph_slots', 8)})",
          f"{s['graph_captures']} / {s['graph_replays']} / {s['graphs_resident']}"],
         ["allocated, per-minute floor (GiB)", " ".join(f"{v:.2f}" for v in m.get("floor_gib", []))],
         ["allocated, per-minute peak (GiB)", " ".join(f"{v:.2f}" for v in m.get("peak_gib", []))],

@@ -113,6 +113,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--cuda-graphs", action="store_true", help="replay the transformer as CUDA graphs")
+    p.add_argument(
+        "--graph-slots",
+        type=int,
+        default=None,
+        help="mixed: graphs kept captured (EngineOptions.graph_slots)",
+    )
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
@@ -326,6 +332,7 @@ def run_from_args(a: argparse.Namespace) -> int:
             duration=a.duration,
             weights=a.weights or ("fp8" if torch.cuda.is_available() else "bf16"),
             cuda_graphs=a.cuda_graphs,
+            graph_slots=a.graph_slots,
             max_batch=a.max_batch,
             device=a.device,
             dtype=a.dtype,

@@ -342,6 +342,7 @@ def run(
     duration: float | None = None,
     weights: str = "fp8",
     cuda_graphs: bool = True,
+    graph_slots: int | None = None,
     max_batch: int = 8,
     device=None,
     dtype=None,
@@ -355,6 +356,7 @@ def run(
 
     import torch
 
+    from ..options import EngineOptions
     from ..server.app import create_app
     from ..server.options import ServerConfig
     from ..server.run import load_pipeline, start_server, stop_server
@@ -362,6 +364,7 @@ def run(
     from .serve_baselines import diffusers_loop, row_overhead
 
     full = model == "random-full"
+    slots_graphs = graph_slots or EngineOptions().graph_slots
     t0 = time.perf_counter()
     ref = None
     if full:
@@ -372,8 +375,6 @@ def run(
         pipe, ref = build(smoke=False, diffusers_transformer=diffusers_s > 0 and duration is None)
         ref = ref if diffusers_s > 0 and duration is None else None
     else:
-        from ..options import EngineOptions
-
         pipe = load_pipeline(model, device, dtype, EngineOptions.from_env(cuda_graphs=cuda_graphs))
     folder = Path(lora_folder) if lora_folder else Path(tempfile.mkdtemp(prefix="qwenfast-loras-"))
     names = [f"lora-{i}" for i in range(n_loras)]
@@ -391,6 +392,7 @@ def run(
         "lora_ranks": [32, 64],
         "max_batch": max_batch,
         "cuda_graphs": cuda_graphs,
+        "graph_slots": slots_graphs,
         "classes": {k: v[:3] for k, v in CLASSES.items()},
         "sizes": [s for s, _ in (SIZES_DEMO if not full else SIZES_FULL)],
     }
@@ -403,7 +405,11 @@ def run(
         torch.cuda.empty_cache()
     pipe.set_progress_bar_config(disable=True)
     pipe.configure(
-        cuda_graphs=cuda_graphs, decode_per_image=True, fp8=weights == "fp8", int8=weights == "int8"
+        cuda_graphs=cuda_graphs,
+        graph_slots=slots_graphs,
+        decode_per_image=True,
+        fp8=weights == "fp8",
+        int8=weights == "int8",
     )
     res["build_s"] = round(time.perf_counter() - t0, 1)
     warm = [

@@ -172,6 +172,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
             )
         self.transformer.set_fused(new.fused)
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
+        self._graphs.resize(new.graph_slots)
         if getattr(self.vae, "untiled_oom", None) is not None and new.changed(old):
             self.vae.untiled_oom = None  # memory is laid out anew: an untiled decode may fit again
         if new.changed(old) & {

@@ -94,6 +94,12 @@ class _GraphCache:
             out = fn(*static_in)
         return graph, static_in, out
 
+    def resize(self, max_graphs: int) -> None:
+        """Keep at most `max_graphs` graphs from now on; the least recently used go first."""
+        self.max_graphs = max_graphs
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+
     def clear(self) -> None:
         """Drop every graph and the memory pool they shared (a pool whose graphs are all gone cannot
         take new captures: PyTorch's allocator asserts on it)."""
