@@ -500,10 +500,9 @@ def quality(out_dir: Path | None, model: str | None, n: int, device: str = "cuda
         "fp8_calls": dict(CALLS),
     }
     if CALLS.get("int8"):  # the key block sets where P is rounded, so the gate's result: record the tile
-        from ..kernels.attn_int8 import _config
+        from ..kernels.attn_int8 import gpu_tile
 
-        # (on a CPU run the interpreter's tile: the report keys GPU rows only by it)
-        rec["int8_tile"] = list(_config(128))
+        rec["int8_tile"] = list(gpu_tile(128))
     for r in rows:
         _say(
             "quality",
