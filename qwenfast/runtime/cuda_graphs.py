@@ -64,8 +64,7 @@ class _GraphCache:
                 return fn(*inputs)
             self.graphs[key] = entry
             self.captures += 1
-            while len(self.graphs) > self.max_graphs:
-                self.graphs.popitem(last=False)
+            self.resize(self.max_graphs)
         else:
             self.graphs.move_to_end(key)
         graph, static_in, static_out = entry
