@@ -309,12 +309,8 @@ def tiles(out_dir: Path | None) -> dict:
 
     default, rows = gpu_tile(128), []
     for S, what in TILE_SIZES.items():
-        g = torch.Generator(device="cuda").manual_seed(S)
-        q, k, v = (
-            torch.randn(1, S, 24, 128, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
-            for _ in range(3)
-        )
-        exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+        q, k, v = _inputs(S, seed=S)
+        exact = _exact(q, k, v)
         z = quantize_int8_attention(q, k, v)
         ref = attention_int8_quantized(z, q.dtype, config=default).clone()
         for tile in TILES:
