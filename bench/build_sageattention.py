@@ -26,6 +26,26 @@ CXX = ["-O3", "-std=c++17", "-DENABLE_BF16", "-fopenmp"]
 NVCC = ["-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
         "--use_fast_math", "--threads=8", "-diag-suppress=174", "-DENABLE_BF16",
         "-gencode", "arch=compute_90a,code=sm_90a"]  # fmt: skip
+# What the "sage" engine calls: head dim 128, not causal, no LSE, bf16 (the kernels' dispatch macros, cut
+# to these, instantiate 4 of the upstream 64 kernel variants: the build takes minutes, not a quarter hour)
+NARROW = r"""
+#undef DISPATCH_HEAD_DIM
+#define DISPATCH_HEAD_DIM(head_dim, HEAD_DIM, ...) \
+  if (head_dim == 128) { constexpr int HEAD_DIM = 128; __VA_ARGS__ } \
+  else { throw std::invalid_argument("this build has head dim 128 only"); }
+#undef DISPATCH_CAUSAL
+#define DISPATCH_CAUSAL(is_causal, IS_CAUSAL, ...) \
+  if (is_causal == 0) { constexpr bool IS_CAUSAL = false; __VA_ARGS__ } \
+  else { throw std::invalid_argument("this build is not causal"); }
+#undef DISPATCH_RETURN_LSE
+#define DISPATCH_RETURN_LSE(return_lse, RETURN_LSE, ...) \
+  if (return_lse == 0) { constexpr bool RETURN_LSE = false; __VA_ARGS__ } \
+  else { throw std::invalid_argument("this build returns no LSE"); }
+#undef DISPATCH_PYTORCH_DTYPE_TO_CTYPE_FP16
+#define DISPATCH_PYTORCH_DTYPE_TO_CTYPE_FP16(pytorch_dtype, c_type, ...) \
+  if (pytorch_dtype == at::ScalarType::BFloat16) { using c_type = nv_bfloat16; __VA_ARGS__ } \
+  else { TORCH_CHECK(false, "this build takes bf16 only"); }
+"""
 EXTENSIONS = {  # module -> its sources under csrc/ (SageAttention's setup.py, the sm_90 entries)
     "_qattn_sm90": ["qattn/pybind_sm90.cpp", "qattn/qk_int_sv_f8_cuda_sm90.cu"],
     "_fused": ["fused/pybind.cpp", "fused/fused.cu"],
@@ -38,6 +58,7 @@ def main() -> int:
         "--src", default=".sage", help="SageAttention source: sageattention/ and csrc/ (default .sage)"
     )
     ap.add_argument("--target", default="/tmp/site", help="where the package goes (put it on PYTHONPATH)")
+    ap.add_argument("--all-variants", action="store_true", help="every upstream kernel variant (slow build)")
     a = ap.parse_args()
     src, target = Path(a.src).resolve(), Path(a.target)
     if not (src / "sageattention").is_dir() or not (src / "csrc").is_dir():
@@ -51,6 +72,12 @@ def main() -> int:
     pkg = target / "sageattention"
     shutil.rmtree(pkg, ignore_errors=True)
     shutil.copytree(src / "sageattention", pkg)
+    csrc = target / ".csrc"
+    shutil.rmtree(csrc, ignore_errors=True)
+    shutil.copytree(src / "csrc", csrc)
+    if not a.all_variants:
+        with open(csrc / "dispatch_utils.h", "a") as f:
+            f.write(NARROW)
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 8))
     print(
         f"torch {torch.__version__}, CUDA {torch.version.cuda}; building {', '.join(EXTENSIONS)}", flush=True
@@ -60,7 +87,7 @@ def main() -> int:
         t1 = time.perf_counter()
         build = target / f".build_{name}"
         build.mkdir(parents=True, exist_ok=True)
-        load(name=name, sources=[str(src / "csrc" / s) for s in sources], extra_cflags=CXX,
+        load(name=name, sources=[str(csrc / s) for s in sources], extra_cflags=CXX,
              extra_cuda_cflags=NVCC, extra_ldflags=["-lcuda"], build_directory=str(build),
              verbose=False, is_python_module=True)  # fmt: skip
         so = next(build.glob(f"{name}*.so"))
