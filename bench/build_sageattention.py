@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 import time
@@ -26,6 +27,36 @@ CXX = ["-O3", "-std=c++17", "-DENABLE_BF16", "-fopenmp"]
 NVCC = ["-O3", "-std=c++17", "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
         "--use_fast_math", "--threads=8", "-diag-suppress=174", "-DENABLE_BF16",
         "-gencode", "arch=compute_90a,code=sm_90a"]  # fmt: skip
+# Upstream launches every kernel on the legacy default stream: under CUDA-graph capture (PyTorch captures
+# on a side stream) the launches fail unchecked and a replay reads a stale output. Each launch goes to
+# PyTorch's current stream instead (`STREAM`), and an all-zero V channel's scale is floored (upstream
+# divides by its amax: NaN), as the Q/K quantisers already do.
+STREAM = "at::cuda::getCurrentCUDAStream()"
+ZERO_V = (
+    "s_amax_val = fmaxf(fabsf(block_max_val), fabsf(block_min_val));",
+    "s_amax_val = fmaxf(fmaxf(fabsf(block_max_val), fabsf(block_min_val)), 1e-7f);",
+)
+
+
+def _launch_on_stream(m: re.Match) -> str:
+    args = [a.strip() for a in m.group(1).split(",")]
+    return "<<<" + ", ".join(args + ["0"] * (3 - len(args)) + [STREAM]) + ">>>"
+
+
+def patch(csrc: Path, narrow: bool) -> int:
+    """Rewrite the copied sources (see STREAM, ZERO_V, NARROW); returns the number of launches moved."""
+    moved = 0
+    for cu in ("qattn/qk_int_sv_f8_cuda_sm90.cu", "fused/fused.cu"):
+        f = csrc / cu
+        text, n = re.subn(r"<<<([^<>]*?)>>>", _launch_on_stream, f.read_text())
+        text = text.replace(*ZERO_V)
+        f.write_text(text)
+        moved += n
+    with open(csrc / "dispatch_utils.h", "a") as f:
+        f.write("\n#include <ATen/cuda/CUDAContext.h>\n" + (NARROW if narrow else ""))
+    return moved
+
+
 # What the "sage" engine calls: head dim 128, not causal, no LSE, bf16 (the kernels' dispatch macros, cut
 # to these, instantiate 4 of the upstream 64 kernel variants: the build takes minutes, not a quarter hour)
 NARROW = r"""
@@ -75,9 +106,7 @@ def main() -> int:
     csrc = target / ".csrc"
     shutil.rmtree(csrc, ignore_errors=True)
     shutil.copytree(src / "csrc", csrc)
-    if not a.all_variants:
-        with open(csrc / "dispatch_utils.h", "a") as f:
-            f.write(NARROW)
+    print(f"{patch(csrc, not a.all_variants)} kernel launches moved to the current stream", flush=True)
     os.environ.setdefault("MAX_JOBS", str(os.cpu_count() or 8))
     print(
         f"torch {torch.__version__}, CUDA {torch.version.cuda}; building {', '.join(EXTENSIONS)}", flush=True
