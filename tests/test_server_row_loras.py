@@ -1,5 +1,5 @@
 """`qwenfast serve --row-loras N`: text-to-image requests with different LoRAs share one batch, each row
-with its own; a request whose LoRA file is broken gets a 422 and its batch-mates their images (CPU, a
+with its own; a request whose LoRA file is broken gets a 400 and its batch-mates their images (CPU, a
 tiny FP8 pipeline, emulated)."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_requests_with_different_loras_share_a_batch(tmp_path):
         gated.gate.set()
         send.join()
     res = send.res
-    assert res["bad"].status_code == 422 and res["bad"].json()["error"]["code"] == "invalid_lora"
+    assert res["bad"].status_code == 400 and res["bad"].json()["error"]["code"] == "invalid_lora"
     assert str(tmp_path) not in res["bad"].text  # no host paths in answers
     assert all(res[k].status_code == 200 for k in ("first", "a", "b", "none")), {
         k: r.text[:200] for k, r in res.items()

@@ -76,7 +76,10 @@ def serve_soak(recs: list[Rec]) -> str:
     rows = [
         ["wall time, clients", f"{secs(s['wall_s'])}, {s['concurrency']}"],
         ["requests sent / answered 200 (server's count)", f"{s['sent']} / {out.get('200', 0)} ({s['server_200']})"],
-        ["hung up on purpose / 422 for the broken LoRA", f"{out.get('hung up', 0)} / {out.get('422', 0)}"],
+        [
+            "hung up on purpose / answered invalid_lora (400; 422 before 2026-11-27) for the broken LoRA",
+            f"{out.get('hung up', 0)} / {out.get('400', 0) + out.get('422', 0)}",
+        ],
         ["5xx / lost / answered twice", f"{s['fivexx']} / {s['lost']} / {s['duplicated']}"],
         ["images/min", f"{s['images_per_min']:.1f}"],
         [f"CUDA graphs captured / replays / resident (LRU of {r.get('graph_slots', 8)})",

@@ -24,7 +24,7 @@ transformer forward (batch 4 at 1024², four different rank-64 LoRAs, and all ro
 the same forward with no adapters installed.
 
 `--duration S` turns it into a soak: the per-row server at the top concurrency for S seconds; halfway a
-broken LoRA file is dropped into the folder and some requests name it (answered 422 invalid_lora);
+broken LoRA file is dropped into the folder and some requests name it (answered 400 invalid_lora);
 the record says whether anything answered 5xx, was lost (sent but never answered), or was answered twice
 (the server's 200 count against the clients'), and how far allocated memory moved after the warm-up.
 """
@@ -152,7 +152,7 @@ def send(base: str, r: Req, timeout: float = 3600) -> tuple[str, float]:
                     outcome = "200"
                 elif ev["type"] == "error":
                     code = ev["error"].get("code")
-                    outcome = {"invalid_lora": "422", "timeout": "504"}.get(code, f"stream error {code}")
+                    outcome = {"invalid_lora": "400", "timeout": "504"}.get(code, f"stream error {code}")
             return outcome, time.perf_counter() - t
     except urllib.error.HTTPError as e:
         return str(e.code), time.perf_counter() - t

@@ -379,7 +379,7 @@ class Scheduler:
 
     def _load_row_loras(self, items: list[Item]) -> list[Item]:
         """Per-row LoRAs: read each request's adapters before the batch runs, so that a broken file fails
-        its own requests (422 invalid_lora) and not their batch-mates; returns the items that can run."""
+        its own requests (400 invalid_lora) and not their batch-mates; returns the items that can run."""
         if self._rows is None:
             return items
         keep = frozenset(Path(path).stem for it in items if it.job.kind == "t2i" for path, _ in it.job.loras)
@@ -394,7 +394,7 @@ class Scheduler:
                 self._finish(
                     job,
                     APIError(
-                        422,
+                        400,
                         f"LoRA {', '.join(repr(Path(p).stem) for p, _ in job.loras)} could not be loaded: "
                         "the file in the server's LoRA folder is not a LoRA this model can run per request "
                         "(the server log says why)",
@@ -432,7 +432,7 @@ class Scheduler:
             bad = [Path(path).stem for path, _ in loras if Path(path).name in str(e)] or names
             log.error("LoRA set %s could not be applied: %s: %s", [p for p, _ in loras], type(e).__name__, e)
             raise APIError(
-                422,
+                400,
                 f"LoRA {', '.join(repr(n) for n in bad)} could not be loaded: the file in the "
                 "server's LoRA folder is not a valid LoRA (the server log says why)",
                 param="lora",

@@ -89,7 +89,8 @@ ERRORS: dict[str, tuple[int, str]] = {
     ),
     "invalid_lora_name": (400, "a LoRA name that is not a plain file name (no folders)"),
     "lora_unsupported": (400, "the server's pipeline cannot apply LoRAs"),
-    # 401, 404, 405, 413, 415, 422
+    "invalid_lora": (400, "the named LoRA file exists but is not a LoRA this model can use"),
+    # 401, 404, 405, 413, 415
     "invalid_api_key": (401, "missing or wrong `Authorization: Bearer <key>` (--api-key)"),
     "model_not_found": (404, "`model` names a model this server does not serve (GET /v1/models)"),
     "lora_not_found": (404, "no LoRA of that name in --lora-dir (GET /v1/loras)"),
@@ -104,7 +105,6 @@ ERRORS: dict[str, tuple[int, str]] = {
         415,
         "generations need `Content-Type: application/json`, edits multipart/form-data",
     ),
-    "invalid_lora": (422, "the named LoRA file exists but is not a LoRA this model can use"),
     # retry these
     "queue_full": (429, "the queue is full (--max-queue); retry after the `Retry-After` seconds"),
     "shutting_down": (503, "the server is shutting down; retry on another instance"),
