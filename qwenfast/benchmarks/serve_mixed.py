@@ -9,7 +9,10 @@ in 0.6..1; 30% stream (SSE, with progress events), 5% of the clients hang up mid
 first event, or after 0.3 s without streaming).
 
 Closed loop at each concurrency c: c client threads take the next request of the sequence, wait for its
-answer, take the next. Figures per level: images/min, p50/p95 latency per class (queue included), the
+answer, take the next. Each level runs its requests twice and times the second pass: the first captures
+the CUDA graphs and loads the adapters its shapes, batches and LoRAs need (a few dozen captures of about
+a second each, which in a one-minute level were half of its time), so the figures are a warmed server's,
+as in service; the first pass's captures are recorded too (`warm_captures`). Figures per level: images/min, p50/p95 latency per class (queue included), the
 answers by status, the GPU memory sampled every 0.5 s, graph captures, adapter loads/evictions, batches
 run between two steps of a longer one. Rows, in one run on one GPU with the same weights:
 
@@ -260,8 +263,15 @@ def phase_means(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None = None, hook=None) -> dict:
-    """One closed-loop level against a running server, with the server-side counters it moved."""
+def level(
+    app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None = None, hook=None, warm: bool = False
+) -> dict:
+    """One closed-loop level against a running server, with the server-side counters it moved; `warm`:
+    the same requests once untimed first (see the module docstring)."""
+    w0 = pipe.graph_stats()["captures"]
+    if warm:
+        closed_loop(base, reqs, c)
+    warm_captures = pipe.graph_stats()["captures"] - w0
     m = app.state.metrics
     ph0 = m.phase_sums("generations")
     g0 = pipe.graph_stats()
@@ -272,6 +282,8 @@ def level(app, pipe, base: str, reqs: list[Req], c: int, stop_at: float | None =
     rows = closed_loop(base, reqs, c, stop_at, hook)
     wall = time.perf_counter() - t0
     res = {"concurrency": c, **summarise(rows, wall)}
+    if warm:
+        res["warm_captures"] = warm_captures
     ok_server = sum(v for (ep, st), v in m.requests.items() if st == 200) - sum(
         v for (ep, st), v in before[0].items() if st == 200
     )
@@ -437,7 +449,7 @@ def run(
                 closed_loop(base, warm, 4)
                 res["old_batcher"] = []
                 for c in old_concurrency:
-                    r = level(app, pipe, base, reqs[: requests or max(24, 3 * c)], c)
+                    r = level(app, pipe, base, reqs[: requests or max(24, 3 * c)], c, warm=True)
                     res["old_batcher"].append(r)
                     print_level("old batcher", r)
             finally:
@@ -471,7 +483,7 @@ def run(
             if duration is None:
                 res["per_row"] = []
                 for c in concurrency:
-                    r = level(app, pipe, base, reqs[: requests or max(24, 3 * c)], c)
+                    r = level(app, pipe, base, reqs[: requests or max(24, 3 * c)], c, warm=True)
                     res["per_row"].append(r)
                     print_level("per-row", r)
                 res["memory"] = mem.summary()
