@@ -357,7 +357,6 @@ def tasks(recs: list[Rec]) -> str:
 def qwenimage21(recs: list[Rec]) -> str:
     f = "qwenimage21.jsonl"
     tr = newest(recs, f, lambda r: r.get("what") == "qwen-image-2.1 transformer" and is_default(r))
-    e2e = newest(recs, f, lambda r: r.get("what") == "qwen-image-2.1 e2e diffusers" and is_default(r))
     rows, used = [], []
     if tr is not None:
         run = [r for r in run_of(recs, tr) if r.get("what") == "qwen-image-2.1 transformer"]
@@ -383,52 +382,68 @@ def qwenimage21(recs: list[Rec]) -> str:
                     "",
                 ]
             )
-    if e2e is not None:
-        run = run_of(recs, e2e)
-        used += run
-        rows.append(
-            [
-                "end to end, 40 steps, bf16",
-                secs(e2e["diffusers_s"]),
-                secs(e2e["ours_s_cache_off"]),
-                ratio(e2e["speedup_cache_off"]),
-                f"{e2e['mean_abs_diff_vs_diffusers']:.4f}",
-            ]
+    for size in (1024, 2048):  # records before sizes were recorded are 1024²
+        e2e = newest(
+            recs,
+            f,
+            lambda r: (
+                r.get("what") == "qwen-image-2.1 e2e diffusers"
+                and is_default(r)
+                and r.get("size", 1024) == size
+            ),
         )
-        for r in run:
-            what = r.get("what")
-            if what == "qwen-image-2.1 e2e turbo-4":
-                rows.append(
-                    [
-                        "end to end, turbo-4 schedule, bf16",
-                        secs(r["diffusers_s"]),
-                        secs(r["ours_s"]),
-                        ratio(r["speedup"]),
-                        f"{r['mean_abs_diff_vs_diffusers']:.4f}",
-                    ]
-                )
-            elif what == "qwen-image-2.1 e2e fp8":
-                rows.append(
-                    [
-                        f"end to end, {r['schedule']} schedule ({r['steps']} steps), FP8",
-                        secs(r["diffusers_s"]),
-                        secs(r["ours_s"]),
-                        ratio(r["speedup"]),
-                        f"{r['mean_abs_diff_vs_diffusers_bf16']:.4f}",
-                    ]
-                )
-            elif what == "qwen-image-2.1 e2e step cache" and r["cache"] != "off":
-                full = r["runner_steps_per_call"]
-                rows.append(
-                    [
-                        f"end to end, 40 steps, step cache `{r['cache']}` ({full.get('full')} full steps), bf16",
-                        secs(e2e["diffusers_s"]),
-                        secs(r["ours_s"]),
-                        ratio(e2e["diffusers_s"] / r["ours_s"]),
-                        f"{r['mean_abs_diff_vs_off']:.4f} vs cache off",
-                    ]
-                )
-    head = ["Qwen-Image-2.1, 1024²", "diffusers (eager)", "qwenfast", "speed-up", "rel. err / mean \\|Δ\\|"]
+        if e2e is not None:
+            run = run_of(recs, e2e)
+            used += run
+            rows.append(
+                [
+                    f"end to end {size}² ({gpu_name(e2e)}), 40 steps, bf16",
+                    secs(e2e["diffusers_s"]),
+                    secs(e2e["ours_s_cache_off"]),
+                    ratio(e2e["speedup_cache_off"]),
+                    f"{e2e['mean_abs_diff_vs_diffusers']:.4f}",
+                ]
+            )
+            for r in run:
+                what = r.get("what")
+                if what == "qwen-image-2.1 e2e turbo-4":
+                    rows.append(
+                        [
+                            f"end to end {size}² ({gpu_name(e2e)}), turbo-4 schedule, bf16",
+                            secs(r["diffusers_s"]),
+                            secs(r["ours_s"]),
+                            ratio(r["speedup"]),
+                            f"{r['mean_abs_diff_vs_diffusers']:.4f}",
+                        ]
+                    )
+                elif what == "qwen-image-2.1 e2e fp8":
+                    rows.append(
+                        [
+                            f"end to end {size}² ({gpu_name(e2e)}), {r['schedule']} schedule ({r['steps']} steps), FP8",
+                            secs(r["diffusers_s"]),
+                            secs(r["ours_s"]),
+                            ratio(r["speedup"]),
+                            f"{r['mean_abs_diff_vs_diffusers_bf16']:.4f}",
+                        ]
+                    )
+                elif what == "qwen-image-2.1 e2e step cache" and r["cache"] != "off":
+                    full = r["runner_steps_per_call"]
+                    rows.append(
+                        [
+                            f"end to end {size}² ({gpu_name(e2e)}), 40 steps, step cache `{r['cache']}` ({full.get('full')} full steps), bf16",
+                            secs(e2e["diffusers_s"]),
+                            secs(r["ours_s"]),
+                            ratio(e2e["diffusers_s"] / r["ours_s"]),
+                            f"{r['mean_abs_diff_vs_off']:.4f} vs cache off",
+                        ]
+                    )
+    head = [
+        "Qwen-Image-2.1 (transformer rows: 1024²)",
+        "diffusers (eager)",
+        "qwenfast",
+        "speed-up",
+        "rel. err / mean \\|Δ\\|",
+    ]
     return table(head, rows) + source(used, "bash bench/qwenimage21.sh")
 
 
@@ -514,7 +529,7 @@ def attention(recs: list[Rec]) -> str:
         engines = ", ".join(sorted(k for k in (tr.get("fp8_calls") or {}) if " " not in k)) or "auto"
         p_att = p["attention_ms_eager_incl_quant"]
         # (a profile before the int8 kernel's names were counted as attention put it under "other")
-        p_att = "not split out" if not p_att and "int8" in engines else ms(p_att)
+        p_att = "not split out" if not p_att and ("int8" in engines or "sage" in engines) else ms(p_att)
         out += "\n\n" + table(
             ["60-layer FP8 forward, 1024²", "forward", "attention (eager profile)"],
             [
