@@ -109,6 +109,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
         "mixed sizes and batches hold more)",
     )
     g.add_argument(
+        "--text-bucket",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pad prompts to a multiple of N tokens so one CUDA graph serves a bucket (0: off; servers)",
+    )
+    g.add_argument(
         "--kernels",
         choices=list(KERNELS),
         default=None,
@@ -152,7 +159,12 @@ def engine_options_from_args(a: argparse.Namespace, **extra: Any) -> EngineOptio
         extra.setdefault("int8", True)
     if getattr(a, "offload_budget", None) is not None:
         extra.setdefault("offload_budget", a.offload_budget)
-    for flag, field in (("vram", "vram_gib"), ("weights", "weights"), ("graph_slots", "graph_slots")):
+    for flag, field in (
+        ("vram", "vram_gib"),
+        ("weights", "weights"),
+        ("graph_slots", "graph_slots"),
+        ("text_bucket", "text_bucket"),
+    ):
         if getattr(a, flag, None) is not None:
             extra.setdefault(field, getattr(a, flag))
     return EngineOptions.from_env(

@@ -181,6 +181,10 @@ class EngineOptions:
     graph_slots: how many transformer graphs stay captured (an LRU; one per input shape and block-runner
       variant; they share one memory pool). A server's mixed sizes, batches and prompt lengths hold more
       shapes than the default, and each miss costs a capture (warm-up forwards included).
+    text_bucket: pad each prompt's text to a multiple of this many tokens (0: off), so that one captured
+      graph serves every prompt of a bucket (a graph's shape holds the text length); the padding costs
+      attention nothing where the model takes key lengths (FlashAttention-3: runtime/attention.py's
+      `KeyLengths`), else a masked attention. Same images up to rounding. For servers; not with parallel.
     batched_cfg: cond and uncond in one batch-2 forward; "auto" only when no padding mask is needed.
     fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
     int8: the same Linears as INT8 W8A8 GEMMs (kernels/int8_linear.py; the fast precision of Ampere and
@@ -213,6 +217,7 @@ class EngineOptions:
     attention: str | None = None
     cuda_graphs: bool = True
     graph_slots: int = 8
+    text_bucket: int = 0
     batched_cfg: bool | str = "auto"
     fp8: bool = False
     int8: bool = False
@@ -277,6 +282,14 @@ class EngineOptions:
             or self.graph_slots < 1
         ):
             raise OptionsError(f"graph_slots is a number of graphs (>= 1), got {self.graph_slots!r}")
+        if (
+            isinstance(self.text_bucket, bool)
+            or not isinstance(self.text_bucket, int)
+            or self.text_bucket < 0
+        ):
+            raise OptionsError(f"text_bucket is a number of tokens (0: off), got {self.text_bucket!r}")
+        if self.text_bucket and self.parallel is not None:
+            raise OptionsError("text_bucket does not run with parallel layouts yet")
         if (
             isinstance(self.modulation_cache, bool)
             or not isinstance(self.modulation_cache, int)

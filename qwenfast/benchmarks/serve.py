@@ -119,6 +119,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="mixed: graphs kept captured (EngineOptions.graph_slots)",
     )
+    p.add_argument(
+        "--text-bucket",
+        type=int,
+        default=0,
+        help="mixed: prompts padded to a multiple of N tokens (EngineOptions.text_bucket; 0: off)",
+    )
     p.add_argument("--results", default=None, metavar="DIR", help=RESULTS_HELP)
 
 
@@ -333,6 +339,7 @@ def run_from_args(a: argparse.Namespace) -> int:
             weights=a.weights or ("fp8" if torch.cuda.is_available() else "bf16"),
             cuda_graphs=a.cuda_graphs,
             graph_slots=a.graph_slots,
+            text_bucket=a.text_bucket,
             max_batch=a.max_batch,
             device=a.device,
             dtype=a.dtype,

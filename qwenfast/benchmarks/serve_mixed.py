@@ -355,6 +355,7 @@ def run(
     weights: str = "fp8",
     cuda_graphs: bool = True,
     graph_slots: int | None = None,
+    text_bucket: int = 0,
     max_batch: int = 8,
     device=None,
     dtype=None,
@@ -405,6 +406,7 @@ def run(
         "max_batch": max_batch,
         "cuda_graphs": cuda_graphs,
         "graph_slots": slots_graphs,
+        "text_bucket": text_bucket,
         "classes": {k: v[:3] for k, v in CLASSES.items()},
         "sizes": [s for s, _ in (SIZES_DEMO if not full else SIZES_FULL)],
     }
@@ -419,6 +421,7 @@ def run(
     pipe.configure(
         cuda_graphs=cuda_graphs,
         graph_slots=slots_graphs,
+        text_bucket=text_bucket,
         decode_per_image=True,
         fp8=weights == "fp8",
         int8=weights == "int8",

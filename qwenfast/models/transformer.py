@@ -34,7 +34,7 @@ from ..kernels.gated_residual import (
     gated_residual_layernorm_modulate_fp8,
 )
 from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
-from ..runtime.attention import attention, joint_attention
+from ..runtime.attention import KeyLengths, attention, joint_attention
 from ..runtime.blocks import StepContext
 from ..runtime.contract import DenoisableTransformer
 from ..runtime.modulation import ModulationTable
@@ -254,13 +254,16 @@ class JointAttention(nn.Module):
         icos, isin, tcos, tsin = rope
         iq, ik = apply_rope(iq, icos, isin), apply_rope(ik, icos, isin)
         tq, tk = apply_rope(tq, tcos, tsin), apply_rope(tk, tcos, tsin)
-        # joint sequence is [text; image]
-        q = torch.cat([tq, iq], dim=1).transpose(1, 2)  # (B, H, S, Dh)
-        k = torch.cat([tk, ik], dim=1).transpose(1, 2)
-        v = torch.cat([tv, iv], dim=1).transpose(1, 2)
+        # joint sequence is [text; image] ([image; text] for padded text without a mask: KeyLengths)
+        img_first = isinstance(attn_mask, KeyLengths)
+        q, k, v = (
+            torch.cat([i, t] if img_first else [t, i], dim=1).transpose(1, 2)  # (B, H, S, Dh)
+            for i, t in ((iq, tq), (ik, tk), (iv, tv))
+        )
         o = attention(q, k, v, attn_mask)
         o = o.transpose(1, 2).flatten(2).to(q.dtype)  # (B, S, H*Dh)
-        return self.to_out[0](o[:, Lt:].contiguous()), self.to_add_out(o[:, :Lt].contiguous())
+        oi, ot = (o[:, :Li], o[:, Li:]) if img_first else (o[:, Lt:], o[:, :Lt])
+        return self.to_out[0](oi.contiguous()), self.to_add_out(ot.contiguous())
 
     def forward_fused(
         self,
@@ -280,9 +283,12 @@ class JointAttention(nn.Module):
         streams = [
             (qkv_t, self.norm_added_q.weight, self.norm_added_k.weight, tcos, tsin),
             (qkv_i, self.norm_q.weight, self.norm_k.weight, icos, isin),
-        ]  # joint order: [text; image]
+        ]  # joint order: [text; image] ([image; text] with KeyLengths, as `forward`)
+        if img_first := isinstance(attn_mask, KeyLengths):
+            streams.reverse()
         o = joint_attention(streams, H, Dh, attn_mask).transpose(1, 2).reshape(B, Lt + Li, H * Dh)
-        return self.to_out[0](o[:, Lt:]), self.to_add_out(o[:, :Lt])
+        oi, ot = (o[:, :Li], o[:, Li:]) if img_first else (o[:, Lt:], o[:, :Lt])
+        return self.to_out[0](oi), self.to_add_out(ot)
 
 
 def _norm_modulate(x, shift, scale, split, consumer: nn.Module) -> torch.Tensor | QuantizedRows:
@@ -423,6 +429,8 @@ def block_linears(prefix: str, n_blocks: int, names: Sequence[str] = BLOCK_LINEA
 class QwenImageTransformer(DenoisableTransformer):
     """The MMDiT; implements `runtime.contract.DenoisableTransformer` (block runner, modulation table)."""
 
+    takes_key_lengths = True
+
     def __init__(self, cfg: TransformerConfig):
         super().__init__()
         self.cfg = cfg
@@ -505,7 +513,10 @@ class QwenImageTransformer(DenoisableTransformer):
         txt = self.txt_in(self.txt_norm(encoder_hidden_states))
         temb = self.time_text_embed(t, img.dtype, additional_t_cond)
 
-        attn_mask = joint_attention_mask(encoder_hidden_states_mask, img.shape[1])
+        if self.key_lengths and encoder_hidden_states_mask is not None:  # padded text, no mask
+            attn_mask = KeyLengths.of_text(encoder_hidden_states_mask, img.shape[1])
+        else:
+            attn_mask = joint_attention_mask(encoder_hidden_states_mask, img.shape[1])
         res, every = _residual_plan(
             block_residuals, len(self.transformer_blocks), img.shape, start, end, n_img
         )

@@ -173,6 +173,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         self.transformer.set_fused(new.fused)
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
         self._graphs.resize(new.graph_slots)
+        self.transformer.set_key_lengths(bool(new.text_bucket))
         if getattr(self.vae, "untiled_oom", None) is not None and new.changed(old):
             self.vae.untiled_oom = None  # memory is laid out anew: an untiled decode may fit again
         if new.changed(old) & {
@@ -185,6 +186,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
             "kernels",
             "cuda_graphs",
             "cache",
+            "text_bucket",
         }:
             self._graphs.clear()  # captured with the old weights (addresses) / kernels
             self._clear_modulations()
@@ -509,6 +511,8 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         B = x.shape[0]
         held: list[torch.Tensor] = []  # the whole batch's latents (B, N, C), made once a batch is split
 
+        bucket = self._options.text_bucket if self.transformer.takes_key_lengths else 0
+
         def chunk(i: int, j: int) -> torch.Tensor:
             cb, hook = callback, step_end
             if (i, j) != (0, B) and (callback is not None or step_end is not None) and not held:
@@ -527,8 +531,8 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
                 x[i:j],
                 sig,
                 img_shapes,
-                cond.rows(i, j),
-                None if uncond is None else uncond.rows(i, j),
+                cond.rows(i, j).bucketed(bucket),
+                None if uncond is None else uncond.rows(i, j).bucketed(bucket),
                 cfg_scale,
                 None if ref_latents is None else ref_latents[i:j],
                 self._cfg_batching() if batched_cfg is None else batched_cfg,

@@ -151,6 +151,19 @@ class TextCond:
         chunk of a split batch runs exactly what it would run as a batch of its own."""
         return TextCond(*trim_padding(self.emb[i:j], None if self.mask is None else self.mask[i:j]))
 
+    def bucketed(self, n: int) -> TextCond:
+        """Right-padded (zeros, masked out) to a multiple of `n` tokens (`EngineOptions.text_bucket`;
+        0: as it is), so prompts of one bucket share a shape and so a captured graph."""
+        B, L, D = self.emb.shape
+        pad = -L % n if n else 0
+        if not pad:
+            return self
+        m = torch.ones(B, L, dtype=torch.long, device=self.emb.device) if self.mask is None else self.mask
+        return TextCond(
+            torch.cat([self.emb, self.emb.new_zeros(B, pad, D)], dim=1),
+            torch.cat([m, m.new_zeros(B, pad)], dim=1),
+        )
+
 
 # forward(x (B, N+M, 64), emb (B, L, D), mask (B, L) | None, t (B,), img_shapes, step) -> (B, N+M, 64)
 Forward = Callable[..., torch.Tensor]

@@ -24,6 +24,14 @@ fused projections ([text; image] streams, each (B, L, 3*H*D)): by default the st
 RoPE kernel writes one joint buffer and `attention()` runs on it; a single active wrapper with a
 `joint` method (the peer-memory Ulysses exchange) takes the call instead, so that the kernel can
 write each head group straight into the rank that attends over it.
+
+Padded text without a mask (`KeyLengths`): a server pads prompts to a few lengths (`text_bucket`), so
+that one captured CUDA graph serves every prompt of a length bucket. A boolean key mask would make
+attention slower (cuDNN's masked path; FA2/FA3 take none), so the joint sequence is laid out [image;
+text] instead and each row's keys are its first `lens[b]` (image + real text; the padding at the end):
+FlashAttention-3 reads only those (`flash_attn_with_kvcache`'s `cache_seqlens`, a device tensor, so
+graphs replay any lengths); elsewhere the same lengths become a boolean mask. Each query's output is
+the one of the unpadded sequence (attention does not depend on the keys' order, up to rounding).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -111,6 +120,25 @@ def _sdpa_backends(choice: str, has_mask: bool):
     return [SDPBackend.CUDNN_ATTENTION] + ([] if has_mask else [SDPBackend.FLASH_ATTENTION]) + fallbacks
 
 
+@dataclass(frozen=True)
+class KeyLengths:
+    """A right-padded joint sequence's keys: row b attends over its first `lens[b]` of `total` tokens
+    (`lens` (B,) int32 on the device; see the module docstring). Passed where a mask goes."""
+
+    lens: torch.Tensor
+    total: int
+
+    @classmethod
+    def of_text(cls, txt_mask: torch.Tensor, n_img: int) -> KeyLengths:
+        """[image; text] with text mask (B, L_txt) (1 = real, right-padded): image + real text tokens."""
+        return cls((txt_mask.sum(dim=1) + n_img).to(torch.int32), n_img + txt_mask.shape[1])
+
+    def mask(self) -> torch.Tensor:
+        """The same keys as a (B, 1, 1, total) boolean mask (no host sync)."""
+        pos = torch.arange(self.total, device=self.lens.device)
+        return (pos[None, :] < self.lens[:, None])[:, None, None, :]
+
+
 def trim_padding(emb: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Text (B, L, D) + key mask (B, L) -> the same rows without the right padding they all share, and
     no mask when no row is padded: what a batch of just these rows would run (a mask costs ~1.6x)."""
@@ -179,7 +207,7 @@ def joint_attention(
     if len(_wrappers) == 1 and hasattr(_wrappers[0], "joint"):
         return _wrappers[0].joint(streams, heads, head_dim, mask, _attention)
     if (
-        attention_backend() == "fp8" and not _wrappers
+        attention_backend() == "fp8" and not _wrappers and not isinstance(mask, KeyLengths)
     ):  # Q, K written in e4m3 by the norm kernel (when an engine runs)
         from .attention_fp8 import fp8_joint_attention
 
@@ -197,6 +225,11 @@ def _bind(wrapper, inner: AttentionFn) -> AttentionFn:
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     choice = attention_backend()
+    if isinstance(mask, KeyLengths):
+        out = _fa3_key_lengths(q, k, v, mask) if choice in ("fa3", "auto") else None
+        if out is not None:
+            return out
+        mask = mask.mask()
     if choice == "fp8":  # CPU: its torch reference; CUDA: an FP8 kernel, or cuDNN bf16 (said once)
         from .attention_fp8 import fp8_attention
 
@@ -220,6 +253,26 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 
     with sdpa_kernel(_sdpa_backends(choice, mask is not None), set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _fa3_key_lengths(q, k, v, keys: KeyLengths) -> torch.Tensor | None:
+    """FlashAttention-3 over each row's first `keys.lens[b]` keys, or None where it cannot run."""
+    if not (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.shape[-1] <= 256
+        and q.shape[-1] % 8 == 0
+        and fa3_runs(q.device)
+    ):
+        return None
+    fa3 = _fa3(allow_fwd=q.dtype == torch.bfloat16)
+    if fa3 is None or not hasattr(fa3, "flash_attn_with_kvcache"):
+        return None
+    out = fa3.flash_attn_with_kvcache(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cache_seqlens=keys.lens
+    )  # (B, S, H, D) in
+    out = out[0] if isinstance(out, tuple) else out
+    return out.transpose(1, 2)
 
 
 def _cudnn_bf16(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -71,8 +71,14 @@ class DenoisableTransformer(BlockModel):
       `set_modulation_cache(entries)`: the per-timestep modulation rows (runtime/modulation.py);
     - `modulation_entries(ts)`: a table entry per timestep (only called while a table is kept);
     - `modulation_modules()`: per block, the modules that compute its modulation (what offload may
-      keep in host memory while the table serves them; the memory planner counts them).
+      keep in host memory while the table serves them; the memory planner counts them);
+    - `takes_key_lengths` (whether the model can) and `key_lengths` (read) / `set_key_lengths(on)`: a
+      text mask becomes `runtime.attention.KeyLengths` (joint order [image; text], no mask), so text
+      padded to a bucket costs attention nothing (`EngineOptions.text_bucket`).
     """
+
+    takes_key_lengths = False
+    key_lengths = False
 
     cfg: Any
 
@@ -104,6 +110,10 @@ class DenoisableTransformer(BlockModel):
                 f"a block runner must be a runtime.blocks.BlockRunner, got {type(runner).__name__}"
             )
         self._block_runner = runner
+
+    def set_key_lengths(self, on: bool) -> None:
+        """Padded text by key lengths (True) or by a boolean key mask; only where `takes_key_lengths`."""
+        self.key_lengths = bool(on) and self.takes_key_lengths
 
     @property
     def modulation_table(self) -> ModulationTable | None:
