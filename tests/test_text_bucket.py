@@ -124,7 +124,9 @@ def test_fa3_key_lengths_against_masked_reference(S, lens):
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views of (B, S, H, D)
     keys = KeyLengths(torch.tensor(lens, dtype=torch.int32, device="cuda"), S)
     k2, v2 = k.clone(), v.clone()
-    k2[0, :, lens[0] :], v2[0, :, lens[0] :] = 1e4, float("nan")  # what lies past a row's keys is never read
+    # past a row's keys: weight exactly 0, so large values change nothing (they must be finite, as the
+    # model's padding is: a kernel multiplies a tile's zero weights by what lies there, and 0 * NaN is NaN)
+    k2[0, :, lens[0] :], v2[0, :, lens[0] :] = 1e4, -1e4
     out = _fa3_key_lengths(q, k2, v2, keys)
     assert out is not None and out.shape == q.shape
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keys.mask())

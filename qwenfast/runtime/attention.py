@@ -31,7 +31,9 @@ attention slower (cuDNN's masked path; FA2/FA3 take none), so the joint sequence
 text] instead and each row's keys are its first `lens[b]` (image + real text; the padding at the end):
 FlashAttention-3 reads only those (`flash_attn_with_kvcache`'s `cache_seqlens`, a device tensor, so
 graphs replay any lengths); elsewhere the same lengths become a boolean mask. Each query's output is
-the one of the unpadded sequence (attention does not depend on the keys' order, up to rounding).
+the one of the unpadded sequence (attention does not depend on the keys' order, up to rounding). The
+padding's values must be finite (the kernel weighs them by exactly 0, and 0 * NaN is NaN): zero text
+embeddings, as `TextCond.bucketed` writes, are.
 """
 
 from __future__ import annotations
