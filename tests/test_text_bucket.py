@@ -145,3 +145,22 @@ def test_fa3_key_lengths_against_masked_reference(S, lens):
     graph.replay()
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=keys.mask())
     assert rel_err(static.float(), want) < 1e-2
+
+
+def test_auto_batches_cfg_where_key_lengths_are_free(qf_t2i, monkeypatch):
+    """batched_cfg="auto" keeps cond and uncond apart when they need a mask, except where padded text
+    is attended by key lengths on FlashAttention-3 (no masked attention there)."""
+    import qwenfast.pipeline.placement as placement
+
+    pipe = qf_t2i
+    assert pipe._cfg_batching() == "auto"
+    pipe.configure(text_bucket=64)
+    try:
+        assert pipe._cfg_batching() == "auto"  # CPU: the key lengths become a mask
+        monkeypatch.setattr(placement, "key_lengths_free", lambda device: True)
+        assert pipe._cfg_batching() is True
+        pipe.configure(batched_cfg=False)
+        assert pipe._cfg_batching() is False  # an explicit choice stands
+    finally:
+        pipe.configure(text_bucket=0, batched_cfg="auto")
+    assert pipe._cfg_batching() == "auto"

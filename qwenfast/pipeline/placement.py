@@ -13,6 +13,7 @@ import torch
 
 from ..models.text_encoder import decoder_layers
 from ..options import EngineOptions
+from ..runtime.attention import key_lengths_free
 from ..runtime.blocks import StreamingBlockRunner
 from ..runtime.offload import BlockStreamer, ModelOffloader, offload_module, spread
 from .common import plan_options
@@ -67,9 +68,12 @@ class PlacementMethods:
     def _cfg_batching(self) -> bool | str:
         """The `batched_cfg` option, except that "auto" batches cond and uncond even with a padding mask
         while transformer blocks stream: two forwards a step would copy every streamed block twice
-        (at 12 GiB, 5 GB a step on full size), which costs far more than the masked attention saves."""
+        (at 12 GiB, 5 GB a step on full size), which costs far more than the masked attention saves;
+        and where padded text is attended by key lengths on FlashAttention-3 (no masked attention)."""
         o = self._options.batched_cfg
         st = self._block_streamer
+        if o == "auto" and self.transformer.key_lengths and key_lengths_free(self._compute_device):
+            return True  # padded text by key lengths: the padding costs attention nothing
         return True if o == "auto" and st is not None and st.order else o
 
     def streamed_bytes(self) -> int:

@@ -257,6 +257,15 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def key_lengths_free(device: torch.device) -> bool:
+    """Whether padded text attended by `KeyLengths` costs (next to) nothing on `device` (bf16
+    FlashAttention-3 runs there); elsewhere it becomes a boolean mask, which slows attention."""
+    if torch.device(device).type != "cuda" or attention_backend() not in ("auto", "fa3"):
+        return False
+    fa3 = _fa3(allow_fwd=True) if fa3_runs(torch.device(device)) else None
+    return fa3 is not None and hasattr(fa3, "flash_attn_with_kvcache")
+
+
 def _fa3_key_lengths(q, k, v, keys: KeyLengths) -> torch.Tensor | None:
     """FlashAttention-3 over each row's first `keys.lens[b]` keys, or None where it cannot run."""
     if not (
