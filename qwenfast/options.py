@@ -184,7 +184,8 @@ class EngineOptions:
     text_bucket: pad each prompt's text to a multiple of this many tokens (0: off), so that one captured
       graph serves every prompt of a bucket (a graph's shape holds the text length); the padding costs
       attention nothing where the model takes key lengths (FlashAttention-3: runtime/attention.py's
-      `KeyLengths`), else a masked attention. Same images up to rounding. For servers; not with parallel.
+      `KeyLengths`), else a masked attention. Same images up to rounding. For servers; not with parallel;
+      a model that takes no key lengths (Qwen-Image-2.1's) runs its text as it is.
     batched_cfg: cond and uncond in one batch-2 forward; "auto" only when no padding mask is needed.
     fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
     int8: the same Linears as INT8 W8A8 GEMMs (kernels/int8_linear.py; the fast precision of Ampere and
