@@ -211,7 +211,16 @@ def test_graph_keys_per_runner_variant(monkeypatch):
     for i in range(4):
         runner(x, x, None, x, [(1, 2, 2)], step=StepContext(i, 4, 1.0))
     assert len(set(keys)) == 2 and keys[0] == keys[2] and keys[1] == keys[3]
-    assert {k[-1] for k in keys} == {"full", "cached"}
+    assert {k[-1][1] for k in keys} == {"full", "cached"} and {k[-1][0] for k in keys} == {model.block_runner}
+    # another runner (another step-cache preset) with the same variants: graphs of its own (the key
+    # holds the runner whose buffers a graph reads), so switching back replays the first one's
+    first = model.block_runner
+    model.block_runner = Alternating()
+    runner(x, x, None, x, [(1, 2, 2)], step=StepContext(0, 4, 1.0))
+    assert keys[-1] != keys[0] and keys[-1][-1][1] == "full"
+    model.block_runner = first
+    runner(x, x, None, x, [(1, 2, 2)], step=StepContext(0, 4, 1.0))
+    assert keys[-1] == keys[0]
 
 
 # ------------------------------------------------------------------------------------------- OOM

@@ -101,7 +101,9 @@ def test_a_cached_step_is_its_definition(demo_transformer, taylor, first, last):
     shapes = [(1, 3, 2)]
     xs = [torch.randn(2, 6, 64) for _ in range(3)]
     emb, ts = torch.randn(2, 5, tr.cfg.joint_attention_dim), [torch.full((2,), s) for s in (1.0, 0.8, 0.6)]
-    policy = CachePolicy(kind="static", first=first, last=last, warmup=1, tail=0, every=100, taylor=taylor)  # full: 0, 1
+    policy = CachePolicy(
+        kind="static", first=first, last=last, warmup=1, tail=0, every=100, taylor=taylor
+    )  # full: 0, 1
     steps = [StepContext(i, 4, float(ts[i][0]), "cond") for i in range(3)]
 
     def fwd(runner, i):
@@ -169,11 +171,21 @@ class CacheByDefinition(BlockRunner):
 GAPPED = {
     "fast": (PRESETS["fast"], 12, {0, 1, 2, 6, 10, 11}),
     "balanced": (PRESETS["balanced"], 12, {0, 2, 4, 6, 8, 11}),  # warm-up of 8, every 2nd full
-    "every-3-last-1": (CachePolicy(kind="static", first=1, last=1, warmup=2, tail=1, every=3, taylor=1), 12,
-                       {0, 1, 2, 5, 8, 11}),  # fmt: skip
-    "every-4-reuse": (CachePolicy(kind="static", warmup=2, tail=1, every=4, taylor=0), 12, {0, 1, 2, 6, 10, 11}),
-    "adaptive-taylor": (CachePolicy(kind="adaptive", warmup=2, tail=1, threshold=1e9, max_skips=2, taylor=1), 12,
-                        {0, 1, 4, 7, 10, 11}),  # fmt: skip
+    "every-3-last-1": (
+        CachePolicy(kind="static", first=1, last=1, warmup=2, tail=1, every=3, taylor=1),
+        12,
+        {0, 1, 2, 5, 8, 11},
+    ),  # fmt: skip
+    "every-4-reuse": (
+        CachePolicy(kind="static", warmup=2, tail=1, every=4, taylor=0),
+        12,
+        {0, 1, 2, 6, 10, 11},
+    ),
+    "adaptive-taylor": (
+        CachePolicy(kind="adaptive", warmup=2, tail=1, threshold=1e9, max_skips=2, taylor=1),
+        12,
+        {0, 1, 4, 7, 10, 11},
+    ),  # fmt: skip
 }
 
 
@@ -230,7 +242,10 @@ def test_rows_branches_and_requests_never_share_a_cache(fresh, policy):
     """A batch of two prompts equals each alone with the same policy; an earlier request changes nothing."""
     fresh.configure(cache=policy, batched_cfg=False)
     kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **KW)
-    alone = [fresh([p], generator=[_gen(s)], **kw).images[0] for p, s in (("a red circle", 4), ("two blue stars", 5))]
+    alone = [
+        fresh([p], generator=[_gen(s)], **kw).images[0]
+        for p, s in (("a red circle", 4), ("two blue stars", 5))
+    ]
     both = fresh(["a red circle", "two blue stars"], generator=[_gen(4), _gen(5)], **kw).images
     assert_close_finite(both[0], alone[0], atol=2e-5)
     assert_close_finite(both[1], alone[1], atol=2e-5)
@@ -267,7 +282,9 @@ def test_cache_options_and_their_errors(fresh):
     # the tail outranks the warm-up: a 4-step run under balanced still ends on a full step
     assert [s for s in range(4) if PRESETS["balanced"].static_full(s, 4)] == [0, 2, 3]
     fresh.configure(cache="balanced")
-    assert isinstance(fresh.block_runner, StepCacheRunner) and fresh.block_runner.policy is PRESETS["balanced"]
+    assert (
+        isinstance(fresh.block_runner, StepCacheRunner) and fresh.block_runner.policy is PRESETS["balanced"]
+    )
     fresh.configure(cache="off")
     assert type(fresh.block_runner) is BlockRunner
 
@@ -292,7 +309,7 @@ def test_graph_and_eager_cached_paths_agree(cache):
     p.set_progress_bar_config(disable=True)
     kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **{**KW, "num_inference_steps": 12})
     graphed = [p("a red circle", generator=_gen(7), **kw).images for _ in range(2)]  # capture, then replay
-    assert {k[-1] for k in p._graphs.graphs} >= {"first", "full", "cached"}
+    assert {k[-1][1] for k in p._graphs.graphs} >= {"first", "full", "cached"}
     p.configure(cuda_graphs=False)
     eager = p("a red circle", generator=_gen(7), **kw).images
     assert_close_finite(graphed[0], graphed[1])
@@ -300,6 +317,38 @@ def test_graph_and_eager_cached_paths_agree(cache):
     p.configure(cache=None, cuda_graphs=True)
     uncached = p("a red circle", generator=_gen(7), **kw).images
     assert np.abs(uncached - eager).max() > 0  # the cache was on in both runs above
+    # back to the cache: its graphs were kept (no recapture) and replay the same image
+    n = p._graphs.captures
+    p.configure(cache=cache)
+    assert_close_finite(p("a red circle", generator=_gen(7), **kw).images, graphed[1])
+    assert p._graphs.captures == n
+    p.configure(cache=None)
+
+
+def test_a_cache_switch_keeps_its_runner_and_the_graphs(fresh):
+    """configure(cache=...) back and forth (a server's per-request presets) reuses one block runner per
+    policy and drops no captured graph (their keys hold the runner whose buffers they read), and the
+    images are those of a pipeline that never switched."""
+    p = fresh
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **KW)
+    p._graphs.graphs[("sentinel",)] = None  # stands for a captured graph (CPU: none are captured)
+    try:
+        p.configure(cache="fast")
+        fast = p.transformer.block_runner
+        a = p("a red circle", generator=_gen(3), **kw).images
+        p.configure(cache=None)
+        plain = p.transformer.block_runner
+        p.configure(cache="balanced")
+        p.configure(cache="fast")
+        assert p.transformer.block_runner is fast and isinstance(fast, StepCacheRunner)
+        p.configure(cache=None)
+        assert p.transformer.block_runner is plain
+        assert ("sentinel",) in p._graphs.graphs
+        p.configure(cache="fast")
+        b = p("a red circle", generator=_gen(3), **kw).images
+    finally:
+        p._graphs.graphs.pop(("sentinel",), None)
+    assert_close_finite(a, b)
 
 
 def test_snapshot_restore_undoes_a_step(demo_transformer):
@@ -312,9 +361,18 @@ def test_snapshot_restore_undoes_a_step(demo_transformer):
     tr.block_runner = runner
     try:
         for i in range(2):
-            tr(x + i, emb, None, torch.full((1,), 1.0 - 0.1 * i), [(1, 3, 2)], step=StepContext(i, 6, 1.0, "cond"))
+            tr(
+                x + i,
+                emb,
+                None,
+                torch.full((1,), 1.0 - 0.1 * i),
+                [(1, 3, 2)],
+                step=StepContext(i, 6, 1.0, "cond"),
+            )
         before = runner.snapshot()
-        tr(x + 5, emb, None, torch.full((1,), 0.5), [(1, 3, 2)], step=StepContext(1, 6, 1.0, "cond"))  # a full step again
+        tr(
+            x + 5, emb, None, torch.full((1,), 0.5), [(1, 3, 2)], step=StepContext(1, 6, 1.0, "cond")
+        )  # a full step again
         changed = runner.snapshot()
         runner.restore(before)
         after = runner.snapshot()

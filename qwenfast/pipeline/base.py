@@ -93,6 +93,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         self.progress_bar = True
         self.vae_scale_factor = vae.cfg.scale_factor
         self._graphs = CudaGraphRunner(transformer)
+        self._block_runners: dict = {}  # step-cache policy (None: none) -> its block runner, kept
         self._compute_device = torch.device(device) if device is not None else transformer.device
         self._options = EngineOptions()  # what the loaded weights are now; configure() moves from here
         self._block_streamer: BlockStreamer | None = None
@@ -166,10 +167,15 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
             # the cfg split rides on the batched CFG forward
             new = new.replace(batched_cfg=True if new.parallel.cfg == 2 else new.batched_cfg)
         if new.cache != old.cache:
+            # one runner per policy for the pipeline's life: the graphs captured under each stay valid
+            # across switches (a server's per-request `cache`), as their keys hold their runner
+            runners = self._block_runners
+            runners.setdefault(resolve_policy(old.cache), self.transformer.block_runner)
             policy = resolve_policy(new.cache)
-            self.transformer.set_block_runner(
-                StepCacheRunner(policy) if policy is not None else BlockRunner()
-            )
+            if policy not in runners:
+                runners[policy] = StepCacheRunner(policy) if policy is not None else BlockRunner()
+            runners[policy].reset_stats()  # its counters count from this configure on, as a new one's
+            self.transformer.set_block_runner(runners[policy])
         self.transformer.set_fused(new.fused)
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
         self._graphs.resize(new.graph_slots)
@@ -185,7 +191,6 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
             "attention",
             "kernels",
             "cuda_graphs",
-            "cache",
             "text_bucket",
         }:
             self._graphs.clear()  # captured with the old weights (addresses) / kernels

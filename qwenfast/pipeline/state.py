@@ -104,6 +104,9 @@ class SharedState:
     memory_plan = shared()  # runtime.tiers.VramPlan of the last vram_gib planned (None: none)
     # captured graphs, LoRAs, caches
     _graphs = shared()
+    _block_runners = (
+        shared()
+    )  # one block runner per step-cache policy (configure), so graphs survive a switch
     _lora_manager = shared()
     latent_cache_size = shared()
     _latent_cache = shared()  # edit models: reference latents

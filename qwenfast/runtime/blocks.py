@@ -62,6 +62,9 @@ class BlockRunner:
         """What a forward at `step` computes; part of the CUDA-graph key. One variant here."""
         return "full"
 
+    def reset_stats(self) -> None:
+        """Zero the runner's counters (a step cache's full / cached forwards); none here."""
+
     def snapshot(self) -> object:
         """The runner's tensor state (a step cache's buffers), so that CUDA-graph warm-up runs, which
         execute a step before its capture, can be undone (`restore`). None: stateless."""

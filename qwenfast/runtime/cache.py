@@ -62,6 +62,9 @@ class StepCacheRunner(BlockRunner):
         self._seen: dict[str, tuple] = {}
         self.stats = {"full": 0, "cached": 0}  # forwards per kind (adaptive: batch rows)
 
+    def reset_stats(self) -> None:
+        self.stats.update(full=0, cached=0)  # in place: callers may hold the dict
+
     # ------------------------------------------------------------------ decisions
     def variant(self, step: StepContext | None) -> Hashable:
         p = self.policy

@@ -179,9 +179,11 @@ class CudaGraphRunner(_GraphCache):
                 block_residuals=res,
                 **mkw,
             )
-        # one graph per block-runner variant: a runner whose steps compute different things (a step
-        # cache's full and cached steps) gets a graph for each
-        variant = runner.variant(step) if runner is not None else None
+        # one graph per block runner and variant: a runner whose steps compute different things (a step
+        # cache's full and cached steps) gets a graph for each, and the runner itself is in the key (its
+        # buffers are what the graph reads; the key keeps it alive), so switching step-cache presets
+        # keeps every runner's graphs valid
+        variant = (runner, runner.variant(step)) if runner is not None else None
         if runner is not None:
             runner.prepare(step, x.device)  # host-side step state: a replay runs no Python
         key = (
