@@ -112,13 +112,13 @@ def test_text_bucket_option_checks():
     assert EngineOptions(text_bucket=64).text_bucket == 64
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU-only: FlashAttention-3's key-length path")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("S,lens", [(4224 + 64, [4224 + 31, 4224 + 64]), (1037, [900, 1037])])
 def test_fa3_key_lengths_against_masked_reference(S, lens):
     from qwenfast.runtime.attention import _fa3, _fa3_key_lengths, fa3_runs
 
     if not fa3_runs(torch.device("cuda")) or _fa3(allow_fwd=True) is None:
-        pytest.skip("GPU-only: needs FlashAttention-3 on a Hopper GPU")
+        pytest.skip("FA3 not installed or not a Hopper GPU: key lengths run as a mask there")
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(2, S, 24, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D) views of (B, S, H, D)
