@@ -392,51 +392,45 @@ def qwenimage21(recs: list[Rec]) -> str:
                 and r.get("size", 1024) == size
             ),
         )
-        if e2e is not None:
-            run = run_of(recs, e2e)
-            used += run
-            rows.append(
-                [
-                    f"end to end {size}² ({gpu_name(e2e)}), 40 steps, bf16",
-                    secs(e2e["diffusers_s"]),
-                    secs(e2e["ours_s_cache_off"]),
-                    ratio(e2e["speedup_cache_off"]),
-                    f"{e2e['mean_abs_diff_vs_diffusers']:.4f}",
-                ]
-            )
-            for r in run:
-                what = r.get("what")
-                if what == "qwen-image-2.1 e2e turbo-4":
-                    rows.append(
-                        [
-                            f"end to end {size}² ({gpu_name(e2e)}), turbo-4 schedule, bf16",
-                            secs(r["diffusers_s"]),
-                            secs(r["ours_s"]),
-                            ratio(r["speedup"]),
-                            f"{r['mean_abs_diff_vs_diffusers']:.4f}",
-                        ]
-                    )
-                elif what == "qwen-image-2.1 e2e fp8":
-                    rows.append(
-                        [
-                            f"end to end {size}² ({gpu_name(e2e)}), {r['schedule']} schedule ({r['steps']} steps), FP8",
-                            secs(r["diffusers_s"]),
-                            secs(r["ours_s"]),
-                            ratio(r["speedup"]),
-                            f"{r['mean_abs_diff_vs_diffusers_bf16']:.4f}",
-                        ]
-                    )
-                elif what == "qwen-image-2.1 e2e step cache" and r["cache"] != "off":
-                    full = r["runner_steps_per_call"]
-                    rows.append(
-                        [
-                            f"end to end {size}² ({gpu_name(e2e)}), 40 steps, step cache `{r['cache']}` ({full.get('full')} full steps), bf16",
-                            secs(e2e["diffusers_s"]),
-                            secs(r["ours_s"]),
-                            ratio(e2e["diffusers_s"] / r["ours_s"]),
-                            f"{r['mean_abs_diff_vs_off']:.4f} vs cache off",
-                        ]
-                    )
+        if e2e is None:
+            continue
+        run = run_of(recs, e2e)
+        used += run
+        at = f"end to end {size}² ({gpu_name(e2e)})"
+
+        def add(what: str, diffusers_s: float, ours_s: float, diff: str) -> None:
+            rows.append([f"{at}, {what}", secs(diffusers_s), secs(ours_s), ratio(diffusers_s / ours_s), diff])
+
+        add(
+            "40 steps, bf16",
+            e2e["diffusers_s"],
+            e2e["ours_s_cache_off"],
+            f"{e2e['mean_abs_diff_vs_diffusers']:.4f}",
+        )
+        for r in run:
+            what = r.get("what")
+            if what == "qwen-image-2.1 e2e turbo-4":
+                add(
+                    "turbo-4 schedule, bf16",
+                    r["diffusers_s"],
+                    r["ours_s"],
+                    f"{r['mean_abs_diff_vs_diffusers']:.4f}",
+                )
+            elif what == "qwen-image-2.1 e2e fp8":
+                add(
+                    f"{r['schedule']} schedule ({r['steps']} steps), FP8",
+                    r["diffusers_s"],
+                    r["ours_s"],
+                    f"{r['mean_abs_diff_vs_diffusers_bf16']:.4f}",
+                )
+            elif what == "qwen-image-2.1 e2e step cache" and r["cache"] != "off":
+                full = r["runner_steps_per_call"].get("full")
+                add(
+                    f"40 steps, step cache `{r['cache']}` ({full} full steps), bf16",
+                    e2e["diffusers_s"],
+                    r["ours_s"],
+                    f"{r['mean_abs_diff_vs_off']:.4f} vs cache off",
+                )
     head = [
         "Qwen-Image-2.1 (transformer rows: 1024²)",
         "diffusers (eager)",
