@@ -10,10 +10,10 @@ first event, or after 0.3 s without streaming).
 
 Closed loop at each concurrency c: c client threads take the next request of the sequence, wait for its
 answer, take the next. Each level runs its requests twice and times the second pass: the first captures
-the CUDA graphs and loads the adapters its shapes, batches and LoRAs need (a few dozen captures of about
-a second each, which in a one-minute level were half of its time), so the figures are a warmed server's,
-as in service; the first pass's captures are recorded too (`warm_captures`). Figures per level: images/min, p50/p95 latency per class (queue included), the
-answers by status, the GPU memory sampled every 0.5 s, graph captures, adapter loads/evictions, batches
+the CUDA graphs and loads the adapters its shapes, batches and LoRAs need (a few dozen captures in a
+one-minute level), so the figures are a warmed server's, as in service; the first pass's captures are
+recorded too (`warm_captures`). Figures per level: images/min, p50/p95 latency per class (queue included),
+the answers by status, the GPU memory sampled every 0.5 s, graph captures, adapter loads/evictions, batches
 run between two steps of a longer one. Rows, in one run on one GPU with the same weights:
 
 - `per-row`: `--row-loras` (each request its LoRA inside any batch) with step-boundary interleaving;
