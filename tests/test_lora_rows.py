@@ -18,11 +18,14 @@ import torch
 from safetensors.torch import save_file
 
 from qwenfast.errors import LoraError
-from qwenfast.kernels.lora_rows import lora_rows, lora_rows_ref
+from qwenfast.kernels.lora_rows import lora_rows, lora_rows_ref, lora_rows_triton
 from qwenfast.loading.lora_manager import LoraManager
 from qwenfast.loading.lora_rows import RowAdapters
+from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 
-from .conftest import assert_close_finite
+from .conftest import assert_close_finite, interpreter_cases
+
+DEVICES = kernel_devices()
 
 TOL = 1e-5
 
@@ -63,6 +66,46 @@ def test_lora_rows_equals_the_row_loop(dtype, tol, B, L, K, N, n, R, S):
     assert [bucket(r) for r in (1, 16, 17, 64, 65, 192, 193)] == [16, 16, 32, 64, 128, 192, 256]
     with pytest.raises(ValueError, match="do not agree"):
         lora_rows(x, y, down[:, :, :-1], up, idx, scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize(
+    "B,L,K,N,n,R,S",
+    [(3, 7, 19, 23, 4, 5, 2), (2, 33, 40, 17, 6, 3, 3), (1, 1, 8, 8, 2, 16, 1), (2, 70, 72, 130, 3, 80, 1)],
+)
+def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n, R, S):
+    """The Triton shrink/expand pair (`lora_rows_triton`, what `lora_rows` runs on CUDA) against the
+    per-row loop: odd shapes, a rank over one expand tile (80), a strided selection (the eager path's
+    used columns), the low-rank buffer poisoned with NaN (every element written), rows of the zero slot
+    untouched bit for bit, and a changed strength moving the output far more than the tolerance."""
+    dev = "cpu" if device == "interp" else device
+    g = torch.Generator().manual_seed(B * 1000 + K + R)
+    x = torch.randn(B, L, K, generator=g).to(dtype).to(dev)
+    y = torch.randn(B, L, N, generator=g).to(dtype).to(dev)
+    down = (torch.randn(n, R, K, generator=g) / K**0.5).to(dtype).to(dev)
+    up = torch.randn(n, N, R, generator=g).to(dtype).to(dev)
+    down[0], up[0] = 0, 0  # slot 0: no LoRA
+    wide = torch.randint(1, n, (B, S + 1), generator=g)
+    if B > 1:
+        wide[0] = 0  # the first row uses none
+    idx = wide.to(dev)[:, :S]  # strided: (B, S) of a (B, S + 1) buffer
+    scale = (torch.rand(B, S + 1, generator=g) * 2 - 0.5).to(dev)[:, :S]
+    want = lora_rows_ref(x, y, down, up, idx, scale)
+    h = torch.full((B, L, S * R), float("nan"), dtype=dtype, device=dev)
+    got = lora_rows_triton(x, y.clone(), down, up, idx, scale, h=h)
+    ref = want.float().abs().max().clamp_min(1)
+    assert torch.isfinite(h).all()
+    assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
+    if B > 1:
+        assert torch.equal(got[0], y[0])  # the zero slot: not touched
+    assert torch.equal(lora_rows(x, y.clone(), down, up, idx, scale), got)  # the dispatch runs the kernels
+    moved = lora_rows_triton(x, y.clone(), down, up, idx, scale * 1.5)
+    assert (moved.float() - got.float()).abs().max() / ref > 10 * tol
+
+
+def test_interpreter_subprocess(request):
+    run_interpreter_cases(__file__, at_least=len(interpreter_cases(request)), exactly=True)
 
 
 BLOCK_LINEARS = {  # diffusers module names (per block) -> (in, out) of the tiny model below (inner 64)

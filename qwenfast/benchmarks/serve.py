@@ -69,10 +69,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--workload",
-        choices=("uniform", "mixed"),
+        choices=("uniform", "mixed", "rows"),
         default="uniform",
         help="uniform: one size and step count; mixed: sizes, step counts, LoRAs, caches, streaming and "
-        "hang-ups, against the old batcher and a diffusers loop (benchmarks/serve_mixed.py)",
+        "hang-ups, against the old batcher and a diffusers loop (benchmarks/serve_mixed.py); rows: only the "
+        "per-row LoRA overhead of one forward, eager and graphed (GPU)",
     )
     p.add_argument("--loras", type=int, default=10, help="mixed: random LoRAs in the workload")
     p.add_argument(
@@ -322,6 +323,11 @@ def _summarise(res: dict) -> None:
 
 
 def run_from_args(a: argparse.Namespace) -> int:
+    if a.workload == "rows":
+        from .serve_baselines import run_rows
+
+        run_rows(a.lora_folder, a.loras, results_dir(a.results))
+        return 0
     if a.workload == "mixed":
         import torch
 

@@ -72,9 +72,15 @@ def diffusers_loop(ref, reqs: list, folder: Path, seconds: float, keep: int = 4)
 
 
 @torch.no_grad()
-def row_overhead(pipe, names: list[str], size: int = 1024, batch: int = 4, txt_len: int = 128) -> dict:
+def row_overhead(
+    pipe, names: list[str], size: int = 1024, batch: int = 4, txt_len: int = 128, graphs: bool = False
+) -> dict:
     """One transformer forward (batch `batch`, `size`², no CFG, eager) with no per-row adapters installed,
-    with each row its own LoRA (`names[:batch]`), and with every row choosing none; ms (median of 10)."""
+    with each row its own LoRA (`names[:batch]`), and with every row choosing none; ms (median of 10).
+    `graphs`: the same three replayed as CUDA graphs too (`*_graph_ms`: what a server with
+    --cuda-graphs runs)."""
+    from ..runtime.cuda_graphs import CudaGraphRunner
+
     tr, dev = pipe.transformer, pipe.device
     h = w = size // 16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -85,11 +91,18 @@ def row_overhead(pipe, names: list[str], size: int = 1024, batch: int = 4, txt_l
     def fwd():
         return tr(x, txt, None, t, [(1, h, w)])
 
+    def timed(key: str) -> None:
+        res[f"{key}_ms"] = round(median_ms(fwd), 2)
+        if graphs:
+            runner = CudaGraphRunner(tr)  # a new one: the layers' side paths differ between the three
+            res[f"{key}_graph_ms"] = round(median_ms(lambda: runner(x, txt, None, t, [(1, h, w)])), 2)
+            runner.clear()
+
     rows = pipe.row_loras
     res = {"batch": batch, "size": size, "ranks": []}
     if rows is not None:
         rows.uninstall()
-    res["none_installed_ms"] = round(median_ms(fwd), 2)
+    timed("none_installed")
     if rows is None:
         return res
     rows.install()
@@ -97,12 +110,55 @@ def row_overhead(pipe, names: list[str], size: int = 1024, batch: int = 4, txt_l
         sel = [[(n, 1.0)] for n in names[:batch]]
         rows.select(sel, dev)
         res["ranks"] = [int(rows.stacks[m].down.shape[1]) for m in list(rows.stacks)[:1]]
-        res["each_row_its_lora_ms"] = round(median_ms(fwd), 2)
+        timed("each_row_its_lora")
         rows.select([[] for _ in range(batch)], dev)
-        res["rows_without_lora_ms"] = round(median_ms(fwd), 2)
+        timed("rows_without_lora")
     finally:
         rows.select([[] for _ in range(batch)], dev)
-    base = res["none_installed_ms"]
-    res["overhead_pct"] = round(100 * (res["each_row_its_lora_ms"] / base - 1), 1)
-    res["no_lora_rows_overhead_pct"] = round(100 * (res["rows_without_lora_ms"] / base - 1), 1)
+    for suffix in ("", "_graph") if graphs else ("",):
+        base = res[f"none_installed{suffix}_ms"]
+        res[f"overhead{suffix}_pct"] = round(100 * (res[f"each_row_its_lora{suffix}_ms"] / base - 1), 1)
+        res[f"no_lora_rows_overhead{suffix}_pct"] = round(
+            100 * (res[f"rows_without_lora{suffix}_ms"] / base - 1), 1
+        )
+    return res
+
+
+def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None) -> dict:
+    """`qwenfast bench serve --workload rows`: only the per-row LoRA overhead of one forward
+    (`row_overhead`, eager and CUDA-graphed) on the mixed workload's model (random-full, FP8) and its
+    random LoRAs (the rank-64 ones), without the serving levels: a record of its own in
+    serve_mixed.jsonl (`mode: row_overhead`). A CUDA GPU only."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from . import emit, versions
+    from .pipeline import build
+    from .serve_mixed import save_loras
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("--workload rows builds full-size weights on a CUDA GPU; none is visible")
+    t0 = time.perf_counter()
+    pipe, _ = build(smoke=False, diffusers_transformer=False)
+    pipe.configure(fp8=True)
+    folder = Path(lora_folder) if lora_folder else Path(tempfile.mkdtemp(prefix="qwenfast-loras-"))
+    names = [f"lora-{i}" for i in range(n_loras)]
+    if not all((folder / f"{n}.safetensors").is_file() for n in names):
+        names = save_loras(folder, pipe.transformer, n_loras)
+    pipe.enable_row_loras(folder, slots=n_loras)
+    res = {
+        "bench": "serve_mixed",
+        "mode": "row_overhead",
+        **versions(),
+        "model": "random-full",
+        "weights": "fp8",
+    }
+    res["build_s"] = round(time.perf_counter() - t0, 1)
+    from ..kernels import lora_rows
+
+    res["tiles"] = {k: list(v) for k, v in lora_rows.CONFIG.items()}  # the segmented kernels' tiles
+    res["row_overhead"] = row_overhead(pipe, names[1::2], graphs=True)  # the rank-64 LoRAs (save_loras)
+    print(f"  per-row LoRA overhead, one forward: {res['row_overhead']}")
+    emit(res, "serve_mixed.jsonl", out_dir)
     return res
