@@ -138,15 +138,21 @@ if triton_available():
     ):
         """y[b, t, n] += sum over the row's slots s of h[b, t, s*R:(s+1)*R] . up[idx[b, s], n], BM x BN
         of y; a row whose slots are all zero is not touched."""
-        b, mt, nt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        nt, mt, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # N fastest: h's tile stays in L2
         rows = mt * BM + tl.arange(0, BM)
         cols = nt * BN + tl.arange(0, BN)
         rs = tl.arange(0, BR)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
         live = tl.full([], 0, tl.int32)  # any slot of this row not the zero one
         for s in range(0, S):
+            live = tl.maximum(live, (tl.load(idx_ptr + b * s_ib + s * s_is) != 0).to(tl.int32))
+        # y's tile is loaded first (masked off entirely for a row without LoRA: no memory traffic), so
+        # its latency hides behind the low-rank products
+        m = (rows[:, None] < T) & (cols[None, :] < N) & (live != 0)
+        yp = y_ptr + b.to(tl.int64) * s_yb + rows[:, None].to(tl.int64) * s_yt + cols[None, :]
+        y = tl.load(yp, mask=m, other=0.0)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for s in range(0, S):
             slot = tl.load(idx_ptr + b * s_ib + s * s_is)
-            live = tl.maximum(live, (slot != 0).to(tl.int32))
             if slot != 0:
                 hb = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R
                 ub = u_ptr + slot.to(tl.int64) * s_un + cols[:, None].to(tl.int64) * s_uo
@@ -155,11 +161,7 @@ if triton_available():
                     ha = tl.load(hb + r0 + rs[None, :], mask=(rows[:, None] < T) & rm[None, :], other=0.0)
                     ua = tl.load(ub + r0 + rs[None, :], mask=(cols[:, None] < N) & rm[None, :], other=0.0)
                     acc += _dot(ha, tl.trans(ua), IEEE)
-        if live != 0:
-            m = (rows[:, None] < T) & (cols[None, :] < N)
-            yp = y_ptr + b.to(tl.int64) * s_yb + rows[:, None].to(tl.int64) * s_yt + cols[None, :]
-            y = tl.load(yp, mask=m, other=0.0).to(tl.float32)
-            tl.store(yp, (y + acc).to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(yp, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _check(x, y, down, up, idx, scale) -> None:
@@ -271,7 +273,7 @@ def lora_rows_triton(
         )
         bm, bn, bre, w = CONFIG["expand"]
         bre = min(bre, max(16, triton.next_power_of_2(R)))
-        _expand_kernel[(B, triton.cdiv(L, bm), triton.cdiv(N, bn))](
+        _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
             h,
             up,
             idx,
