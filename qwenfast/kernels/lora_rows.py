@@ -44,7 +44,7 @@ __all__ = ["RowLora", "RowLoraLinear", "RowSelection", "lora_rows", "lora_rows_r
 
 # tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K);
 # expand (BM x BN of y, BR of the rank at a time)
-CONFIG = {"shrink": (64, 64, 4), "expand": (128, 128, 64, 8)}  # (BM, BK, warps), (BM, BN, BR, warps)
+CONFIG = {"shrink": (128, 64, 8), "expand": (128, 128, 32, 4)}  # (BM, BK, warps), (BM, BN, BR, warps)
 
 if triton_available():
     import triton
