@@ -12,6 +12,8 @@ FP8 and INT8 weights.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -74,11 +76,12 @@ def test_lora_rows_equals_the_row_loop(dtype, tol, B, L, K, N, n, R, S):
     "B,L,K,N,n,R,S",
     [(3, 7, 19, 23, 4, 5, 2), (2, 33, 40, 17, 6, 3, 3), (1, 1, 8, 8, 2, 16, 1), (2, 70, 72, 130, 3, 80, 1)],
 )
-def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n, R, S):
+def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n, R, S, monkeypatch):
     """The Triton shrink/expand pair (`lora_rows_triton`, what `lora_rows` runs on CUDA) against the
     per-row loop: odd shapes, a rank over one expand tile (80), a strided selection (the eager path's
-    used columns), the low-rank buffer poisoned with NaN (every element written), rows of the zero slot
-    untouched bit for bit, and a changed strength moving the output far more than the tolerance."""
+    used columns), K in one part and split in three (split-K, parts of unequal length), the low-rank
+    buffer poisoned with NaN (every element written), rows of the zero slot untouched bit for bit, and
+    a changed strength moving the output far more than the tolerance."""
     dev = "cpu" if device == "interp" else device
     g = torch.Generator().manual_seed(B * 1000 + K + R)
     x = torch.randn(B, L, K, generator=g).to(dtype).to(dev)
@@ -92,14 +95,22 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     idx = wide.to(dev)[:, :S]  # strided: (B, S) of a (B, S + 1) buffer
     scale = (torch.rand(B, S + 1, generator=g) * 2 - 0.5).to(dev)[:, :S]
     want = lora_rows_ref(x, y, down, up, idx, scale)
-    h = torch.full((B, L, S * R), float("nan"), dtype=dtype, device=dev)
-    got = lora_rows_triton(x, y.clone(), down, up, idx, scale, h=h)
     ref = want.float().abs().max().clamp_min(1)
-    assert torch.isfinite(h).all()
-    assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
+    import qwenfast.kernels.lora_rows as lora_rows_mod
+
+    monkeypatch.setitem(lora_rows_mod.CONFIG, "shrink", (64, 16, 4))  # K tiles of 16: small K splits too
+    for split in (1, 3):  # K in one part, and in up to three summed by the expand (split-K)
+        kc = math.ceil(math.ceil(K / split) / 16) * 16  # whole K tiles per part: the launcher's rule
+        h = torch.full((math.ceil(K / kc), B, L, S * R), float("nan"), device=dev)
+        assert split == 1 or (h.shape[0] > 1) == (K > 16)  # really split where K has more than one tile
+        got = lora_rows_triton(x, y.clone(), down, up, idx, scale, h=h, split=split)
+        assert torch.isfinite(h).all()
+        assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
     if B > 1:
         assert torch.equal(got[0], y[0])  # the zero slot: not touched
-    assert torch.equal(lora_rows(x, y.clone(), down, up, idx, scale), got)  # the dispatch runs the kernels
+    assert torch.equal(
+        lora_rows(x, y.clone(), down, up, idx, scale), lora_rows_triton(x, y.clone(), down, up, idx, scale)
+    )
     moved = lora_rows_triton(x, y.clone(), down, up, idx, scale * 1.5)
     assert (moved.float() - got.float()).abs().max() / ref > 10 * tol
 

@@ -24,7 +24,10 @@ gathered copy) and writes h = x · downᵀ · strength; `_expand_kernel` adds h 
 one read and one write of y, and leaves rows of the zero slot untouched (no load, no store). Why: the
 profile of the torch pass (H100, FP8, 1024², batch 4, four rank-64 LoRAs, one forward; the qkv stack is
 rank 192: three factors side by side) spent 18.4 ms of its 88 ms in `index_select` copying the factors
-of each row, layer after layer, and 53.5 ms in the batched expand GEMM.
+of each row, layer after layer, and 53.5 ms in the batched expand GEMM. The shrink splits K into parts
+summed by the expand (split-K) when its rows alone make too few programs: the text stream has 128-odd
+rows per image, and without the split its shrink ran as 4 programs per GEMM (30.6 ms a forward for
+the shrinks, against 14.2 ms for cuBLAS's batched GEMM; the same profile, commit c5492c8).
 
 `RowLoraLinear` is a float Linear (bf16 / fp32 weights) with the same side path: the per-row adapters
 cannot be fused into one weight, so such a layer runs its GEMM as is and adds each row's updates after.
@@ -38,13 +41,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import FLOAT_DTYPES, _on_device, _tl_dtype, triton_available, use_triton
+from . import FLOAT_DTYPES, _on_device, triton_available, use_triton
 
 __all__ = ["RowLora", "RowLoraLinear", "RowSelection", "lora_rows", "lora_rows_ref", "lora_rows_triton"]
 
-# tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K);
-# expand (BM x BN of y, BR of the rank at a time)
-CONFIG = {"shrink": (128, 64, 8), "expand": (128, 128, 32, 4)}  # (BM, BK, warps), (BM, BN, BR, warps)
+# tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps);
+# expand (BM x BN of y, BR of the rank at a time); programs: what the shrink's split of K aims for (two
+# per SM of an H100)
+CONFIG = {"shrink": (128, 64, 8), "expand": (128, 128, 32, 4), "programs": 264}
 
 if triton_available():
     import triton
@@ -78,22 +82,28 @@ if triton_available():
         K,
         R,
         S,
+        KC,
         s_xb,
         s_xt,
         s_dn,
         s_dr,
         s_ib,
         s_is,
+        s_hp,
         s_hb,
         s_ht,
         BM: tl.constexpr,
         BR: tl.constexpr,
         BK: tl.constexpr,
+        SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """h[b, t, s*R + r] = strength[b, s] * x[b, t] . down[idx[b, s], r] for one (b, s), BM rows
-        and BR of the rank; zeros for the zero slot (the expand skips those rows, h stays defined)."""
-        bs, mt, rt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        """h[p, b, t, s*R + r] = strength[b, s] * x[b, t, K part p] . down[idx[b, s], r, K part p] in fp32,
+        for one (b, s), BM rows, BR of the rank and one of the SPLIT parts of K (KC long each; the
+        expand sums the parts: split-K, so that the text stream's few rows still fill the GPU); zeros
+        for the zero slot (the expand skips those rows, h stays defined)."""
+        bs, mt, rp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rt, part = rp // SPLIT, rp % SPLIT
         b, s = bs // S, bs % S
         slot = tl.load(idx_ptr + b * s_ib + s * s_is)
         scale = tl.load(sc_ptr + b * s_ib + s * s_is)
@@ -104,14 +114,22 @@ if triton_available():
         if slot != 0:
             xb = x_ptr + b.to(tl.int64) * s_xb + rows[:, None].to(tl.int64) * s_xt
             db = d_ptr + slot.to(tl.int64) * s_dn + rank[:, None] * s_dr
-            for k0 in range(0, K, BK):
-                km = k0 + ks < K
+            k_end = tl.minimum(K, (part + 1) * KC)
+            for k0 in range(part * KC, k_end, BK):
+                km = k0 + ks < k_end
                 xa = tl.load(xb + k0 + ks[None, :], mask=(rows[:, None] < T) & km[None, :], other=0.0)
                 da = tl.load(db + k0 + ks[None, :], mask=(rank[:, None] < R) & km[None, :], other=0.0)
                 acc += _dot(xa, tl.trans(da), IEEE)
             acc = acc * scale
-        hp = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R + rank[None, :]
-        tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
+        hp = (
+            h_ptr
+            + part.to(tl.int64) * s_hp
+            + b.to(tl.int64) * s_hb
+            + rows[:, None].to(tl.int64) * s_ht
+            + s * R
+            + rank[None, :]
+        )
+        tl.store(hp, acc, mask=(rows[:, None] < T) & (rank[None, :] < R))
 
     @triton.jit
     def _expand_kernel(
@@ -123,6 +141,7 @@ if triton_available():
         N,
         R,
         S,
+        s_hp,
         s_hb,
         s_ht,
         s_un,
@@ -134,10 +153,12 @@ if triton_available():
         BM: tl.constexpr,
         BN: tl.constexpr,
         BR: tl.constexpr,
+        SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
     ):
         """y[b, t, n] += sum over the row's slots s of h[b, t, s*R:(s+1)*R] . up[idx[b, s], n], BM x BN
-        of y; a row whose slots are all zero is not touched."""
+        of y, h the sum of the shrink's SPLIT fp32 parts rounded to the factors' dtype (as the torch
+        pass rounds its h); a row whose slots are all zero is not touched."""
         nt, mt, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # N fastest: h's tile stays in L2
         rows = mt * BM + tl.arange(0, BM)
         cols = nt * BN + tl.arange(0, BN)
@@ -158,8 +179,12 @@ if triton_available():
                 ub = u_ptr + slot.to(tl.int64) * s_un + cols[:, None].to(tl.int64) * s_uo
                 for r0 in range(0, R, BR):
                     rm = r0 + rs < R
-                    ha = tl.load(hb + r0 + rs[None, :], mask=(rows[:, None] < T) & rm[None, :], other=0.0)
+                    hm = (rows[:, None] < T) & rm[None, :]
+                    ha = tl.load(hb + r0 + rs[None, :], mask=hm, other=0.0)
+                    for part in range(1, SPLIT):
+                        ha += tl.load(hb + part * s_hp + r0 + rs[None, :], mask=hm, other=0.0)
                     ua = tl.load(ub + r0 + rs[None, :], mask=(cols[:, None] < N) & rm[None, :], other=0.0)
+                    ha = ha.to(u_ptr.dtype.element_ty)
                     acc += _dot(ha, tl.trans(ua), IEEE)
         tl.store(yp, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
 
@@ -233,21 +258,30 @@ def lora_rows_triton(
     idx: torch.Tensor,
     scale: torch.Tensor,
     h: torch.Tensor | None = None,
+    split: int | None = None,
 ) -> torch.Tensor:
     """`lora_rows` as the two segmented kernels (see the module docstring); y updated in place and
-    returned. `h`: the (B, L, S*R) buffer of the low-rank activations (tests hand a poisoned one)."""
+    returned. `split`: parts of K the shrink sums separately (default: enough programs for the GPU,
+    `CONFIG["programs"]`, each part at least 8 tiles of K); `h`: the fp32 (split, B, L, S*R) buffer of
+    its partial low-rank activations (tests hand a poisoned one)."""
     _check(x, y, down, up, idx, scale)
     B, L, K = x.shape
     n, R, _ = down.shape
     N, S = up.shape[1], idx.shape[1]
-    if h is None:
-        h = torch.empty(B, L, S * R, dtype=x.dtype, device=x.device)
-    dt = _tl_dtype(x.dtype)
-    ieee = dt == tl.float32  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
     bm, bk, w = CONFIG["shrink"]
     br = min(256, max(16, triton.next_power_of_2(R)))
+    programs = B * S * triton.cdiv(L, bm) * triton.cdiv(R, br)
+    if split is None:
+        split = max(1, min(triton.cdiv(CONFIG["programs"], programs), triton.cdiv(K, 8 * bk)))
+    kc = triton.cdiv(triton.cdiv(K, split), bk) * bk  # each part a whole number of K tiles
+    split = triton.cdiv(K, kc)
+    if h is None:
+        h = torch.empty(split, B, L, S * R, dtype=torch.float32, device=x.device)
+    if h.shape != (split, B, L, S * R) or h.dtype != torch.float32:
+        raise ValueError(f"lora_rows_triton: h must be fp32 {(split, B, L, S * R)}, not {tuple(h.shape)}")
+    ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
     with _on_device(x):
-        _shrink_kernel[(B * S, triton.cdiv(L, bm), triton.cdiv(R, br))](
+        _shrink_kernel[(B * S, triton.cdiv(L, bm), triton.cdiv(R, br) * split)](
             x,
             down,
             idx,
@@ -257,6 +291,7 @@ def lora_rows_triton(
             K,
             R,
             S,
+            kc,
             x.stride(0),
             x.stride(1),
             down.stride(0),
@@ -265,9 +300,11 @@ def lora_rows_triton(
             idx.stride(1),
             h.stride(0),
             h.stride(1),
+            h.stride(2),
             BM=bm,
             BR=br,
             BK=bk,
+            SPLIT=split,
             IEEE=ieee,
             num_warps=w,
         )
@@ -284,6 +321,7 @@ def lora_rows_triton(
             S,
             h.stride(0),
             h.stride(1),
+            h.stride(2),
             up.stride(0),
             up.stride(1),
             idx.stride(0),
@@ -293,6 +331,7 @@ def lora_rows_triton(
             BM=bm,
             BN=bn,
             BR=bre,
+            SPLIT=split,
             IEEE=ieee,
             num_warps=w,
         )
