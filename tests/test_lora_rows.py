@@ -98,7 +98,7 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     ref = want.float().abs().max().clamp_min(1)
     import qwenfast.kernels.lora_rows as lora_rows_mod
 
-    monkeypatch.setitem(lora_rows_mod.CONFIG, "shrink", (64, 16, 4))  # K tiles of 16: small K splits too
+    monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4))  # K tiles of 16: small K splits too
     for split in (1, 3):  # K in one part, and in up to three summed by the expand (split-K)
         kc = math.ceil(math.ceil(K / split) / 16) * 16  # whole K tiles per part: the launcher's rule
         h = torch.full((math.ceil(K / kc), B, L, S * R), float("nan"), device=dev)

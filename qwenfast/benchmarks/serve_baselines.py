@@ -71,6 +71,37 @@ def diffusers_loop(ref, reqs: list, folder: Path, seconds: float, keep: int = 4)
     }
 
 
+def save_loras(folder: Path, model, n: int, seed: int = 0) -> list[str]:
+    """n random LoRAs on every block Linear of `model` (diffusers names, rank 32 or 64 alternating,
+    bf16), written to `folder` as lora-<i>.safetensors; their names."""
+    import torch
+    from safetensors.torch import save_file
+
+    dim = model.cfg.inner_dim
+    ff = 4 * dim
+    attn = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")
+    shapes = {f"attn.{n}": (dim, dim) for n in attn}
+    for stream in ("img", "txt"):
+        shapes |= {f"{stream}_mlp.net.0.proj": (dim, ff), f"{stream}_mlp.net.2": (ff, dim)}
+    folder.mkdir(parents=True, exist_ok=True)
+    dev = model.device
+    g = torch.Generator(device=dev).manual_seed(seed)
+    names = []
+    for i in range(n):
+        rank = 32 if i % 2 == 0 else 64
+        sd = {}
+        for b in range(len(model.transformer_blocks)):
+            for mod, (k, o) in shapes.items():
+                pre = f"transformer.transformer_blocks.{b}.{mod}"
+                a = torch.randn(rank, k, device=dev, generator=g) / k**0.5
+                up = torch.randn(o, rank, device=dev, generator=g) * (0.02 / rank**0.5)
+                sd[f"{pre}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
+                sd[f"{pre}.lora_B.weight"] = up.to(torch.bfloat16).cpu()
+        names.append(f"lora-{i}")
+        save_file(sd, str(folder / f"{names[-1]}.safetensors"))
+    return names
+
+
 @torch.no_grad()
 def row_overhead(
     pipe, names: list[str], size: int = 1024, batch: int = 4, txt_len: int = 128, graphs: bool = False
@@ -135,7 +166,6 @@ def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None) ->
 
     from . import emit, versions
     from .pipeline import build
-    from .serve_mixed import save_loras
 
     if not torch.cuda.is_available():
         raise RuntimeError("--workload rows builds full-size weights on a CUDA GPU; none is visible")
@@ -157,7 +187,7 @@ def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None) ->
     res["build_s"] = round(time.perf_counter() - t0, 1)
     from ..kernels import lora_rows
 
-    res["tiles"] = {k: list(v) for k, v in lora_rows.CONFIG.items()}  # the segmented kernels' tiles
+    res["tiles"] = {k: list(v) for k, v in lora_rows.TILES.items()}  # the segmented kernels' tiles
     res["row_overhead"] = row_overhead(pipe, names[1::2], graphs=True)  # the rank-64 LoRAs (save_loras)
     print(f"  per-row LoRA overhead, one forward: {res['row_overhead']}")
     emit(res, "serve_mixed.jsonl", out_dir)

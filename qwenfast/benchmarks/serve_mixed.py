@@ -308,37 +308,6 @@ def print_level(name: str, r: dict) -> None:
     )
 
 
-def save_loras(folder: Path, model, n: int, seed: int = 0) -> list[str]:
-    """n random LoRAs on every block Linear of `model` (diffusers names, rank 32 or 64 alternating,
-    bf16), written to `folder` as lora-<i>.safetensors; their names."""
-    import torch
-    from safetensors.torch import save_file
-
-    dim = model.cfg.inner_dim
-    ff = 4 * dim
-    attn = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")
-    shapes = {f"attn.{n}": (dim, dim) for n in attn}
-    for stream in ("img", "txt"):
-        shapes |= {f"{stream}_mlp.net.0.proj": (dim, ff), f"{stream}_mlp.net.2": (ff, dim)}
-    folder.mkdir(parents=True, exist_ok=True)
-    dev = model.device
-    g = torch.Generator(device=dev).manual_seed(seed)
-    names = []
-    for i in range(n):
-        rank = 32 if i % 2 == 0 else 64
-        sd = {}
-        for b in range(len(model.transformer_blocks)):
-            for mod, (k, o) in shapes.items():
-                pre = f"transformer.transformer_blocks.{b}.{mod}"
-                a = torch.randn(rank, k, device=dev, generator=g) / k**0.5
-                up = torch.randn(o, rank, device=dev, generator=g) * (0.02 / rank**0.5)
-                sd[f"{pre}.lora_A.weight"] = a.to(torch.bfloat16).cpu()
-                sd[f"{pre}.lora_B.weight"] = up.to(torch.bfloat16).cpu()
-        names.append(f"lora-{i}")
-        save_file(sd, str(folder / f"{names[-1]}.safetensors"))
-    return names
-
-
 def json_default(o):
     return asdict(o) if hasattr(o, "__dataclass_fields__") else str(o)
 
@@ -374,7 +343,7 @@ def run(
     from ..server.options import ServerConfig
     from ..server.run import load_pipeline, start_server, stop_server
     from . import emit, versions
-    from .serve_baselines import diffusers_loop, row_overhead
+    from .serve_baselines import diffusers_loop, row_overhead, save_loras
 
     full = model == "random-full"
     slots_graphs = graph_slots or EngineOptions().graph_slots

@@ -48,7 +48,7 @@ __all__ = ["RowLora", "RowLoraLinear", "RowSelection", "lora_rows", "lora_rows_r
 # tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps);
 # expand (BM x BN of y, BR of the rank at a time); programs: what the shrink's split of K aims for (two
 # per SM of an H100)
-CONFIG = {"shrink": (128, 64, 8), "expand": (128, 128, 32, 4), "programs": 264}
+TILES = {"shrink": (128, 64, 8), "expand": (128, 128, 32, 4), "programs": 264}
 
 if triton_available():
     import triton
@@ -262,17 +262,17 @@ def lora_rows_triton(
 ) -> torch.Tensor:
     """`lora_rows` as the two segmented kernels (see the module docstring); y updated in place and
     returned. `split`: parts of K the shrink sums separately (default: enough programs for the GPU,
-    `CONFIG["programs"]`, each part at least 8 tiles of K); `h`: the fp32 (split, B, L, S*R) buffer of
+    `TILES["programs"]`, each part at least 8 tiles of K); `h`: the fp32 (split, B, L, S*R) buffer of
     its partial low-rank activations (tests hand a poisoned one)."""
     _check(x, y, down, up, idx, scale)
     B, L, K = x.shape
     n, R, _ = down.shape
     N, S = up.shape[1], idx.shape[1]
-    bm, bk, w = CONFIG["shrink"]
+    bm, bk, w = TILES["shrink"]
     br = min(256, max(16, triton.next_power_of_2(R)))
     programs = B * S * triton.cdiv(L, bm) * triton.cdiv(R, br)
     if split is None:
-        split = max(1, min(triton.cdiv(CONFIG["programs"], programs), triton.cdiv(K, 8 * bk)))
+        split = max(1, min(triton.cdiv(TILES["programs"], programs), triton.cdiv(K, 8 * bk)))
     kc = triton.cdiv(triton.cdiv(K, split), bk) * bk  # each part a whole number of K tiles
     split = triton.cdiv(K, kc)
     if h is None:
@@ -308,7 +308,7 @@ def lora_rows_triton(
             IEEE=ieee,
             num_warps=w,
         )
-        bm, bn, bre, w = CONFIG["expand"]
+        bm, bn, bre, w = TILES["expand"]
         bre = min(bre, max(16, triton.next_power_of_2(R)))
         _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
             h,
