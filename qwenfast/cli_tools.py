@@ -238,10 +238,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return run_from_args(a)
     if a.what in ("transformer", "pipeline") and a.model_type == "2.1":
         return _bench21(a, on_cpu=(a.device == "cpu") if a.what == "transformer" else a.smoke)
-    if a.what == "pipeline" and a.size is not None:
+    if a.what == "pipeline" and a.size is not None and not a.task:
         print(
-            "error: bench pipeline --size is for --model-type 2.1; Qwen-Image's sizes are its --case "
-            "choices (the high-resolution ones: bench peers --highres)",
+            "error: bench pipeline --size is for --model-type 2.1 and --task; Qwen-Image's sizes are its "
+            "--case choices (the high-resolution ones: bench peers --highres)",
+            file=sys.stderr,
+        )
+        return 2
+    if a.what == "pipeline" and a.task and a.fp8 and len(a.task) > 1:
+        print(
+            "error: --task with --fp8 takes one task (FP8 is one-way: it would carry into the next)",
             file=sys.stderr,
         )
         return 2
@@ -249,7 +255,9 @@ def cmd_bench(a: argparse.Namespace) -> int:
         from .benchmarks import results_dir
         from .benchmarks.tasks_inpaint import run_tasks
 
-        run_tasks(a.task, smoke=a.smoke, steps=a.steps, out_dir=results_dir(a.results))
+        run_tasks(
+            a.task, smoke=a.smoke, steps=a.steps, size=a.size, fp8=a.fp8, out_dir=results_dir(a.results)
+        )
         return 0
     if a.what == "peers" and (a.smoke or torch.cuda.is_available()):  # --smoke: the demo model on the CPU
         from .benchmarks.peers import run_from_args as run_peers

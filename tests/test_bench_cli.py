@@ -8,6 +8,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from qwenfast.cli import main
 
@@ -60,3 +61,23 @@ def test_bench_serve_mixed_and_its_soak(capsys):
     s = soak["soak"]
     assert soak["mode"] == "soak" and s["sent"] > 0 and s["broken_dropped_at_s"] is not None
     assert s["fivexx"] == s["lost"] == s["duplicated"] == 0
+
+
+def test_bench_task_edit_2511_smoke(capsys):
+    """`bench pipeline --task edit-2511 --smoke`: the demo's weights in transformers built with Edit-2511's
+    flag, `QwenImageEditPlusPipeline` on both sides, a --size² input to a --size² output: the two engines'
+    images agree (the row's mean |difference|) and are not blank; --fp8 with several tasks is refused."""
+    assert main(["bench", "pipeline", "--task", "edit-2511", "--smoke", "--steps", "2", "--size", "64"]) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    row = rec["rows"]["edit-2511"]
+    assert rec["bench"] == "tasks_inpaint" and rec["size"] == 64 and row["shape"][1:3] == [64, 64]
+    assert row["mean_abs_diff_images"] < 2e-3  # the same image (uint8 scale / 255), as the other task rows
+    assert row["qwenfast"]["total_s"] > 0 and row["diffusers"]["total_s"] > 0
+    assert main(["bench", "pipeline", "--task", "img2img", "--task", "edit-2511", "--fp8", "--smoke"]) == 2
+    from qwenfast.benchmarks.pipeline import build
+
+    ours, ref = build(True, zero_cond_t=True)  # the flag on both, the demo's weights in each
+    assert ours.transformer.cfg.zero_cond_t and ref.transformer.config.zero_cond_t
+    w = ours.transformer.state_dict()
+    plain, _ = build(True)
+    assert all(torch.equal(w[k], v) for k, v in plain.transformer.state_dict().items())

@@ -59,13 +59,18 @@ QWEN25_VL_7B = {  # Qwen/Qwen2.5-VL-7B-Instruct config.json (sizes), transformer
 
 # ------------------------------------------------------------------------------------------------ build
 def build(
-    smoke: bool, dtype: torch.dtype = torch.bfloat16, diffusers_transformer: bool = True
+    smoke: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    diffusers_transformer: bool = True,
+    zero_cond_t: bool = False,
 ) -> tuple[QwenImagePipeline, Any]:  # Any: a diffusers pipeline or SimpleNamespace(vae=...)
     """(qwenfast pipeline, diffusers pipeline), same weights.
 
     `diffusers_transformer=False` (stages that never run diffusers' transformer: VAE, memory, offload)
     builds only ours, so the GPU memory looks as it does for a user: no diffusers-only tensors whose
     freed holes would blur the memory measurements. The returned "pipeline" then only has `.vae`.
+    `zero_cond_t`: both transformers with Edit-2511's flag (reference tokens modulated with t=0; the
+    same weights, and the same images for a single image stream).
     """
     import diffusers
 
@@ -78,13 +83,32 @@ def build(
         ours = QwenImagePipeline.from_pretrained(None, device="cpu", dtype=torch.float32)
         ref = diffusers.QwenImagePipeline.from_pretrained(str(DEFAULT_MODEL), torch_dtype=torch.float32)
         ref.text_encoder = ours.text_encoder.model  # one text encoder for both, as at full size
+        if zero_cond_t:  # the demo's weights in transformers built with the flag
+            import dataclasses
+
+            from ..models.transformer import QwenImageTransformer
+
+            tr = QwenImageTransformer(dataclasses.replace(ours.transformer.cfg, zero_cond_t=True))
+            tr.load_state_dict(ours.transformer.state_dict())
+            ours = QwenImagePipeline(
+                tr.eval().requires_grad_(False),
+                ours.vae,
+                ours.text_encoder,
+                ours.scheduler_config,
+                model_path=ours.model_path,
+            )
+            rt = diffusers.QwenImageTransformer2DModel.from_config(
+                {**ref.transformer.config, "zero_cond_t": True}
+            )
+            rt.load_state_dict(ref.transformer.state_dict())
+            ref.transformer = rt.eval().requires_grad_(False)
         return ours, ref
     from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from .transformer import build as build_transformer
 
     dev = torch.device("cuda")
-    tr, ref_tr = build_transformer(60, compare=diffusers_transformer, dtype=dtype)
+    tr, ref_tr = build_transformer(60, compare=diffusers_transformer, dtype=dtype, zero_cond_t=zero_cond_t)
     with torch.device(dev):
         torch.set_default_dtype(dtype)
         try:
@@ -324,7 +348,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", action="store_true", help="also calibrate/check the memory planner")
     p.add_argument("--offload", action="store_true", help="also forced-OOM recovery and offload modes (last)")
     p.add_argument("--no-e2e", action="store_true", help="skip the end-to-end cases")
-    p.add_argument("--fp8", action="store_true", help="repeat the end-to-end cases with qwenfast's FP8 GEMMs")
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="repeat the end-to-end cases with qwenfast's FP8 GEMMs (with --task: one task, its row again in FP8)",
+    )
     p.add_argument(
         "--cache",
         default=None,
@@ -335,7 +363,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--task",
         action="append",
-        choices=["img2img", "inpaint", "edit-inpaint"],
+        choices=["img2img", "inpaint", "edit-inpaint", "edit-2511"],
         help="instead: one row per task vs diffusers' pipeline of that task (benchmarks/tasks_inpaint.py, run by the CLI)",
     )
     p.add_argument(
@@ -345,7 +373,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--size",
         type=int,
         default=None,
-        help="with --model-type 2.1: the image's side in pixels (default 1024; 2.1's own code defaults to 2048)",
+        help="with --model-type 2.1: the image's side in pixels (default 1024; 2.1's own code defaults to 2048); "
+        "with --task: the input and output side (default 1024)",
     )
     p.add_argument(
         "--model-type",

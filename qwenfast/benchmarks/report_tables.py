@@ -317,15 +317,33 @@ def offload(recs: list[Rec]) -> str:
 
 def tasks(recs: list[Rec]) -> str:
     rows, used = [], []
-    inp = newest(recs, "tasks.jsonl", lambda r: r["bench"] == "tasks_inpaint")
-    if inp is not None:
-        used.append(inp)
-        for task, v in inp["rows"].items():
+    inp = newest(
+        recs,
+        "tasks.jsonl",
+        lambda r: (
+            r["bench"] == "tasks_inpaint" and r.get("size", 1024) == 1024 and "edit-2511" not in r["rows"]
+        ),
+    )
+    big = newest(recs, "tasks.jsonl", lambda r: r["bench"] == "tasks_inpaint" and "edit-2511" in r["rows"])
+    for rec in (inp, big):
+        if rec is None:
+            continue
+        used.append(rec)
+        for task, v in rec["rows"].items():
+            fp8 = v.get("qwenfast_fp8")
+            name = (
+                f"Edit-2511, {rec['size']}² input and output"
+                if task == "edit-2511"
+                else f"{task}, strength {v['strength']}"
+            )
             rows.append(
                 [
-                    f"{task}, {inp['steps']} steps, strength {v['strength']}",
-                    secs(v["diffusers"]["total_s"]),
-                    secs(v["qwenfast"]["total_s"]),
+                    f"{name}, {rec['steps']} steps",
+                    secs(v["diffusers"]["total_s"])
+                    + (f" (peak {v['diffusers']['peak_gib']:.0f} GiB)" if rec is big else ""),
+                    secs(v["qwenfast"]["total_s"])
+                    + (f" (peak {v['qwenfast']['peak_gib']:.0f} GiB)" if rec is big else "")
+                    + (f" (FP8 {secs(fp8['total_s'])})" if fp8 else ""),
                     ratio(v["speedup"]),
                     f"{v['mean_abs_diff_images']:.4f}",
                 ]
@@ -350,7 +368,7 @@ def tasks(recs: list[Rec]) -> str:
                     f"{v['mean_abs_diff_images']:.4f}",
                 ]
             )
-    head = ["task (1024², true CFG)", "diffusers", "qwenfast", "speed-up", "mean \\|Δ\\|"]
+    head = ["task (true CFG; 1024² unless said)", "diffusers", "qwenfast", "speed-up", "mean \\|Δ\\|"]
     return table(head, rows) + source(used, "bash bench/tasks.sh")
 
 
