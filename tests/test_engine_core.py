@@ -221,6 +221,10 @@ def test_graph_keys_per_runner_variant(monkeypatch):
     model.block_runner = first
     runner(x, x, None, x, [(1, 2, 2)], step=StepContext(0, 4, 1.0))
     assert keys[-1] == keys[0]
+    # the model's graph tag (per-row LoRAs: whether a row uses one) keys graphs of their own
+    model.graph_tag = ("row-loras", True)
+    runner(x, x, None, x, [(1, 2, 2)], step=StepContext(0, 4, 1.0))
+    assert keys[-1] != keys[0] and keys[-1][-1] == keys[0][-1]
 
 
 # ------------------------------------------------------------------------------------------- OOM

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from qwenfast.errors import LoraError
 from qwenfast.kernels.lora_rows import lora_rows, lora_rows_ref, lora_rows_triton
+from qwenfast.kernels.lowbit import LowBitLinear
 from qwenfast.loading.lora_manager import LoraManager
 from qwenfast.loading.lora_rows import RowAdapters
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
@@ -202,8 +203,17 @@ def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
             assert_close_finite(got2[b : b + 1], want2[b], rtol=0, atol=TOL)
         with pytest.raises(LoraError, match="per-row LoRAs are installed"):
             LoraManager(model).load(loras["a"], name="a")  # one kind of LoRA per layer at a time
+        # no row using an adapter: the side path is skipped (no kept bf16 inputs for it either), and the
+        # model's CUDA graphs are keyed by that (`graph_tag`), so a captured graph skips it too
+        assert model.graph_tag == ("row-loras", True)
+        lowbit = [m for m in model.modules() if isinstance(m, LowBitLinear) and m.lora is not None]
+        assert all(m.lora_reads_input() for m in lowbit)
+        rows.select([[] for _ in sets], "cpu")
+        assert model.graph_tag == ("row-loras", False) and not any(m.lora_reads_input() for m in lowbit)
+        assert torch.equal(model(x, txt, None, t, shapes), base)
     finally:
         rows.uninstall()
+    assert model.graph_tag is None
     assert torch.equal(model(x, txt, None, t, shapes), base)  # no LoRA left behind
     assert linears == {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
 
@@ -270,6 +280,9 @@ def test_pipeline_loras_per_prompt(tmp_path, weights, batched_cfg):
         moved = np.abs(want[b][b] - base[b]).max()
         assert moved > 10 * tol if row else moved <= tol
     assert p.row_loras.loads == 3
+    # a call without loras= after one with: no row inherits the last call's adapters
+    assert_close_finite(run(), base, rtol=0, atol=tol)
+    assert p.transformer.graph_tag == ("row-loras", False)
     with pytest.raises(LoraError, match="one list per prompt"):
         run(loras=sets[:2])
     with pytest.raises(LoraError, match="per-row LoRAs are enabled"):

@@ -197,7 +197,7 @@ class FP8Linear(LowBitLinear):
         if isinstance(x, QuantizedRows):
             rows, shape, M = x, x.shape, x.rows
             x2 = None if x.x is None else x.x.reshape(-1, K)
-            if self.lora is not None and x2 is None:
+            if self.lora_reads_input() and x2 is None:
                 raise RuntimeError(
                     "FP8Linear with a LoRA got QuantizedRows without the activation (x=None): "
                     "the producer must keep it (keep=True) while a LoRA is active"

@@ -369,6 +369,11 @@ class RowSelection:
         # host-side runs of consecutive rows with the same adapters: [(first row, end row, [(slot, s)])]
         self.groups: list[tuple[int, int, list[tuple[int, float]]]] = []
 
+    def clear(self) -> None:
+        """No selection: every forward until the next `set` runs without the side path (a call that
+        gives no per-row LoRAs must not inherit the last call's)."""
+        self.current, self.used, self.groups = None, 0, []
+
     def set(self, rows: list[list[tuple[int, float]]], device: torch.device | str) -> None:
         """`rows`: per batch row, its [(slot, strength), ...] (slot 0 / an empty list: no LoRA)."""
         if any(len(r) > self.width for r in rows):
@@ -395,6 +400,14 @@ class RowSelection:
                 self.groups.append((b, b + 1, row))
         self.groups = [g for g in self.groups if g[2]]
 
+    @property
+    def active(self) -> bool:
+        """Whether any row of the current selection uses an adapter (host-side). When none does, the
+        side path is skipped altogether, in a captured graph too: graphs are keyed by this
+        (`RowAdapters.select` tags the model), so rows without LoRAs pay nothing, not even the kept
+        bf16 copies of the FP8 layers' inputs."""
+        return bool(self.groups)
+
 
 @dataclass
 class RowLora:
@@ -418,8 +431,8 @@ class RowLora:
         FP8, 1024², batch 4 with four rank-64 LoRAs: a GEMM pair per row cost 39% over no LoRA, the
         gathered pass 26%.)"""
         sel = self.selection
-        if sel.current is None:
-            raise RuntimeError("per-row LoRAs: no selection was set for this forward (RowSelection.set)")
+        if not sel.active:  # no selection, or no row of it has a LoRA (a graph captured so is keyed so)
+            return y2
         B, (M, K), N = sel.current[0].shape[0], x2.shape, y2.shape[1]
         if M % B:
             raise RuntimeError(f"per-row LoRAs: {M} tokens do not split into the selection's {B} rows")
@@ -429,8 +442,6 @@ class RowLora:
             return lora_rows(x2.reshape(B, T, K), y2.view(B, T, N), self.down, self.up, idx, scale).reshape(
                 M, N
             )
-        if not sel.groups:  # no row of this forward has a LoRA
-            return y2
         if len(sel.groups) > 1:  # rows differ: one gathered pass beats a GEMM pair per run (measured)
             idx, scale = sel.current
             idx, scale = idx[:, : sel.used], scale[:, : sel.used]

@@ -34,9 +34,17 @@ class LowBitLinear(nn.Module):
     def weight_device(self) -> torch.device:
         raise NotImplementedError
 
+    def lora_reads_input(self) -> bool:
+        """Whether this forward's LoRA side path reads the layer's input in `out_dtype` (so a fused
+        producer must keep it beside the 8-bit rows): a LoRA is set and, per row, some row uses one."""
+        return self.lora is not None and (not isinstance(self.lora, RowLora) or self.lora.selection.active)
+
     def add_lora(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
         """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, summed into y2 when dtypes allow;
-        with per-row LoRAs (`RowLora`, kernels/lora_rows.py) each batch row adds its own."""
+        with per-row LoRAs (`RowLora`, kernels/lora_rows.py) each batch row adds its own (y2 as it is
+        when no row uses one: `x2` may then be None, its producer kept no copy)."""
+        if not self.lora_reads_input():
+            return y2
         if isinstance(self.lora, RowLora):
             return self.lora.add(x2, y2)
         down, up = self.lora

@@ -159,12 +159,24 @@ class RowAdapters:
         for n in order:
             self.resident.move_to_end(n)
         self.selection.set([[(self.resident[n], float(s)) for n, s in row] for row in rows], device)
+        self._tag()
+
+    def clear(self) -> None:
+        """No row uses an adapter until the next `select` (the end of a call that selected)."""
+        self.selection.clear()
+        self._tag()
+
+    def _tag(self) -> None:
+        """Key the model's CUDA graphs by whether any row uses an adapter (`CudaGraphRunner`'s
+        `graph_tag`): a forward where none does skips the side path, captured or not."""
+        self.model.graph_tag = ("row-loras", self.selection.active) if self.installed else None
 
     def install(self) -> None:
         """Point every stacked layer at its stack; stacks made later (a new layer, a larger rank) too."""
         for mod in self.stacks:
             self._point(mod)
         self.installed = True
+        self._tag()
 
     def _point(self, mod: str) -> None:
         layer = self.index.linear[mod]
@@ -200,6 +212,7 @@ class RowAdapters:
             self.layout += 1
         self.originals.clear()
         self.installed = False
+        self._tag()
 
     @property
     def nbytes(self) -> int:

@@ -129,7 +129,7 @@ class FeedForward(nn.Module):
             h = p(x)  # (B, L, 4D)
             c = fp8_consumer(out, h) if fp8_gelu_fusion() else None  # net.2 quantises it itself (faster)
             return out(
-                F.gelu(h, approximate="tanh") if c is None else gelu_tanh_fp8(h, keep=c.lora is not None)
+                F.gelu(h, approximate="tanh") if c is None else gelu_tanh_fp8(h, keep=c.lora_reads_input())
             )
         if type(p) is not nn.Linear:  # a subclass adds to its GEMM (per-row LoRAs): no fused epilogue
             return out(F.gelu(p(x), approximate="tanh"))
@@ -297,7 +297,7 @@ def _norm_modulate(x, shift, scale, split, consumer: nn.Module) -> torch.Tensor 
     c = fp8_consumer(consumer, x)
     if c is None:
         return layernorm_modulate(x, shift, scale, split=split)
-    return layernorm_modulate_fp8(x, shift, scale, split=split, keep=c.lora is not None)
+    return layernorm_modulate_fp8(x, shift, scale, split=split, keep=c.lora_reads_input())
 
 
 def _residual_norm_modulate(x, y, gate, shift, scale, split, consumer: nn.Module):
@@ -306,7 +306,7 @@ def _residual_norm_modulate(x, y, gate, shift, scale, split, consumer: nn.Module
     if c is None:
         return gated_residual_layernorm_modulate(x, y, gate, shift, scale, split=split)
     return gated_residual_layernorm_modulate_fp8(
-        x, y, gate, shift, scale, split=split, keep=c.lora is not None
+        x, y, gate, shift, scale, split=split, keep=c.lora_reads_input()
     )
 
 

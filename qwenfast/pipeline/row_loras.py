@@ -51,6 +51,12 @@ class RowLoraMethods:
         self._row_layout = adapters.layout
         self._graphs.clear()  # captured without the side GEMMs
 
+    def _rows_done(self) -> None:
+        """After a call: its selection goes, so a later call (or another task's pipeline on the same
+        transformer) that selects none runs without the adapters, not with this call's rows."""
+        if self._row_adapters is not None:
+            self._row_adapters.clear()
+
     def _rows_forward(self, loras: Rows | None, prompts: int, per_prompt: int) -> Callable | None:
         """`forward_for(core forward, i, j)` selecting images i..j's LoRAs before each forward; None
         without `loras`. `loras`: one list per prompt, repeated for its `per_prompt` images."""

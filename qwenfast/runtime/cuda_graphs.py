@@ -120,7 +120,10 @@ class CudaGraphRunner(_GraphCache):
     """Call like the transformer; replays a captured graph when the inputs are on CUDA.
 
     `model`: a `runtime.contract.DenoisableTransformer`, whose block runner decides whether a forward
-    may be captured and which variant it is; any other module called like one runs as one variant."""
+    may be captured and which variant it is; any other module called like one runs as one variant.
+    `model.graph_tag` (optional, hashable) is part of every key too: state outside the inputs that
+    changes what a forward computes (per-row LoRAs: whether any row of this forward uses one,
+    `loading/lora_rows.py`)."""
 
     def __init__(self, model: torch.nn.Module, max_graphs: int = 8, warmup: int = 2):
         """`max_graphs`: a step cache uses up to 3 variants per CFG branch (first, full, cached)."""
@@ -197,7 +200,8 @@ class CudaGraphRunner(_GraphCache):
             shard,
             None if res is None else tuple((tuple(r.shape), r.dtype) for r in res),
             None if modulations is None else tuple(modulations.shape),
-            variant,
+            getattr(self.model, "graph_tag", None),
+            variant,  # (last: tests and tools read it there)
         )
 
         def fn(
