@@ -756,6 +756,45 @@ def test_a_short_request_runs_between_two_steps_of_a_long_batch(pipe):
         assert_same_image(got, alone(pipe, OK["prompt"], seed, 32, 32, steps=steps), k)
 
 
+def test_every_waiting_short_batch_runs_in_one_pause(pipe):
+    """Two short requests that cannot share a batch (1 and 2 steps), queued while a 4-step batch runs:
+    both run between its first and second steps, not one per step (which held the second for a whole
+    step of the long batch); all three images as alone."""
+
+    class Logged(GatedPipe):
+        def __init__(self, pipe):
+            super().__init__(pipe)
+            self.log: list[tuple[int, int]] = []  # (call, step) in the order the steps ended
+
+        def __call__(self, *args, callback=None, **kw):
+            n = len(self.calls)
+
+            def cb(i, k, x):
+                self.log.append((n, i))
+                if callback is not None:
+                    callback(i, k, x)
+
+            return super().__call__(*args, callback=cb, **kw)
+
+    gated = Logged(pipe)
+    with running(gated, max_batch=4) as (base, app):
+        gated.gate.clear()
+        send = Senders(base)
+        send.start("long", {**OK, "seed": 3, "steps": 4})
+        assert gated.entered.wait(30)
+        send.start("one", {**OK, "seed": 5, "steps": 1}, queued=1)
+        send.start("two", {**OK, "seed": 6, "steps": 2}, queued=2)
+        gated.gate.set()
+        send.join()
+        interleaved = app.state.metrics.interleaved
+    assert interleaved == 2 and send.done == ["one", "two", "long"]
+    assert gated.log == [(0, 0), (1, 0), (2, 0), (2, 1), (0, 1), (0, 2), (0, 3)], gated.log
+    for k, seed, steps in (("long", 3, 4), ("one", 5, 1), ("two", 6, 2)):
+        assert send.res[k].status_code == 200
+        got = png_pixels(send.res[k].json()["data"][0]["b64_json"])
+        assert_same_image(got, alone(pipe, OK["prompt"], seed, 32, 32, steps=steps), k)
+
+
 def test_the_pause_budget_bounds_interleaving_not_the_long_requests_age(pipe):
     """The bound on interleaving is the time a running batch has spent paused for shorter ones
     (`--age-bound`), not how long its request waited: a long batch whose request is older than the bound

@@ -15,8 +15,8 @@ A lone request waits at most `batch_wait_s` for batch-mates, counted from when i
 batching never adds more than that to anyone's latency. The next batch starts with the waiting request
 of fewest steps (then the oldest), so a 4-step request does not queue behind 50-step ones, unless the
 oldest request has waited `age_bound_s`: then the oldest goes first, so nothing starves (`_first`).
-Between two steps of a running batch, shorter requests may run to the end first (`_interleave`), for
-at most `age_bound_s` of pauses per running batch.
+Between two steps of a running batch, the waiting shorter requests may run to the end first
+(`_interleave`), for at most `age_bound_s` of pauses per running batch.
 """
 
 from __future__ import annotations
@@ -259,13 +259,15 @@ class Scheduler:
         return take
 
     def _interleave(self, job0: Job, remaining: int) -> None:
-        """Between two steps of a running text-to-image batch (its step callback): run one waiting batch of
-        shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
+        """Between two steps of a running text-to-image batch (its step callback): run the waiting batches
+        of shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
         whole run. Policy: among pending text-to-image requests with fewer steps than the running batch
-        has left, the fewest steps first (then the oldest); one level deep (a nested batch is not
-        interrupted in turn), one nested batch per step of the running one, and none once the running
-        batch has been paused `age_bound_s` in all, so a stream of short requests slows a long batch by
-        a bounded time (that bound plus one nested batch). The pauses count, not the long batch's wait
+        has left, the fewest steps first (then the oldest), batch after batch while any waits (requests
+        of other sizes or step counts make batches of their own: running only one of them per step of
+        the long batch held each of the others for that step too); one level deep (a nested batch is
+        not interrupted in turn), and none once the running batch has been paused `age_bound_s` in all,
+        so a stream of short requests slows a long batch by a bounded time (that bound plus one nested
+        batch). The pauses count, not the long batch's wait
         in the queue: under a saturating load long requests have often waited that long already, and
         bounding by their age then held every short request for a long batch's whole run (the mixed
         soak's 4-step p95). Only what cannot disturb the running batch: the
@@ -277,27 +279,26 @@ class Scheduler:
         # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
         if self._nested or not self.cfg.interleave or o.parallel is not None:
             return
-        if job0.paused_s >= self.cfg.age_bound_s:  # the long batch has yielded enough
-            return
-        with self.cond:
-            ok = [it for it in self.pending if self._can_interleave(it.job, job0, remaining)]
-            if not ok:
-                return
-            first = min(ok, key=lambda it: (it.job.params.steps, it.job.enqueued))
-            take = self._take(first.job.key, self.cfg.max_batch)
-        self._nested = True
-        self.metrics.interleaved += 1
-        t0 = time.monotonic()
-        try:
-            with self.pipe.step_cache_bypassed() if o.cache is not None else contextlib.nullcontext():
-                self._run(take)
-        finally:
-            self._nested = False
-            job0.paused_s += time.monotonic() - t0
+        while job0.paused_s < self.cfg.age_bound_s:  # until the long batch has yielded enough
             with self.cond:
-                for job in {it.job for it in take}:
-                    if job.done >= job.params.n or job.cancelled:
-                        self.running.discard(job)
+                ok = [it for it in self.pending if self._can_interleave(it.job, job0, remaining)]
+                if not ok:
+                    return
+                first = min(ok, key=lambda it: (it.job.params.steps, it.job.enqueued))
+                take = self._take(first.job.key, self.cfg.max_batch)
+            self._nested = True
+            self.metrics.interleaved += 1
+            t0 = time.monotonic()
+            try:
+                with self.pipe.step_cache_bypassed() if o.cache is not None else contextlib.nullcontext():
+                    self._run(take)
+            finally:
+                self._nested = False
+                job0.paused_s += time.monotonic() - t0
+                with self.cond:
+                    for job in {it.job for it in take}:
+                        if job.done >= job.params.n or job.cancelled:
+                            self.running.discard(job)
 
     def _can_interleave(self, job: Job, job0: Job, remaining: int) -> bool:
         c = job.params.cache
