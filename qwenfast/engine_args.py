@@ -113,7 +113,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, cuda_graphs_default
         type=int,
         default=None,
         metavar="N",
-        help="pad prompts to a multiple of N tokens so one CUDA graph serves a bucket (0: off; servers)",
+        help="pad prompts to a multiple of N tokens so one CUDA graph serves a bucket (0: off; `serve "
+        "--cuda-graphs` picks 64 where FlashAttention-3 makes the padding free)",
     )
     g.add_argument(
         "--kernels",

@@ -64,3 +64,18 @@ def test_requests_with_different_loras_share_a_batch(tmp_path):
                     generator=[torch.Generator("cpu").manual_seed(body["seed"])], output_type="pil",
                     loras=loras).images[0]  # fmt: skip
         assert_same_image(png_pixels(res[k].json()["data"][0]["b64_json"]), np.asarray(want), k)
+
+
+def test_a_graph_server_pads_prompts_where_that_is_free(monkeypatch):
+    """`qwenfast serve --cuda-graphs` without --text-bucket: prompts padded to 64-token buckets where key
+    lengths cost attention nothing (FlashAttention-3), left alone elsewhere and without graphs."""
+    from qwenfast.options import EngineOptions
+    from qwenfast.runtime import attention
+    from qwenfast.server.engine import SERVER_TEXT_BUCKET, default_text_bucket, load_pipeline
+
+    pipe = load_pipeline(None, "cpu", None, EngineOptions(cuda_graphs=True))
+    assert default_text_bucket(pipe) == 0 and pipe.options.text_bucket == 0  # no FA3 on a CPU
+    monkeypatch.setattr(attention, "key_lengths_free", lambda device: True)
+    plain = load_pipeline(None, "cpu", None, EngineOptions(cuda_graphs=False))
+    assert default_text_bucket(plain) == 0 and plain.options.text_bucket == 0  # no graphs: no buckets
+    assert default_text_bucket(pipe) == SERVER_TEXT_BUCKET == pipe.options.text_bucket

@@ -118,7 +118,7 @@ class EngineReplica:
     def __init__(self, a: argparse.Namespace, cfg: ServerConfig):
         from ..engine_args import engine_options_from_args
         from .batcher import Scheduler
-        from .engine import load_pipeline
+        from .engine import default_text_bucket, load_pipeline
         from .metrics import Metrics
 
         logging.basicConfig(
@@ -126,6 +126,8 @@ class EngineReplica:
         )
         self.cfg = cfg
         self.pipe = load_pipeline(a.model, a.device, a.dtype, engine_options_from_args(a), a.preset, a.fp8)
+        if getattr(a, "text_bucket", None) is None:
+            default_text_bucket(self.pipe)  # as `qwenfast serve` (server/run.py)
         self.metrics = Metrics()
         self.sched = Scheduler(self.pipe, cfg, self.metrics)
         self.sched.start()

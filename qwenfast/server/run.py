@@ -77,6 +77,14 @@ def serve(a: argparse.Namespace) -> int:
 
         LoraResolver(cfg.lora_dir)  # fail now, not on the first request
     pipe = load_pipeline(a.model, a.device, a.dtype, engine_options_from_args(a), a.preset, a.fp8)
+    if a.text_bucket is None:
+        from .engine import default_text_bucket
+
+        if n := default_text_bucket(pipe):
+            logging.getLogger("qwenfast.server").info(
+                "CUDA graphs with FlashAttention-3: prompts padded to multiples of %d tokens (--text-bucket)",
+                n,
+            )
     if launch.is_worker():  # --parallel: the other ranks follow rank 0's calls
         from .parallel import Mirrored, control_group, follow
 
