@@ -47,8 +47,8 @@ __all__ = ["RowLora", "RowLoraLinear", "RowSelection", "lora_rows", "lora_rows_r
 
 # tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps);
 # expand (BM x BN of y, BR of the rank at a time); programs: what the shrink's split of K aims for (two
-# per SM of an H100)
-TILES = {"shrink": (128, 64, 8), "expand": (128, 128, 32, 4), "programs": 264}
+# per SM of an H100); max_split: at most this many parts (every expand tile reads all of them)
+TILES = {"shrink": (128, 64, 8), "expand": (128, 128, 32, 4), "programs": 264, "max_split": 8}
 
 if triton_available():
     import triton
@@ -262,7 +262,7 @@ def lora_rows_triton(
 ) -> torch.Tensor:
     """`lora_rows` as the two segmented kernels (see the module docstring); y updated in place and
     returned. `split`: parts of K the shrink sums separately (default: enough programs for the GPU,
-    `TILES["programs"]`, each part at least 8 tiles of K); `h`: the fp32 (split, B, L, S*R) buffer of
+    `TILES["programs"]`, each part at least 8 tiles of K, at most `TILES["max_split"]` parts); `h`: the fp32 (split, B, L, S*R) buffer of
     its partial low-rank activations (tests hand a poisoned one)."""
     _check(x, y, down, up, idx, scale)
     B, L, K = x.shape
@@ -272,7 +272,9 @@ def lora_rows_triton(
     br = min(256, max(16, triton.next_power_of_2(R)))
     programs = B * S * triton.cdiv(L, bm) * triton.cdiv(R, br)
     if split is None:
-        split = max(1, min(triton.cdiv(TILES["programs"], programs), triton.cdiv(K, 8 * bk)))
+        split = max(
+            1, min(triton.cdiv(TILES["programs"], programs), triton.cdiv(K, 8 * bk), TILES["max_split"])
+        )
     kc = triton.cdiv(triton.cdiv(K, split), bk) * bk  # each part a whole number of K tiles
     split = triton.cdiv(K, kc)
     if h is None:
