@@ -185,7 +185,9 @@ class EngineOptions:
       graph serves every prompt of a bucket (a graph's shape holds the text length); the padding costs
       attention nothing where the model takes key lengths (FlashAttention-3: runtime/attention.py's
       `KeyLengths`), else a masked attention. Same images up to rounding. For servers; not with parallel;
-      a model that takes no key lengths (Qwen-Image-2.1's) runs its text as it is.
+      a model that takes no key lengths (Qwen-Image-2.1's) runs its text as it is. "auto" (what
+      `qwenfast serve` asks for unless told): 64 with CUDA graphs where the padding is free
+      (`runtime.attention.auto_text_bucket`), else 0; `configure` resolves it to that number.
     batched_cfg: cond and uncond in one batch-2 forward; "auto" only when no padding mask is needed.
     fp8: the transformer blocks' big Linears as FP8 e4m3 GEMMs (not bitwise diffusers; one-way).
     int8: the same Linears as INT8 W8A8 GEMMs (kernels/int8_linear.py; the fast precision of Ampere and
@@ -218,7 +220,7 @@ class EngineOptions:
     attention: str | None = None
     cuda_graphs: bool = True
     graph_slots: int = 8
-    text_bucket: int = 0
+    text_bucket: int | str = 0
     batched_cfg: bool | str = "auto"
     fp8: bool = False
     int8: bool = False
@@ -283,13 +285,15 @@ class EngineOptions:
             or self.graph_slots < 1
         ):
             raise OptionsError(f"graph_slots is a number of graphs (>= 1), got {self.graph_slots!r}")
-        if (
+        if self.text_bucket != "auto" and (
             isinstance(self.text_bucket, bool)
             or not isinstance(self.text_bucket, int)
             or self.text_bucket < 0
         ):
-            raise OptionsError(f"text_bucket is a number of tokens (0: off), got {self.text_bucket!r}")
-        if self.text_bucket and self.parallel is not None:
+            raise OptionsError(
+                f'text_bucket is a number of tokens (0: off) or "auto", got {self.text_bucket!r}'
+            )
+        if self.text_bucket not in (0, "auto") and self.parallel is not None:
             raise OptionsError("text_bucket does not run with parallel layouts yet")
         if (
             isinstance(self.modulation_cache, bool)

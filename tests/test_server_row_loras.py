@@ -66,16 +66,25 @@ def test_requests_with_different_loras_share_a_batch(tmp_path):
         assert_same_image(png_pixels(res[k].json()["data"][0]["b64_json"]), np.asarray(want), k)
 
 
+
 def test_a_graph_server_pads_prompts_where_that_is_free(monkeypatch):
-    """`qwenfast serve --cuda-graphs` without --text-bucket: prompts padded to 64-token buckets where key
-    lengths cost attention nothing (FlashAttention-3), left alone elsewhere and without graphs."""
+    """`qwenfast serve` without --text-bucket asks for text_bucket="auto": 64-token buckets with CUDA
+    graphs where key lengths cost attention nothing (FlashAttention-3), 0 elsewhere and without graphs;
+    --text-bucket N is taken as given; configure resolves "auto" to a number."""
+    import argparse
+
     from qwenfast.options import EngineOptions
     from qwenfast.runtime import attention
-    from qwenfast.server.engine import SERVER_TEXT_BUCKET, default_text_bucket, load_pipeline
+    from qwenfast.server.engine import load_pipeline, server_engine_options
+    from qwenfast.server.options import add_serve_arguments
 
-    pipe = load_pipeline(None, "cpu", None, EngineOptions(cuda_graphs=True))
-    assert default_text_bucket(pipe) == 0 and pipe.options.text_bucket == 0  # no FA3 on a CPU
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    assert server_engine_options(p.parse_args([])).text_bucket == "auto"
+    assert server_engine_options(p.parse_args(["--text-bucket", "0"])).text_bucket == 0
+    pipe = load_pipeline(None, "cpu", None, EngineOptions(cuda_graphs=True, text_bucket="auto"))
+    assert pipe.options.text_bucket == 0  # no FA3 on a CPU
     monkeypatch.setattr(attention, "key_lengths_free", lambda device: True)
-    plain = load_pipeline(None, "cpu", None, EngineOptions(cuda_graphs=False))
-    assert default_text_bucket(plain) == 0 and plain.options.text_bucket == 0  # no graphs: no buckets
-    assert default_text_bucket(pipe) == SERVER_TEXT_BUCKET == pipe.options.text_bucket
+    assert load_pipeline(None, "cpu", None, EngineOptions(cuda_graphs=True, text_bucket="auto")).options.text_bucket == 64
+    assert load_pipeline(None, "cpu", None, EngineOptions(cuda_graphs=False, text_bucket="auto")).options.text_bucket == 0
+    assert pipe.configure(text_bucket="auto").text_bucket == 64

@@ -110,6 +110,9 @@ def test_text_bucket_option_checks():
     with pytest.raises(OptionsError):
         EngineOptions(text_bucket=64, parallel="cfg=2")
     assert EngineOptions(text_bucket=64).text_bucket == 64
+    assert EngineOptions(text_bucket="auto", parallel="cfg=2").text_bucket == "auto"  # resolves to 0 there
+    with pytest.raises(OptionsError):
+        EngineOptions(text_bucket="always")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

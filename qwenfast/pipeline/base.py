@@ -32,7 +32,7 @@ from ..errors import ConfigureError, OptionsError
 from ..kernels import use_backend
 from ..models.text_encoder import TextEncoder
 from ..options import EngineOptions, check_transition
-from ..runtime.attention import use_attention
+from ..runtime.attention import auto_text_bucket, use_attention
 from ..runtime.blocks import BlockRunner, StepContext
 from ..runtime.cache import StepCacheRunner, resolve_policy
 from ..runtime.cuda_graphs import CudaGraphRunner
@@ -125,6 +125,12 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         """
         old = self._options
         new = old.replace(**changes)
+        if new.text_bucket == "auto":  # a number from here on (runtime/attention.py)
+            new = new.replace(
+                text_bucket=auto_text_bucket(
+                    new.cuda_graphs, new.parallel, self.transformer, self._compute_device
+                )
+            )
         check_transition(old, new)
         self.transformer.set_modulation_cache(new.modulation_cache)  # before offload: it decides what streams
         if new.weights == "auto" or (

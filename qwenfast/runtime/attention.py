@@ -266,6 +266,20 @@ def key_lengths_free(device: torch.device) -> bool:
     return fa3 is not None and hasattr(fa3, "flash_attn_with_kvcache")
 
 
+AUTO_TEXT_BUCKET = 64  # tokens: what text_bucket="auto" pads to where that is free
+
+
+def auto_text_bucket(
+    cuda_graphs: bool, parallel: object, model: torch.nn.Module, device: torch.device
+) -> int:
+    """`EngineOptions.text_bucket="auto"`: AUTO_TEXT_BUCKET with CUDA graphs (one graph then serves every
+    prompt of a bucket: the mixed serving load captured a few graphs per level instead of about one per
+    request, docs/serving.md) where the model takes key lengths and they cost attention nothing
+    (`key_lengths_free`); 0 elsewhere (a mask would slow attention) and without graphs or with parallel."""
+    ok = cuda_graphs and parallel is None and getattr(model, "takes_key_lengths", False)
+    return AUTO_TEXT_BUCKET if ok and key_lengths_free(device) else 0
+
+
 def _fa3_key_lengths(q, k, v, keys: KeyLengths) -> torch.Tensor | None:
     """FlashAttention-3 over each row's first `keys.lens[b]` keys, or None where it cannot run."""
     if not (

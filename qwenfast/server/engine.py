@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import argparse
+
     import torch
 
     from ..options import EngineOptions
@@ -37,20 +39,11 @@ def load_pipeline(
     return pipe
 
 
-SERVER_TEXT_BUCKET = 64  # tokens: the bucket a graph-replaying server pads prompts to by default
+def server_engine_options(a: argparse.Namespace) -> EngineOptions:
+    """The engine options of `qwenfast serve` (and its Ray replicas): the command line's, with
+    `text_bucket="auto"` unless --text-bucket was given (64-token buckets where CUDA graphs replay and
+    the padding is free: `EngineOptions.text_bucket`)."""
+    from ..engine_args import engine_options_from_args
 
-
-def default_text_bucket(pipe: PipelineBase) -> int:
-    """A server with CUDA graphs and no `--text-bucket`: pad prompts to SERVER_TEXT_BUCKET tokens where
-    that costs attention nothing (key lengths on FlashAttention-3), so one graph serves every prompt of
-    a bucket (measured on the mixed load: captures fell from about one per request to a few per level;
-    docs/serving.md). Elsewhere padding would run as a mask: left off. Returns the bucket set (0: none)."""
-    from ..runtime.attention import key_lengths_free
-
-    o = pipe.options
-    if not (o.cuda_graphs and not o.text_bucket and o.parallel is None):
-        return 0
-    if not getattr(pipe.transformer, "takes_key_lengths", False) or not key_lengths_free(pipe.device):
-        return 0
-    pipe.configure(text_bucket=SERVER_TEXT_BUCKET)
-    return SERVER_TEXT_BUCKET
+    opts = engine_options_from_args(a)
+    return opts if getattr(a, "text_bucket", None) is not None else opts.replace(text_bucket="auto")

@@ -116,18 +116,15 @@ class EngineReplica:
     """One pipeline and the local batcher; `generate` runs one job and streams its events and images."""
 
     def __init__(self, a: argparse.Namespace, cfg: ServerConfig):
-        from ..engine_args import engine_options_from_args
         from .batcher import Scheduler
-        from .engine import default_text_bucket, load_pipeline
+        from .engine import load_pipeline, server_engine_options
         from .metrics import Metrics
 
         logging.basicConfig(
             level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
         self.cfg = cfg
-        self.pipe = load_pipeline(a.model, a.device, a.dtype, engine_options_from_args(a), a.preset, a.fp8)
-        if getattr(a, "text_bucket", None) is None:
-            default_text_bucket(self.pipe)  # as `qwenfast serve` (server/run.py)
+        self.pipe = load_pipeline(a.model, a.device, a.dtype, server_engine_options(a), a.preset, a.fp8)
         self.metrics = Metrics()
         self.sched = Scheduler(self.pipe, cfg, self.metrics)
         self.sched.start()

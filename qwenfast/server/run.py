@@ -64,7 +64,6 @@ def serve(a: argparse.Namespace) -> int:
         print("error: --replicas, --autoscale and --ray-address need --ray", file=sys.stderr)
         return 2
     from ..about import DEMO_MODEL
-    from ..engine_args import engine_options_from_args
     from ..pipeline.common import EMBEDDED_NOTE
     from .app import create_app
 
@@ -76,15 +75,14 @@ def serve(a: argparse.Namespace) -> int:
         from .loras import LoraResolver
 
         LoraResolver(cfg.lora_dir)  # fail now, not on the first request
-    pipe = load_pipeline(a.model, a.device, a.dtype, engine_options_from_args(a), a.preset, a.fp8)
-    if a.text_bucket is None:
-        from .engine import default_text_bucket
+    from .engine import server_engine_options
 
-        if n := default_text_bucket(pipe):
-            logging.getLogger("qwenfast.server").info(
-                "CUDA graphs with FlashAttention-3: prompts padded to multiples of %d tokens (--text-bucket)",
-                n,
-            )
+    pipe = load_pipeline(a.model, a.device, a.dtype, server_engine_options(a), a.preset, a.fp8)
+    if a.text_bucket is None and pipe.options.text_bucket:
+        logging.getLogger("qwenfast.server").info(
+            "CUDA graphs with FlashAttention-3: prompts padded to multiples of %d tokens (--text-bucket)",
+            pipe.options.text_bucket,
+        )
     if launch.is_worker():  # --parallel: the other ranks follow rank 0's calls
         from .parallel import Mirrored, control_group, follow
 
