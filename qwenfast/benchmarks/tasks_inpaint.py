@@ -9,9 +9,10 @@ an Edit v1 model (`QwenImageEditInpaintPipeline`, diffusers' `QwenImageEditInpai
 input is resized to ~1024² area whatever `--size` says); edit-2511 runs it as an Edit-2511 model (both
 transformers built with `zero_cond_t`; `QwenImageEditPlusPipeline` on each side) on a `--size`² input
 to a `--size`² output (the reference goes to the VAE at ~1024² area, so at 2048² the transformer sees
-16384 + 4096 image tokens). `--fp8` (one task): the row again with qwenfast's FP8 GEMMs. Per engine: a 2-step warm-up with the timed
-shapes (CUDA graphs are captured there), then one timed call; the row has total seconds, peak memory,
-the speed-up and the mean |difference| of the two engines' images (uint8-scale / 255).
+16384 + 4096 image tokens). `--fp8` (one task): the row again with qwenfast's FP8 GEMMs. Per engine:
+a 2-step warm-up with the timed shapes (CUDA graphs are captured there), then one timed call; the row
+has total seconds, peak memory, the speed-up and the mean |difference| of the two engines' images
+(uint8-scale / 255).
 """
 
 from __future__ import annotations
