@@ -74,7 +74,6 @@ def diffusers_loop(ref, reqs: list, folder: Path, seconds: float, keep: int = 4)
 def save_loras(folder: Path, model, n: int, seed: int = 0) -> list[str]:
     """n random LoRAs on every block Linear of `model` (diffusers names, rank 32 or 64 alternating,
     bf16), written to `folder` as lora-<i>.safetensors; their names."""
-    import torch
     from safetensors.torch import save_file
 
     dim = model.cfg.inner_dim
