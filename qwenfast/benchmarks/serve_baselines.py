@@ -144,7 +144,7 @@ def row_overhead(
         rows.select([[] for _ in range(batch)], dev)
         timed("rows_without_lora")
     finally:
-        rows.select([[] for _ in range(batch)], dev)
+        rows.clear()
     for suffix in ("", "_graph") if graphs else ("",):
         base = res[f"none_installed{suffix}_ms"]
         res[f"overhead{suffix}_pct"] = round(100 * (res[f"each_row_its_lora{suffix}_ms"] / base - 1), 1)

@@ -218,7 +218,7 @@ def lora_rows(
     read once and y read and written once (a loop over S would do both S times)."""
     _check(x, y, down, up, idx, scale)
     if _triton_ok(x, y, down, up, idx, scale):
-        return lora_rows_triton(x, y, down, up, idx, scale)
+        return _launch(x, y, down, up, idx, scale)
     B, S = idx.shape
     n, R, K = down.shape
     N = up.shape[1]
@@ -265,6 +265,11 @@ def lora_rows_triton(
     `TILES["programs"]`, each part at least 8 tiles of K, at most `TILES["max_split"]` parts); `h`: the fp32 (split, B, L, S*R) buffer of
     its partial low-rank activations (tests hand a poisoned one)."""
     _check(x, y, down, up, idx, scale)
+    return _launch(x, y, down, up, idx, scale, h, split)
+
+
+def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
+    """`lora_rows_triton` on checked shapes (`lora_rows` checked them already)."""
     B, L, K = x.shape
     n, R, _ = down.shape
     N, S = up.shape[1], idx.shape[1]

@@ -554,10 +554,13 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
                 step_end=hook,
             )
 
-        if self._options.oom != "backoff":  # per call: nothing stays switched on afterwards
-            return chunk(0, B)
-        parts = run_in_chunks(chunk, B, events=events)
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        try:
+            if self._options.oom != "backoff":  # per call: nothing stays switched on afterwards
+                return chunk(0, B)
+            parts = run_in_chunks(chunk, B, events=events)
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        finally:
+            self._rows_done()  # a per-row LoRA selection ends with its call (pipeline/row_loras.py)
 
     # ---------------------------------------------------------------- decoding
     def decode_latents(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:

@@ -221,24 +221,21 @@ class QwenImagePipeline(PipelineBase):
                 negative_prompt_embeds,
                 negative_prompt_embeds_mask,
             )
-            try:
-                out = self._generate(
-                    B=k * num_images_per_prompt,
-                    h=h,
-                    w=w,
-                    cond=cond,
-                    uncond=uncond,
-                    cfg_scale=cfg_scale,
-                    steps=steps,
-                    generator=generator,
-                    latents=latents,
-                    output_type=output_type,
-                    sigmas=sigmas,
-                    scheduler_overrides=scheduler_overrides,
-                    callback=callback,
-                    step_end=call.step_end,
-                    forward_for=self._rows_forward(loras, k, num_images_per_prompt),
-                )
-            finally:
-                self._rows_done()
+            out = self._generate(
+                B=k * num_images_per_prompt,
+                h=h,
+                w=w,
+                cond=cond,
+                uncond=uncond,
+                cfg_scale=cfg_scale,
+                steps=steps,
+                generator=generator,
+                latents=latents,
+                output_type=output_type,
+                sigmas=sigmas,
+                scheduler_overrides=scheduler_overrides,
+                callback=callback,
+                step_end=call.step_end,
+                forward_for=self._rows_forward(loras, k, num_images_per_prompt),
+            )
         return call.output(out, return_dict)
