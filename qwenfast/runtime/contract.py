@@ -74,11 +74,14 @@ class DenoisableTransformer(BlockModel):
       keep in host memory while the table serves them; the memory planner counts them);
     - `takes_key_lengths` (whether the model can) and `key_lengths` (read) / `set_key_lengths(on)`: a
       text mask becomes `runtime.attention.KeyLengths` (joint order [image; text], no mask), so text
-      padded to a bucket costs attention nothing (`EngineOptions.text_bucket`).
+      padded to a bucket costs attention nothing (`EngineOptions.text_bucket`);
+    - `graph_tag`: hashable state outside a forward's inputs that changes what it computes, part of
+      every CUDA graph's key (`runtime.cuda_graphs`); per-row LoRAs set it (`loading/lora_rows.py`).
     """
 
     takes_key_lengths = False
     key_lengths = False
+    graph_tag: object = None
 
     cfg: Any
 
