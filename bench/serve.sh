@@ -6,8 +6,8 @@
 #                  hang-ups) at concurrency 4, 8, 16 with per-row LoRAs, against the old batcher and a plain
 #                  diffusers loop in the same run (about 9 minutes; GRAPHS=1 adds --cuda-graphs, GRAPH_SLOTS=N
 #                  --graph-slots N, TEXT_BUCKET=N --text-bucket N)
-#   STAGE=rows     only the per-row LoRA overhead of one forward (batch 4, four rank-64 LoRAs, 1024², FP8), eager
-#                  and CUDA-graphed (about 2 minutes)
+#   STAGE=rows     only the per-row LoRA overhead of one forward (batch 4, four rank-64 LoRAs, 1024²), eager
+#                  and CUDA-graphed, beside FP8 and beside bf16 GEMMs (about 3 minutes)
 #   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, a broken LoRA dropped
 #                  into the folder halfway (about 10 minutes with the build, warm-up and drain: more than one
 #                  10-minute device call, so start it detached and collect the record in a second call:
@@ -21,7 +21,9 @@ case "${STAGE:-uniform}" in
     mixed) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --diffusers-s 45 \
                ${GRAPHS:+--cuda-graphs} ${GRAPH_SLOTS:+--graph-slots $GRAPH_SLOTS} \
                ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} --results "$RESULTS" ;;
-    rows) $QF bench serve --workload rows --lora-folder "$LORAS" --results "$RESULTS" ;;
+    rows) for w in fp8 bf16; do
+              $QF bench serve --workload rows --weights "$w" --lora-folder "$LORAS" --results "$RESULTS"
+          done ;;
     soak) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --cuda-graphs \
               ${GRAPH_SLOTS:+--graph-slots $GRAPH_SLOTS} ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} \
               --duration 480 --concurrency 8 --results "$RESULTS" ;;

@@ -52,6 +52,11 @@ def test_bench_serve_mixed_and_its_soak(capsys):
         assert lv["sent"] == 4 and lv["server_errors"] == 0
         assert lv["server_200"] == lv["outcomes"].get("200", 0) == lv["images"]
     assert "x_old_batcher" in rec["per_row"][0] and set(rec["idle_s"]) == {"4-step", "8-step"}
+    sizes = {f"{w}x{h}" for w, h in rec["sizes"]}
+    assert set(rec["idle_4step_by_size_s"]) <= sizes and min(rec["idle_4step_by_size_s"].values()) > 0
+    for lv in rec["per_row"]:  # each class's requests by size: what the same-sizes idle ratio weighs
+        for c in lv["classes"].values():
+            assert set(c["sizes"]) <= sizes and sum(c["sizes"].values()) == c["n"]
     for ph in (rec["idle_server_phases_s"]["4-step"], rec["per_row"][0]["server_phases_s"]):
         assert set(ph) == {"queue", "generate", "encode", "other"} and ph["generate"] > 0
         assert min(ph.values()) >= 0 and ph["generate"] <= sum(ph.values())  # (they add up: test_server)

@@ -795,6 +795,52 @@ def test_every_waiting_short_batch_runs_in_one_pause(pipe):
         assert_same_image(got, alone(pipe, OK["prompt"], seed, 32, 32, steps=steps), k)
 
 
+def test_a_short_request_runs_inside_a_batch_that_runs_inside_a_long_one(pipe):
+    """Two levels of interleaving (`Scheduler.nesting`): a 3-step batch runs between two steps of an
+    8-step one, and a 1-step request queued during the 3-step batch's first step runs between two of its
+    steps (one level deep, it waited for the 3-step batch's whole run); all three images as alone."""
+
+    class Held(GatedPipe):
+        def __init__(self, pipe):
+            super().__init__(pipe)
+            self.log: list[tuple[int, int]] = []  # (call, step) in the order the steps ended
+            self.mid_entered, self.hold_mid = threading.Event(), threading.Event()
+
+        def __call__(self, *args, callback=None, **kw):
+            n = len(self.calls)
+
+            def cb(i, k, x):
+                if n == 1 and i == 0:  # the nested batch's first step: wait for the short request
+                    self.mid_entered.set()
+                    assert self.hold_mid.wait(60), "test gate never opened"
+                self.log.append((n, i))
+                if callback is not None:
+                    callback(i, k, x)
+
+            return super().__call__(*args, callback=cb, **kw)
+
+    held = Held(pipe)
+    with running(held, max_batch=4) as (base, app):
+        held.gate.clear()
+        send = Senders(base)
+        send.start("long", {**OK, "seed": 3, "steps": 8})
+        assert held.entered.wait(30)
+        send.start("mid", {**OK, "seed": 5, "steps": 3}, queued=1)
+        held.gate.set()
+        assert held.mid_entered.wait(30)
+        send.start("short", {**OK, "seed": 6, "steps": 1}, queued=1)
+        held.hold_mid.set()
+        send.join()
+        interleaved = app.state.metrics.interleaved
+    assert interleaved == 2 and send.done == ["short", "mid", "long"], send.done
+    assert held.log[:5] == [(0, 0), (1, 0), (2, 0), (1, 1), (1, 2)], held.log
+    assert held.log[5:] == [(0, i) for i in range(1, 8)], held.log
+    for k, seed, steps in (("long", 3, 8), ("mid", 5, 3), ("short", 6, 1)):
+        assert send.res[k].status_code == 200
+        got = png_pixels(send.res[k].json()["data"][0]["b64_json"])
+        assert_same_image(got, alone(pipe, OK["prompt"], seed, 32, 32, steps=steps), k)
+
+
 def test_the_pause_budget_bounds_interleaving_not_the_long_requests_age(pipe):
     """The bound on interleaving is the time a running batch has spent paused for shorter ones
     (`--age-bound`), not how long its request waited: a long batch whose request is older than the bound

@@ -37,15 +37,16 @@ def serve_mixed(recs: list[Rec]) -> str:
                     f"{x['mean_batch']:.2f}",
                     _p(x["classes"].get("4-step")),
                     ratio(p95 / idle) if p95 and idle else "—",
+                    ratio(x.get("p95_4step_x_idle_same_sizes")),
                     _p(x["classes"].get("8-step")),
                     str(x["server_errors"]),
                 ]
             )
     d = r.get("diffusers_loop")
     if d:
-        rows.append(["diffusers loop, one request at a time", "1", f"{d['images_per_min']:.1f}"] + ["—"] * 6)
+        rows.append(["diffusers loop, one request at a time", "1", f"{d['images_per_min']:.1f}"] + ["—"] * 7)
     head = ["server", "clients", "images/min", "× old batcher", "mean batch", "4-step p50 / p95",
-            "4-step p95 / idle", "8-step p50 / p95", "5xx"]  # fmt: skip
+            "4-step p95 / idle 1024²", "/ idle, same sizes", "8-step p50 / p95", "5xx"]  # fmt: skip
     flags = [
         ("CUDA graphs", r.get("cuda_graphs")),
         (f"{r.get('graph_slots')} graph slots", r.get("graph_slots")),
@@ -56,16 +57,31 @@ def serve_mixed(recs: list[Rec]) -> str:
         f"Both servers: {r.get('weights', 'fp8').upper()} weights, {', '.join(flags) or 'eager'}.",
         f"Idle (one request alone): 4-step {secs(idle)}; its bare pipeline call "
         f"{secs(r.get('idle_pipeline_s', {}).get('4-step with LoRA'))} with its LoRA, "
-        f"{secs(r.get('idle_pipeline_s', {}).get('4-step no LoRA'))} without.",
+        f"{secs(r.get('idle_pipeline_s', {}).get('4-step no LoRA'))} without."
+        + (
+            " 4-step alone by size: "
+            + ", ".join(f"{k} {secs(v)}" for k, v in r["idle_4step_by_size_s"].items())
+            + " (the last column sets each level's 4-step p95 against the p95 of its requests' sizes alone)."
+            if r.get("idle_4step_by_size_s")
+            else ""
+        ),
     ]
     used = [r]
-    alone = newest(recs, "serve_mixed.jsonl", lambda x: x.get("mode") == "row_overhead")
-    if alone is not None and str(alone.get("date", "")) > str(r.get("date", "")):
-        used.append(alone)  # the overhead measured on its own (`--workload rows`) since
-    o = used[-1].get("row_overhead") or {}
-    if o:
+    overheads = [(r.get("weights", "fp8"), r)] if r.get("row_overhead") else []
+    for w in ("fp8", "int8", "bf16"):  # the overhead measured on its own (`--workload rows`) since
+        alone = newest(
+            recs,
+            "serve_mixed.jsonl",
+            lambda x, w=w: x.get("mode") == "row_overhead" and x.get("weights", "fp8") == w,
+        )
+        if alone is not None and str(alone.get("date", "")) > str(r.get("date", "")):
+            used.append(alone)
+            overheads = [(k, x) for k, x in overheads if k != w] + [(w, alone)]
+    for w, x in overheads:
+        o = x["row_overhead"]
         notes.append(
-            f"One forward, batch {o['batch']} at {o['size']}², eager: no adapters {o['none_installed_ms']:.0f} ms; "
+            f"One forward beside {w.upper()} GEMMs, batch {o['batch']} at {o['size']}², eager: no adapters "
+            f"{o['none_installed_ms']:.0f} ms; "
             f"each row its own rank-64 LoRA {o['each_row_its_lora_ms']:.0f} ms (+{o['overhead_pct']:.0f}%); "
             f"adapters installed, no row using one {o['rows_without_lora_ms']:.0f} ms (+{o['no_lora_rows_overhead_pct']:.0f}%)"
             + (
@@ -75,7 +91,7 @@ def serve_mixed(recs: list[Rec]) -> str:
                 if "overhead_graph_pct" in o
                 else ""
             )
-            + (f" (`{used[-1]['command']}`)." if len(used) > 1 else ".")
+            + (f" (`{x['command']}`)." if x is not r else ".")
         )
     return (
         table(head, rows)

@@ -101,10 +101,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--weights",
         choices=("bf16", "fp8", "int8"),
         default=None,
-        help="mixed: the transformer's weights (default fp8 on a GPU, bf16 otherwise)",
+        help="mixed and rows: the transformer's weights (default fp8 on a GPU, bf16 otherwise; rows: fp8)",
     )
     p.add_argument(
-        "--requests", type=int, default=None, help="measured requests per level (default max(8, 3*c))"
+        "--requests",
+        type=int,
+        default=None,
+        help="measured requests per level (default max(8, 3*c); mixed: max(40, 3*c))",
     )
     p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch")
     p.add_argument(
@@ -326,7 +329,7 @@ def run_from_args(a: argparse.Namespace) -> int:
     if a.workload == "rows":
         from .serve_baselines import run_rows
 
-        run_rows(a.lora_folder, a.loras, results_dir(a.results))
+        run_rows(a.lora_folder, a.loras, results_dir(a.results), weights=a.weights or "fp8")
         return 0
     if a.workload == "mixed":
         import torch

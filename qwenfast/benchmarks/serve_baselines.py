@@ -154,11 +154,12 @@ def row_overhead(
     return res
 
 
-def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None) -> dict:
+def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None, weights: str = "fp8") -> dict:
     """`qwenfast bench serve --workload rows`: only the per-row LoRA overhead of one forward
-    (`row_overhead`, eager and CUDA-graphed) on the mixed workload's model (random-full, FP8) and its
-    random LoRAs (the rank-64 ones), without the serving levels: a record of its own in
-    serve_mixed.jsonl (`mode: row_overhead`). A CUDA GPU only."""
+    (`row_overhead`, eager and CUDA-graphed) on the mixed workload's model (random-full; `weights` fp8,
+    int8 or bf16: the same side path beside an 8-bit or a float GEMM) and its random LoRAs (the rank-64
+    ones), without the serving levels: a record of its own in serve_mixed.jsonl (`mode: row_overhead`).
+    A CUDA GPU only."""
     import tempfile
     import time
     from pathlib import Path
@@ -170,7 +171,7 @@ def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None) ->
         raise RuntimeError("--workload rows builds full-size weights on a CUDA GPU; none is visible")
     t0 = time.perf_counter()
     pipe, _ = build(smoke=False, diffusers_transformer=False)
-    pipe.configure(fp8=True)
+    pipe.configure(fp8=weights == "fp8", int8=weights == "int8")
     folder = Path(lora_folder) if lora_folder else Path(tempfile.mkdtemp(prefix="qwenfast-loras-"))
     names = [f"lora-{i}" for i in range(n_loras)]
     if not all((folder / f"{n}.safetensors").is_file() for n in names):
@@ -181,7 +182,7 @@ def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None) ->
         "mode": "row_overhead",
         **versions(),
         "model": "random-full",
-        "weights": "fp8",
+        "weights": weights,
     }
     res["build_s"] = round(time.perf_counter() - t0, 1)
     from ..kernels import lora_rows

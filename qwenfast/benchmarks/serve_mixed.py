@@ -55,6 +55,8 @@ CLASSES = {  # name -> (steps, true CFG, step cache, share)
     "50-step": (50, 4.0, None, 0.05),
     "50-step fast": (50, 4.0, "fast", 0.05),
 }
+# timed requests per level at least (3 per client above that): ~20 of them 4-step, for a p95
+LEVEL_REQUESTS = 40
 PROMPTS = [
     "a watercolor painting of a lighthouse at dawn",
     "a red fox in deep snow, telephoto",
@@ -175,7 +177,14 @@ def closed_loop(base: str, reqs: list[Req], c: int, stop_at: float | None = None
 
     def one(r: Req) -> dict:
         outcome, s = send(base, r)
-        return {"k": r.k, "cls": r.cls, "outcome": outcome, "s": s, "lora": r.lora}
+        return {
+            "k": r.k,
+            "cls": r.cls,
+            "outcome": outcome,
+            "s": s,
+            "lora": r.lora,
+            "size": f"{r.width}x{r.height}",
+        }
 
     return clients.closed_loop(reqs, c, one, stop_at, take=hook)
 
@@ -234,10 +243,15 @@ def summarise(rows: list[dict], wall: float) -> dict:
     for cls in CLASSES:
         lat = sorted(r["s"] for r in done if r["cls"] == cls)
         if lat:
+            sizes: dict[str, int] = {}
+            for r in done:
+                if r["cls"] == cls and "size" in r:
+                    sizes[r["size"]] = sizes.get(r["size"], 0) + 1
             by[cls] = {
                 "n": len(lat),
                 "p50_s": round(quantile(lat, 0.5), 3),
                 "p95_s": round(quantile(lat, 0.95), 3),
+                "sizes": sizes,  # how many of them at each size (the idle ratio's matched mix)
             }
     outcomes: dict[str, int] = {}
     for r in rows:
@@ -421,7 +435,7 @@ def run(
                 closed_loop(base, warm, 4)
                 res["old_batcher"] = []
                 for c in old_concurrency:
-                    r = level(app, pipe, base, reqs[: requests or max(24, 3 * c)], c, warm=True)
+                    r = level(app, pipe, base, reqs[: requests or max(LEVEL_REQUESTS, 3 * c)], c, warm=True)
                     res["old_batcher"].append(r)
                     print_level("old batcher", r)
             finally:
@@ -444,18 +458,19 @@ def run(
                     res["idle_server_phases_s"][cls] = phase_means(
                         ph0, app.state.metrics.phase_sums("generations")
                     )
+                res["idle_4step_by_size_s"] = _idle_by_size(base, reqs, names)
                 res["idle_pipeline_s"] = _pipeline_s(
                     pipe, *(SIZES_FULL if full else SIZES_DEMO)[0][0], names[0]
                 )
                 print(
                     f"  idle latency (one request alone): {res['idle_s']}; the pipeline call: {res['idle_pipeline_s']}"
-                    f"; in the server: {res['idle_server_phases_s']}"
+                    f"; in the server: {res['idle_server_phases_s']}; 4-step by size: {res['idle_4step_by_size_s']}"
                 )
             mem.mark()
             if duration is None:
                 res["per_row"] = []
                 for c in concurrency:
-                    r = level(app, pipe, base, reqs[: requests or max(24, 3 * c)], c, warm=True)
+                    r = level(app, pipe, base, reqs[: requests or max(LEVEL_REQUESTS, 3 * c)], c, warm=True)
                     res["per_row"].append(r)
                     print_level("per-row", r)
                 res["memory"] = mem.summary()
@@ -473,6 +488,20 @@ def run(
     _verdicts(res)
     emit(res, "serve_mixed.jsonl", out_dir)
     return res
+
+
+def _idle_by_size(base: str, reqs: list[Req], names: list[str]) -> dict[str, float]:
+    """A 4-step request alone at each size of the mix (median of 2, after one that may capture a graph):
+    what each 4-step request of a level would take on an idle server, so that its p95 under load is set
+    against the idle p95 of the same sizes (the 1024² idle figure alone flatters the larger sizes' wait)."""
+    out = {}
+    for i, (w, h) in enumerate(dict.fromkeys((r.width, r.height) for r in reqs)):
+        one = [
+            _plain(-200 - 3 * i - j, "4-step", (w, h), names[j % len(names)], PROMPTS[0], j) for j in range(3)
+        ]
+        send(base, one[0])
+        out[f"{w}x{h}"] = round(statistics.median(s for _, s in (send(base, r) for r in one[1:])), 3)
+    return out
 
 
 def _pipeline_s(pipe, width: int, height: int, lora: str) -> dict:
@@ -559,6 +588,12 @@ def _verdicts(res: dict) -> None:
         if d and d["images_per_min"]:
             r["x_diffusers_loop"] = round(r["images_per_min"] / d["images_per_min"], 2)
         idle = res.get("idle_s", {}).get("4-step")
-        p95 = r["classes"].get("4-step", {}).get("p95_s")
+        four = r["classes"].get("4-step", {})
+        p95 = four.get("p95_s")
         if idle and p95:
             r["p95_4step_x_idle"] = round(p95 / idle, 2)
+        by = res.get("idle_4step_by_size_s", {})
+        alone = sorted(by[k] for k, n in four.get("sizes", {}).items() for _ in range(n) if k in by)
+        if p95 and alone and len(alone) == four["n"]:  # the same requests' sizes, each alone
+            r["idle_4step_same_sizes_p95_s"] = round(quantile(alone, 0.95), 3)
+            r["p95_4step_x_idle_same_sizes"] = round(p95 / quantile(alone, 0.95), 2)

@@ -115,6 +115,8 @@ class Item:
 
 
 class Scheduler:
+    nesting = 2  # interleaved batches inside one another at most (`_interleave`)
+
     def __init__(self, pipe, cfg: ServerConfig, metrics: Metrics):
         self.pipe, self.cfg, self.metrics = pipe, cfg, metrics
         self.cond = threading.Condition()
@@ -134,7 +136,7 @@ class Scheduler:
                 )
             pipe.enable_row_loras(cfg.lora_dir, slots=cfg.row_loras)
             self._rows = pipe.row_loras
-        self._nested = False  # a batch interleaved into a running one is running (`_interleave`)
+        self._depth = 0  # batches interleaved into running ones that are running now (`_interleave`)
         self._default_cache = pipe.options.cache  # the server's --cache
         self._thread = threading.Thread(target=self._loop, name="qwenfast-worker", daemon=True)
 
@@ -264,11 +266,12 @@ class Scheduler:
         whole run. Policy: among pending text-to-image requests with fewer steps than the running batch
         has left, the fewest steps first (then the oldest), batch after batch while any waits (requests
         of other sizes or step counts make batches of their own: running only one of them per step of
-        the long batch held each of the others for that step too); one level deep (a nested batch is
-        not interrupted in turn), and none once the running batch has been paused `age_bound_s` in all,
-        so a stream of short requests slows a long batch by a bounded time (that bound plus one nested
-        batch). The pauses count, not the long batch's wait
-        in the queue: under a saturating load long requests have often waited that long already, and
+        the long batch held each of the others for that step too); `nesting` levels deep (an 8-step
+        batch run inside a 50-step one lets a 4-step one run inside it in turn: with one level, a 4-step
+        request waited for the 8-step batch's whole run); and none once the running batch has been
+        paused `age_bound_s` in all, so a stream of short requests slows a long batch by a bounded time
+        (that bound plus the nested batches under way). The pauses count, not the long batch's wait in
+        the queue: under a saturating load long requests have often waited that long already, and
         bounding by their age then held every short request for a long batch's whole run (the mixed
         soak's 4-step p95). Only what cannot disturb the running batch: the
         same LoRA set (any with --row-loras: each forward selects its rows), no step cache for the short
@@ -277,7 +280,7 @@ class Scheduler:
         the other."""
         o = self.pipe.options
         # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
-        if self._nested or not self.cfg.interleave or o.parallel is not None:
+        if self._depth >= self.nesting or not self.cfg.interleave or o.parallel is not None:
             return
         while job0.paused_s < self.cfg.age_bound_s:  # until the long batch has yielded enough
             with self.cond:
@@ -286,14 +289,14 @@ class Scheduler:
                     return
                 first = min(ok, key=lambda it: (it.job.params.steps, it.job.enqueued))
                 take = self._take(first.job.key, self.cfg.max_batch)
-            self._nested = True
+            self._depth += 1
             self.metrics.interleaved += 1
             t0 = time.monotonic()
             try:
                 with self.pipe.step_cache_bypassed() if o.cache is not None else contextlib.nullcontext():
                     self._run(take)
             finally:
-                self._nested = False
+                self._depth -= 1
                 job0.paused_s += time.monotonic() - t0
                 with self.cond:
                     for job in {it.job for it in take}:
@@ -457,7 +460,7 @@ class Scheduler:
         rows = self._rows is not None and job0.kind == "t2i"
         if not rows:
             self._apply_loras(job0.loras)
-        if not self._nested:  # a nested batch has no cache of its own (`_can_interleave`)
+        if not self._depth:  # a nested batch has no cache of its own (`_can_interleave`)
             self._apply_cache(p.cache)
         # previews only for clients that stream: nobody else would receive them (a decode each)
         preview_at = {
