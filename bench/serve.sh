@@ -5,7 +5,7 @@
 #   STAGE=mixed    many users at once: the seeded mixed workload (sizes, 4/8/50 steps, random LoRAs, streams,
 #                  hang-ups) at concurrency 4, 8, 16 with per-row LoRAs, against the old batcher and a plain
 #                  diffusers loop in the same run (about 9 minutes; GRAPHS=1 adds --cuda-graphs, GRAPH_SLOTS=N
-#                  --graph-slots N, TEXT_BUCKET=N --text-bucket N)
+#                  --graph-slots N, TEXT_BUCKET=N --text-bucket N, CONCURRENCY="8 16" other levels)
 #   STAGE=rows     only the per-row LoRA overhead of one forward (batch 4, four rank-64 LoRAs, 1024²), eager
 #                  and CUDA-graphed, beside FP8 and beside bf16 GEMMs (about 3 minutes)
 #   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, a broken LoRA dropped
@@ -20,7 +20,8 @@ case "${STAGE:-uniform}" in
     uniform) for size in 1024 512; do $QF bench serve --model random-full --size "$size" --results "$RESULTS"; done ;;
     mixed) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --diffusers-s 45 \
                ${GRAPHS:+--cuda-graphs} ${GRAPH_SLOTS:+--graph-slots $GRAPH_SLOTS} \
-               ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} --results "$RESULTS" ;;
+               ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} ${CONCURRENCY:+--concurrency $CONCURRENCY} \
+               --results "$RESULTS" ;;
     rows) for w in fp8 bf16; do
               $QF bench serve --workload rows --weights "$w" --lora-folder "$LORAS" --results "$RESULTS"
           done ;;
