@@ -100,9 +100,11 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     import qwenfast.kernels.lora_rows as lora_rows_mod
 
     monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4))  # K tiles of 16: small K splits too
-    for split in (1, 3):  # K in one part, and in up to three summed by the expand (split-K)
+    for split in (1, 3):  # K in one part, and in up to three fp32 parts summed before the expand (split-K)
         kc = math.ceil(math.ceil(K / split) / 16) * 16  # whole K tiles per part: the launcher's rule
-        h = torch.full((math.ceil(K / kc), B, L, S * R), float("nan"), device=dev)
+        parts = math.ceil(K / kc)
+        hdt = dtype if parts == 1 else torch.float32  # one part: written in the factors' dtype
+        h = torch.full((parts, B, L, S * R), float("nan"), device=dev, dtype=hdt)
         assert split == 1 or (h.shape[0] > 1) == (K > 16)  # really split where K has more than one tile
         got = lora_rows_triton(x, y.clone(), down, up, idx, scale, h=h, split=split)
         assert torch.isfinite(h).all()

@@ -379,10 +379,9 @@ def test_snapshot_restore_undoes_a_step(demo_transformer):
         after = runner.snapshot()
     finally:
         tr.block_runner = BlockRunner()
-    (key,) = before
-    assert any((a - b).abs().max() > 1e-4 for a, b in zip(before[key], changed[key]))
-    for a, b in zip(before[key], after[key]):
-        assert_close_finite(a, b, rtol=0, atol=0)
+    (key,) = before  # the branch's arena: every shape's residuals live in it
+    assert (before[key] - changed[key]).abs().max() > 1e-4
+    assert_close_finite(before[key], after[key], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("policy", ["fast", CachePolicy(kind="adaptive", threshold=1.1, taylor=1)])
@@ -410,3 +409,35 @@ def test_a_call_between_two_cached_steps_bypasses_the_cache(fresh, policy):
     assert_close_finite(inner[0], plain, rtol=0, atol=1e-6)
     assert np.abs(cached_inner - plain).max() > 1e-4  # what the bypass avoids
     assert fresh.block_runner.variant(StepContext(3, 12, 0.5, "cond", cache=False)) == "plain"
+
+
+def test_every_shape_of_a_branch_shares_one_buffer(fresh):
+    """The static cache's residuals of all shapes of a CFG branch are views of one arena, sized for the
+    largest shape seen (memory stays flat when a server sees many sizes): a small size, a larger one and
+    the small one again run as on pipelines that never saw another size; the arena grew once (`epoch`
+    moved on once); and the adaptive policy keeps no state after a run's last step."""
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.5, output_type="np", num_inference_steps=8)
+    small, large = dict(height=32, width=32), dict(height=48, width=64)
+    want = {}
+    for name, size in (("small", small), ("large", large)):
+        alone = QwenImagePipeline.from_pretrained(TINY, device="cpu", dtype=torch.float32, cache="fast")
+        alone.configure(batched_cfg=True)
+        alone.set_progress_bar_config(disable=True)
+        want[name] = alone("a red circle", generator=_gen(2), **size, **kw).images
+    fresh.configure(cache="fast", batched_cfg=True)
+    runner = fresh.block_runner
+    runner._arena.clear(), runner.states.clear()  # (the module's pipeline: earlier tests used this runner)
+    epoch = runner.epoch
+    got = [fresh("a red circle", generator=_gen(2), **s, **kw).images for s in (small, large, small)]
+    for g, name in zip(got, ("small", "large", "small")):
+        assert_close_finite(g, want[name], rtol=0, atol=0)
+    (arena,) = runner._arena.values()  # one branch: "both" (batched CFG)
+    live = [st for st in runner.states.values() if st.res is not None]
+    assert len(live) == 2 and runner.epoch == epoch + 1  # grew once, from the small size to the large
+    for st in live:
+        for t in (*st.res, *st.prev):
+            assert t.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+    assert arena.numel() == max(2 * (st.res[0].numel() + st.res[1].numel()) for st in live)
+    fresh.configure(cache=CachePolicy(kind="adaptive", threshold=1.1, taylor=1))
+    fresh("a red circle", generator=_gen(2), **small, **kw)
+    assert fresh.block_runner.stats["cached"] > 0 and not fresh.block_runner.states

@@ -24,10 +24,12 @@ gathered copy) and writes h = x · downᵀ · strength; `_expand_kernel` adds h 
 one read and one write of y, and leaves rows of the zero slot untouched (no load, no store). Why: the
 profile of the torch pass (H100, FP8, 1024², batch 4, four rank-64 LoRAs, one forward; the qkv stack is
 rank 192: three factors side by side) spent 18.4 ms of its 88 ms in `index_select` copying the factors
-of each row, layer after layer, and 53.5 ms in the batched expand GEMM. The shrink splits K into parts
-summed by the expand (split-K) when its rows alone make too few programs: the text stream has 128-odd
-rows per image, and without the split its shrink ran as 4 programs per GEMM (30.6 ms a forward for
-the shrinks, against 14.2 ms for cuBLAS's batched GEMM; the same profile, commit c5492c8).
+of each row, layer after layer, and 53.5 ms in the batched expand GEMM. The shrink splits K into fp32
+parts, summed once before the expand (split-K), when its rows alone make too few programs: the text
+stream has 128-odd rows per image, and without the split its shrink ran as 4 programs per GEMM (30.6 ms
+a forward for the shrinks, against 14.2 ms for cuBLAS's batched GEMM; the same profile, commit c5492c8).
+Summing the parts inside the expand instead re-read all of them for every tile of y's columns: the
+forward's overhead rose from +27% to +40% (H100, commit d6f97ce).
 
 `RowLoraLinear` is a float Linear (bf16 / fp32 weights) with the same side path: the per-row adapters
 cannot be fused into one weight, so such a layer runs its GEMM as is and adds each row's updates after.
@@ -98,10 +100,11 @@ if triton_available():
         SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """h[p, b, t, s*R + r] = strength[b, s] * x[b, t, K part p] . down[idx[b, s], r, K part p] in fp32,
-        for one (b, s), BM rows, BR of the rank and one of the SPLIT parts of K (KC long each; the
-        expand sums the parts: split-K, so that the text stream's few rows still fill the GPU); zeros
-        for the zero slot (the expand skips those rows, h stays defined)."""
+        """h[p, b, t, s*R + r] = strength[b, s] * x[b, t, K part p] . down[idx[b, s], r, K part p], fp32
+        accumulation stored in h's dtype, for one (b, s), BM rows, BR of the rank and one of the SPLIT
+        parts of K (KC long each; split-K, so that the text stream's few rows still fill the GPU: the
+        launcher sums the fp32 parts); zeros for the zero slot (the expand skips those rows, h stays
+        defined)."""
         bs, mt, rp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rt, part = rp // SPLIT, rp % SPLIT
         b, s = bs // S, bs % S
@@ -129,7 +132,7 @@ if triton_available():
             + s * R
             + rank[None, :]
         )
-        tl.store(hp, acc, mask=(rows[:, None] < T) & (rank[None, :] < R))
+        tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
 
     @triton.jit
     def _expand_kernel(
@@ -141,7 +144,6 @@ if triton_available():
         N,
         R,
         S,
-        s_hp,
         s_hb,
         s_ht,
         s_un,
@@ -153,12 +155,11 @@ if triton_available():
         BM: tl.constexpr,
         BN: tl.constexpr,
         BR: tl.constexpr,
-        SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
     ):
         """y[b, t, n] += sum over the row's slots s of h[b, t, s*R:(s+1)*R] . up[idx[b, s], n], BM x BN
-        of y, h the sum of the shrink's SPLIT fp32 parts rounded to the factors' dtype (as the torch
-        pass rounds its h); a row whose slots are all zero is not touched."""
+        of y, h in the factors' dtype (rounded as the torch pass rounds its h); a row whose slots are all
+        zero is not touched."""
         nt, mt, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # N fastest: h's tile stays in L2
         rows = mt * BM + tl.arange(0, BM)
         cols = nt * BN + tl.arange(0, BN)
@@ -181,10 +182,7 @@ if triton_available():
                     rm = r0 + rs < R
                     hm = (rows[:, None] < T) & rm[None, :]
                     ha = tl.load(hb + r0 + rs[None, :], mask=hm, other=0.0)
-                    for part in range(1, SPLIT):
-                        ha += tl.load(hb + part * s_hp + r0 + rs[None, :], mask=hm, other=0.0)
                     ua = tl.load(ub + r0 + rs[None, :], mask=(cols[:, None] < N) & rm[None, :], other=0.0)
-                    ha = ha.to(u_ptr.dtype.element_ty)
                     acc += _dot(ha, tl.trans(ua), IEEE)
         tl.store(yp, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
 
@@ -262,8 +260,9 @@ def lora_rows_triton(
 ) -> torch.Tensor:
     """`lora_rows` as the two segmented kernels (see the module docstring); y updated in place and
     returned. `split`: parts of K the shrink sums separately (default: enough programs for the GPU,
-    `TILES["programs"]`, each part at least 8 tiles of K, at most `TILES["max_split"]` parts); `h`: the fp32 (split, B, L, S*R) buffer of
-    its partial low-rank activations (tests hand a poisoned one)."""
+    `TILES["programs"]`, each part at least 8 tiles of K, at most `TILES["max_split"]` parts); `h`: the
+    (split, B, L, S*R) buffer the shrink writes (fp32 parts, summed before the expand; one part: in the
+    factors' dtype; tests hand a poisoned one)."""
     _check(x, y, down, up, idx, scale)
     return _launch(x, y, down, up, idx, scale, h, split)
 
@@ -282,10 +281,13 @@ def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
         )
     kc = triton.cdiv(triton.cdiv(K, split), bk) * bk  # each part a whole number of K tiles
     split = triton.cdiv(K, kc)
+    hdt = torch.float32 if split > 1 else up.dtype  # one part: the shrink rounds h itself
     if h is None:
-        h = torch.empty(split, B, L, S * R, dtype=torch.float32, device=x.device)
-    if h.shape != (split, B, L, S * R) or h.dtype != torch.float32:
-        raise ValueError(f"lora_rows_triton: h must be fp32 {(split, B, L, S * R)}, not {tuple(h.shape)}")
+        h = torch.empty(split, B, L, S * R, dtype=hdt, device=x.device)
+    if h.shape != (split, B, L, S * R) or h.dtype != hdt:
+        raise ValueError(
+            f"lora_rows_triton: h must be {hdt} {(split, B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
+        )
     ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
     with _on_device(x):
         _shrink_kernel[(B * S, triton.cdiv(L, bm), triton.cdiv(R, br) * split)](
@@ -315,10 +317,13 @@ def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
             IEEE=ieee,
             num_warps=w,
         )
+        # the parts summed once (the expand reads h once per tile of y's columns: summing there re-read
+        # every part that often, which cost more than the split saved: H100, d6f97ce)
+        hs = h[0] if split == 1 else h.sum(0).to(up.dtype)  # (B, L, S*R)
         bm, bn, bre, w = TILES["expand"]
         bre = min(bre, max(16, triton.next_power_of_2(R)))
         _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
-            h,
+            hs,
             up,
             idx,
             y,
@@ -326,9 +331,8 @@ def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
             N,
             R,
             S,
-            h.stride(0),
-            h.stride(1),
-            h.stride(2),
+            hs.stride(0),
+            hs.stride(1),
             up.stride(0),
             up.stride(1),
             idx.stride(0),
@@ -338,7 +342,6 @@ def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
             BM=bm,
             BN=bn,
             BR=bre,
-            SPLIT=split,
             IEEE=ieee,
             num_warps=w,
         )

@@ -164,6 +164,7 @@ class _Forward21:
             tuple(vl.tolist()),
             tuple(shapes),
             shard,
+            tr.block_runner.epoch,
             (tr.block_runner, tr.block_runner.variant(step)),  # the runner's buffers: see CudaGraphRunner
         )
         return self.pipe._graphs.run(key, cached_step, hidden, mask, t)

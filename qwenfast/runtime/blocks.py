@@ -58,6 +58,8 @@ class StepContext:
 class BlockRunner:
     """Runs every block, in order. Subclasses change how (streamed weights) or whether (caches)."""
 
+    epoch = 0  # moves on when the runner reallocates buffers captured graphs read: part of their keys
+
     def variant(self, step: StepContext | None) -> Hashable:
         """What a forward at `step` computes; part of the CUDA-graph key. One variant here."""
         return "full"

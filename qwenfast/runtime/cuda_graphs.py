@@ -201,6 +201,7 @@ class CudaGraphRunner(_GraphCache):
             None if res is None else tuple((tuple(r.shape), r.dtype) for r in res),
             None if modulations is None else tuple(modulations.shape),
             getattr(self.model, "graph_tag", None),
+            None if runner is None else runner.epoch,  # (reallocated buffers: older graphs go unused)
             variant,  # (last: tests and tools read it there)
         )
 
