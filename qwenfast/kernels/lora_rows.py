@@ -50,7 +50,7 @@ __all__ = ["RowLora", "RowLoraLinear", "RowSelection", "lora_rows", "lora_rows_r
 # tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps);
 # expand (BM x BN of y, BR of the rank at a time); programs: what the shrink's split of K aims for (two
 # per SM of an H100); max_split: at most this many parts (every expand tile reads all of them)
-TILES = {"shrink": (128, 64, 8), "expand": (128, 128, 32, 4), "programs": 264, "max_split": 8}
+TILES = {"shrink": (128, 64, 8), "expand": (128, 256, 32, 8), "programs": 264, "max_split": 1}
 
 if triton_available():
     import triton
