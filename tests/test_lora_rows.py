@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from qwenfast.errors import LoraError
-from qwenfast.kernels.lora_rows import lora_rows, lora_rows_ref, lora_rows_triton
+from qwenfast.kernels.lora_rows import RowLoraLinear, lora_rows, lora_rows_ref, lora_rows_triton, plain_linear
 from qwenfast.kernels.lowbit import LowBitLinear
 from qwenfast.loading.lora_manager import LoraManager
 from qwenfast.loading.lora_rows import RowAdapters
@@ -209,9 +209,11 @@ def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
         # model's CUDA graphs are keyed by that (`graph_tag`), so a captured graph skips it too
         assert model.graph_tag == ("row-loras", True)
         lowbit = [m for m in model.modules() if isinstance(m, LowBitLinear) and m.lora is not None]
-        assert all(m.lora_reads_input() for m in lowbit)
+        floats = [m for m in model.modules() if isinstance(m, RowLoraLinear)]  # (float weights)
+        assert all(m.lora_reads_input() for m in lowbit) and not any(map(plain_linear, floats))
         rows.select([[] for _ in sets], "cpu")
         assert model.graph_tag == ("row-loras", False) and not any(m.lora_reads_input() for m in lowbit)
+        assert all(map(plain_linear, floats))  # fused paths (the MLP's GELU epilogue) take them as Linears
         assert torch.equal(model(x, txt, None, t, shapes), base)
     finally:
         rows.uninstall()

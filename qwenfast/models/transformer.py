@@ -34,6 +34,7 @@ from ..kernels.gated_residual import (
     gated_residual_layernorm_modulate_fp8,
 )
 from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
+from ..kernels.lora_rows import plain_linear
 from ..runtime.attention import KeyLengths, attention, joint_attention
 from ..runtime.blocks import StepContext
 from ..runtime.contract import DenoisableTransformer
@@ -131,7 +132,7 @@ class FeedForward(nn.Module):
             return out(
                 F.gelu(h, approximate="tanh") if c is None else gelu_tanh_fp8(h, keep=c.lora_reads_input())
             )
-        if type(p) is not nn.Linear:  # a subclass adds to its GEMM (per-row LoRAs): no fused epilogue
+        if not plain_linear(p):  # a subclass adds to its GEMM now (per-row LoRAs): no fused epilogue
             return out(F.gelu(p(x), approximate="tanh"))
         return out(linear_gelu_tanh(x, p.weight, p.bias))
 
