@@ -220,7 +220,7 @@ def test_v_projection_writes_the_cache_in_place(dtype):
 def test_oracle_is_what_from_pretrained_loads(tmp_path):
     """`diffusers_transformer21(dtype=bf16)` is bit for bit diffusers' model saved and loaded with
     `from_pretrained(torch_dtype=bf16)`; `model.to(bf16)` (the benchmark's old oracle) is not, and the
-    difference is far above the issue's 1e-2 limit."""
+    difference is far above the 1e-2 tolerance of the comparisons."""
     from diffusers import QwenImage21Transformer2DModel
 
     from qwenfast.testing.tiny21 import diffusers_transformer21

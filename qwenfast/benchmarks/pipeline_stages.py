@@ -280,7 +280,7 @@ def offload_bench(ours: QwenImagePipeline, smoke: bool) -> dict:
             "max_abs_diff_vs_none": float(np.abs(got - want[:1]).max()),
         }
         print(f"  offload {mode}: {json.dumps(res[mode])}", flush=True)
-    for cap in (24, 8) if cuda else ():  # the 24 GiB card, and a smaller one
+    for cap in (24, 8) if cuda else ():  # a 24 GiB card (4090-class), and a smaller one
         _free()
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap * GiB / total))
