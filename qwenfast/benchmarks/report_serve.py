@@ -82,12 +82,12 @@ def serve_mixed(recs: list[Rec]) -> str:
         notes.append(
             f"One forward beside {w.upper()} GEMMs, batch {o['batch']} at {o['size']}², eager: no adapters "
             f"{o['none_installed_ms']:.0f} ms; "
-            f"each row its own rank-64 LoRA {o['each_row_its_lora_ms']:.0f} ms (+{o['overhead_pct']:.0f}%); "
-            f"adapters installed, no row using one {o['rows_without_lora_ms']:.0f} ms (+{o['no_lora_rows_overhead_pct']:.0f}%)"
+            f"each row its own rank-64 LoRA {o['each_row_its_lora_ms']:.0f} ms ({o['overhead_pct']:+.0f}%); "
+            f"adapters installed, no row using one {o['rows_without_lora_ms']:.0f} ms ({o['no_lora_rows_overhead_pct']:+.0f}%)"
             + (
                 f"; CUDA-graphed {o['none_installed_graph_ms']:.0f} / {o['each_row_its_lora_graph_ms']:.0f} "
-                f"(+{o['overhead_graph_pct']:.0f}%) / {o['rows_without_lora_graph_ms']:.0f} ms "
-                f"(+{o['no_lora_rows_overhead_graph_pct']:.0f}%)"
+                f"({o['overhead_graph_pct']:+.0f}%) / {o['rows_without_lora_graph_ms']:.0f} ms "
+                f"({o['no_lora_rows_overhead_graph_pct']:+.0f}%)"
                 if "overhead_graph_pct" in o
                 else ""
             )
