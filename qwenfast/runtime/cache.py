@@ -114,13 +114,12 @@ class StepCacheRunner(BlockRunner):
         f.fill_((step.step - full[-1]) / gap if gap else 0.0)
 
     def snapshot(self) -> object:
-        return {b: a.clone() for b, a in self._arena.items()}
+        return {b: (a, a.clone()) for b, a in self._arena.items()}
 
     def restore(self, snap: object) -> None:
-        for b, saved in snap.items():
-            a = self._arena.get(b)
-            if a is not None and a.shape == saved.shape:  # (else reallocated by the warm-up: a first use)
-                a.copy_(saved)
+        for b, (was, saved) in snap.items():
+            if self._arena.get(b) is was:  # (else reallocated by the warm-up: a first use, nothing to undo)
+                was.copy_(saved)
 
     # ------------------------------------------------------------------ the block loop
     def run(
