@@ -78,6 +78,30 @@ class GatedPipe:
             self.steps.append(len(seen))
 
 
+class LoggedPipe(GatedPipe):
+    """A `GatedPipe` that logs (call, step) in the order the steps ended; with `hold_call`, that call's
+    first step also waits for `release` (after setting `held`)."""
+
+    def __init__(self, pipe, hold_call: int | None = None):
+        super().__init__(pipe)
+        self.log: list[tuple[int, int]] = []
+        self.hold_call = hold_call
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, *args, callback=None, **kw):
+        n = len(self.calls)
+
+        def cb(i, k, x):
+            if n == self.hold_call and i == 0:
+                self.held.set()
+                assert self.release.wait(60), "test gate never opened"
+            self.log.append((n, i))
+            if callback is not None:
+                callback(i, k, x)
+
+        return super().__call__(*args, callback=cb, **kw)
+
+
 @contextlib.contextmanager
 def running(pipe, **cfg):
     """(base URL, app) of a live server for `pipe`, stopped afterwards."""
@@ -761,22 +785,7 @@ def test_every_waiting_short_batch_runs_in_one_pause(pipe):
     both run between its first and second steps, not one per step (which held the second for a whole
     step of the long batch); all three images as alone."""
 
-    class Logged(GatedPipe):
-        def __init__(self, pipe):
-            super().__init__(pipe)
-            self.log: list[tuple[int, int]] = []  # (call, step) in the order the steps ended
-
-        def __call__(self, *args, callback=None, **kw):
-            n = len(self.calls)
-
-            def cb(i, k, x):
-                self.log.append((n, i))
-                if callback is not None:
-                    callback(i, k, x)
-
-            return super().__call__(*args, callback=cb, **kw)
-
-    gated = Logged(pipe)
+    gated = LoggedPipe(pipe)
     with running(gated, max_batch=4) as (base, app):
         gated.gate.clear()
         send = Senders(base)
@@ -800,26 +809,7 @@ def test_a_short_request_runs_inside_a_batch_that_runs_inside_a_long_one(pipe):
     8-step one, and a 1-step request queued during the 3-step batch's first step runs between two of its
     steps (one level deep, it waited for the 3-step batch's whole run); all three images as alone."""
 
-    class Held(GatedPipe):
-        def __init__(self, pipe):
-            super().__init__(pipe)
-            self.log: list[tuple[int, int]] = []  # (call, step) in the order the steps ended
-            self.mid_entered, self.hold_mid = threading.Event(), threading.Event()
-
-        def __call__(self, *args, callback=None, **kw):
-            n = len(self.calls)
-
-            def cb(i, k, x):
-                if n == 1 and i == 0:  # the nested batch's first step: wait for the short request
-                    self.mid_entered.set()
-                    assert self.hold_mid.wait(60), "test gate never opened"
-                self.log.append((n, i))
-                if callback is not None:
-                    callback(i, k, x)
-
-            return super().__call__(*args, callback=cb, **kw)
-
-    held = Held(pipe)
+    held = LoggedPipe(pipe, hold_call=1)  # the nested batch waits in its first step for the short request
     with running(held, max_batch=4) as (base, app):
         held.gate.clear()
         send = Senders(base)
@@ -827,9 +817,9 @@ def test_a_short_request_runs_inside_a_batch_that_runs_inside_a_long_one(pipe):
         assert held.entered.wait(30)
         send.start("mid", {**OK, "seed": 5, "steps": 3}, queued=1)
         held.gate.set()
-        assert held.mid_entered.wait(30)
+        assert held.held.wait(30)
         send.start("short", {**OK, "seed": 6, "steps": 1}, queued=1)
-        held.hold_mid.set()
+        held.release.set()
         send.join()
         interleaved = app.state.metrics.interleaved
     assert interleaved == 2 and send.done == ["short", "mid", "long"], send.done
