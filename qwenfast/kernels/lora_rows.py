@@ -24,12 +24,10 @@ gathered copy) and writes h = x · downᵀ · strength; `_expand_kernel` adds h 
 one read and one write of y, and leaves rows of the zero slot untouched (no load, no store). Why: the
 profile of the torch pass (H100, FP8, 1024², batch 4, four rank-64 LoRAs, one forward; the qkv stack is
 rank 192: three factors side by side) spent 18.4 ms of its 88 ms in `index_select` copying the factors
-of each row, layer after layer, and 53.5 ms in the batched expand GEMM. The shrink splits K into fp32
-parts, summed once before the expand (split-K), when its rows alone make too few programs: the text
-stream has 128-odd rows per image, and without the split its shrink ran as 4 programs per GEMM (30.6 ms
-a forward for the shrinks, against 14.2 ms for cuBLAS's batched GEMM; the same profile, commit c5492c8).
-Summing the parts inside the expand instead re-read all of them for every tile of y's columns: the
-forward's overhead rose from +27% to +40% (H100, commit d6f97ce).
+of each row, layer after layer, and 53.5 ms in the batched expand GEMM. A split-K shrink (for the text
+stream's 128-odd rows per image, which make few programs) was tried and taken out: summed inside the
+expand it re-read every part per tile of y's columns (+40% per forward instead of +27%, H100, commit
+d6f97ce), and summed once before it no part count beat one (H100 tile sweep, commit e9ec5e9).
 
 `RowLoraLinear` is a float Linear (bf16 / fp32 weights) with the same side path: the per-row adapters
 cannot be fused into one weight, so such a layer runs its GEMM as is and adds each row's updates after.
@@ -56,9 +54,8 @@ __all__ = [
 ]
 
 # tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps);
-# expand (BM x BN of y, BR of the rank at a time); programs: what the shrink's split of K aims for (two
-# per SM of an H100); max_split: at most this many parts (every expand tile reads all of them)
-TILES = {"shrink": (128, 64, 8), "expand": (128, 256, 32, 8), "programs": 264, "max_split": 1}
+# expand (BM x BN of y, BR of the rank at a time, warps)
+TILES = {"shrink": (128, 64, 8), "expand": (128, 256, 32, 8)}
 
 if triton_available():
     import triton
@@ -92,29 +89,23 @@ if triton_available():
         K,
         R,
         S,
-        KC,
         s_xb,
         s_xt,
         s_dn,
         s_dr,
         s_ib,
         s_is,
-        s_hp,
         s_hb,
         s_ht,
         BM: tl.constexpr,
         BR: tl.constexpr,
         BK: tl.constexpr,
-        SPLIT: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """h[p, b, t, s*R + r] = strength[b, s] * x[b, t, K part p] . down[idx[b, s], r, K part p], fp32
-        accumulation stored in h's dtype, for one (b, s), BM rows, BR of the rank and one of the SPLIT
-        parts of K (KC long each; split-K, so that the text stream's few rows still fill the GPU: the
-        launcher sums the fp32 parts); zeros for the zero slot (the expand skips those rows, h stays
-        defined)."""
-        bs, mt, rp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        rt, part = rp // SPLIT, rp % SPLIT
+        """h[b, t, s*R + r] = strength[b, s] * x[b, t] . down[idx[b, s], r] (fp32 accumulation, stored in
+        h's dtype) for one (b, s), BM rows and BR of the rank; zeros for the zero slot (the expand skips
+        those rows, h stays defined)."""
+        bs, mt, rt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, s = bs // S, bs % S
         slot = tl.load(idx_ptr + b * s_ib + s * s_is)
         scale = tl.load(sc_ptr + b * s_ib + s * s_is)
@@ -125,21 +116,13 @@ if triton_available():
         if slot != 0:
             xb = x_ptr + b.to(tl.int64) * s_xb + rows[:, None].to(tl.int64) * s_xt
             db = d_ptr + slot.to(tl.int64) * s_dn + rank[:, None] * s_dr
-            k_end = tl.minimum(K, (part + 1) * KC)
-            for k0 in range(part * KC, k_end, BK):
-                km = k0 + ks < k_end
+            for k0 in range(0, K, BK):
+                km = k0 + ks < K
                 xa = tl.load(xb + k0 + ks[None, :], mask=(rows[:, None] < T) & km[None, :], other=0.0)
                 da = tl.load(db + k0 + ks[None, :], mask=(rank[:, None] < R) & km[None, :], other=0.0)
                 acc += _dot(xa, tl.trans(da), IEEE)
             acc = acc * scale
-        hp = (
-            h_ptr
-            + part.to(tl.int64) * s_hp
-            + b.to(tl.int64) * s_hb
-            + rows[:, None].to(tl.int64) * s_ht
-            + s * R
-            + rank[None, :]
-        )
+        hp = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R + rank[None, :]
         tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
 
     @triton.jit
@@ -188,8 +171,7 @@ if triton_available():
                 ub = u_ptr + slot.to(tl.int64) * s_un + cols[:, None].to(tl.int64) * s_uo
                 for r0 in range(0, R, BR):
                     rm = r0 + rs < R
-                    hm = (rows[:, None] < T) & rm[None, :]
-                    ha = tl.load(hb + r0 + rs[None, :], mask=hm, other=0.0)
+                    ha = tl.load(hb + r0 + rs[None, :], mask=(rows[:, None] < T) & rm[None, :], other=0.0)
                     ua = tl.load(ub + r0 + rs[None, :], mask=(cols[:, None] < N) & rm[None, :], other=0.0)
                     acc += _dot(ha, tl.trans(ua), IEEE)
         tl.store(yp, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
@@ -264,41 +246,30 @@ def lora_rows_triton(
     idx: torch.Tensor,
     scale: torch.Tensor,
     h: torch.Tensor | None = None,
-    split: int | None = None,
 ) -> torch.Tensor:
     """`lora_rows` as the two segmented kernels (see the module docstring); y updated in place and
-    returned. `split`: parts of K the shrink sums separately (default: enough programs for the GPU,
-    `TILES["programs"]`, each part at least 8 tiles of K, at most `TILES["max_split"]` parts); `h`: the
-    (split, B, L, S*R) buffer the shrink writes (fp32 parts, summed before the expand; one part: in the
-    factors' dtype; tests hand a poisoned one)."""
+    returned. `h`: the (B, L, S*R) buffer of the low-rank activations, in the factors' dtype (tests hand
+    a poisoned one)."""
     _check(x, y, down, up, idx, scale)
-    return _launch(x, y, down, up, idx, scale, h, split)
+    return _launch(x, y, down, up, idx, scale, h)
 
 
-def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
+def _launch(x, y, down, up, idx, scale, h=None) -> torch.Tensor:
     """`lora_rows_triton` on checked shapes (`lora_rows` checked them already)."""
     B, L, K = x.shape
     n, R, _ = down.shape
     N, S = up.shape[1], idx.shape[1]
     bm, bk, w = TILES["shrink"]
     br = min(256, max(16, triton.next_power_of_2(R)))
-    programs = B * S * triton.cdiv(L, bm) * triton.cdiv(R, br)
-    if split is None:
-        split = max(
-            1, min(triton.cdiv(TILES["programs"], programs), triton.cdiv(K, 8 * bk), TILES["max_split"])
-        )
-    kc = triton.cdiv(triton.cdiv(K, split), bk) * bk  # each part a whole number of K tiles
-    split = triton.cdiv(K, kc)
-    hdt = torch.float32 if split > 1 else up.dtype  # one part: the shrink rounds h itself
     if h is None:
-        h = torch.empty(split, B, L, S * R, dtype=hdt, device=x.device)
-    if h.shape != (split, B, L, S * R) or h.dtype != hdt:
+        h = torch.empty(B, L, S * R, dtype=up.dtype, device=x.device)
+    if h.shape != (B, L, S * R) or h.dtype != up.dtype:
         raise ValueError(
-            f"lora_rows_triton: h must be {hdt} {(split, B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
+            f"lora_rows_triton: h must be {up.dtype} {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
         )
     ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
     with _on_device(x):
-        _shrink_kernel[(B * S, triton.cdiv(L, bm), triton.cdiv(R, br) * split)](
+        _shrink_kernel[(B * S, triton.cdiv(L, bm), triton.cdiv(R, br))](
             x,
             down,
             idx,
@@ -308,7 +279,6 @@ def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
             K,
             R,
             S,
-            kc,
             x.stride(0),
             x.stride(1),
             down.stride(0),
@@ -317,21 +287,16 @@ def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
             idx.stride(1),
             h.stride(0),
             h.stride(1),
-            h.stride(2),
             BM=bm,
             BR=br,
             BK=bk,
-            SPLIT=split,
             IEEE=ieee,
             num_warps=w,
         )
-        # the parts summed once (the expand reads h once per tile of y's columns: summing there re-read
-        # every part that often, which cost more than the split saved: H100, d6f97ce)
-        hs = h[0] if split == 1 else h.sum(0).to(up.dtype)  # (B, L, S*R)
         bm, bn, bre, w = TILES["expand"]
         bre = min(bre, max(16, triton.next_power_of_2(R)))
         _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
-            hs,
+            h,
             up,
             idx,
             y,
@@ -339,8 +304,8 @@ def _launch(x, y, down, up, idx, scale, h=None, split=None) -> torch.Tensor:
             N,
             R,
             S,
-            hs.stride(0),
-            hs.stride(1),
+            h.stride(0),
+            h.stride(1),
             up.stride(0),
             up.stride(1),
             idx.stride(0),
