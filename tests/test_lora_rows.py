@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from qwenfast.errors import LoraError
+from qwenfast.kernels.fp8_linear import FP8Linear
 from qwenfast.kernels.lora_rows import RowLoraLinear, lora_rows, lora_rows_ref, lora_rows_triton, plain_linear
 from qwenfast.kernels.lowbit import LowBitLinear
 from qwenfast.loading.lora_manager import LoraManager
@@ -108,6 +109,102 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     )
     moved = lora_rows_triton(x, y.clone(), down, up, idx, scale * 1.5)
     assert (moved.float() - got.float()).abs().max() / ref > 10 * tol
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("B,L,K,N,n,R,S", [(3, 7, 19, 23, 4, 5, 2), (2, 70, 72, 130, 3, 80, 1)])
+def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeypatch):
+    """x as the e4m3 codes an FP8 GEMM multiplies plus their row scales (what a fused producer hands an
+    FP8 layer): the kernels, the torch pass and `RowLora.add` (gathered and per-group) equal the loop on
+    the dequantised input; the scales are applied (a row scale times 8 moves that row far more
+    than the tolerance, and only it); rows of the zero slot untouched."""
+    from qwenfast.kernels.fp8_rows import quantize_rows_ref
+    from qwenfast.kernels.lora_rows import RowLora, RowSelection
+
+    dev = "cpu" if device == "interp" else device
+    g = torch.Generator().manual_seed(B * 7 + K)
+    x = torch.randn(B * L, K, generator=g) * torch.rand(B * L, 1, generator=g) * 8  # rows of other scales
+    x8, xs = quantize_rows_ref(x)  # (B*L, K) e4m3, (B*L, 1) fp32
+    x8, xs = x8.view(B, L, K).to(dev), xs.view(B, L).to(dev)
+    y = torch.randn(B, L, N, generator=g).to(dtype).to(dev)
+    down = (torch.randn(n, R, K, generator=g) / K**0.5).to(dtype).to(dev)
+    up = torch.randn(n, N, R, generator=g).to(dtype).to(dev)
+    down[0], up[0] = 0, 0
+    idx = torch.randint(1, n, (B, S), generator=g)
+    idx[0] = 0
+    idx = idx.to(dev)
+    scale = (torch.rand(B, S, generator=g) + 0.5).to(dev)
+    want = lora_rows_ref(x8, y, down, up, idx, scale, xs)
+    ref = want.float().abs().max().clamp_min(1)
+    monkeypatch.setitem(
+        __import__("qwenfast.kernels.lora_rows", fromlist=["TILES"]).TILES, "shrink", (64, 16, 4)
+    )
+    h = torch.full((B, L, S * R), float("nan"), device=dev, dtype=dtype)
+    got = lora_rows_triton(x8, y.clone(), down, up, idx, scale, h=h, x_scale=xs)
+    assert torch.isfinite(h).all()
+    assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
+    assert torch.equal(got[0], y[0])
+    for fn in (lora_rows, lora_rows_ref):  # the dispatcher, and the loop itself, see the scale
+        xs2 = xs.clone()
+        xs2[1, 0] *= 8
+        moved = (fn(x8, y.clone(), down, up, idx, scale, xs2).float() - want.float()).abs() / ref
+        assert moved[1, 0].max() > 10 * tol and moved[1, 1:].max() <= tol and moved[0].max() == 0
+    sel = RowSelection(S)  # the eager forward's two ways: one gathered pass, or a GEMM pair per group
+    lora = RowLora(down, up, sel)
+    for rows in ([[(int(j), float(v)) for j, v in zip(idx[b], scale[b])] for b in range(B)],
+                 [[(int(idx[1, 0]), float(scale[1, 0]))]] * B):  # fmt: skip
+        sel.set(rows, dev)
+        ix = torch.tensor([[j for j, _ in r] + [0] * (S - len(r)) for r in rows], device=dev)
+        sc = torch.tensor([[v for _, v in r] + [0.0] * (S - len(r)) for r in rows], device=dev)
+        want2 = lora_rows_ref(x8, y, down, up, ix, sc, xs)
+        got2 = lora.add(x8.reshape(B * L, K), y.reshape(B * L, N).clone(), xs.reshape(B * L, 1))
+        assert_close_finite(got2.view(B, L, N).float() / ref, want2.float() / ref, rtol=0, atol=tol)
+    with pytest.raises(ValueError, match="x_scale"):
+        lora_rows(x8, y, down, up, idx, scale)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_fp8_producers_hand_their_rows_to_per_row_loras(device):
+    """With the FP8 producer fusion on (the default), the kernels that quantise an FP8 layer's input keep
+    no copy of it for per-row LoRAs: the side path reads the same e4m3 rows the GEMM multiplies. The
+    model then equals the unfused one (each layer quantising its input itself, the LoRA reading the input
+    as it is) within the e4m3 rounding of the LoRA's input, far below what the LoRAs move."""
+    from qwenfast.kernels.fp8_rows import QuantizedRows, set_fp8_fusion
+
+    from .conftest import rel_err
+    from .test_fp8_fused import _tiny_fp8_model
+
+    dev = "cpu" if device == "interp" else device
+    model = _tiny_fp8_model(False, dev)
+    x, txt, t, shapes = _inputs(4)
+    x, txt, t = x.to(dev, model.dtype), txt.to(dev, model.dtype), t.to(dev)
+    sets = [[("a", 1.0)], [("b", 0.7), ("c", -0.5)], [], [("c", 1.3)]]
+    base = model(x, txt, None, t, shapes)
+    rows = RowAdapters(model, slots=3, device=dev)
+    for name, (seed, rank) in {"a": (1, 4), "b": (2, 8), "c": (3, 16)}.items():
+        rows.put(name, _lora(seed, rank))
+    fed: list[tuple[bool, bool]] = []  # per FP8 layer call: (input as QuantizedRows, with a kept copy)
+    hooks = [m.register_forward_pre_hook(lambda mod, a: fed.append((isinstance(a[0], QuantizedRows),
+                                                                    getattr(a[0], "x", None) is not None)))
+             for m in model.modules() if isinstance(m, FP8Linear)]  # fmt: skip
+    rows.install()
+    outs = {}
+    try:
+        rows.select(sets, dev)
+        for on in (False, True):
+            set_fp8_fusion(on)
+            fed.clear()
+            outs[on] = model(x, txt, None, t, shapes)
+            assert sum(q for q, _ in fed) == (12 if on else 0) and not any(k for _, k in fed)
+    finally:
+        set_fp8_fusion(True, gelu=True)
+        for h in hooks:
+            h.remove()
+        rows.uninstall()
+    moved, err = rel_err(base, outs[True]), rel_err(outs[False], outs[True])
+    assert moved > 10 * err and err < 2e-2, (moved, err)
 
 
 def test_interpreter_subprocess(request):
@@ -202,9 +299,11 @@ def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
         assert model.graph_tag == ("row-loras", True)
         lowbit = [m for m in model.modules() if isinstance(m, LowBitLinear) and m.lora is not None]
         floats = [m for m in model.modules() if isinstance(m, RowLoraLinear)]  # (float weights)
-        assert all(m.lora_reads_input() for m in lowbit) and not any(map(plain_linear, floats))
+        assert all(m.lora_active() for m in lowbit) and not any(map(plain_linear, floats))
+        # per-row LoRAs on FP8 layers read the producers' e4m3 rows: no kept bf16 input
+        assert not any(m.lora_reads_input() for m in lowbit if isinstance(m, FP8Linear))
         rows.select([[] for _ in sets], "cpu")
-        assert model.graph_tag == ("row-loras", False) and not any(m.lora_reads_input() for m in lowbit)
+        assert model.graph_tag == ("row-loras", False) and not any(m.lora_active() for m in lowbit)
         assert all(map(plain_linear, floats))  # fused paths (the MLP's GELU epilogue) take them as Linears
         assert torch.equal(model(x, txt, None, t, shapes), base)
     finally:

@@ -118,6 +118,8 @@ def fp8_linear_ref(
 class FP8Linear(LowBitLinear):
     """Drop-in for an `nn.Linear` with e4m3 weights and per-channel scales (bias kept in bf16)."""
 
+    ROW_LORA_READS_CODES = True  # per-row LoRAs read the producer's e4m3 rows (kernels/lora_rows.py)
+
     def __init__(
         self,
         weight_fp8: torch.Tensor,
@@ -208,7 +210,7 @@ class FP8Linear(LowBitLinear):
                     y = y + self.bias.float()
                 y = y.to(self.out_dtype)  # == fp8_linear_ref of the activation these rows quantise
                 if self.lora is not None:
-                    y = self.add_lora(x2, y)
+                    y = self.add_lora(x2, y, (rows.q[:M], rows.scale[:M]))
                 return y.view(*shape[:-1], N)
             x8, sx = rows.q, rows.scale
         else:
@@ -244,7 +246,7 @@ class FP8Linear(LowBitLinear):
                     out_dtype=self.out_dtype,
                     use_fast_accum=True,
                 )[:M]
-                return y if self.lora is None else self.add_lora(x2, y)
+                return y if self.lora is None else self.add_lora(x2, y, (x8[:M], sx[:M]))
             except RuntimeError as e:  # the heuristic query fails on the host, before any launch
                 if "NOT_SUPPORTED" not in str(e):
                     raise
@@ -260,7 +262,7 @@ class FP8Linear(LowBitLinear):
         ).t()
         if bias is not None:
             y = y + bias
-        return y if self.lora is None else self.add_lora(x2, y)
+        return y if self.lora is None else self.add_lora(x2, y, (x8[:M], sx[:M]))
 
     def extra_repr(self) -> str:
         lo = self.lora

@@ -29,6 +29,12 @@ stream's 128-odd rows per image, which make few programs) was tried and taken ou
 expand it re-read every part per tile of y's columns (+40% per forward instead of +27%, H100, commit
 d6f97ce), and summed once before it no part count beat one (H100 tile sweep, commit e9ec5e9).
 
+On an FP8 layer whose input a fused producer quantised (`QuantizedRows`), the shrink reads those e4m3
+rows and their scales (`x_scale`) instead of a bf16 copy the producer would keep for it: counted at
+1024², batch 4, the copies of the qkv, fc1 and fc2 inputs are ~0.6 GB written and read again per block
+(~12 ms of the FP8 forward at 3 TB/s), and the codes halve what the shrink reads. The update is then the
+dequantised input's: its e4m3 rounding (what the GEMM beside it multiplies) is also in the LoRA term.
+
 `RowLoraLinear` is a float Linear (bf16 / fp32 weights) with the same side path: the per-row adapters
 cannot be fused into one weight, so such a layer runs its GEMM as is and adds each row's updates after.
 """
@@ -42,6 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import FLOAT_DTYPES, _on_device, triton_available, use_triton
+from .fp8_rows import FP8
 
 __all__ = [
     "RowLora",
@@ -81,6 +88,7 @@ if triton_available():
     @triton.jit
     def _shrink_kernel(
         x_ptr,
+        xs_ptr,
         d_ptr,
         idx_ptr,
         sc_ptr,
@@ -101,10 +109,12 @@ if triton_available():
         BR: tl.constexpr,
         BK: tl.constexpr,
         IEEE: tl.constexpr,
+        CODES: tl.constexpr,
     ):
         """h[b, t, s*R + r] = strength[b, s] * x[b, t] . down[idx[b, s], r] (fp32 accumulation, stored in
         h's dtype) for one (b, s), BM rows and BR of the rank; zeros for the zero slot (the expand skips
-        those rows, h stays defined)."""
+        those rows, h stays defined). With CODES, x holds e4m3 codes (widened to the factors' dtype:
+        exact) and each row's product is multiplied by its scale xs[b * T + t] (fp32)."""
         bs, mt, rt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, s = bs // S, bs % S
         slot = tl.load(idx_ptr + b * s_ib + s * s_is)
@@ -120,7 +130,12 @@ if triton_available():
                 km = k0 + ks < K
                 xa = tl.load(xb + k0 + ks[None, :], mask=(rows[:, None] < T) & km[None, :], other=0.0)
                 da = tl.load(db + k0 + ks[None, :], mask=(rank[:, None] < R) & km[None, :], other=0.0)
+                if CODES:
+                    xa = xa.to(d_ptr.dtype.element_ty)
                 acc += _dot(xa, tl.trans(da), IEEE)
+            if CODES:
+                xs = tl.load(xs_ptr + b.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
+                acc = acc * xs[:, None]
             acc = acc * scale
         hp = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R + rank[None, :]
         tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
@@ -177,7 +192,7 @@ if triton_available():
         tl.store(yp, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
 
 
-def _check(x, y, down, up, idx, scale) -> None:
+def _check(x, y, down, up, idx, scale, x_scale=None) -> None:
     B, L, K = x.shape
     n, R, K2 = down.shape
     if K2 != K or up.shape[0] != n or up.shape[2] != R or y.shape != (B, L, up.shape[1]):
@@ -189,6 +204,11 @@ def _check(x, y, down, up, idx, scale) -> None:
         raise ValueError(
             f"lora_rows: idx {tuple(idx.shape)} and scale {tuple(scale.shape)} must be (B={B}, S)"
         )
+    if (x_scale is not None) != (x.dtype == FP8) or (x_scale is not None and x_scale.shape != (B, L)):
+        raise ValueError(
+            "lora_rows: e4m3 x needs its rows' scales (x_scale (B, L) fp32) and only e4m3 x takes them; "
+            f"got x {x.dtype}, x_scale {None if x_scale is None else tuple(x_scale.shape)}"
+        )
 
 
 def lora_rows(
@@ -198,15 +218,18 @@ def lora_rows(
     up: torch.Tensor,
     idx: torch.Tensor,
     scale: torch.Tensor,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y (B, L, N) + each row's LoRA updates of x (B, L, K); see the module docstring. Computed in the
     factors' dtype and added into `y` in place when the dtypes match (y: the layer's fresh output).
+    `x` may be the e4m3 codes an FP8 GEMM multiplies, with `x_scale` (B, L) their rows' fp32 scales:
+    the update is then that of the dequantised input (x · x_scale), read at one byte an element.
 
     One pass whatever S: a row's S selected factors are gathered side by side along the rank, so x is
     read once and y read and written once (a loop over S would do both S times)."""
-    _check(x, y, down, up, idx, scale)
-    if _triton_ok(x, y, down, up, idx, scale):
-        return _launch(x, y, down, up, idx, scale)
+    _check(x, y, down, up, idx, scale, x_scale)
+    if _triton_ok(x, y, down, up, idx, scale, x_scale):
+        return _launch(x, y, down, up, idx, scale, x_scale=x_scale)
     B, S = idx.shape
     n, R, K = down.shape
     N = up.shape[1]
@@ -214,18 +237,23 @@ def lora_rows(
     d = down.index_select(0, sel).view(B, S * R, K)  # (B, S*R, K): row b's factors, slot after slot
     u = up.index_select(0, sel).view(B, S, N, R).permute(0, 2, 1, 3).reshape(B, N, S * R)  # (B, N, S*R)
     h = torch.bmm(x.to(down.dtype), d.transpose(1, 2))  # (B, L, S*R)
+    if x_scale is not None:  # e4m3 codes: each row's product times its scale (exact codes, fp32 scale)
+        h = (h.float() * x_scale[..., None]).to(h.dtype)
     h = (h.view(B, -1, S, R) * scale.to(h.dtype)[:, None, :, None]).view(B, -1, S * R)
     if y.dtype == u.dtype:
         return y.baddbmm_(h, u.transpose(1, 2))
     return torch.baddbmm(y.to(u.dtype), h, u.transpose(1, 2)).to(y.dtype)
 
 
-def _triton_ok(x, y, down, up, idx, scale) -> bool:
-    """The layouts the segmented kernels take: one float dtype for all, unit-stride last dims, y written
-    in place (its rows (B, L) strided), the stacks contiguous, indices int64 and strengths fp32."""
+def _triton_ok(x, y, down, up, idx, scale, x_scale=None) -> bool:
+    """The layouts the segmented kernels take: one float dtype for all (x: or e4m3 codes with contiguous
+    fp32 row scales), unit-stride last dims, y written in place (its rows (B, L) strided), the stacks
+    contiguous, indices int64 and strengths fp32."""
+    codes = x_scale is not None and x_scale.dtype == torch.float32 and x_scale.is_contiguous()
     return (
-        x.dtype in FLOAT_DTYPES
-        and x.dtype == y.dtype == down.dtype == up.dtype
+        (x.dtype in FLOAT_DTYPES or codes)
+        and y.dtype == down.dtype == up.dtype
+        and (x.dtype == y.dtype or codes)
         and x.stride(-1) == 1
         and y.stride(-1) == 1
         and down.is_contiguous()
@@ -246,15 +274,16 @@ def lora_rows_triton(
     idx: torch.Tensor,
     scale: torch.Tensor,
     h: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`lora_rows` as the two segmented kernels (see the module docstring); y updated in place and
     returned. `h`: the (B, L, S*R) buffer of the low-rank activations, in the factors' dtype (tests hand
-    a poisoned one)."""
-    _check(x, y, down, up, idx, scale)
-    return _launch(x, y, down, up, idx, scale, h)
+    a poisoned one); `x_scale`: as `lora_rows` (x then e4m3 codes)."""
+    _check(x, y, down, up, idx, scale, x_scale)
+    return _launch(x, y, down, up, idx, scale, h, x_scale)
 
 
-def _launch(x, y, down, up, idx, scale, h=None) -> torch.Tensor:
+def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     """`lora_rows_triton` on checked shapes (`lora_rows` checked them already)."""
     B, L, K = x.shape
     n, R, _ = down.shape
@@ -267,10 +296,12 @@ def _launch(x, y, down, up, idx, scale, h=None) -> torch.Tensor:
         raise ValueError(
             f"lora_rows_triton: h must be {up.dtype} {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
         )
-    ieee = x.dtype == torch.float32  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
+    ieee = up.dtype == torch.float32  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
+    codes = x_scale is not None
     with _on_device(x):
         _shrink_kernel[(B * S, triton.cdiv(L, bm), triton.cdiv(R, br))](
             x,
+            x_scale if codes else scale,  # (an unread pointer without codes)
             down,
             idx,
             scale,
@@ -291,6 +322,7 @@ def _launch(x, y, down, up, idx, scale, h=None) -> torch.Tensor:
             BR=br,
             BK=bk,
             IEEE=ieee,
+            CODES=codes,
             num_warps=w,
         )
         bm, bn, bre, w = TILES["expand"]
@@ -334,14 +366,16 @@ def lora_rows_ref(
     up: torch.Tensor,
     idx: torch.Tensor,
     scale: torch.Tensor,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The plain loop: row by row, slot by slot, in fp32."""
-    _check(x, y, down, up, idx, scale)
+    """The plain loop: row by row, slot by slot, in fp32 (e4m3 codes dequantised by their row scales)."""
+    _check(x, y, down, up, idx, scale, x_scale)
     out = y.float().clone()
+    xf = x.float() if x_scale is None else x.float() * x_scale[..., None]
     for b in range(x.shape[0]):
         for s in range(idx.shape[1]):
             j = int(idx[b, s])
-            out[b] += float(scale[b, s]) * (x[b].float() @ down[j].float().t()) @ up[j].float().t()
+            out[b] += float(scale[b, s]) * (xf[b] @ down[j].float().t()) @ up[j].float().t()
     return out.to(y.dtype)
 
 
@@ -409,8 +443,10 @@ class RowLora:
     selection: RowSelection
     ranks: list[int] = field(default_factory=list)
 
-    def add(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+    def add(self, x2: torch.Tensor, y2: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """y2 (M, N) + the per-row updates of x2 (M, K); the M tokens are B rows of M / B, in order.
+        `x2` may be the e4m3 codes of an FP8 layer's input with `x_scale` (M, 1) their row scales (the
+        rows its producer quantised: no bf16 copy of the input is kept for this side path).
 
         Captured into a CUDA graph: `lora_rows` over the selection's device buffers (any later selection
         replays correctly). Eager, where the host knows the selection: nothing when no row has a LoRA;
@@ -426,29 +462,30 @@ class RowLora:
         if M % B:
             raise RuntimeError(f"per-row LoRAs: {M} tokens do not split into the selection's {B} rows")
         T = M // B
+        xs = None if x_scale is None else x_scale.reshape(B, T)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             idx, scale = sel.current
-            return lora_rows(x2.reshape(B, T, K), y2.view(B, T, N), self.down, self.up, idx, scale).reshape(
-                M, N
-            )
+            x3, y3 = x2.reshape(B, T, K), y2.view(B, T, N)
+            return lora_rows(x3, y3, self.down, self.up, idx, scale, xs).reshape(M, N)
         if len(sel.groups) > 1:  # rows differ: one gathered pass beats a GEMM pair per run (measured)
             idx, scale = sel.current
             idx, scale = idx[:, : sel.used], scale[:, : sel.used]
-            return lora_rows(x2.reshape(B, T, K), y2.view(B, T, N), self.down, self.up, idx, scale).reshape(
-                M, N
-            )
+            x3, y3 = x2.reshape(B, T, K), y2.view(B, T, N)
+            return lora_rows(x3, y3, self.down, self.up, idx, scale, xs).reshape(M, N)
         dt = self.down.dtype
         for b0, b1, adapters in sel.groups:
-            xs, ys = x2[b0 * T : b1 * T], y2[b0 * T : b1 * T]  # (rows*T, K), (rows*T, N): row blocks
+            xr, yr = x2[b0 * T : b1 * T], y2[b0 * T : b1 * T]  # (rows*T, K), (rows*T, N): row blocks
             for slot, strength in adapters:
                 r = self.ranks[slot] if slot < len(self.ranks) else self.down.shape[1]
                 if r == 0:  # this adapter leaves this layer alone
                     continue
-                h = xs.to(dt) @ self.down[slot, :r].t()  # (rows*T, r)
-                if ys.dtype == dt:
-                    ys.addmm_(h, self.up[slot, :, :r].t(), alpha=strength)
+                h = xr.to(dt) @ self.down[slot, :r].t()  # (rows*T, r)
+                if x_scale is not None:  # e4m3 codes: each token's product times its row scale
+                    h = (h.float() * x_scale[b0 * T : b1 * T]).to(dt)
+                if yr.dtype == dt:
+                    yr.addmm_(h, self.up[slot, :, :r].t(), alpha=strength)
                 else:
-                    ys.copy_(torch.addmm(ys.to(dt), h, self.up[slot, :, :r].t(), alpha=strength))
+                    yr.copy_(torch.addmm(yr.to(dt), h, self.up[slot, :, :r].t(), alpha=strength))
         return y2
 
 

@@ -34,18 +34,39 @@ class LowBitLinear(nn.Module):
     def weight_device(self) -> torch.device:
         raise NotImplementedError
 
-    def lora_reads_input(self) -> bool:
-        """Whether this forward's LoRA side path reads the layer's input in `out_dtype` (so a fused
-        producer must keep it beside the 8-bit rows): a LoRA is set and, per row, some row uses one."""
+    # whether a per-row LoRA here reads the e4m3 rows a producer quantised (FP8Linear) instead of a
+    # kept copy of the input in `out_dtype`
+    ROW_LORA_READS_CODES = False
+
+    def lora_active(self) -> bool:
+        """Whether this forward adds a LoRA: one is set and, per row, some row of the selection uses one."""
         return self.lora is not None and (not isinstance(self.lora, RowLora) or self.lora.selection.active)
 
-    def add_lora(self, x2: torch.Tensor, y2: torch.Tensor) -> torch.Tensor:
+    def lora_reads_input(self) -> bool:
+        """Whether this forward's LoRA side path reads the layer's input in `out_dtype` (so a fused
+        producer must keep it beside the 8-bit rows): a LoRA is active and it cannot read the rows
+        themselves (per-row LoRAs on FP8 layers read the e4m3 codes and their scales)."""
+        return self.lora_active() and not (isinstance(self.lora, RowLora) and self.ROW_LORA_READS_CODES)
+
+    def add_lora(
+        self,
+        x2: torch.Tensor | None,
+        y2: torch.Tensor,
+        codes: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """y2 (M, N) + (x2 (M, K) @ downᵀ) @ upᵀ: the low-rank side GEMMs, summed into y2 when dtypes allow;
         with per-row LoRAs (`RowLora`, kernels/lora_rows.py) each batch row adds its own (y2 as it is
-        when no row uses one: `x2` may then be None, its producer kept no copy)."""
-        if not self.lora_reads_input():
+        when no row uses one: `x2` may then be None, its producer kept no copy). `codes`: the input's
+        e4m3 rows (M, K) and scales (M, 1), which a per-row LoRA reads when `x2` is None."""
+        if not self.lora_active():
             return y2
         if isinstance(self.lora, RowLora):
+            if x2 is None:
+                if codes is None:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: a per-row LoRA got neither the input nor its rows"
+                    )
+                return self.lora.add(codes[0], y2, codes[1])
             return self.lora.add(x2, y2)
         down, up = self.lora
         h = x2.to(down.dtype) @ down.t()  # (M, R)
