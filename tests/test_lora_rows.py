@@ -413,7 +413,8 @@ def test_rows_on_the_gpu(weights):
     set loaded for all of it, within the weights' tolerance (of the output's scale: bf16 and INT8 2e-2, where
     the batch-wide LoRA is merged into rounded bf16 weights or summed in another order; FP8 3e-2, where a
     bf16-level difference can move an activation's e4m3 code downstream), and the LoRAs (at twice
-    the CPU test's strengths) move each row at least 10x that."""
+    the CPU test's strengths) move each row at least 10x that. FP8 also allows one e4m3 step of the LoRA's
+    move: the per-row path reads the e4m3 rows of the input, the batch-wide one its bf16 values."""
     from qwenfast.kernels.fp8_linear import fp8_supported, quantize_model
     from qwenfast.kernels.int8_linear import quantize_model_int8
 
@@ -450,6 +451,8 @@ def test_rows_on_the_gpu(weights):
     for b in range(len(sets)):
         assert torch.isfinite(got[b]).all()
         err = (got[b] - want[b]).abs().max() / scale
-        assert err < tol, (weights, b, float(err))
         moved = (want[b] - base[b]).abs().max() / scale
+        # FP8: the per-row side path reads the layers' e4m3 input rows (what the GEMM beside it reads), the
+        # batch-wide one their bf16 input, so the LoRA's own update differs by up to one e4m3 step (2^-4)
+        assert err < tol + (2**-4 * moved if weights == "fp8" else 0), (weights, b, float(err), float(moved))
         assert moved > 10 * tol if sets[b] else moved < tol, (weights, b, float(moved))

@@ -29,8 +29,8 @@ from .lora_rows import RowUpdate
 
 __all__ = ["gelu_lora_tanh", "gelu_lora_tanh_fp8", "gelu_lora_tanh_ref"]
 
-# BM tokens x BN columns per tile, BR of the rank per tl.dot, warps (module state: benchmark sweeps)
-GELU_LORA_CONFIG = {"rows": 64, "cols": 128, "rank": 64, "warps": 8}
+# BM tokens x BN columns per tile, warps, software-pipeline stages (module state: benchmark sweeps)
+GELU_LORA_CONFIG = {"rows": 64, "cols": 128, "warps": 8, "stages": 3}
 
 if triton_available():
     import triton
@@ -44,45 +44,32 @@ if triton_available():
     @triton.jit
     def _updated_tile(
         y_ptr,
-        h_ptr,
-        u_ptr,
-        idx_ptr,
-        b,
+        u0,
+        u1,
+        h0,
+        h1,
+        yrow,
         rows,
         cols,
         T,
         N,
         R,
-        S,
-        s_yb,
-        s_yt,
-        s_hb,
-        s_ht,
-        s_un,
         s_uo,
-        s_ib,
-        s_is,
-        BR: tl.constexpr,
+        RP: tl.constexpr,
+        S: tl.constexpr,
         DT: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """y[b, rows, cols] + Σ_s h[b, rows, s*R:(s+1)*R] · up[idx[b, s], cols]ᵀ in fp32, rounded to DT
-        as the expand stores it; and the tile's mask."""
+        """y[rows, cols] + h0 · up0[cols]ᵀ (+ h1 · up1[cols]ᵀ) in fp32, rounded to DT as the expand stores
+        it, and the tile's mask. A slot of 0 points at the zero adapter: its product adds zeros."""
         m = (rows[:, None] < T) & (cols[None, :] < N)
-        yp = y_ptr + b.to(tl.int64) * s_yb + rows[:, None].to(tl.int64) * s_yt + cols[None, :]
-        y = tl.load(yp, mask=m, other=0.0).to(tl.float32)
-        acc = tl.zeros_like(y)
-        rs = tl.arange(0, BR)
-        for s in range(0, S):
-            slot = tl.load(idx_ptr + b * s_ib + s * s_is)
-            if slot != 0:
-                hb = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R
-                ub = u_ptr + slot.to(tl.int64) * s_un + cols[:, None].to(tl.int64) * s_uo
-                for r0 in range(0, R, BR):
-                    rm = r0 + rs < R
-                    ha = tl.load(hb + r0 + rs[None, :], mask=(rows[:, None] < T) & rm[None, :], other=0.0)
-                    ua = tl.load(ub + r0 + rs[None, :], mask=(cols[:, None] < N) & rm[None, :], other=0.0)
-                    acc += _dot(ha, tl.trans(ua), IEEE)
+        y = tl.load(y_ptr + yrow[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        rr = tl.arange(0, RP)
+        um = (cols[:, None] < N) & (rr[None, :] < R)
+        uo = cols[:, None].to(tl.int64) * s_uo + rr[None, :]
+        acc = _dot(h0, tl.trans(tl.load(u0 + uo, mask=um, other=0.0)), IEEE)
+        if S == 2:
+            acc += _dot(h1, tl.trans(tl.load(u1 + uo, mask=um, other=0.0)), IEEE)
         return _round(y + acc, DT), m
 
     @triton.jit
@@ -97,7 +84,6 @@ if triton_available():
         T,
         N,
         R,
-        S,
         s_yb,
         s_yt,
         s_hb,
@@ -109,107 +95,55 @@ if triton_available():
         s_g,
         BM: tl.constexpr,
         BN: tl.constexpr,
-        BR: tl.constexpr,
+        RP: tl.constexpr,
+        S: tl.constexpr,
         DT: tl.constexpr,
         IEEE: tl.constexpr,
         QUANT: tl.constexpr,
         STORE: tl.constexpr,
     ):
-        """BM tokens of batch row b. With QUANT: pass 1 takes each token's max of the updated y, whose
-        GELU is the token's amax when >= 0.171 (gelu.py's `_gelu_fp8_kernel` says why); tokens below
-        take a pass over |GELU| (only when the block has one). Last pass: GELU once per element, e4m3
-        codes (row stride N) and scales, and with STORE the GELU in DT (row stride s_g). Output rows
-        are b * T + token (the (M, N) layout of the second Linear's input)."""
+        """BM tokens of batch row b, its S (1 or 2) slots' h tiles (BM x RP, R of them real) held for the
+        whole row walk, so each column tile is loads, one or two tl.dot and elementwise work (a loop
+        Triton pipelines). With QUANT: pass 1 takes each token's max of the updated y, whose GELU is
+        the token's amax when >= 0.171 (gelu.py's `_gelu_fp8_kernel` says why); tokens below take a pass
+        over |GELU| (only when the block has one). Last pass: GELU once per element, e4m3 codes (row
+        stride N) and scales, and with STORE the GELU in DT (row stride s_g). Output rows are
+        b * T + token (the (M, N) layout of the second Linear's input)."""
         mt, b = tl.program_id(0), tl.program_id(1)
         rows = mt * BM + tl.arange(0, BM)
         live = rows < T
         cs = tl.arange(0, BN)
+        rr = tl.arange(0, RP)
         out_row = b.to(tl.int64) * T + rows
+        yrow = b.to(tl.int64) * s_yb + rows.to(tl.int64) * s_yt
+        hm = live[:, None] & (rr[None, :] < R)
+        hrow = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + rr[None, :]
+        h0 = tl.load(hrow, mask=hm, other=0.0)
+        u0 = u_ptr + tl.load(idx_ptr + b * s_ib).to(tl.int64) * s_un
+        h1, u1 = h0, u0
+        if S == 2:
+            h1 = tl.load(hrow + R, mask=hm, other=0.0)
+            u1 = u_ptr + tl.load(idx_ptr + b * s_ib + s_is).to(tl.int64) * s_un
         if QUANT:
-            hi = tl.full([BM], float("-inf"), dtype=tl.float32)
+            hi = tl.full([BM, BN], float("-inf"), dtype=tl.float32)
             for c in range(0, N, BN):
                 v, m = _updated_tile(
-                    y_ptr,
-                    h_ptr,
-                    u_ptr,
-                    idx_ptr,
-                    b,
-                    rows,
-                    c + cs,
-                    T,
-                    N,
-                    R,
-                    S,
-                    s_yb,
-                    s_yt,
-                    s_hb,
-                    s_ht,
-                    s_un,
-                    s_uo,
-                    s_ib,
-                    s_is,
-                    BR,
-                    DT,
-                    IEEE,
+                    y_ptr, u0, u1, h0, h1, yrow, rows, c + cs, T, N, R, s_uo, RP, S, DT, IEEE
                 )
-                hi = tl.maximum(hi, tl.max(tl.where(m, v, float("-inf")), axis=1))
-            amax = _gelu(tl.where(live, hi, 1.0), DT)
+                hi = tl.maximum(hi, tl.where(m, v, float("-inf")))
+            amax = _gelu(tl.where(live, tl.max(hi, axis=1), 1.0), DT)
             if tl.min(amax, axis=0) < 0.171:
-                a2 = tl.zeros([BM], dtype=tl.float32)
+                a2 = tl.zeros([BM, BN], dtype=tl.float32)
                 for c in range(0, N, BN):
                     v, m = _updated_tile(
-                        y_ptr,
-                        h_ptr,
-                        u_ptr,
-                        idx_ptr,
-                        b,
-                        rows,
-                        c + cs,
-                        T,
-                        N,
-                        R,
-                        S,
-                        s_yb,
-                        s_yt,
-                        s_hb,
-                        s_ht,
-                        s_un,
-                        s_uo,
-                        s_ib,
-                        s_is,
-                        BR,
-                        DT,
-                        IEEE,
+                        y_ptr, u0, u1, h0, h1, yrow, rows, c + cs, T, N, R, s_uo, RP, S, DT, IEEE
                     )
-                    a2 = tl.maximum(a2, tl.max(tl.where(m, tl.abs(_gelu(v, DT)), 0.0), axis=1))
-                amax = tl.where(amax < 0.171, a2, amax)
+                    a2 = tl.maximum(a2, tl.where(m, tl.abs(_gelu(v, DT)), 0.0))
+                amax = tl.where(amax < 0.171, tl.max(a2, axis=1), amax)
             scale = _row_scale(amax)
             tl.store(qs_ptr + out_row, scale, mask=live)
         for c in range(0, N, BN):
-            v, m = _updated_tile(
-                y_ptr,
-                h_ptr,
-                u_ptr,
-                idx_ptr,
-                b,
-                rows,
-                c + cs,
-                T,
-                N,
-                R,
-                S,
-                s_yb,
-                s_yt,
-                s_hb,
-                s_ht,
-                s_un,
-                s_uo,
-                s_ib,
-                s_is,
-                BR,
-                DT,
-                IEEE,
-            )
+            v, m = _updated_tile(y_ptr, u0, u1, h0, h1, yrow, rows, c + cs, T, N, R, s_uo, RP, S, DT, IEEE)
             g = _gelu(v, DT)
             cols = c + cs
             if STORE:
@@ -248,6 +182,8 @@ def _ok(y: torch.Tensor, update: RowUpdate) -> bool:
         and h.stride(-1) == 1
         and up.is_contiguous()
         and idx.dtype == torch.long
+        and 1 <= idx.shape[1] <= 2
+        and up.shape[2] <= 256
         and h.shape[:2] == y.shape[:2]
         and up.shape[1] == y.shape[2]
         and use_triton(y, h, up, idx)
@@ -257,9 +193,8 @@ def _ok(y: torch.Tensor, update: RowUpdate) -> bool:
 def _launch(y, update, g, q, qs, quant: bool, store: bool) -> None:
     B, T, N = y.shape
     h, up, idx = update.h, update.up, update.idx
-    R, S = up.shape[2], idx.shape[1]
-    bm, bn, br, w = (GELU_LORA_CONFIG[k] for k in ("rows", "cols", "rank", "warps"))
-    br = min(br, max(16, triton.next_power_of_2(R)))
+    R = up.shape[2]
+    bm, bn, w = (GELU_LORA_CONFIG[k] for k in ("rows", "cols", "warps"))
     bn = min(bn, max(16, triton.next_power_of_2(N)))
     with _on_device(y):
         _gelu_lora_kernel[(triton.cdiv(T, bm), B)](
@@ -273,7 +208,6 @@ def _launch(y, update, g, q, qs, quant: bool, store: bool) -> None:
             T,
             N,
             R,
-            S,
             y.stride(0),
             y.stride(1),
             h.stride(0),
@@ -285,12 +219,14 @@ def _launch(y, update, g, q, qs, quant: bool, store: bool) -> None:
             g.stride(-2),
             BM=bm,
             BN=bn,
-            BR=br,
+            RP=max(16, triton.next_power_of_2(R)),
+            S=idx.shape[1],
             DT=_tl_dtype(y.dtype),
             IEEE=y.dtype == torch.float32,
             QUANT=quant,
             STORE=store,
             num_warps=w,
+            num_stages=GELU_LORA_CONFIG["stages"],
         )
 
 
