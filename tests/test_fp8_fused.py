@@ -284,51 +284,6 @@ def test_fused_launchers_fall_back_to_the_unfused_pair():
         layernorm_modulate_fp8(x, shift, scale, out=_poisoned(100, 48, "cpu"))  # 112 rows, not 64
 
 
-@pytest.mark.parametrize("device", KERNEL_DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("B,T,N,R,S", [(3, 37, 600, 24, 2), (2, 70, 384, 80, 1)])
-def test_gelu_lora_tanh(device, dtype, B, T, N, R, S, monkeypatch):
-    """The MLP's middle with per-row LoRAs (kernels/gelu_lora.py) against the unfused chain in torch:
-    token blocks and column tiles with partial last ones, a rank over one tl.dot (80), a row without an
-    adapter, tokens whose amax is not GELU(max) (all-negative, all-zero: the second pass), poisoned
-    outputs, y left as it was; the FP8 rows within one e4m3 step, the float GELU within the dtype's
-    rounding, and the update moving the output far more than that."""
-    from qwenfast.kernels import gelu_lora
-    from qwenfast.kernels.gelu_lora import _updated_ref, gelu_lora_tanh, gelu_lora_tanh_fp8, gelu_lora_tanh_ref
-    from qwenfast.kernels.lora_rows import RowUpdate
-
-    monkeypatch.setitem(gelu_lora.GELU_LORA_CONFIG, "rows", 32)
-    monkeypatch.setitem(gelu_lora.GELU_LORA_CONFIG, "cols", 128)
-    dev = _dev(device)
-    n = 4
-    y = _randn(B, T, N, dtype=dtype, device=dev, seed=11, scale=2.0)
-    h = _randn(B, T, S * R, dtype=dtype, device=dev, seed=12, scale=0.5)
-    up = _randn(n, N, R, dtype=dtype, device=dev, seed=13, scale=R**-0.5)
-    up[0] = 0
-    idx = torch.randint(1, n, (B, S), generator=torch.Generator().manual_seed(14))
-    idx[0] = 0  # the first row uses no adapter
-    upd = RowUpdate(h, up, idx.to(dev))
-    y[1, 0], h[1, 0] = -y[1, 0].abs(), 0  # an all-negative token (|GELU| <= 0.17: the second amax pass)
-    y[1, 1], h[1, 1] = 0, 0  # an all-zero token
-    want_g = F.gelu(_updated_ref(y, upd), approximate="tanh")
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for keep in (False, True):
-        y_in = y.clone()
-        got = gelu_lora_tanh_fp8(y_in, upd, keep=keep, out=_poisoned(B * T, N, dev))
-        assert torch.equal(y_in, y)
-        _check_layout(got, (B, T, N), dtype)
-        assert (got.x is not None) == keep
-        _assert_near_ref(got, gelu_lora_tanh_ref(y, upd, quantize=True))
-        _assert_close_to_ref(got, want_g)
-        if keep:
-            assert rel_err(want_g, got.x) < tol
-    g = gelu_lora_tanh(y.clone(), upd)
-    assert g.shape == y.shape and g.dtype == dtype and rel_err(want_g, g) < tol
-    assert rel_err(want_g, F.gelu(y, approximate="tanh")) > 10 * tol  # the update matters
-    # the row without an adapter: GELU of y itself
-    assert rel_err(F.gelu(y[0], approximate="tanh"), g[0]) < tol
-
-
 # ---------------------------------------------------------------------------------------------
 # FP8Linear on pre-quantised rows
 

@@ -39,7 +39,6 @@ from .fp8_rows import (
     gemm_rows,
     quantize_rows_ref,
 )
-from .lora_rows import RowLora, RowUpdate
 from .lowbit import LowBitLinear, replace_layers
 
 if triton_available():
@@ -205,10 +204,15 @@ class FP8Linear(LowBitLinear):
                     "FP8Linear with a LoRA got QuantizedRows without the activation (x=None): "
                     "the producer must keep it (keep=True) while a LoRA is active"
                 )
-            y = self._rows_gemm(rows)  # (M, N)
-            if self.lora is not None:
-                y = self.add_lora(x2, y, (rows.q[:M], rows.scale[:M]))
-            return y.view(*shape[:-1], N)
+            if not self._fast(x):
+                y = (rows.q[:M].float() * rows.scale[:M]) @ (self.weight_fp8.float() * self.weight_scale).t()
+                if self.bias is not None:
+                    y = y + self.bias.float()
+                y = y.to(self.out_dtype)  # == fp8_linear_ref of the activation these rows quantise
+                if self.lora is not None:
+                    y = self.add_lora(x2, y, (rows.q[:M], rows.scale[:M]))
+                return y.view(*shape[:-1], N)
+            x8, sx = rows.q, rows.scale
         else:
             if not self._fast(x):
                 y = fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
@@ -225,43 +229,10 @@ class FP8Linear(LowBitLinear):
             x8, sx = quantize_rows(x2, rows=gemm_rows(M))
         return self._gemm(x8, sx, M, x2, x.device).view(*shape[:-1], N)
 
-    def forward_split(self, x: QuantizedRows) -> tuple[torch.Tensor, RowUpdate | None]:
-        """For a consumer kernel that adds a per-row LoRA's update itself (kernels/gelu_lora.py): the
-        GEMM of pre-quantised rows without the LoRA, (..., N), and the per-row update shrunk from the
-        same rows (None when the layer has no per-row LoRA or no row uses one; a batch-wide LoRA is
-        added here as in `forward`)."""
-        M, N = x.rows, self.out_features
-        y = self._rows_gemm(x)
-        upd = None
-        if isinstance(self.lora, RowLora):
-            upd = self.lora.shrink(x.q[:M], x.scale[:M])
-        elif self.lora is not None:
-            y = self.add_lora(None if x.x is None else x.x.reshape(M, -1), y)
-        return y.view(*x.shape[:-1], N), upd
-
-    def _rows_gemm(self, rows: QuantizedRows) -> torch.Tensor:
-        """(M, N): pre-quantised rows times the FP8 weight, + bias, no LoRA (on devices without FP8
-        GEMMs, and under the interpreter, the dequantised product: `fp8_linear_ref` of the activation
-        the rows quantise)."""
-        M = rows.rows
-        if self._fast(rows):
-            return self._gemm(rows.q, rows.scale, M, None, rows.device, lora=False)
-        y = (rows.q[:M].float() * rows.scale[:M]) @ (self.weight_fp8.float() * self.weight_scale).t()
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(self.out_dtype)
-
     def _gemm(
-        self,
-        x8: torch.Tensor,
-        sx: torch.Tensor,
-        M: int,
-        x2: torch.Tensor | None,
-        device: torch.device,
-        lora: bool = True,
+        self, x8: torch.Tensor, sx: torch.Tensor, M: int, x2: torch.Tensor | None, device: torch.device
     ) -> torch.Tensor:
-        """(M, N) = rows [0, M) of x8 (Mp, K) · sx times the FP8 weight, + bias (+ LoRA on x2 or the
-        rows, unless `lora` is False)."""
+        """(M, N) = rows [0, M) of x8 (Mp, K) · sx times the FP8 weight, + bias (+ LoRA on x2)."""
         bias = None if self.bias is None else self.bias.to(self.out_dtype)
         key = (x8.shape[0], self.in_features, self.out_features, device.index)
         if key not in _REFUSED:
@@ -275,7 +246,7 @@ class FP8Linear(LowBitLinear):
                     out_dtype=self.out_dtype,
                     use_fast_accum=True,
                 )[:M]
-                return y if self.lora is None or not lora else self.add_lora(x2, y, (x8[:M], sx[:M]))
+                return y if self.lora is None else self.add_lora(x2, y, (x8[:M], sx[:M]))
             except RuntimeError as e:  # the heuristic query fails on the host, before any launch
                 if "NOT_SUPPORTED" not in str(e):
                     raise
@@ -291,7 +262,7 @@ class FP8Linear(LowBitLinear):
         ).t()
         if bias is not None:
             y = y + bias
-        return y if self.lora is None or not lora else self.add_lora(x2, y, (x8[:M], sx[:M]))
+        return y if self.lora is None else self.add_lora(x2, y, (x8[:M], sx[:M]))
 
     def extra_repr(self) -> str:
         lo = self.lora

@@ -54,12 +54,10 @@ __all__ = [
     "RowLora",
     "RowLoraLinear",
     "RowSelection",
-    "RowUpdate",
     "lora_rows",
     "lora_rows_ref",
     "lora_rows_triton",
     "plain_linear",
-    "row_lora_split",
 ]
 
 # tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps);
@@ -232,55 +230,39 @@ def lora_rows(
     _check(x, y, down, up, idx, scale, x_scale)
     if _triton_ok(x, y, down, up, idx, scale, x_scale):
         return _launch(x, y, down, up, idx, scale, x_scale=x_scale)
-    h = _shrink_torch(x, down, idx, scale, x_scale)  # (B, L, S*R)
     B, S = idx.shape
-    n, N, R = up.shape
-    u = up.index_select(0, idx.reshape(-1)).view(B, S, N, R).permute(0, 2, 1, 3).reshape(B, N, S * R)
+    n, R, K = down.shape
+    N = up.shape[1]
+    sel = idx.reshape(-1)  # (B*S,)
+    d = down.index_select(0, sel).view(B, S * R, K)  # (B, S*R, K): row b's factors, slot after slot
+    u = up.index_select(0, sel).view(B, S, N, R).permute(0, 2, 1, 3).reshape(B, N, S * R)  # (B, N, S*R)
+    h = torch.bmm(x.to(down.dtype), d.transpose(1, 2))  # (B, L, S*R)
+    if x_scale is not None:  # e4m3 codes: each row's product times its scale (exact codes, fp32 scale)
+        h = (h.float() * x_scale[..., None]).to(h.dtype)
+    h = (h.view(B, -1, S, R) * scale.to(h.dtype)[:, None, :, None]).view(B, -1, S * R)
     if y.dtype == u.dtype:
         return y.baddbmm_(h, u.transpose(1, 2))
     return torch.baddbmm(y.to(u.dtype), h, u.transpose(1, 2)).to(y.dtype)
 
 
-def _shrink_torch(x, down, idx, scale, x_scale=None) -> torch.Tensor:
-    """The shrink in torch: each row's selected factors gathered side by side along the rank, one batched
-    GEMM; h (B, L, S*R) in the factors' dtype, strengths (and e4m3 rows' scales) applied."""
-    B, S = idx.shape
-    n, R, K = down.shape
-    d = down.index_select(0, idx.reshape(-1)).view(
-        B, S * R, K
-    )  # (B, S*R, K): row b's factors, slot after slot
-    h = torch.bmm(x.to(down.dtype), d.transpose(1, 2))  # (B, L, S*R)
-    if x_scale is not None:  # e4m3 codes: each row's product times its scale (exact codes, fp32 scale)
-        h = (h.float() * x_scale[..., None]).to(h.dtype)
-    return (h.view(B, -1, S, R) * scale.to(h.dtype)[:, None, :, None]).view(B, -1, S * R)
-
-
-def _shrink_ok(x, down, idx, scale, x_scale=None) -> bool:
-    """The layouts the shrink kernel takes: x in the factors' float dtype, or e4m3 codes with contiguous
-    fp32 row scales; unit-stride last dim; the stack contiguous; indices int64, strengths fp32."""
+def _triton_ok(x, y, down, up, idx, scale, x_scale=None) -> bool:
+    """The layouts the segmented kernels take: one float dtype for all (x: or e4m3 codes with contiguous
+    fp32 row scales), unit-stride last dims, y written in place (its rows (B, L) strided), the stacks
+    contiguous, indices int64 and strengths fp32."""
     codes = x_scale is not None and x_scale.dtype == torch.float32 and x_scale.is_contiguous()
     return (
-        down.dtype in FLOAT_DTYPES
-        and (x.dtype == down.dtype or codes)
+        (x.dtype in FLOAT_DTYPES or codes)
+        and y.dtype == down.dtype == up.dtype
+        and (x.dtype == y.dtype or codes)
         and x.stride(-1) == 1
+        and y.stride(-1) == 1
         and down.is_contiguous()
+        and up.is_contiguous()
         and idx.dtype == torch.long
         and scale.dtype == torch.float32
         and x.shape[1] > 0
         and down.shape[1] > 0
-        and use_triton(x, down, idx, scale)
-    )
-
-
-def _triton_ok(x, y, down, up, idx, scale, x_scale=None) -> bool:
-    """The layouts the segmented kernels take: the shrink's (`_shrink_ok`), and y in the factors' dtype
-    with a unit-stride last dim (written in place; its rows (B, L) strided), the up stack contiguous."""
-    return (
-        _shrink_ok(x, down, idx, scale, x_scale)
-        and y.dtype == down.dtype == up.dtype
-        and y.stride(-1) == 1
-        and up.is_contiguous()
-        and use_triton(y, up)
+        and use_triton(x, y, down, up, idx, scale)
     )
 
 
@@ -303,22 +285,18 @@ def lora_rows_triton(
 
 def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     """`lora_rows_triton` on checked shapes (`lora_rows` checked them already)."""
-    return _expand(_shrink(x, down, idx, scale, h, x_scale), up, idx, y)
-
-
-def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
-    """The shrink kernel: h (B, L, S*R) in the factors' dtype (see `_shrink_kernel`)."""
     B, L, K = x.shape
     n, R, _ = down.shape
-    S = idx.shape[1]
+    N, S = up.shape[1], idx.shape[1]
     bm, bk, w = TILES["shrink"]
     br = min(256, max(16, triton.next_power_of_2(R)))
     if h is None:
-        h = torch.empty(B, L, S * R, dtype=down.dtype, device=x.device)
-    if h.shape != (B, L, S * R) or h.dtype != down.dtype:
+        h = torch.empty(B, L, S * R, dtype=up.dtype, device=x.device)
+    if h.shape != (B, L, S * R) or h.dtype != up.dtype:
         raise ValueError(
-            f"lora_rows_triton: h must be {down.dtype} {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
+            f"lora_rows_triton: h must be {up.dtype} {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
         )
+    ieee = up.dtype == torch.float32  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
     codes = x_scale is not None
     with _on_device(x):
         _shrink_kernel[(B * S, triton.cdiv(L, bm), triton.cdiv(R, br))](
@@ -343,20 +321,12 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
             BM=bm,
             BR=br,
             BK=bk,
-            IEEE=down.dtype == torch.float32,  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
+            IEEE=ieee,
             CODES=codes,
             num_warps=w,
         )
-    return h
-
-
-def _expand(h, up, idx, y) -> torch.Tensor:
-    """The expand kernel: y (B, L, N) += each row's h · upᵀ in place (see `_expand_kernel`)."""
-    B, L, N = y.shape
-    R, S = up.shape[2], idx.shape[1]
-    bm, bn, bre, w = TILES["expand"]
-    bre = min(bre, max(16, triton.next_power_of_2(R)))
-    with _on_device(y):
+        bm, bn, bre, w = TILES["expand"]
+        bre = min(bre, max(16, triton.next_power_of_2(R)))
         _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
             h,
             up,
@@ -377,43 +347,10 @@ def _expand(h, up, idx, y) -> torch.Tensor:
             BM=bm,
             BN=bn,
             BR=bre,
-            IEEE=up.dtype == torch.float32,
+            IEEE=ieee,
             num_warps=w,
         )
     return y
-
-
-@dataclass
-class RowUpdate:
-    """A per-row LoRA update shrunk but not yet added (`RowLora.shrink`): h (B, L, S*R) in the factors'
-    dtype (strengths applied), the stacked `up` (n, N, R) and `idx` (B, S), the slots of h's columns.
-    A kernel that consumes the layer's output adds h · upᵀ itself (`gelu_lora.gelu_lora_tanh`), so the
-    output is not written and read once more for the expand; `apply` is the expand on its own."""
-
-    h: torch.Tensor
-    up: torch.Tensor
-    idx: torch.Tensor
-
-    def apply(self, y: torch.Tensor) -> torch.Tensor:
-        """y (B, L, N) + the update, in place when y is in the factors' dtype (returned)."""
-        h, up, idx = self.h, self.up, self.idx
-        if y.dtype == up.dtype and y.stride(-1) == 1 and up.is_contiguous() and use_triton(h, y, up, idx):
-            return _expand(h, up, idx, y)
-        B, S = idx.shape
-        n, N, R = up.shape
-        u = up.index_select(0, idx.reshape(-1)).view(B, S, N, R).permute(0, 2, 1, 3).reshape(B, N, S * R)
-        return torch.baddbmm(y.to(up.dtype), h, u.transpose(1, 2)).to(y.dtype)
-
-
-def row_lora_split(layer: nn.Module, x) -> bool:
-    """Whether `layer.forward_split(x)` hands a consumer kernel this forward's per-row LoRA update: the
-    layer has per-row LoRAs some row uses, and its input is floats (`RowLoraLinear`) or the e4m3 rows a
-    fused producer quantised (an FP8 layer), with Triton kernels to consume the update."""
-    lora = getattr(layer, "lora", None)
-    if not isinstance(lora, RowLora) or not lora.selection.active or not hasattr(layer, "forward_split"):
-        return False
-    rows = isinstance(layer, RowLoraLinear) or getattr(x, "q", None) is not None  # (QuantizedRows)
-    return rows and use_triton(lora.down)
 
 
 def plain_linear(layer: nn.Module) -> bool:
@@ -511,13 +448,13 @@ class RowLora:
         `x2` may be the e4m3 codes of an FP8 layer's input with `x_scale` (M, 1) their row scales (the
         rows its producer quantised: no bf16 copy of the input is kept for this side path).
 
-        Captured into a CUDA graph: `lora_rows` over the selection's device buffers (any later selection
-        replays correctly). Eager, where the host knows the selection: nothing when no row has a LoRA;
-        when the rows with one share the same adapters (batch 1 always), two plain GEMMs per adapter at
-        its own rank on those rows (the strength as the second one's alpha), as cheap as a LoRA loaded
-        for the whole batch; otherwise `lora_rows` cut to the slot columns some row uses. (On an H100,
-        FP8, 1024², batch 4 with four rank-64 LoRAs: a GEMM pair per row cost 39% over no LoRA, the
-        gathered pass 26%.)"""
+        Captured into a CUDA graph: `lora_rows` over the selection's device buffers, cut to the slot
+        columns the rows use (any later selection using as many replays correctly). Eager, where the
+        host knows the selection: nothing when no row has a LoRA; when the rows with one share the same
+        adapters (batch 1 always), two plain GEMMs per adapter at its own rank on those rows (the
+        strength as the second one's alpha), as cheap as a LoRA loaded for the whole batch; otherwise
+        `lora_rows` cut likewise. (On an H100, FP8, 1024², batch 4 with four rank-64 LoRAs, commit
+        7dfd1a1: a GEMM pair per row cost 39% over no LoRA, the gathered pass 26%.)"""
         sel = self.selection
         if not sel.active:  # no selection, or no row of it has a LoRA (a graph captured so is keyed so)
             return y2
@@ -526,11 +463,9 @@ class RowLora:
             raise RuntimeError(f"per-row LoRAs: {M} tokens do not split into the selection's {B} rows")
         T = M // B
         xs = None if x_scale is None else x_scale.reshape(B, T)
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            idx, scale = sel.current
-            x3, y3 = x2.reshape(B, T, K), y2.view(B, T, N)
-            return lora_rows(x3, y3, self.down, self.up, idx, scale, xs).reshape(M, N)
-        if len(sel.groups) > 1:  # rows differ: one gathered pass beats a GEMM pair per run (measured)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing or len(sel.groups) > 1:  # rows differ: one gathered pass beats a GEMM pair per run
+            # (measured); the used slot columns only (graphs are keyed by that count: `RowAdapters._tag`)
             idx, scale = sel.current
             idx, scale = idx[:, : sel.used], scale[:, : sel.used]
             x3, y3 = x2.reshape(B, T, K), y2.view(B, T, N)
@@ -550,29 +485,6 @@ class RowLora:
                 else:
                     yr.copy_(torch.addmm(yr.to(dt), h, self.up[slot, :, :r].t(), alpha=strength))
         return y2
-
-    def shrink(self, x2: torch.Tensor, x_scale: torch.Tensor | None = None) -> RowUpdate | None:
-        """The first half of `add` for a consumer kernel that adds the expand itself: this forward's
-        `RowUpdate` of x2 (M, K) (e4m3 codes with `x_scale` (M, 1), or floats), None when no row uses an
-        adapter. Always the segmented shrink over the selection's slots (cut to the used columns when
-        eager): one pass for any mix of rows."""
-        sel = self.selection
-        if not sel.active:
-            return None
-        B = sel.current[0].shape[0]
-        if x2.shape[0] % B:
-            raise RuntimeError(
-                f"per-row LoRAs: {x2.shape[0]} tokens do not split into the selection's {B} rows"
-            )
-        T, K = x2.shape[0] // B, x2.shape[1]
-        idx, scale = sel.current
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-            idx, scale = idx[:, : sel.used], scale[:, : sel.used]
-        xs = None if x_scale is None else x_scale.reshape(B, T)
-        x3 = x2.reshape(B, T, K)
-        ok = _shrink_ok(x3, self.down, idx, scale, xs)
-        h = (_shrink if ok else _shrink_torch)(x3, self.down, idx, scale, x_scale=xs)
-        return RowUpdate(h, self.up, idx)
 
 
 class RowLoraLinear(nn.Linear):
@@ -596,12 +508,6 @@ class RowLoraLinear(nn.Linear):
         selection uses an adapter. When not, fused paths may take the layer as a plain Linear (rows
         without a LoRA pay nothing: the MLP's GELU epilogue cost 4% of a bf16 forward when skipped)."""
         return self.lora is not None and self.lora.selection.active
-
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, RowUpdate | None]:
-        """The GEMM without the per-row LoRAs, and their update shrunk from x (None when no row uses
-        one), for a consumer kernel that adds the update itself (kernels/gelu_lora.py)."""
-        y = F.linear(x, self.weight, self.bias)
-        return y, (self.lora.shrink(x.reshape(-1, x.shape[-1])) if self.adds() else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)

@@ -167,9 +167,12 @@ class RowAdapters:
         self._tag()
 
     def _tag(self) -> None:
-        """Key the model's CUDA graphs by whether any row uses an adapter (`CudaGraphRunner`'s
-        `graph_tag`): a forward where none does skips the side path, captured or not."""
-        self.model.graph_tag = ("row-loras", self.selection.active) if self.installed else None
+        """Key the model's CUDA graphs by how many adapters a row combines at most (0: no row uses one;
+        `CudaGraphRunner`'s `graph_tag`): a forward where none does skips the side path, captured or
+        not, and a captured side path runs over that many slot columns only (a batch whose rows each
+        use one LoRA pays for one, not for the selection's full width)."""
+        sel = self.selection
+        self.model.graph_tag = ("row-loras", sel.used if sel.active else 0) if self.installed else None
 
     def install(self) -> None:
         """Point every stacked layer at its stack; stacks made later (a new layer, a larger rank) too."""

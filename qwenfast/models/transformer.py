@@ -34,8 +34,7 @@ from ..kernels.gated_residual import (
     gated_residual_layernorm_modulate_fp8,
 )
 from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
-from ..kernels.gelu_lora import gelu_lora_tanh, gelu_lora_tanh_fp8
-from ..kernels.lora_rows import plain_linear, row_lora_split
+from ..kernels.lora_rows import plain_linear
 from ..runtime.attention import KeyLengths, attention, joint_attention
 from ..runtime.blocks import StepContext
 from ..runtime.contract import DenoisableTransformer
@@ -125,15 +124,8 @@ class FeedForward(nn.Module):
         return self.net(x)
 
     def forward_fused(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
-        """`x` arrives as `QuantizedRows` when `net.0.proj` is an FP8Linear fed by a fused producer.
-        With per-row LoRAs on `net.0.proj`, the GELU pass adds their update (kernels/gelu_lora.py)."""
+        """`x` arrives as `QuantizedRows` when `net.0.proj` is an FP8Linear fed by a fused producer."""
         p, out = self.net[0].proj, self.net[2]
-        if row_lora_split(p, x):
-            h, upd = p.forward_split(x)  # (B, L, 4D) without the update; the update shrunk
-            c = fp8_consumer(out, h) if fp8_gelu_fusion() else None
-            h = h.view(*upd.h.shape[:2], h.shape[-1])  # (B, T, 4D): the selection's batch rows
-            g = gelu_lora_tanh(h, upd) if c is None else gelu_lora_tanh_fp8(h, upd, keep=c.lora_reads_input())
-            return out(g).view(*x.shape[:-1], -1)
         if not isinstance(p, nn.Linear):  # FP8Linear: no cuBLASLt GELU epilogue for scaled GEMMs
             h = p(x)  # (B, L, 4D)
             c = fp8_consumer(out, h) if fp8_gelu_fusion() else None  # net.2 quantises it itself (faster)
