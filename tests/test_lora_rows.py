@@ -97,7 +97,7 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     ref = want.float().abs().max().clamp_min(1)
     import qwenfast.kernels.lora_rows as lora_rows_mod
 
-    monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4))  # K tiles of 16: several per row
+    monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4, 2))  # K tiles of 16: several per row
     h = torch.full((B, L, S * R), float("nan"), device=dev, dtype=dtype)
     got = lora_rows_triton(x, y.clone(), down, up, idx, scale, h=h)
     assert torch.isfinite(h).all()
@@ -138,7 +138,7 @@ def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeyp
     want = lora_rows_ref(x8, y, down, up, idx, scale, xs)
     ref = want.float().abs().max().clamp_min(1)
     monkeypatch.setitem(
-        __import__("qwenfast.kernels.lora_rows", fromlist=["TILES"]).TILES, "shrink", (64, 16, 4)
+        __import__("qwenfast.kernels.lora_rows", fromlist=["TILES"]).TILES, "shrink", (64, 16, 4, 2)
     )
     h = torch.full((B, L, S * R), float("nan"), device=dev, dtype=dtype)
     got = lora_rows_triton(x8, y.clone(), down, up, idx, scale, h=h, x_scale=xs)

@@ -60,9 +60,9 @@ __all__ = [
     "plain_linear",
 ]
 
-# tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps);
-# expand (BM x BN of y, BR of the rank at a time, warps)
-TILES = {"shrink": (128, 64, 8), "expand": (128, 256, 32, 8)}
+# tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps,
+# software-pipeline stages); expand (BM x BN of y, BR of the rank at a time, warps, stages)
+TILES = {"shrink": (128, 64, 8, 3), "expand": (128, 256, 32, 8, 3)}
 
 if triton_available():
     import triton
@@ -288,7 +288,7 @@ def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     B, L, K = x.shape
     n, R, _ = down.shape
     N, S = up.shape[1], idx.shape[1]
-    bm, bk, w = TILES["shrink"]
+    bm, bk, w, st = TILES["shrink"]
     br = min(256, max(16, triton.next_power_of_2(R)))
     if h is None:
         h = torch.empty(B, L, S * R, dtype=up.dtype, device=x.device)
@@ -324,8 +324,9 @@ def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
             IEEE=ieee,
             CODES=codes,
             num_warps=w,
+            num_stages=st,
         )
-        bm, bn, bre, w = TILES["expand"]
+        bm, bn, bre, w, st = TILES["expand"]
         bre = min(bre, max(16, triton.next_power_of_2(R)))
         _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
             h,
@@ -349,6 +350,7 @@ def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
             BR=bre,
             IEEE=ieee,
             num_warps=w,
+            num_stages=st,
         )
     return y
 
