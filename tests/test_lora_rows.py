@@ -74,13 +74,16 @@ def test_lora_rows_equals_the_row_loop(dtype, tol, B, L, K, N, n, R, S):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize(
     "B,L,K,N,n,R,S",
-    [(3, 7, 19, 23, 4, 5, 2), (2, 33, 40, 17, 6, 3, 3), (1, 1, 8, 8, 2, 16, 1), (2, 70, 72, 130, 3, 80, 1)],
-)
+    [(3, 7, 19, 23, 4, 5, 2), (2, 33, 40, 17, 6, 3, 3), (1, 1, 8, 8, 2, 16, 1), (2, 70, 72, 130, 3, 80, 1),
+     (2, 9, 520, 24, 3, 24, 2)],
+)  # fmt: skip
 def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n, R, S, monkeypatch):
     """The Triton shrink/expand pair (`lora_rows_triton`, what `lora_rows` runs on CUDA) against the
     per-row loop: odd shapes, a rank over one expand tile (80), a strided selection (the eager path's
-    used columns), K over several tiles, the low-rank buffer poisoned with NaN (every element written), rows of the zero slot untouched bit for bit, and
-    a changed strength moving the output far more than the tolerance."""
+    used columns), K over several tiles, K split into parts for few rows (520: eight parts of 16-wide
+    tiles when the program target asks for them), the low-rank buffer poisoned with NaN (every element
+    written), rows of the zero slot untouched bit for bit, and a changed strength moving the output far
+    more than the tolerance."""
     dev = "cpu" if device == "interp" else device
     g = torch.Generator().manual_seed(B * 1000 + K + R)
     x = torch.randn(B, L, K, generator=g).to(dtype).to(dev)
@@ -98,6 +101,8 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     import qwenfast.kernels.lora_rows as lora_rows_mod
 
     monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4, 2))  # K tiles of 16: several per row
+    monkeypatch.setitem(lora_rows_mod.TILES, "programs", 10**6)  # split K wherever it is long enough
+    assert lora_rows_mod._splits(B * S, K, 16) == (8 if K == 520 else 1)
     h = torch.full((B, L, S * R), float("nan"), device=dev, dtype=dtype)
     got = lora_rows_triton(x, y.clone(), down, up, idx, scale, h=h)
     assert torch.isfinite(h).all()

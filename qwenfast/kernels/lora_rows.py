@@ -61,8 +61,10 @@ __all__ = [
 ]
 
 # tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps,
-# software-pipeline stages); expand (BM x BN of y, BR of the rank at a time, warps, stages)
-TILES = {"shrink": (128, 64, 8, 3), "expand": (128, 256, 32, 8, 3)}
+# software-pipeline stages); expand (BM x BN of y, BR of the rank at a time, warps, stages); programs: the
+# shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
+# rows split, the image stream's 128 programs at batch 4 do not)
+TILES = {"shrink": (128, 64, 8, 3), "expand": (128, 256, 32, 8, 3), "programs": 200}
 
 if triton_available():
     import triton
@@ -105,17 +107,24 @@ if triton_available():
         s_is,
         s_hb,
         s_ht,
+        NRT,
+        KC,
+        s_pk,
         BM: tl.constexpr,
         BR: tl.constexpr,
         BK: tl.constexpr,
         IEEE: tl.constexpr,
         CODES: tl.constexpr,
+        PART: tl.constexpr,
     ):
         """h[b, t, s*R + r] = strength[b, s] * x[b, t] . down[idx[b, s], r] (fp32 accumulation, stored in
         h's dtype) for one (b, s), BM rows and BR of the rank; zeros for the zero slot (the expand skips
         those rows, h stays defined). With CODES, x holds e4m3 codes (widened to the factors' dtype:
-        exact) and each row's product is multiplied by its scale xs[b * T + t] (fp32)."""
-        bs, mt, rt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        exact) and each row's product is multiplied by its scale xs[b * T + t] (fp32). With PART, the
+        program sums K range [kt * KC, (kt + 1) * KC) only and stores its fp32 part at h_ptr + kt * s_pk
+        (`_sum_parts_kernel` adds the parts in order: split-K for few rows, deterministic)."""
+        bs, mt, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rt, kt = pid % NRT, pid // NRT
         b, s = bs // S, bs % S
         slot = tl.load(idx_ptr + b * s_ib + s * s_is)
         scale = tl.load(sc_ptr + b * s_ib + s * s_is)
@@ -126,7 +135,7 @@ if triton_available():
         if slot != 0:
             xb = x_ptr + b.to(tl.int64) * s_xb + rows[:, None].to(tl.int64) * s_xt
             db = d_ptr + slot.to(tl.int64) * s_dn + rank[:, None] * s_dr
-            for k0 in range(0, K, BK):
+            for k0 in range(kt * KC, tl.minimum(K, (kt + 1) * KC), BK):
                 km = k0 + ks < K
                 xa = tl.load(xb + k0 + ks[None, :], mask=(rows[:, None] < T) & km[None, :], other=0.0)
                 da = tl.load(db + k0 + ks[None, :], mask=(rank[:, None] < R) & km[None, :], other=0.0)
@@ -138,7 +147,19 @@ if triton_available():
                 acc = acc * xs[:, None]
             acc = acc * scale
         hp = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R + rank[None, :]
+        if PART:
+            hp += kt.to(tl.int64) * s_pk
         tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
+
+    @triton.jit
+    def _sum_parts_kernel(p_ptr, h_ptr, E, KS, BLOCK: tl.constexpr):
+        """h[i] = Σ_k p[k * E + i] in k order (the split shrink's parts, fp32), stored in h's dtype."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < E
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(0, KS):
+            acc += tl.load(p_ptr + k * E + i, mask=m, other=0.0)
+        tl.store(h_ptr + i, acc.to(h_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _expand_kernel(
@@ -285,27 +306,48 @@ def lora_rows_triton(
 
 def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     """`lora_rows_triton` on checked shapes (`lora_rows` checked them already)."""
+    return _expand(_shrink(x, down, idx, scale, h, x_scale), up, idx, y)
+
+
+def _splits(programs: int, K: int, bk: int) -> int:
+    """How many parts the shrink's K is cut into: doubled while the programs stay under half of
+    TILES["programs"] and each part keeps >= 4 K tiles (the text stream's few rows: 4 programs for
+    4 x 128 tokens would each walk all of K alone)."""
+    ks = 1
+    while programs * ks * 2 <= TILES["programs"] and K // (ks * 2) >= 4 * bk:
+        ks *= 2
+    return ks
+
+
+def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
+    """The shrink: h (B, L, S*R) in the factors' dtype (see `_shrink_kernel`), split over K into fp32
+    parts summed in order when the rows make few programs (`_splits`)."""
     B, L, K = x.shape
     n, R, _ = down.shape
-    N, S = up.shape[1], idx.shape[1]
+    S = idx.shape[1]
     bm, bk, w, st = TILES["shrink"]
     br = min(256, max(16, triton.next_power_of_2(R)))
     if h is None:
-        h = torch.empty(B, L, S * R, dtype=up.dtype, device=x.device)
-    if h.shape != (B, L, S * R) or h.dtype != up.dtype:
+        h = torch.empty(B, L, S * R, dtype=down.dtype, device=x.device)
+    if h.shape != (B, L, S * R) or h.dtype != down.dtype:
         raise ValueError(
-            f"lora_rows_triton: h must be {up.dtype} {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
+            f"lora_rows_triton: h must be {down.dtype} {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
         )
-    ieee = up.dtype == torch.float32  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
+    nrt = triton.cdiv(R, br)
+    programs = B * S * triton.cdiv(L, bm) * nrt
+    ks = _splits(programs, K, bk) if h.is_contiguous() else 1
+    kc = triton.cdiv(triton.cdiv(K, ks), bk) * bk
+    ks = triton.cdiv(K, kc)  # (no empty last part)
+    out = h if ks == 1 else torch.empty(ks, B, L, S * R, dtype=torch.float32, device=x.device)
     codes = x_scale is not None
     with _on_device(x):
-        _shrink_kernel[(B * S, triton.cdiv(L, bm), triton.cdiv(R, br))](
+        _shrink_kernel[(B * S, triton.cdiv(L, bm), nrt * ks)](
             x,
             x_scale if codes else scale,  # (an unread pointer without codes)
             down,
             idx,
             scale,
-            h,
+            out,
             L,
             K,
             R,
@@ -316,18 +358,33 @@ def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
             down.stride(1),
             idx.stride(0),
             idx.stride(1),
-            h.stride(0),
-            h.stride(1),
+            out.stride(-3),
+            out.stride(-2),
+            nrt,
+            kc,
+            out.stride(0) if ks > 1 else 0,
             BM=bm,
             BR=br,
             BK=bk,
-            IEEE=ieee,
+            IEEE=down.dtype == torch.float32,  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
             CODES=codes,
+            PART=ks > 1,
             num_warps=w,
             num_stages=st,
         )
-        bm, bn, bre, w, st = TILES["expand"]
-        bre = min(bre, max(16, triton.next_power_of_2(R)))
+        if ks > 1:
+            E = h.numel()
+            _sum_parts_kernel[(triton.cdiv(E, 1024),)](out, h, E, ks, BLOCK=1024, num_warps=4)
+    return h
+
+
+def _expand(h, up, idx, y) -> torch.Tensor:
+    """The expand: y (B, L, N) += each row's h · upᵀ in place (see `_expand_kernel`)."""
+    B, L, N = y.shape
+    R, S = up.shape[2], idx.shape[1]
+    bm, bn, bre, w, st = TILES["expand"]
+    bre = min(bre, max(16, triton.next_power_of_2(R)))
+    with _on_device(y):
         _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
             h,
             up,
@@ -348,7 +405,7 @@ def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
             BM=bm,
             BN=bn,
             BR=bre,
-            IEEE=ieee,
+            IEEE=up.dtype == torch.float32,
             num_warps=w,
             num_stages=st,
         )
