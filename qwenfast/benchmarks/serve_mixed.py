@@ -357,7 +357,7 @@ def run(
     from ..server.options import ServerConfig
     from ..server.run import load_pipeline, start_server, stop_server
     from . import emit, versions
-    from .serve_baselines import diffusers_loop, row_overhead, save_loras
+    from .serve_baselines import diffusers_loop, save_loras
 
     full = model == "random-full"
     slots_graphs = graph_slots or EngineOptions().graph_slots
@@ -482,9 +482,6 @@ def run(
                 print(f"  memory: {json.dumps({k: v for k, v in res['memory'].items() if k != 'series'})}")
         finally:
             stop_server(srv, th)
-    if full and duration is None:
-        res["row_overhead"] = row_overhead(pipe, names[1::2])
-        print(f"  per-row LoRA overhead, one forward: {res['row_overhead']}")
     _verdicts(res)
     emit(res, "serve_mixed.jsonl", out_dir)
     return res
