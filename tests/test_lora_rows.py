@@ -445,3 +445,57 @@ def test_rows_on_the_gpu(weights):
         # batch-wide one their bf16 input, so the LoRA's own update differs by up to one e4m3 step (2^-4)
         assert err < tol + (2**-4 * moved if weights == "fp8" else 0), (weights, b, float(err), float(moved))
         assert moved > 10 * tol if sets[b] else moved < tol, (weights, b, float(moved))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+@torch.no_grad()
+def test_captured_side_path_replays_any_selection(weights):
+    """CUDA graphs of a model with per-row LoRAs: a graph captured for one selection replays any later one
+    with as many adapters per row (the selection lives in device buffers the host rewrites), equal to
+    the eager forward of that selection; a selection with another width (two adapters in a row, or none)
+    is another key, so another graph. Tolerance as `test_rows_on_the_gpu` (eager takes a GEMM pair when
+    the rows share their adapters; the graph, the gathered kernels)."""
+    from qwenfast.kernels.fp8_linear import fp8_supported, quantize_model
+    from qwenfast.runtime.cuda_graphs import CudaGraphRunner
+
+    from .test_fp8_fused import _tiny_fp8_model
+
+    if weights == "fp8" and not fp8_supported(torch.device("cuda")):
+        pytest.skip("needs an FP8 GPU")
+    model = _tiny_fp8_model(False, "cuda", quantize=False)
+    if weights == "fp8":
+        quantize_model(model)
+    rows = RowAdapters(model, slots=3, device="cuda")
+    for name, (seed, rank) in {"a": (1, 4), "b": (2, 8), "c": (3, 16)}.items():
+        rows.put(name, _lora(seed, rank))
+    x, txt, t, shapes = _inputs(4)
+    x, txt, t = x.cuda().bfloat16(), txt.cuda().bfloat16(), t.cuda()
+    base = model(x, txt, None, t, shapes).float()
+    scale = base.abs().max()
+    tol = 3e-2 if weights == "fp8" else 2e-2
+    selections = [
+        ([[("a", 2.0)], [("b", 1.4)], [], [("c", 2.6)]], 1),
+        ([[("c", -1.0)], [("a", 2.0)], [("b", 1.4)], []], 1),  # same width: the first graph replays it
+        ([[("a", 2.0), ("b", 1.4)], [("c", 2.6)], [], [("a", -1.0)]], 2),
+        ([[], [], [], []], 0),
+        ([[("b", 1.4)], [], [("c", 2.6)], [("a", 2.0)]], 1),
+    ]
+    rows.install()
+    runner = CudaGraphRunner(model)
+    try:
+        for sel, width in selections:
+            rows.select(sel, "cuda")
+            assert model.graph_tag == ("row-loras", width)
+            want = model(x, txt, None, t, shapes).float()
+            for _ in range(4):  # warm-ups, the capture, a replay
+                got = runner(x, txt, None, t, shapes).float()
+            assert torch.isfinite(got).all()
+            err = ((got - want).abs().max() / scale).item()
+            assert err < tol, (sel, err)
+            moved = ((want - base).abs().max() / scale).item()
+            assert moved > 10 * tol if width else moved < tol, (sel, moved)
+        assert runner.captures == 3  # widths 1, 2 and 0; the other selections of width 1 replayed
+    finally:
+        runner.clear()
+        rows.uninstall()

@@ -122,8 +122,8 @@ class CudaGraphRunner(_GraphCache):
     `model`: a `runtime.contract.DenoisableTransformer`, whose block runner decides whether a forward
     may be captured and which variant it is; any other module called like one runs as one variant.
     `model.graph_tag` (optional, hashable) is part of every key too: state outside the inputs that
-    changes what a forward computes (per-row LoRAs: whether any row of this forward uses one,
-    `loading/lora_rows.py`)."""
+    changes what a forward computes (per-row LoRAs: how many adapters a row of this forward combines,
+    0 when none uses one, `loading/lora_rows.py`)."""
 
     def __init__(self, model: torch.nn.Module, max_graphs: int = 8, warmup: int = 2):
         """`max_graphs`: a step cache uses up to 3 variants per CFG branch (first, full, cached)."""
