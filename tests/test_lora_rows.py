@@ -83,7 +83,7 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     used columns), K over several tiles, K split into parts for few rows (520: eight parts of 16-wide
     tiles when the program target asks for them), the low-rank buffer poisoned with NaN (every element
     written), rows of the zero slot untouched bit for bit, and a changed strength moving the output far
-    more than the tolerance."""
+    more than the tolerance. `lora_rows` with either half on either library (`GEMMS`) likewise."""
     dev = "cpu" if device == "interp" else device
     g = torch.Generator().manual_seed(B * 1000 + K + R)
     x = torch.randn(B, L, K, generator=g).to(dtype).to(dev)
@@ -109,9 +109,14 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
     if B > 1:
         assert torch.equal(got[0], y[0])  # the zero slot: not touched
-    assert torch.equal(
-        lora_rows(x, y.clone(), down, up, idx, scale), lora_rows_triton(x, y.clone(), down, up, idx, scale)
-    )
+    for gemms in (("triton", "triton"), ("cublas", "cublas"), ("triton", "cublas"), ("cublas", "triton")):
+        monkeypatch.setattr(lora_rows_mod, "GEMMS", dict(zip(("shrink", "expand"), gemms)))
+        mixed = lora_rows(x, y.clone(), down, up, idx, scale)  # the dispatcher, each half on either library
+        if gemms == ("triton", "triton"):
+            assert torch.equal(mixed, lora_rows_triton(x, y.clone(), down, up, idx, scale))
+        assert_close_finite(mixed.float() / ref, want.float() / ref, rtol=0, atol=tol)
+        if B > 1:
+            assert torch.equal(mixed[0], y[0])  # the zero slot adds exact zeros
     moved = lora_rows_triton(x, y.clone(), down, up, idx, scale * 1.5)
     assert (moved.float() - got.float()).abs().max() / ref > 10 * tol
 

@@ -65,6 +65,10 @@ __all__ = [
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
 # rows split, the image stream's 128 programs at batch 4 do not)
 TILES = {"shrink": (128, 64, 8, 3), "expand": (128, 256, 32, 8, 3), "programs": 200}
+# which library runs each half of `lora_rows` on CUDA (module state: benchmark comparisons): "triton",
+# the segmented kernels above; "cublas", torch's batched GEMMs over the rows' gathered factors (the shrink
+# only where x is floats: e4m3 rows always take the Triton shrink, which reads the codes)
+GEMMS = {"shrink": "cublas", "expand": "cublas"}
 
 if triton_available():
     import triton
@@ -249,18 +253,35 @@ def lora_rows(
     One pass whatever S: a row's S selected factors are gathered side by side along the rank, so x is
     read once and y read and written once (a loop over S would do both S times)."""
     _check(x, y, down, up, idx, scale, x_scale)
-    if _triton_ok(x, y, down, up, idx, scale, x_scale):
-        return _launch(x, y, down, up, idx, scale, x_scale=x_scale)
+    if not _triton_ok(x, y, down, up, idx, scale, x_scale):
+        return _expand_torch(_shrink_torch(x, down, idx, scale, x_scale), up, idx, y)
+    if GEMMS["shrink"] == "triton" or x_scale is not None:
+        h = _shrink(x, down, idx, scale, x_scale=x_scale)
+    else:
+        h = _shrink_torch(x, down, idx, scale)
+    return _expand(h, up, idx, y) if GEMMS["expand"] == "triton" else _expand_torch(h, up, idx, y)
+
+
+def _shrink_torch(x, down, idx, scale, x_scale=None) -> torch.Tensor:
+    """The shrink in torch: each row's selected factors gathered side by side along the rank, one batched
+    GEMM; h (B, L, S*R) in the factors' dtype, strengths (and e4m3 rows' scales) applied."""
     B, S = idx.shape
     n, R, K = down.shape
-    N = up.shape[1]
-    sel = idx.reshape(-1)  # (B*S,)
-    d = down.index_select(0, sel).view(B, S * R, K)  # (B, S*R, K): row b's factors, slot after slot
-    u = up.index_select(0, sel).view(B, S, N, R).permute(0, 2, 1, 3).reshape(B, N, S * R)  # (B, N, S*R)
+    d = down.index_select(0, idx.reshape(-1)).view(
+        B, S * R, K
+    )  # (B, S*R, K): row b's factors, slot after slot
     h = torch.bmm(x.to(down.dtype), d.transpose(1, 2))  # (B, L, S*R)
     if x_scale is not None:  # e4m3 codes: each row's product times its scale (exact codes, fp32 scale)
         h = (h.float() * x_scale[..., None]).to(h.dtype)
-    h = (h.view(B, -1, S, R) * scale.to(h.dtype)[:, None, :, None]).view(B, -1, S * R)
+    return (h.view(B, -1, S, R) * scale.to(h.dtype)[:, None, :, None]).view(B, -1, S * R)
+
+
+def _expand_torch(h, up, idx, y) -> torch.Tensor:
+    """The expand in torch: y (B, L, N) + h · (each row's gathered up factors)ᵀ, one batched GEMM with
+    y as its addend (cuBLAS reads and writes y once: in place when y is in the factors' dtype)."""
+    B, S = idx.shape
+    n, N, R = up.shape
+    u = up.index_select(0, idx.reshape(-1)).view(B, S, N, R).permute(0, 2, 1, 3).reshape(B, N, S * R)
     if y.dtype == u.dtype:
         return y.baddbmm_(h, u.transpose(1, 2))
     return torch.baddbmm(y.to(u.dtype), h, u.transpose(1, 2)).to(y.dtype)
