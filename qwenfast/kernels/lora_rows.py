@@ -69,8 +69,8 @@ TILES = {"shrink": (128, 64, 8, 3), "expand": (128, 256, 32, 8, 3), "programs": 
 # the segmented kernels above; "cublas", torch's batched GEMMs over the rows' gathered factors (the shrink
 # only where x is floats: e4m3 rows always take the Triton shrink, which reads the codes). Measured in one
 # run (H100, FP8, batch 4, 1024², four rank-64 LoRAs, commit 9a30567): all four pairings within 1.5% of a
-# forward of each other, both kernels already near what their traffic allows; Triton's expand leaves rows
-# without a LoRA untouched, cuBLAS's reads and writes them, so Triton it is.
+# forward of each other (the libraries reach the same speed on these skinny GEMMs); Triton's expand leaves
+# rows without a LoRA untouched, cuBLAS's reads and writes them, so Triton it is.
 GEMMS = {"shrink": "triton", "expand": "triton"}
 
 if triton_available():
