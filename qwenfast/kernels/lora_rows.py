@@ -24,10 +24,12 @@ gathered copy) and writes h = x · downᵀ · strength; `_expand_kernel` adds h 
 one read and one write of y, and leaves rows of the zero slot untouched (no load, no store). Why: the
 profile of the torch pass (H100, FP8, 1024², batch 4, four rank-64 LoRAs, one forward; the qkv stack is
 rank 192: three factors side by side) spent 18.4 ms of its 88 ms in `index_select` copying the factors
-of each row, layer after layer, and 53.5 ms in the batched expand GEMM. A split-K shrink (for the text
-stream's 128-odd rows per image, which make few programs) was tried and taken out: summed inside the
-expand it re-read every part per tile of y's columns (+40% per forward instead of +27%, H100, commit
-d6f97ce), and summed once before it no part count beat one (H100 tile sweep, commit e9ec5e9).
+of each row, layer after layer, and 53.5 ms in the batched expand GEMM (cuBLAS for either half, over
+gathered factors, is still a `GEMMS` switch: measured the same since). The shrink splits K into fp32
+parts when its rows make few programs (the text stream's 128-odd tokens per image: 4 programs at batch 4,
+each walking all of K alone), summed in order by a second kernel before the expand (summed inside the
+expand they were re-read once per tile of y's columns: +40% per forward instead of +27%, H100, commit
+d6f97ce); the image stream's rows stay one part (`TILES["programs"]`).
 
 On an FP8 layer whose input a fused producer quantised (`QuantizedRows`), the shrink reads those e4m3
 rows and their scales (`x_scale`) instead of a bf16 copy the producer would keep for it: counted at
@@ -65,12 +67,10 @@ __all__ = [
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
 # rows split, the image stream's 128 programs at batch 4 do not)
 TILES = {"shrink": (128, 64, 8, 3), "expand": (128, 256, 32, 8, 3), "programs": 200}
-# which library runs each half of `lora_rows` on CUDA (module state: benchmark comparisons): "triton",
-# the segmented kernels above; "cublas", torch's batched GEMMs over the rows' gathered factors (the shrink
-# only where x is floats: e4m3 rows always take the Triton shrink, which reads the codes). Measured in one
-# run (H100, FP8, batch 4, 1024², four rank-64 LoRAs, commit 9a30567): all four pairings within 1.5% of a
-# forward of each other (the libraries reach the same speed on these skinny GEMMs); Triton's expand leaves
-# rows without a LoRA untouched, cuBLAS's reads and writes them, so Triton it is.
+# each half of `lora_rows` on CUDA (module state: comparisons): "triton" (the kernels above) or "cublas"
+# (torch's batched GEMMs over gathered factors; the shrink only for float x). H100, FP8, batch 4, 1024²,
+# commit 9a30567: the four pairings within 1.5% of a forward of each other; Triton's expand leaves rows
+# without a LoRA untouched (cuBLAS's reads and writes them), so Triton it is.
 GEMMS = {"shrink": "triton", "expand": "triton"}
 
 if triton_available():
