@@ -509,9 +509,9 @@ class RowSelection:
     @property
     def active(self) -> bool:
         """Whether any row of the current selection uses an adapter (host-side). When none does, the
-        side path is skipped altogether, in a captured graph too: graphs are keyed by this
-        (`RowAdapters.select` tags the model), so rows without LoRAs pay nothing, not even the kept
-        bf16 copies of the FP8 layers' inputs."""
+        side path is skipped altogether, in a captured graph too: graphs are keyed by how many adapters
+        a row combines, 0 for none (`RowAdapters.select` tags the model), so rows without LoRAs pay
+        nothing."""
         return bool(self.groups)
 
 
