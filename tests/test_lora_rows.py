@@ -83,7 +83,7 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     used columns), K over several tiles, K split into parts for few rows (520: eight parts of 16-wide
     tiles when the program target asks for them), the low-rank buffer poisoned with NaN (every element
     written), rows of the zero slot untouched bit for bit, and a changed strength moving the output far
-    more than the tolerance. `lora_rows` with either half on either library (`GEMMS`) likewise."""
+    more than the tolerance."""
     dev = "cpu" if device == "interp" else device
     g = torch.Generator().manual_seed(B * 1000 + K + R)
     x = torch.randn(B, L, K, generator=g).to(dtype).to(dev)
@@ -109,14 +109,9 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
     if B > 1:
         assert torch.equal(got[0], y[0])  # the zero slot: not touched
-    for gemms in (("triton", "triton"), ("cublas", "cublas"), ("triton", "cublas"), ("cublas", "triton")):
-        monkeypatch.setattr(lora_rows_mod, "GEMMS", dict(zip(("shrink", "expand"), gemms)))
-        mixed = lora_rows(x, y.clone(), down, up, idx, scale)  # the dispatcher, each half on either library
-        if gemms == ("triton", "triton"):
-            assert torch.equal(mixed, lora_rows_triton(x, y.clone(), down, up, idx, scale))
-        assert_close_finite(mixed.float() / ref, want.float() / ref, rtol=0, atol=tol)
-        if B > 1:
-            assert torch.equal(mixed[0], y[0])  # the zero slot adds exact zeros
+    assert torch.equal(
+        lora_rows(x, y.clone(), down, up, idx, scale), lora_rows_triton(x, y.clone(), down, up, idx, scale)
+    )
     moved = lora_rows_triton(x, y.clone(), down, up, idx, scale * 1.5)
     assert (moved.float() - got.float()).abs().max() / ref > 10 * tol
 
@@ -129,6 +124,7 @@ def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeyp
     FP8 layer): the kernels, the torch pass and `RowLora.add` (gathered and per-group) equal the loop on
     the dequantised input; the scales are applied (a row scale times 8 moves that row far more
     than the tolerance, and only it); rows of the zero slot untouched."""
+    import qwenfast.kernels.lora_rows as lora_rows_mod
     from qwenfast.kernels.fp8_rows import quantize_rows_ref
     from qwenfast.kernels.lora_rows import RowLora, RowSelection
 
@@ -147,9 +143,7 @@ def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeyp
     scale = (torch.rand(B, S, generator=g) + 0.5).to(dev)
     want = lora_rows_ref(x8, y, down, up, idx, scale, xs)
     ref = want.float().abs().max().clamp_min(1)
-    monkeypatch.setitem(
-        __import__("qwenfast.kernels.lora_rows", fromlist=["TILES"]).TILES, "shrink", (64, 16, 4, 2)
-    )
+    monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4, 2))
     h = torch.full((B, L, S * R), float("nan"), device=dev, dtype=dtype)
     got = lora_rows_triton(x8, y.clone(), down, up, idx, scale, h=h, x_scale=xs)
     assert torch.isfinite(h).all()

@@ -188,7 +188,6 @@ def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None, we
     from ..kernels import lora_rows
 
     res["tiles"] = {k: list(v) if isinstance(v, tuple) else v for k, v in lora_rows.TILES.items()}
-    res["gemms"] = dict(lora_rows.GEMMS)  # which library ran each half of the side path
     res["row_overhead"] = row_overhead(pipe, names[1::2], graphs=True)  # the rank-64 LoRAs (save_loras)
     print(f"  per-row LoRA overhead, one forward: {res['row_overhead']}")
     emit(res, "serve_mixed.jsonl", out_dir)

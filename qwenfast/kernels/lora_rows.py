@@ -24,8 +24,10 @@ gathered copy) and writes h = x · downᵀ · strength; `_expand_kernel` adds h 
 one read and one write of y, and leaves rows of the zero slot untouched (no load, no store). Why: the
 profile of the torch pass (H100, FP8, 1024², batch 4, four rank-64 LoRAs, one forward; the qkv stack is
 rank 192: three factors side by side) spent 18.4 ms of its 88 ms in `index_select` copying the factors
-of each row, layer after layer, and 53.5 ms in the batched expand GEMM (cuBLAS for either half, over
-gathered factors, is still a `GEMMS` switch: measured the same since). The shrink splits K into fp32
+of each row, layer after layer, and 53.5 ms in the batched expand GEMM. (Since, with the kernels as
+they are, cuBLAS's batched GEMMs over gathered factors in place of either half or both measured within
+1.5% of a forward of them: H100, FP8, batch 4, 1024², commit 9a30567; the Triton expand also leaves rows
+without a LoRA untouched, where cuBLAS reads and writes them.) The shrink splits K into fp32
 parts when its rows make few programs (the text stream's 128-odd tokens per image: 4 programs at batch 4,
 each walking all of K alone), summed in order by a second kernel before the expand (summed inside the
 expand they were re-read once per tile of y's columns: +40% per forward instead of +27%, H100, commit
@@ -67,11 +69,6 @@ __all__ = [
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
 # rows split, the image stream's 128 programs at batch 4 do not)
 TILES = {"shrink": (128, 64, 8, 3), "expand": (128, 256, 32, 8, 3), "programs": 200}
-# each half of `lora_rows` on CUDA (module state: comparisons): "triton" (the kernels above) or "cublas"
-# (torch's batched GEMMs over gathered factors; the shrink only for float x). H100, FP8, batch 4, 1024²,
-# commit 9a30567: the four pairings within 1.5% of a forward of each other; Triton's expand leaves rows
-# without a LoRA untouched (cuBLAS's reads and writes them), so Triton it is.
-GEMMS = {"shrink": "triton", "expand": "triton"}
 
 if triton_available():
     import triton
@@ -256,13 +253,9 @@ def lora_rows(
     One pass whatever S: a row's S selected factors are gathered side by side along the rank, so x is
     read once and y read and written once (a loop over S would do both S times)."""
     _check(x, y, down, up, idx, scale, x_scale)
-    if not _triton_ok(x, y, down, up, idx, scale, x_scale):
-        return _expand_torch(_shrink_torch(x, down, idx, scale, x_scale), up, idx, y)
-    if GEMMS["shrink"] == "triton" or x_scale is not None:
-        h = _shrink(x, down, idx, scale, x_scale=x_scale)
-    else:
-        h = _shrink_torch(x, down, idx, scale)
-    return _expand(h, up, idx, y) if GEMMS["expand"] == "triton" else _expand_torch(h, up, idx, y)
+    if _triton_ok(x, y, down, up, idx, scale, x_scale):
+        return _expand(_shrink(x, down, idx, scale, x_scale=x_scale), up, idx, y)
+    return _expand_torch(_shrink_torch(x, down, idx, scale, x_scale), up, idx, y)
 
 
 def _shrink_torch(x, down, idx, scale, x_scale=None) -> torch.Tensor:
@@ -270,9 +263,8 @@ def _shrink_torch(x, down, idx, scale, x_scale=None) -> torch.Tensor:
     GEMM; h (B, L, S*R) in the factors' dtype, strengths (and e4m3 rows' scales) applied."""
     B, S = idx.shape
     n, R, K = down.shape
-    d = down.index_select(0, idx.reshape(-1)).view(
-        B, S * R, K
-    )  # (B, S*R, K): row b's factors, slot after slot
+    # (B, S*R, K): row b's factors, slot after slot
+    d = down.index_select(0, idx.reshape(-1)).view(B, S * R, K)
     h = torch.bmm(x.to(down.dtype), d.transpose(1, 2))  # (B, L, S*R)
     if x_scale is not None:  # e4m3 codes: each row's product times its scale (exact codes, fp32 scale)
         h = (h.float() * x_scale[..., None]).to(h.dtype)
@@ -325,11 +317,6 @@ def lora_rows_triton(
     returned. `h`: the (B, L, S*R) buffer of the low-rank activations, in the factors' dtype (tests hand
     a poisoned one); `x_scale`: as `lora_rows` (x then e4m3 codes)."""
     _check(x, y, down, up, idx, scale, x_scale)
-    return _launch(x, y, down, up, idx, scale, h, x_scale)
-
-
-def _launch(x, y, down, up, idx, scale, h=None, x_scale=None) -> torch.Tensor:
-    """`lora_rows_triton` on checked shapes (`lora_rows` checked them already)."""
     return _expand(_shrink(x, down, idx, scale, h, x_scale), up, idx, y)
 
 
