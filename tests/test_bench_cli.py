@@ -57,6 +57,12 @@ def test_bench_serve_mixed_and_its_soak(capsys):
     for lv in rec["per_row"]:  # each class's requests by size: what the same-sizes idle ratio weighs
         for c in lv["classes"].values():
             assert set(c["sizes"]) <= sizes and sum(c["sizes"].values()) == c["n"]
+    for lv in rec["per_row"]:  # the timed pass's trace: each request sent, the batches that served them
+        tr = lv["trace"]
+        assert len(tr["requests"]) == lv["sent"] and all(r[0] >= 0 and r[3] > 0 for r in tr["requests"])
+        assert tr["requests"] == sorted(tr["requests"]) and {r[2] for r in tr["requests"]} <= sizes
+        assert 1 <= len(tr["batches"]) and sum(b[2] for b in tr["batches"]) >= lv["images"]
+        assert all(b[1] > 0 and b[3] in (4, 8, 50) and b[4] in sizes and b[5] >= 0 for b in tr["batches"])
     for ph in (rec["idle_server_phases_s"]["4-step"], rec["per_row"][0]["server_phases_s"]):
         assert set(ph) == {"queue", "generate", "encode", "other"} and ph["generate"] > 0
         assert min(ph.values()) >= 0 and ph["generate"] <= sum(ph.values())  # (they add up: test_server)
@@ -66,6 +72,7 @@ def test_bench_serve_mixed_and_its_soak(capsys):
     s = soak["soak"]
     assert soak["mode"] == "soak" and s["sent"] > 0 and s["broken_dropped_at_s"] is not None
     assert s["fivexx"] == s["lost"] == s["duplicated"] == 0
+    assert soak["warm_captures"] == 0 and "trace" not in s  # (CPU: no graphs; the soak keeps no trace)
 
 
 def test_bench_task_edit_2511_smoke(capsys):

@@ -26,7 +26,8 @@ Also measured: each class's idle latency (one request alone, warm), and the per-
 transformer forward (batch 4 at 1024², four different rank-64 LoRAs, and all rows without one) against
 the same forward with no adapters installed.
 
-`--duration S` turns it into a soak: the per-row server at the top concurrency for S seconds; halfway a
+`--duration S` turns it into a soak: the per-row server at the top concurrency for S seconds, after a
+warm-up of its first requests once (twice a level's count, untimed, as a level's first pass); halfway a
 broken LoRA file is dropped into the folder and some requests name it (answered 400 invalid_lora);
 the record says whether anything answered 5xx, was lost (sent but never answered), or was answered twice
 (the server's 200 count against the clients'), and how far allocated memory moved after the warm-up.
@@ -37,7 +38,6 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import clients
-from .clients import quantile
+from .clients import MemorySampler, memory_windows, quantile
 
 SIZES_FULL = [((1024, 1024), 0.55), ((1328, 1328), 0.15), ((928, 1664), 0.15), ((1664, 928), 0.15)]
 SIZES_DEMO = [((128, 128), 0.55), ((144, 144), 0.15), ((96, 160), 0.15), ((160, 96), 0.15)]  # its own scale
@@ -176,8 +176,10 @@ def closed_loop(base: str, reqs: list[Req], c: int, stop_at: float | None = None
     request sent: its class, outcome, latency. `hook(r)` runs as request r is taken (the soak's drop)."""
 
     def one(r: Req) -> dict:
+        t = time.monotonic()
         outcome, s = send(base, r)
         return {
+            "t": t,
             "k": r.k,
             "cls": r.cls,
             "outcome": outcome,
@@ -187,53 +189,6 @@ def closed_loop(base: str, reqs: list[Req], c: int, stop_at: float | None = None
         }
 
     return clients.closed_loop(reqs, c, one, stop_at, take=hook)
-
-
-class MemorySampler:
-    """torch.cuda.memory_allocated / memory_reserved every `every` s in a thread (the server runs in this
-    process); `mark()` starts the window the summary covers (after the warm-up)."""
-
-    def __init__(self, every: float = 0.5):
-        self.every, self.samples, self.start = every, [], 0
-        self._stop = threading.Event()
-        self._th = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import torch
-
-        t0 = time.perf_counter()
-        while not self._stop.is_set():
-            if torch.cuda.is_available():
-                self.samples.append(
-                    (time.perf_counter() - t0, torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
-                )
-            self._stop.wait(self.every)
-
-    def __enter__(self) -> MemorySampler:
-        self._th.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._th.join()
-
-    def mark(self) -> None:
-        self.start = len(self.samples)
-
-    def summary(self) -> dict:
-        s = self.samples[self.start :]
-        if not s:
-            return {}
-        gib = 2**30
-        alloc, res = [a for _, a, _ in s], [r for _, _, r in s]
-        return {
-            "samples": len(s),
-            "allocated_min_gib": round(min(alloc) / gib, 3),
-            "allocated_max_gib": round(max(alloc) / gib, 3),
-            "allocated_spread_gib": round((max(alloc) - min(alloc)) / gib, 3),
-            "reserved_max_gib": round(max(res) / gib, 3),
-            "series": [(round(t, 1), round(a / gib, 2)) for t, a, _ in s[:: max(1, len(s) // 120)]],
-        }
 
 
 def summarise(rows: list[dict], wall: float) -> dict:
@@ -292,10 +247,12 @@ def level(
     before = (dict(m.requests), m.interleaved, m.batch_size.count, m.batch_size.sum)
     rows_ = pipe.row_loras
     ad0 = (rows_.loads, rows_.evictions) if rows_ is not None else (0, 0)
-    t0 = time.perf_counter()
+    t0, m0 = time.perf_counter(), time.monotonic()
     rows = closed_loop(base, reqs, c, stop_at, hook)
     wall = time.perf_counter() - t0
     res = {"concurrency": c, **summarise(rows, wall)}
+    if stop_at is None:  # (levels, not the soak) what each request and batch did, for the p95's why
+        res["trace"] = _trace(rows, m.batch_log, m0)
     if warm:
         res["warm_captures"] = warm_captures
     ok_server = sum(v for (ep, st), v in m.requests.items() if st == 200) - sum(
@@ -307,10 +264,24 @@ def level(
     g = pipe.graph_stats()
     res["graph_captures"], res["graph_replays"] = g["captures"] - g0["captures"], g["replays"] - g0["replays"]
     res["graphs_resident"] = g["resident"]
+    res["decode_captures"] = g["decode_captures"] - g0["decode_captures"]
     res["server_phases_s"] = phase_means(ph0, m.phase_sums("generations"))  # mean per successful request
     if rows_ is not None:
         res["adapter_loads"], res["adapter_evictions"] = rows_.loads - ad0[0], rows_.evictions - ad0[1]
     return res
+
+
+def _trace(rows: list[dict], log, m0: float) -> dict:
+    """The timed pass as it ran: requests [sent s, class, size, latency s, outcome] and the server's batches
+    [start s, seconds, images, steps, size, depth (1: run between two steps of another batch)], times from
+    the pass's start (one clock: time.monotonic)."""
+    reqs = sorted([round(r["t"] - m0, 2), r["cls"], r["size"], round(r["s"], 2), r["outcome"]] for r in rows)
+    batches = []
+    for end, dt, n, *what in list(log):
+        if end - dt >= m0:
+            steps, w, h, depth = what
+            batches.append([round(end - dt - m0, 2), round(dt, 2), n, steps, f"{w}x{h}", depth])
+    return {"requests": reqs, "batches": batches}
 
 
 def print_level(name: str, r: dict) -> None:
@@ -466,6 +437,10 @@ def run(
                     f"  idle latency (one request alone): {res['idle_s']}; the pipeline call: {res['idle_pipeline_s']}"
                     f"; in the server: {res['idle_server_phases_s']}; 4-step by size: {res['idle_4step_by_size_s']}"
                 )
+            else:  # the soak's warm-up: its first requests once, untimed (the levels' first pass does this)
+                g0 = pipe.graph_stats()["captures"]
+                closed_loop(base, reqs[: 2 * max(LEVEL_REQUESTS, 3 * max(concurrency))], max(concurrency))
+                res["warm_captures"] = pipe.graph_stats()["captures"] - g0
             mem.mark()
             if duration is None:
                 res["per_row"] = []
@@ -477,7 +452,7 @@ def run(
             else:
                 res["soak"] = soak(app, pipe, base, reqs, max(concurrency), duration, folder)
                 res["memory"] = mem.summary()
-                res["memory"].update(_windows(mem))
+                res["memory"].update(memory_windows(mem))
                 print(f"  soak: {json.dumps({k: v for k, v in res['soak'].items() if k != 'classes'})}")
                 print(f"  memory: {json.dumps({k: v for k, v in res['memory'].items() if k != 'series'})}")
         finally:
@@ -550,27 +525,6 @@ def soak(app, pipe, base: str, reqs: list[Req], c: int, duration: float, folder:
     r["fivexx"] = sum(v for k, v in out.items() if k.startswith("5"))
     r["duplicated"] = max(0, r["server_200"] - out.get("200", 0) - out.get("hung up", 0))
     return r
-
-
-def _windows(mem: MemorySampler, width: float = 60.0) -> dict:
-    """The resting floor (min) and the peak (max) of allocated memory per `width`-second window after the
-    warm-up: a leak moves the floor, a growing pool or cache moves the peaks."""
-    s = mem.samples[mem.start :]
-    if not s:
-        return {}
-    w0 = s[0][0]
-    wins: dict[int, list[int]] = {}
-    for t, a, _ in s:
-        wins.setdefault(int((t - w0) // width), []).append(a)
-    lows, highs = [min(v) for v in wins.values()], [max(v) for v in wins.values()]
-    gib = 2**30
-    return {
-        "window_s": width,
-        "floor_gib": [round(x / gib, 2) for x in lows],
-        "peak_gib": [round(x / gib, 2) for x in highs],
-        "floor_drift_gib": round((max(lows) - min(lows)) / gib, 3),
-        "peak_drift_gib": round((max(highs) - min(highs)) / gib, 3),
-    }
 
 
 def _verdicts(res: dict) -> None:

@@ -353,9 +353,17 @@ class QwenImageVAE(nn.Module):
         """(B, z, h, w) latents -> (B, 3, 8h, 8w) images clamped to [-1, 1]."""
         if z.ndim != 4:
             raise ValueError(f"QwenImageVAE.decode expects (B, z, h, w) latents, got shape {tuple(z.shape)}")
-        r = self.spatial_compression_ratio
-        if self._want_tiling(z.shape[0], z.shape[2] * r, z.shape[3] * r, z.dtype, encode=False):
+        if self.decode_tiles(z):
             return self.tiled_decode(z).clamp(-1.0, 1.0)
+        return self.decode_untiled(z)
+
+    def decode_tiles(self, z: torch.Tensor) -> bool:
+        """Whether `decode(z)` tiles (see `tiling`)."""
+        r = self.spatial_compression_ratio
+        return self._want_tiling(z.shape[0], z.shape[2] * r, z.shape[3] * r, z.dtype, encode=False)
+
+    def decode_untiled(self, z: torch.Tensor) -> torch.Tensor:
+        """`decode` in one piece, whatever `tiling` says (what `runtime.cuda_graphs.DecodeGraphs` captures)."""
         return self._decode_tile(z).clamp(-1.0, 1.0)
 
     # ------------------------------------------------------------ fast path and tiling

@@ -35,7 +35,7 @@ from ..options import EngineOptions, check_transition
 from ..runtime.attention import auto_text_bucket, use_attention
 from ..runtime.blocks import BlockRunner, StepContext
 from ..runtime.cache import StepCacheRunner, resolve_policy
-from ..runtime.cuda_graphs import CudaGraphRunner
+from ..runtime.cuda_graphs import CudaGraphRunner, DecodeGraphs
 from ..runtime.modulation import ZERO, batch_rows
 from ..runtime.offload import BlockStreamer, ModelOffloader
 from ..runtime.oom import run_in_chunks, vae_decode
@@ -93,6 +93,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         self.progress_bar = True
         self.vae_scale_factor = vae.cfg.scale_factor
         self._graphs = CudaGraphRunner(transformer)
+        self._decode_graphs = DecodeGraphs(vae, pool_of=self._graphs)  # decode_per_image with graphs on
         self._block_runners: dict = {}  # step-cache policy (None: none) -> its block runner, kept
         self._compute_device = torch.device(device) if device is not None else transformer.device
         self._options = EngineOptions()  # what the loaded weights are now; configure() moves from here
@@ -200,6 +201,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
             "text_bucket",
         }:
             self._graphs.clear()  # captured with the old weights (addresses) / kernels
+            self._decode_graphs.clear()
             self._clear_modulations()
         self._options = new
         return new
@@ -238,12 +240,19 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         """Drop every captured CUDA graph and its memory pool, and the modulation table (before
         measuring memory, say, or after changing `pipe.transformer`'s weights by hand)."""
         self._graphs.clear()
+        self._decode_graphs.clear()
         self._clear_modulations()
 
     def graph_stats(self) -> dict[str, int]:
-        """The transformer's CUDA graphs so far: captures, replays, and how many are resident now."""
+        """The transformer's CUDA graphs so far: captures, replays, and how many are resident now (and the
+        per-image VAE decode's captures)."""
         g = self._graphs
-        return {"captures": g.captures, "replays": g.replays, "resident": len(g.graphs)}
+        return {
+            "captures": g.captures,
+            "replays": g.replays,
+            "resident": len(g.graphs),
+            "decode_captures": self._decode_graphs.captures,
+        }
 
     @contextlib.contextmanager
     def _engine(self) -> Iterator[None]:
@@ -568,7 +577,8 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
 
         The batch in one decode, as diffusers does; with the `decode_per_image` option one image at a
         time, so that an image does not depend on its batch-mates (batched convolutions pick kernels
-        by batch size): what a server wants, so a batched request gets the image it gets alone.
+        by batch size): what a server wants, so a batched request gets the image it gets alone. Those
+        one-image decodes replay CUDA graphs when `cuda_graphs` is on (`_decode_one`).
         """
         vcfg, vdt = self.vae.cfg, self.vae_dtype
         z = S.unpack_latents(x, h, w).to(vdt)  # (B, 16, h, w)
@@ -578,7 +588,24 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         with self._vae_resident():
             if not self._options.decode_per_image:
                 return vae_decode(self.vae, z)
-            return torch.cat([vae_decode(self.vae, z[r : r + 1]) for r in range(z.shape[0])])
+            return torch.cat([self._decode_one(z[r : r + 1]) for r in range(z.shape[0])])
+
+    def _decode_one(self, z: torch.Tensor) -> torch.Tensor:
+        """One image's decode (1, z, h, w): replayed from a CUDA graph per latent shape when graphs are on
+        (`runtime.cuda_graphs.DecodeGraphs`: the same kernels, so the same image, with no allocation
+        of its working set per image); eager when the decode would tile, the VAE is offloaded, or a
+        capture runs out of memory (`vae_decode` then splits / tiles as usual)."""
+        g = self._decode_graphs
+        if (
+            not (self._options.cuda_graphs and g.enabled and z.is_cuda)
+            or self._vae_offloader is not None
+            or self.vae.decode_tiles(z)
+        ):
+            return vae_decode(self.vae, z)
+        try:
+            return g(z)
+        except torch.OutOfMemoryError:
+            return vae_decode(self.vae, z)
 
     def _vae_resident(self):
         return (

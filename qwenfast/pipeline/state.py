@@ -104,6 +104,7 @@ class SharedState:
     memory_plan = shared()  # runtime.tiers.VramPlan of the last vram_gib planned (None: none)
     # captured graphs, LoRAs, caches
     _graphs = shared()
+    _decode_graphs = shared()  # the per-image VAE decode's graphs (decode_per_image)
     _block_runners = (
         shared()
     )  # one block runner per step-cache policy (configure), so graphs survive a switch

@@ -19,6 +19,22 @@ import torch
 from .blocks import BlockRunner
 from .contract import BlockModel, OwnsBlockRunner
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream() -> torch.cuda.Stream:
+    """The side stream that every capture and its warm-ups run on: one per device for the process.
+
+    Why one: `torch.cuda.Stream()` hands out PyTorch's pooled streams in turn (32 per device), and
+    cuBLAS allocates a workspace (32 MiB on Hopper, counted as allocated memory) for each stream it
+    runs on and keeps it. A new stream per capture grew a server's resting memory by that much for
+    each of its first 32 captures (a serving soak's floor rose ~1 GiB over its first minutes)."""
+    dev = torch.cuda.current_device()
+    s = _CAPTURE_STREAMS.get(dev)
+    if s is None:
+        s = _CAPTURE_STREAMS[dev] = torch.cuda.Stream()
+    return s
+
 
 class _GraphCache:
     """Captured graphs per input signature in a small LRU, one shared memory pool, eager fallback.
@@ -78,7 +94,7 @@ class _GraphCache:
 
     def _capture(self, fn, inputs: tuple):
         static_in = tuple(None if a is None else a.clone() for a in inputs)
-        s = torch.cuda.Stream()
+        s = capture_stream()
         s.wait_stream(torch.cuda.current_stream())
         state = self._save_state()
         with torch.cuda.stream(s):
@@ -86,12 +102,16 @@ class _GraphCache:
                 fn(*static_in)
         torch.cuda.current_stream().wait_stream(s)
         self._restore_state(state)  # the warm-ups ran this step already; its one real run is the replay
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool_handle(), stream=s):
             out = fn(*static_in)
         return graph, static_in, out
+
+    def _pool_handle(self):
+        """The memory pool this cache's captures share (made on first use)."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
 
     def resize(self, max_graphs: int) -> None:
         """Keep at most `max_graphs` graphs from now on; the least recently used go first."""
@@ -229,6 +249,44 @@ class CudaGraphRunner(_GraphCache):
             )
 
         return self._run(key, fn, (x, txt, mask, t, additional_t_cond, modulations, *(res or ())))
+
+
+class DecodeGraphs(_GraphCache):
+    """CUDA graphs for one image's VAE decode (a server's `decode_per_image`), one per latent shape.
+
+    Why: an eager decode allocates its working set (the decoder's full-resolution activations: 1.5 to
+    3 GB at 1024² to 1328²) and frees it again, image after image; under a server's load those were the
+    peaks of allocated memory. A replay allocates nothing but its output (its working memory is the
+    pool's, taken once at capture), and skips the launch gaps. The pool is the transformer graphs'
+    (`pool_of`): a decode never runs inside a forward (an interleaved batch decodes between two steps of
+    the batch it paused), so the two never need their working memory at once. `vae` must offer
+    `decode_untiled(z)`; a graph reads the weights where they were at capture: if any moved, every
+    graph is dropped and recaptured."""
+
+    what = "VAE decode CUDA graph"
+
+    def __init__(
+        self, vae: torch.nn.Module, pool_of: _GraphCache | None = None, max_graphs: int = 4, warmup: int = 1
+    ):
+        super().__init__(max_graphs, warmup)
+        self.vae, self.pool_of = vae, pool_of
+        self._where = None
+
+    def _weights_at(self) -> tuple:
+        return tuple(p.data_ptr() for p in self.vae.parameters())
+
+    def _pool_handle(self):
+        return self.pool_of._pool_handle() if self.pool_of is not None else super()._pool_handle()
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        """`vae.decode_untiled(z)` (1, z, h, w) -> (1, 3, 8h, 8w), replayed once captured."""
+        if self._weights_at() != self._where:
+            self.graphs.clear()
+        out = self._run(
+            (tuple(z.shape), z.dtype, str(z.device), self.vae.fast), self.vae.decode_untiled, (z,)
+        )
+        self._where = self._weights_at()  # (a first decode lays the weights out channels-last)
+        return out
 
 
 @contextlib.contextmanager

@@ -358,7 +358,8 @@ class Scheduler:
             return
         dt = time.perf_counter() - t0
         self.avg_batch_s = 0.8 * self.avg_batch_s + 0.2 * dt
-        self.metrics.batch(len(items), dt)
+        p = items[0].job.params
+        self.metrics.batch(len(items), dt, (p.steps, p.width, p.height, self._depth))
         for it, img in zip(items, images):
             job = it.job
             job.results[it.index] = img

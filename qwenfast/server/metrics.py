@@ -60,6 +60,9 @@ class Metrics:
         self.images_total = 0
         self.rejected: dict[str, int] = {}  # reason -> count (queue_full, timeout, disconnect, ...)
         self._recent: deque[tuple[float, int]] = deque()  # (time, images) over the last minute
+        # the last batches run: (time.monotonic() at their end, seconds, images, *what the batcher says:
+        # steps, width, height, nesting depth): a trace for benchmarks, not exported
+        self.batch_log: deque[tuple] = deque(maxlen=4096)
 
     def request(self, endpoint: str, status: int, seconds: float | None = None) -> None:
         with self.lock:
@@ -82,8 +85,9 @@ class Metrics:
         with self.lock:
             self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
-    def batch(self, size: int, seconds: float) -> None:
+    def batch(self, size: int, seconds: float, what: tuple = ()) -> None:
         with self.lock:
+            self.batch_log.append((time.monotonic(), seconds, size, *what))
             self.batch_size.observe(size)
             self.batch_seconds.observe(seconds)
             self.images_total += size
