@@ -5,7 +5,7 @@ On a GPU: a replayed decode equals the eager decode bit for bit (same kernels, s
 latent sizes, each capturing once; a replay allocates nothing beyond its output; weights that moved
 are recaptured rather than read where they were; captures of two caches run on one stream (a stream per
 capture left a cuBLAS workspace behind on each of PyTorch's pooled streams). On the CPU the pipeline's
-decode goes eager and stays what it was.
+decode goes eager and stays what it was, and the graph LRU drops the graphs of a step cache's old buffers.
 """
 
 from __future__ import annotations
@@ -109,3 +109,26 @@ def test_pipeline_decode_per_image_on_cpu_stays_eager(qf_t2i):
     got = pipe.decode_latents(x, h, w)
     assert torch.equal(got, want) and pipe.graph_stats()["decode_captures"] == 0
     assert (got[0] - got[1]).abs().max() > 1e-3  # two different images, each its own
+
+
+def test_stale_epoch_graphs_are_dropped_and_an_emptied_pool_forgotten():
+    """CPU: the LRU's bookkeeping only (fake entries): a runner whose buffers were reallocated loses the
+    graphs keyed on its old epoch, other runners' graphs stay; a cache left with no graph forgets its
+    pool (PyTorch cannot capture into a pool whose graphs are all gone), also one it lent to decodes."""
+    from qwenfast.runtime.blocks import BlockRunner
+
+    g = CudaGraphRunner(torch.nn.Identity())
+    a, b = BlockRunner(), BlockRunner()
+    g._pool = "pool"
+    for r, e, v in [(a, 0, 1), (a, 0, 2), (b, 0, 1)]:
+        g.graphs[("shape", e, (r, v))] = "entry"
+    assert g.drop_stale(a) == 0 and g.drop_stale(b) == 0  # first sight: nothing moved
+    a.epoch = 1
+    assert g.drop_stale(a) == 2 and list(g.graphs) == [("shape", 0, (b, 1))] and g._pool == "pool"
+    assert g.drop_stale(a) == 0
+    b.epoch = 3
+    assert g.drop_stale(b) == 1 and not g.graphs and g._pool is None
+    d = DecodeGraphs(torch.nn.Identity(), pool_of=g)
+    g._pool, d.graphs["k"] = "shared", "entry"
+    d.clear()
+    assert g._pool is None and not d.graphs

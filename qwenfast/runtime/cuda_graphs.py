@@ -149,6 +149,7 @@ class CudaGraphRunner(_GraphCache):
         """`max_graphs`: a step cache uses up to 3 variants per CFG branch (first, full, cached)."""
         super().__init__(max_graphs, warmup)
         self.model = model
+        self._epochs: dict = {}  # block runner -> the epoch of its buffers that its graphs were last keyed on
 
     def _runner(self) -> BlockRunner | None:
         """The model's block runner now (configure may have swapped it since the last call)."""
@@ -157,6 +158,21 @@ class CudaGraphRunner(_GraphCache):
     def _save_state(self) -> object:
         runner = self._runner()
         return None if runner is None else (runner, runner.snapshot())
+
+    def drop_stale(self, runner: BlockRunner) -> int:
+        """Drop the graphs captured against `runner`'s buffers before it reallocated them (its `epoch`
+        moved on): their keys can never match again, and until the LRU reached them they held their
+        static inputs and outputs (and the pool's blocks those pin). Returns how many went."""
+        if self._epochs.get(runner, runner.epoch) == runner.epoch:
+            self._epochs[runner] = runner.epoch
+            return 0
+        self._epochs[runner] = runner.epoch
+        stale = [k for k in self.graphs if k[-1] is not None and k[-1][0] is runner and k[-2] != runner.epoch]
+        for k in stale:
+            del self.graphs[k]
+        if not self.graphs:
+            self.clear()  # (no graph left in the pool: the next capture needs a new one)
+        return len(stale)
 
     def _restore_state(self, state: object) -> None:
         if state is not None:
@@ -209,6 +225,7 @@ class CudaGraphRunner(_GraphCache):
         variant = (runner, runner.variant(step)) if runner is not None else None
         if runner is not None:
             runner.prepare(step, x.device)  # host-side step state: a replay runs no Python
+            self.drop_stale(runner)
         key = (
             tuple(x.shape),
             tuple(txt.shape),
@@ -278,10 +295,15 @@ class DecodeGraphs(_GraphCache):
     def _pool_handle(self):
         return self.pool_of._pool_handle() if self.pool_of is not None else super()._pool_handle()
 
+    def clear(self) -> None:
+        super().clear()
+        if self.pool_of is not None and not self.pool_of.graphs:
+            self.pool_of._pool = None  # (the shared pool held only these graphs: it goes with them)
+
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         """`vae.decode_untiled(z)` (1, z, h, w) -> (1, 3, 8h, 8w), replayed once captured."""
         if self._weights_at() != self._where:
-            self.graphs.clear()
+            self.clear()
         out = self._run(
             (tuple(z.shape), z.dtype, str(z.device), self.vae.fast), self.vae.decode_untiled, (z,)
         )
