@@ -97,6 +97,23 @@ def test_captures_share_one_stream():
     assert len(seen) == 3 and all(s == capture_stream() for s in seen)
 
 
+@gpu
+@torch.no_grad()
+def test_pipeline_decodes_each_image_from_one_graph(tiny_t2i):
+    from qwenfast import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(tiny_t2i[1], device="cuda", dtype=torch.bfloat16)
+    pipe.configure(decode_per_image=True, cuda_graphs=True)
+    h, w = 6, 10
+    x = torch.randn(3, h // 2 * w // 2, 64, device="cuda", dtype=torch.bfloat16)
+    got = pipe.decode_latents(x, h, w)
+    pipe.configure(cuda_graphs=False)
+    want = pipe.decode_latents(x, h, w)  # the same per-image decodes, eager
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+    st = pipe.graph_stats()
+    assert st["decode_captures"] == 1 and st["decode_resident"] == 0  # one shape; configure dropped it
+
+
 @torch.no_grad()
 def test_pipeline_decode_per_image_on_cpu_stays_eager(qf_t2i):
     import copy

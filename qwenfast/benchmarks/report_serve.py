@@ -121,6 +121,11 @@ def serve_soak(recs: list[Rec]) -> str:
         ["images/min", f"{s['images_per_min']:.1f}"],
         [f"CUDA graphs captured / replays / resident (LRU of {r.get('graph_slots', 8)})",
          f"{s['graph_captures']} / {s['graph_replays']} / {s['graphs_resident']}"],
+        *([["graphs captured in the warm-up (its first requests once) / VAE decode graphs captured in the load"
+            + (", resident at its end" if "decode_graphs_resident" in s else ""),
+            f"{r['warm_captures']} / {s.get('decode_captures', 0)}"
+            + (f", {s['decode_graphs_resident']}" if "decode_graphs_resident" in s else "")]]
+          if r.get("warm_captures") is not None else []),
         ["allocated, per-minute floor (GiB)", " ".join(f"{v:.2f}" for v in m.get("floor_gib", []))],
         ["allocated, per-minute peak (GiB)", " ".join(f"{v:.2f}" for v in m.get("peak_gib", []))],
     ]  # fmt: skip

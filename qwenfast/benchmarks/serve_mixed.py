@@ -265,6 +265,7 @@ def level(
     res["graph_captures"], res["graph_replays"] = g["captures"] - g0["captures"], g["replays"] - g0["replays"]
     res["graphs_resident"] = g["resident"]
     res["decode_captures"] = g["decode_captures"] - g0["decode_captures"]
+    res["decode_graphs_resident"] = g["decode_resident"]
     res["server_phases_s"] = phase_means(ph0, m.phase_sums("generations"))  # mean per successful request
     if rows_ is not None:
         res["adapter_loads"], res["adapter_evictions"] = rows_.loads - ad0[0], rows_.evictions - ad0[1]

@@ -252,6 +252,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
             "replays": g.replays,
             "resident": len(g.graphs),
             "decode_captures": self._decode_graphs.captures,
+            "decode_resident": len(self._decode_graphs.graphs),
         }
 
     @contextlib.contextmanager
