@@ -5,11 +5,14 @@
 #   STAGE=mixed    many users at once: the seeded mixed workload (sizes, 4/8/50 steps, random LoRAs, streams,
 #                  hang-ups) at concurrency 4, 8, 16 with per-row LoRAs, against the old batcher and a plain
 #                  diffusers loop in the same run (about 9 minutes; GRAPHS=1 adds --cuda-graphs, GRAPH_SLOTS=N
-#                  --graph-slots N, TEXT_BUCKET=N --text-bucket N, CONCURRENCY="8 16" other levels)
+#                  --graph-slots N, TEXT_BUCKET=N --text-bucket N, CONCURRENCY="8 16" other levels,
+#                  WARM_SHAPES=1 --warm-shapes: every shape of the load once before each server's levels)
 #   STAGE=rows     only the per-row LoRA overhead of one forward (batch 4, four rank-64 LoRAs, 1024²), eager
 #                  and CUDA-graphed, beside FP8 and beside bf16 GEMMs (about 3 minutes)
-#   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, a broken LoRA dropped
-#                  into the folder halfway (about 10 minutes with the build, warm-up and drain: more than one
+#   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, every shape of the load
+#                  run once first (--warm-shapes, into an LRU of GRAPH_SLOTS graphs, default 160: the ~136 the
+#                  shapes make), a broken LoRA dropped into the folder halfway
+#                  (about 17 minutes with the build, warm-ups and drain: more than one
 #                  10-minute device call, so start it detached and collect the record in a second call:
 #                  (RESULTS=/tmp/soak STAGE=soak setsid nohup bash bench/serve.sh > /tmp/soak/log 2>&1 &)
 #                  then wait for /tmp/soak/serve_mixed.jsonl)
@@ -21,12 +24,13 @@ case "${STAGE:-uniform}" in
     mixed) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --diffusers-s 45 \
                ${GRAPHS:+--cuda-graphs} ${GRAPH_SLOTS:+--graph-slots $GRAPH_SLOTS} \
                ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} ${CONCURRENCY:+--concurrency $CONCURRENCY} \
+               ${WARM_SHAPES:+--warm-shapes} \
                --results "$RESULTS" ;;
     rows) for w in fp8 bf16; do
               $QF bench serve --workload rows --weights "$w" --lora-folder "$LORAS" --results "$RESULTS"
           done ;;
-    soak) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --cuda-graphs \
-              ${GRAPH_SLOTS:+--graph-slots $GRAPH_SLOTS} ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} \
+    soak) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --cuda-graphs --warm-shapes \
+              --graph-slots "${GRAPH_SLOTS:-160}" ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} \
               --duration 480 --concurrency 8 --results "$RESULTS" ;;
     *) echo "STAGE must be uniform, mixed, rows or soak" >&2; exit 2 ;;
 esac

@@ -67,12 +67,14 @@ def test_bench_serve_mixed_and_its_soak(capsys):
         assert set(ph) == {"queue", "generate", "encode", "other"} and ph["generate"] > 0
         assert min(ph.values()) >= 0 and ph["generate"] <= sum(ph.values())  # (they add up: test_server)
     assert main(["bench", "serve", "--workload", "mixed", "--concurrency", "2", "--loras", "2", "--duration", "6",
-                 "--device", "cpu"]) == 0  # fmt: skip
+                 "--device", "cpu", "--warm-shapes", "--max-batch", "2"]) == 0  # fmt: skip
     soak = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     s = soak["soak"]
     assert soak["mode"] == "soak" and s["sent"] > 0 and s["broken_dropped_at_s"] is not None
     assert s["fivexx"] == s["lost"] == s["duplicated"] == 0
     assert soak["warm_captures"] == 0 and "trace" not in s  # (CPU: no graphs; the soak keeps no trace)
+    # every shape once first: 4 sizes x 3 CFG/cache kinds x with and without a LoRA x batches of 1 and 2
+    assert soak["shapes_warm"]["requests"] == 4 * 3 * 2 * (1 + 2) and soak["shapes_warm"]["failed"] == 0
 
 
 def test_bench_task_edit_2511_smoke(capsys):

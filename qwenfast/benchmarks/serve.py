@@ -111,6 +111,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch")
     p.add_argument(
+        "--warm-shapes",
+        action="store_true",
+        help="mixed: each server first runs every shape the load can make (sizes x power-of-two batch sizes x "
+        "CFG/cache kinds x with and without a LoRA), so its CUDA graphs are captured before the load",
+    )
+    p.add_argument(
         "--no-baseline", action="store_true", help="skip the max-batch 1 run at the top concurrency"
     )
     p.add_argument("--layers", type=int, default=60, help="transformer layers for random-full")
@@ -354,6 +360,7 @@ def run_from_args(a: argparse.Namespace) -> int:
             dtype=a.dtype,
             lora_folder=a.lora_folder,
             out_dir=results_dir(a.results),
+            warm_shapes=a.warm_shapes,
         )
         return 0
     run(

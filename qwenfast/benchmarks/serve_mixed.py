@@ -317,8 +317,10 @@ def run(
     seed: int = 0,
     lora_folder: str | None = None,
     out_dir: Path | None = None,
+    warm_shapes: bool = False,
 ) -> dict:
-    """The mixed workload (see the module docstring); `duration`: the soak instead of the levels."""
+    """The mixed workload (see the module docstring); `duration`: the soak instead of the levels;
+    `warm_shapes`: each server runs every shape of the load once first (`shapes_warm`)."""
     import gc
     import tempfile
 
@@ -405,6 +407,8 @@ def run(
             app, srv, th, base = server(0, False)
             try:
                 closed_loop(base, warm, 4)
+                if warm_shapes:
+                    res["old_batcher_shapes_warm"] = shapes_warm(pipe, base, reqs, names[0], max_batch)
                 res["old_batcher"] = []
                 for c in old_concurrency:
                     r = level(app, pipe, base, reqs[: requests or max(LEVEL_REQUESTS, 3 * c)], c, warm=True)
@@ -416,6 +420,9 @@ def run(
         app, srv, th, base = server(slots or n_loras, True)
         try:
             closed_loop(base, warm, len(warm) if duration else 4)
+            if warm_shapes:
+                res["shapes_warm"] = shapes_warm(pipe, base, reqs, names[0], max_batch)
+                print(f"  shapes warmed: {res['shapes_warm']}")
             if duration is None:  # (the soak spends its time on the load)
                 res["idle_s"], res["idle_server_phases_s"] = {}, {}
                 for cls in ("4-step", "8-step"):
@@ -491,6 +498,54 @@ def _pipeline_s(pipe, width: int, height: int, lora: str) -> dict:
             ts.append(time.perf_counter() - t)
         out[name] = round(statistics.median(ts), 3)
     return out
+
+
+def shapes_warm(pipe, base: str, reqs: list[Req], lora: str, max_batch: int) -> dict:
+    """Every shape the load can give a forward, run once before it: each size of `reqs`, each batch size a
+    server with CUDA graphs makes (powers of two up to `max_batch`), each CFG / step-cache kind of the
+    classes (6 steps with a cache: enough for its first, full and cached steps; 1 without), with a LoRA
+    and without (adapter widths 1 and 0). B identical requests sent at once make a batch of B. What a
+    deployment's warm-up would send; the load then replays graphs instead of capturing them (a capture
+    runs a few eager forwards, with nothing else running and their working memory on top)."""
+    g0, t0 = pipe.graph_stats(), time.perf_counter()
+    kinds = sorted({(cfg, cache) for _, cfg, cache, _ in CLASSES.values()}, key=str)
+    sizes = list(dict.fromkeys((r.width, r.height) for r in reqs))
+    batches = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
+    k, failed, sent = -10_000, 0, 0
+    for w, h in sizes:
+        for cfg, cache in kinds:
+            for name in (lora, None):
+                for b in batches:
+                    one = [
+                        Req(
+                            k - i,
+                            "warm",
+                            w,
+                            h,
+                            6 if cache else 1,
+                            cfg,
+                            cache,
+                            name,
+                            1.0,
+                            PROMPTS[0],
+                            i,
+                            False,
+                            False,
+                        )
+                        for i in range(b)
+                    ]
+                    k -= b
+                    sent += b
+                    failed += sum(r["outcome"] != "200" for r in closed_loop(base, one, b))
+    g = pipe.graph_stats()
+    return {
+        "requests": sent,
+        "failed": failed,
+        "captures": g["captures"] - g0["captures"],
+        "decode_captures": g["decode_captures"] - g0["decode_captures"],
+        "resident": g["resident"],
+        "s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def _plain(k: int, cls: str, size: tuple[int, int], lora: str | None, prompt: str, seed: int) -> Req:
