@@ -44,6 +44,11 @@ from .schemas import APIError, Params
 log = logging.getLogger("qwenfast.server")
 
 
+def torch_device_type(device) -> str:
+    """ "cuda" / "cpu" / ... of a torch.device or its string ("cuda:0")."""
+    return str(device).split(":")[0]
+
+
 class Cancelled(Exception):
     """Every request of a running batch went away; stop spending GPU time on it."""
 
@@ -277,8 +282,7 @@ class Scheduler:
         time, during which nothing else runs, and an eager forward's memory on top). Three same-shape
         requests run as two and one: two graphs that the same load needs anyway, instead of a third one
         (the mixed load's timed pass captured 7 graphs, for ~8 s of its 69, mostly such odd sizes)."""
-        o, dev = getattr(self.pipe, "options", None), getattr(self.pipe, "device", None)
-        return bool(getattr(o, "cuda_graphs", False)) and getattr(dev, "type", None) == "cuda"
+        return bool(self.pipe.options.cuda_graphs) and self.pipe.device.type == "cuda"
 
     def _interleave(self, job0: Job, remaining: int) -> None:
         """Between two steps of a running text-to-image batch (its step callback): run the waiting batches
