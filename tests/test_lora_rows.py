@@ -1,7 +1,7 @@
 """Per-row LoRAs (kernels/lora_rows.py, loading/lora_rows.py): each batch row adds its own adapters.
 
 The op against its per-row loop on odd shapes (fp32 and bf16; rows of the zero slot unchanged bit for
-bit). On a tiny FP8 transformer (emulated on the CPU, fp32 activations) and on the same model with float
+bit); its kernels at their default tiles compile for sm_90a without register spills (no GPU needed). On a tiny FP8 transformer (emulated on the CPU, fp32 activations) and on the same model with float
 weights: a batch whose rows use different LoRA sets (one, two at other strengths, none) equals each row
 run alone with that set loaded for the whole batch (`LoraManager`: the unmerged FP8 path, or fused into
 the float weights) within 1e-5, and the LoRAs move the output far more than that; the least recently
@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from qwenfast.errors import LoraError
+from qwenfast.kernels import triton_available
 from qwenfast.kernels.fp8_linear import FP8Linear
 from qwenfast.kernels.lora_rows import RowLoraLinear, lora_rows, lora_rows_ref, lora_rows_triton, plain_linear
 from qwenfast.kernels.lowbit import LowBitLinear
@@ -28,6 +29,7 @@ from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
 from .conftest import assert_close_finite, interpreter_cases
 
 DEVICES = kernel_devices()
+TRITON = triton_available()
 
 TOL = 1e-5
 
@@ -79,9 +81,10 @@ def test_lora_rows_equals_the_row_loop(dtype, tol, B, L, K, N, n, R, S):
 )  # fmt: skip
 def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n, R, S, monkeypatch):
     """The Triton shrink/expand pair (`lora_rows_triton`, what `lora_rows` runs on CUDA) against the
-    per-row loop: odd shapes, a rank over one expand tile (80), a strided selection (the eager path's
-    used columns), K over several tiles, K split into parts for few rows (520: eight parts of 16-wide
-    tiles when the program target asks for them), the low-rank buffer poisoned with NaN (every element
+    per-row loop: odd shapes, a rank over one expand tile (80) and over several shrink programs (rank
+    tiles of 16 here), a strided selection (the eager path's used columns), K over several tiles, K split
+    into parts for few rows (520: eight parts of 16-wide tiles when the program target asks for them),
+    the low-rank buffer poisoned with NaN (every element
     written), rows of the zero slot untouched bit for bit, and a changed strength moving the output far
     more than the tolerance."""
     dev = "cpu" if device == "interp" else device
@@ -100,7 +103,7 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
     ref = want.float().abs().max().clamp_min(1)
     import qwenfast.kernels.lora_rows as lora_rows_mod
 
-    monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4, 2))  # K tiles of 16: several per row
+    monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4, 2, 16))  # K tiles of 16, rank tiles of 16
     monkeypatch.setitem(lora_rows_mod.TILES, "programs", 10**6)  # split K wherever it is long enough
     assert lora_rows_mod._splits(B * S, K, 16) == (8 if K == 520 else 1)
     h = torch.full((B, L, S * R), float("nan"), device=dev, dtype=dtype)
@@ -143,7 +146,7 @@ def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeyp
     scale = (torch.rand(B, S, generator=g) + 0.5).to(dev)
     want = lora_rows_ref(x8, y, down, up, idx, scale, xs)
     ref = want.float().abs().max().clamp_min(1)
-    monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4, 2))
+    monkeypatch.setitem(lora_rows_mod.TILES, "shrink", (64, 16, 4, 2, 16))
     h = torch.full((B, L, S * R), float("nan"), device=dev, dtype=dtype)
     got = lora_rows_triton(x8, y.clone(), down, up, idx, scale, h=h, x_scale=xs)
     assert torch.isfinite(h).all()
@@ -498,3 +501,33 @@ def test_captured_side_path_replays_any_selection(weights):
     finally:
         runner.clear()
         rows.uninstall()
+
+
+@pytest.mark.skipif(not TRITON, reason="needs CUDA and triton")  # (CI has triton: its interpreter runs)
+@pytest.mark.parametrize("kernel", ["expand S=1", "expand S=2", "shrink", "shrink codes", "shrink part"])
+def test_default_tiles_do_not_spill(kernel):
+    """The kernels at their default tiles (`TILES`), compiled for sm_90a on this machine (Triton's PTX and
+    the ptxas of its wheel: no GPU needed), spill no registers: a spilled kernel moves its spilled values
+    through local memory on every use (the expand did, at every tile its GPU sweep tried)."""
+    import qwenfast.kernels.lora_rows as L
+    from qwenfast.testing.ptxas import spills
+
+    ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
+    if kernel.startswith("expand"):
+        bm, bn, br, w, st = L.TILES["expand"]
+        sig = {"h_ptr": "*bf16", "u_ptr": "*bf16", "idx_ptr": "*i64", "y_ptr": "*bf16",
+               **ints("T", "N", "R", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is", "s_yb", "s_yt"),
+               **{c: "constexpr" for c in ("S", "BM", "BN", "BR", "IEEE")}}  # fmt: skip
+        cx = {"S": int(kernel[-1]), "BM": bm, "BN": bn, "BR": br, "IEEE": False}
+        got = spills(L._expand_kernel, sig, cx, w, st)
+    else:
+        bm, bk, w, st, br = L.TILES["shrink"]
+        codes, part = kernel.endswith("codes"), kernel.endswith("part")
+        sig = {"x_ptr": "*fp8e4nv" if codes else "*bf16", "xs_ptr": "*fp32", "d_ptr": "*bf16", "idx_ptr": "*i64",
+               "sc_ptr": "*fp32", "h_ptr": "*fp32" if part else "*bf16",
+               **ints("T", "K", "R", "S", "s_xb", "s_xt", "s_dn", "s_dr", "s_ib", "s_is", "s_hb", "s_ht", "NRT",
+                      "KC", "s_pk"),
+               **{c: "constexpr" for c in ("BM", "BR", "BK", "IEEE", "CODES", "PART")}}  # fmt: skip
+        cx = {"BM": bm, "BR": br, "BK": bk, "IEEE": False, "CODES": codes, "PART": part}
+        got = spills(L._shrink_kernel, sig, cx, w, st)
+    assert got["stores"] == 0 and got["loads"] == 0, got

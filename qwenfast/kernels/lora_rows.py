@@ -33,6 +33,16 @@ each walking all of K alone), summed in order by a second kernel before the expa
 expand they were re-read once per tile of y's columns: +40% per forward instead of +27%, H100, commit
 d6f97ce); the image stream's rows stay one part (`TILES["programs"]`).
 
+Registers: compiled for sm_90a (ptxas -v; `qwenfast.testing.ptxas`, which needs no GPU), the expand at
+the tiles its GPU sweeps chose spilled ~2.7 KB stored and ~3.4 KB loaded per thread, at every tile tried:
+its y tile was addressed through a (BM, BN) tile of 64-bit pointers computed before the products and live
+across them. It now addresses y after them, with 32-bit offsets inside one row of y and one slot of up
+(the launcher checks they fit; else the torch pass), and S is a compile-time count. The shrink took a
+stack's whole padded rank in one program (256 for the qkv stack's 192: 1.2 KB of spills, a quarter of
+its products on padding); it now covers 64 at a time, the rank tiles of one block of rows launched side
+by side so they read those rows of x from L2. The chosen tiles of both compile without spills
+(`test_default_tiles_do_not_spill`). What that is worth on the GPU is for `STAGE=rows bash bench/serve.sh`.
+
 On an FP8 layer whose input a fused producer quantised (`QuantizedRows`), the shrink reads those e4m3
 rows and their scales (`x_scale`) instead of a bf16 copy the producer would keep for it: counted at
 1024², batch 4, the copies of the qkv, fc1 and fc2 inputs are ~0.6 GB written and read again per block
@@ -64,11 +74,12 @@ __all__ = [
     "plain_linear",
 ]
 
-# tiles (module state: benchmark sweeps): shrink (BM rows, the whole padded rank up to 256, BK of K, warps,
-# software-pipeline stages); expand (BM x BN of y, BR of the rank at a time, warps, stages); programs: the
+# tiles (module state: benchmark sweeps): shrink (BM rows, BK of K, warps, software-pipeline stages, the rank
+# a program covers at most: a wider stack takes several programs); expand (BM x BN of y, BR of the rank at a
+# time, warps, stages); both chosen without spills in ptxas -v for sm_90a (module docstring); programs: the
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
 # rows split, the image stream's 128 programs at batch 4 do not)
-TILES = {"shrink": (128, 64, 8, 3), "expand": (128, 256, 32, 8, 3), "programs": 200}
+TILES = {"shrink": (128, 64, 8, 3, 64), "expand": (128, 128, 32, 8, 3), "programs": 200}
 
 if triton_available():
     import triton
@@ -127,7 +138,8 @@ if triton_available():
         exact) and each row's product is multiplied by its scale xs[b * T + t] (fp32). With PART, the
         program sums K range [kt * KC, (kt + 1) * KC) only and stores its fp32 part at h_ptr + kt * s_pk
         (`_sum_parts_kernel` adds the parts in order: split-K for few rows, deterministic)."""
-        bs, mt, pid = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # the rank tiles and K parts of one block of rows first: they read the same rows of x (from L2)
+        pid, bs, mt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         rt, kt = pid % NRT, pid // NRT
         b, s = bs // S, bs % S
         slot = tl.load(idx_ptr + b * s_ib + s * s_is)
@@ -174,7 +186,6 @@ if triton_available():
         T,
         N,
         R,
-        S,
         s_hb,
         s_ht,
         s_un,
@@ -183,6 +194,7 @@ if triton_available():
         s_is,
         s_yb,
         s_yt,
+        S: tl.constexpr,
         BM: tl.constexpr,
         BN: tl.constexpr,
         BR: tl.constexpr,
@@ -190,31 +202,43 @@ if triton_available():
     ):
         """y[b, t, n] += sum over the row's slots s of h[b, t, s*R:(s+1)*R] . up[idx[b, s], n], BM x BN
         of y, h in the factors' dtype (rounded as the torch pass rounds its h); a row whose slots are all
-        zero is not touched."""
+        zero is not touched (no load, no store), a zero slot's factors are not read.
+
+        Register budget (ptxas -v for sm_90a, counted offline: `lora_rows` docstring): offsets inside one
+        row's tensors are 32-bit (the launcher checks they fit) and y's tile is addressed only after the
+        products, so no (BM, BN) tile of 64-bit pointers stays live across the loop; S is a compile-time
+        count (unrolled)."""
         nt, mt, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # N fastest: h's tile stays in L2
         rows = mt * BM + tl.arange(0, BM)
         cols = nt * BN + tl.arange(0, BN)
         rs = tl.arange(0, BR)
         live = tl.full([], 0, tl.int32)  # any slot of this row not the zero one
-        for s in range(0, S):
+        for s in tl.static_range(S):
             live = tl.maximum(live, (tl.load(idx_ptr + b * s_ib + s * s_is) != 0).to(tl.int32))
-        # y's tile is loaded first (masked off entirely for a row without LoRA: no memory traffic), so
-        # its latency hides behind the low-rank products
-        m = (rows[:, None] < T) & (cols[None, :] < N) & (live != 0)
-        yp = y_ptr + b.to(tl.int64) * s_yb + rows[:, None].to(tl.int64) * s_yt + cols[None, :]
-        y = tl.load(yp, mask=m, other=0.0)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for s in range(0, S):
-            slot = tl.load(idx_ptr + b * s_ib + s * s_is)
-            if slot != 0:
-                hb = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R
-                ub = u_ptr + slot.to(tl.int64) * s_un + cols[:, None].to(tl.int64) * s_uo
+        if live != 0:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            hb = h_ptr + b.to(tl.int64) * s_hb
+            for s in tl.static_range(S):
+                slot = tl.load(idx_ptr + b * s_ib + s * s_is)
+                ub = u_ptr + slot.to(tl.int64) * s_un
                 for r0 in range(0, R, BR):
-                    rm = r0 + rs < R
-                    ha = tl.load(hb + r0 + rs[None, :], mask=(rows[:, None] < T) & rm[None, :], other=0.0)
-                    ua = tl.load(ub + r0 + rs[None, :], mask=(cols[:, None] < N) & rm[None, :], other=0.0)
-                    acc += _dot(ha, tl.trans(ua), IEEE)
-        tl.store(yp, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
+                    rm = (r0 + rs < R) & (slot != 0)
+                    ha = tl.load(
+                        hb + (rows[:, None] * s_ht + (s * R + r0) + rs[None, :]),
+                        mask=(rows[:, None] < T) & rm[None, :],
+                        other=0.0,
+                    )
+                    ua = tl.load(  # (BR, BN): up's rows are the columns of y
+                        ub + (cols[None, :] * s_uo + r0 + rs[:, None]),
+                        mask=(cols[None, :] < N) & rm[:, None],
+                        other=0.0,
+                    )
+                    acc += _dot(ha, ua, IEEE)
+            yb = y_ptr + b.to(tl.int64) * s_yb
+            off = rows[:, None] * s_yt + cols[None, :]
+            m = (rows[:, None] < T) & (cols[None, :] < N)
+            y = tl.load(yb + off, mask=m, other=0.0)
+            tl.store(yb + off, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _check(x, y, down, up, idx, scale, x_scale=None) -> None:
@@ -299,6 +323,7 @@ def _triton_ok(x, y, down, up, idx, scale, x_scale=None) -> bool:
         and scale.dtype == torch.float32
         and x.shape[1] > 0
         and down.shape[1] > 0
+        and _i32_offsets(y, up)
         and use_triton(x, y, down, up, idx, scale)
     )
 
@@ -336,8 +361,8 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     B, L, K = x.shape
     n, R, _ = down.shape
     S = idx.shape[1]
-    bm, bk, w, st = TILES["shrink"]
-    br = min(256, max(16, triton.next_power_of_2(R)))
+    bm, bk, w, st, brmax = TILES["shrink"]
+    br = min(brmax, max(16, triton.next_power_of_2(R)))
     if h is None:
         h = torch.empty(B, L, S * R, dtype=down.dtype, device=x.device)
     if h.shape != (B, L, S * R) or h.dtype != down.dtype:
@@ -352,7 +377,7 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     out = h if ks == 1 else torch.empty(ks, B, L, S * R, dtype=torch.float32, device=x.device)
     codes = x_scale is not None
     with _on_device(x):
-        _shrink_kernel[(B * S, triton.cdiv(L, bm), nrt * ks)](
+        _shrink_kernel[(nrt * ks, B * S, triton.cdiv(L, bm))](
             x,
             x_scale if codes else scale,  # (an unread pointer without codes)
             down,
@@ -389,10 +414,20 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     return h
 
 
+def _i32_offsets(y: torch.Tensor, up: torch.Tensor) -> bool:
+    """Whether the expand's offsets inside one row of y and one slot of up fit in 32 bits."""
+    B, L, N = y.shape
+    return (L - 1) * y.stride(1) + N < 2**31 and (N - 1) * up.stride(1) + up.shape[2] < 2**31
+
+
 def _expand(h, up, idx, y) -> torch.Tensor:
     """The expand: y (B, L, N) += each row's h · upᵀ in place (see `_expand_kernel`)."""
     B, L, N = y.shape
     R, S = up.shape[2], idx.shape[1]
+    if not _i32_offsets(y, up):
+        raise ValueError(
+            f"lora_rows_triton: y {tuple(y.shape)} / up {tuple(up.shape)} too large for 32-bit offsets"
+        )
     bm, bn, bre, w, st = TILES["expand"]
     bre = min(bre, max(16, triton.next_power_of_2(R)))
     with _on_device(y):
@@ -404,7 +439,6 @@ def _expand(h, up, idx, y) -> torch.Tensor:
             L,
             N,
             R,
-            S,
             h.stride(0),
             h.stride(1),
             up.stride(0),
@@ -413,6 +447,7 @@ def _expand(h, up, idx, y) -> torch.Tensor:
             idx.stride(1),
             y.stride(0),
             y.stride(1),
+            S=S,
             BM=bm,
             BN=bn,
             BR=bre,
