@@ -20,8 +20,9 @@ from safetensors.torch import save_file
 from qwenfast.errors import LoraError
 from qwenfast.kernels import triton_available
 from qwenfast.kernels.fp8_linear import FP8Linear
-from qwenfast.kernels.lora_rows import RowLoraLinear, lora_rows, lora_rows_ref, lora_rows_triton, plain_linear
+from qwenfast.kernels.lora_rows import lora_rows, lora_rows_ref, lora_rows_triton
 from qwenfast.kernels.lowbit import LowBitLinear
+from qwenfast.kernels.row_lora import RowLoraLinear, plain_linear
 from qwenfast.loading.lora_manager import LoraManager
 from qwenfast.loading.lora_rows import RowAdapters
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
@@ -53,7 +54,7 @@ def test_lora_rows_equals_the_row_loop(dtype, tol, B, L, K, N, n, R, S):
     ref = want.float().abs().max().clamp_min(1)
     assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
     assert torch.equal(got[0], y[0])  # the zero slot adds exact zeros
-    from qwenfast.kernels.lora_rows import RowLora, RowSelection
+    from qwenfast.kernels.row_lora import RowLora, RowSelection
     from qwenfast.loading.lora_fp8 import bucket
 
     sel = RowSelection(S)  # an eager forward: only the columns some row uses, nothing when none does
@@ -121,6 +122,61 @@ def test_segmented_kernels_equal_the_row_loop(device, dtype, tol, B, L, K, N, n,
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("S", [1, 2])
+def test_expand_by_column_blocks(device, dtype, tol, S, monkeypatch):
+    """A Q|K|V-like stack (`write_side` with 3 pieces): slots whose LoRAs have separate Q, K and V factors
+    (each block's up in its own third of the rank) and one with a shared down (every block on all of
+    it). With `ranges` (`piece_ranks`) the expand walks each block's own columns only: up poisoned with
+    NaN outside them changes nothing, and the result is the row loop's on the clean stack; where a tile
+    of y would straddle two blocks the ranges are not used (the clean stack gives the same)."""
+    import qwenfast.kernels.lora_rows as lora_rows_mod
+    from qwenfast.loading.lora_fp8 import piece_ranks, side_rank, write_side
+
+    dev = "cpu" if device == "interp" else device
+    g = torch.Generator().manual_seed(11 + S)
+    B, L, K, N, r, n = 3, 21, 40, 96, 8, 4
+    R = 3 * r
+    down = torch.zeros(n, R, K, dtype=dtype)
+    up = torch.zeros(n, N, R, dtype=dtype)
+    ranges = torch.zeros(n, 3, 2, dtype=torch.int32)
+    for slot in (1, 2, 3):
+        if slot < 3:  # separate Q, K, V factors
+            parts = [(p, torch.randn(N // 3, r, generator=g), torch.randn(r, K, generator=g) / K**0.5, 0.7)
+                     for p in range(3)]  # fmt: skip
+        else:  # one down shared by the three blocks (a LoRA on the fused projection, split in three)
+            d = torch.randn(r, K, generator=g) / K**0.5
+            parts = [(p, torch.randn(N // 3, r, generator=g), d, 1.0) for p in range(3)]
+        write_side(down[slot, : side_rank(parts)], up[slot, :, : side_rank(parts)], parts, 3)
+        ranges[slot] = torch.tensor(piece_ranks(parts, 3), dtype=torch.int32)
+    assert ranges[1].tolist() == [[0, r], [r, 2 * r], [2 * r, 3 * r]] and ranges[3].tolist() == [[0, r]] * 3
+    assert ranges[0].tolist() == [[0, 0]] * 3
+    x = torch.randn(B, L, K, generator=g).to(dtype)
+    y = torch.randn(B, L, N, generator=g).to(dtype)
+    idx = torch.tensor([[1, 3], [0, 0], [2, 1]])[:, :S]
+    scale = torch.tensor([[0.9, 0.5], [1.0, 1.0], [1.2, -0.4]])[:, :S]
+    want = lora_rows_ref(x, y, down, up, idx, scale)
+    ref = want.float().abs().max().clamp_min(1)
+    poisoned = up.clone()
+    for slot in range(n):
+        for p in range(3):
+            lo, hi = ranges[slot, p].tolist()
+            block = poisoned[slot, p * (N // 3) : (p + 1) * (N // 3)]
+            block[:, :lo], block[:, hi:] = float("nan"), float("nan")
+    to = lambda *ts: [t.to(dev) for t in ts]  # noqa: E731
+    x, y, down, up, poisoned, idx, scale, ranges = to(x, y, down, up, poisoned, idx, scale, ranges)
+    monkeypatch.setitem(lora_rows_mod.TILES, "expand", (16, 32, 16, 4, 2))  # tiles of 32 columns: one block
+    got = lora_rows_triton(x, y.clone(), down, poisoned, idx, scale, ranges=ranges)
+    assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
+    assert torch.equal(got[1], y[1])  # the zero slot's row: not touched
+    monkeypatch.setitem(lora_rows_mod.TILES, "expand", (16, 64, 16, 4, 2))  # 64 columns straddle blocks
+    got = lora_rows_triton(x, y.clone(), down, up, idx, scale, ranges=ranges)
+    assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
+    with pytest.raises(ValueError, match="ranges must be"):
+        lora_rows(x, y, down, up, idx, scale, ranges=ranges.long())  # int32 only
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("B,L,K,N,n,R,S", [(3, 7, 19, 23, 4, 5, 2), (2, 70, 72, 130, 3, 80, 1)])
 def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeypatch):
     """x as the e4m3 codes an FP8 GEMM multiplies plus their row scales (what a fused producer hands an
@@ -129,7 +185,7 @@ def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeyp
     than the tolerance, and only it); rows of the zero slot untouched."""
     import qwenfast.kernels.lora_rows as lora_rows_mod
     from qwenfast.kernels.fp8_rows import quantize_rows_ref
-    from qwenfast.kernels.lora_rows import RowLora, RowSelection
+    from qwenfast.kernels.row_lora import RowLora, RowSelection
 
     dev = "cpu" if device == "interp" else device
     g = torch.Generator().manual_seed(B * 7 + K)
@@ -286,6 +342,14 @@ def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
         rows.select(sets, "cpu")  # read from the folder on first use
         got = model(x, txt, None, t, shapes)
         assert rows.loads == 3 and set(rows.resident) == {"a", "b", "c"}
+        # where each Q|K|V block's up factors lie in the stacked rank ("a": rank 4 apiece; the text stream
+        # has no add_k_proj LoRA): what the Triton expand walks per block of output columns
+        qkv = next(st for mod, st in rows.stacks.items() if mod.endswith("attn.to_qkv"))
+        tqkv = next(st for mod, st in rows.stacks.items() if mod.endswith("attn.add_qkv_proj"))
+        slot_a = rows.resident["a"]
+        assert sorted(qkv.ranges[slot_a].tolist()) == [[0, 4], [4, 8], [8, 12]]  # (in the parts' order)
+        t_q, t_k, t_v = tqkv.ranges[slot_a].tolist()
+        assert t_k == [0, 0] and sorted([t_q, t_v]) == [[0, 4], [4, 8]]
         for b in range(len(sets)):
             assert_close_finite(got[b : b + 1], want[b], rtol=0, atol=TOL)
             moved = (want[b] - base[b : b + 1]).abs().max()
@@ -294,6 +358,10 @@ def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
         save_file(_lora(4, 4), tmp_path / "d.safetensors")
         rows.select([[("c", 1.0)], [("d", 1.0)]], "cpu")
         assert rows.evictions == 1 and set(rows.resident) == {"b", "c", "d"}
+        if rows.resident["d"] != slot_a:  # (the slot "a" left is zeros, ranges too, until reused)
+            assert qkv.ranges[slot_a].tolist() == [[0, 0]] * 3
+        else:
+            assert sorted(qkv.ranges[slot_a].tolist()) == [[0, 4], [4, 8], [8, 12]]  # "d": rank 4 too
         rows.select(sets[:2], "cpu")  # "a" read again: "d" goes ("b" and "c" are in this batch)
         assert rows.loads == 5 and rows.evictions == 2 and set(rows.resident) == {"a", "b", "c"}
         got2 = model(x[:2], txt[:2], None, t[:2], shapes)
@@ -504,7 +572,9 @@ def test_captured_side_path_replays_any_selection(weights):
 
 
 @pytest.mark.skipif(not TRITON, reason="needs CUDA and triton")  # (CI has triton: its interpreter runs)
-@pytest.mark.parametrize("kernel", ["expand S=1", "expand S=2", "shrink", "shrink codes", "shrink part"])
+@pytest.mark.parametrize(
+    "kernel", ["expand S=1", "expand S=2", "expand S=1 ranges", "shrink", "shrink codes", "shrink part"]
+)
 def test_default_tiles_do_not_spill(kernel):
     """The kernels at their default tiles (`TILES`), compiled for sm_90a on this machine (Triton's PTX and
     the ptxas of its wheel: no GPU needed), spill no registers: a spilled kernel moves its spilled values
@@ -515,10 +585,17 @@ def test_default_tiles_do_not_spill(kernel):
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     if kernel.startswith("expand"):
         bm, bn, br, w, st = L.TILES["expand"]
-        sig = {"h_ptr": "*bf16", "u_ptr": "*bf16", "idx_ptr": "*i64", "y_ptr": "*bf16",
-               **ints("T", "N", "R", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is", "s_yb", "s_yt"),
-               **{c: "constexpr" for c in ("S", "BM", "BN", "BR", "IEEE")}}  # fmt: skip
-        cx = {"S": int(kernel[-1]), "BM": bm, "BN": bn, "BR": br, "IEEE": False}
+        sig = {"h_ptr": "*bf16", "u_ptr": "*bf16", "idx_ptr": "*i64", "y_ptr": "*bf16", "rr_ptr": "*i32",
+               **ints("T", "N", "R", "G", "NG", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is", "s_yb", "s_yt"),
+               **{c: "constexpr" for c in ("S", "RANGES", "BM", "BN", "BR", "IEEE")}}  # fmt: skip
+        cx = {
+            "S": int(kernel[9]),
+            "RANGES": kernel.endswith("ranges"),
+            "BM": bm,
+            "BN": bn,
+            "BR": br,
+            "IEEE": False,
+        }
         got = spills(L._expand_kernel, sig, cx, w, st)
     else:
         bm, bk, w, st, br = L.TILES["shrink"]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn as nn
 
-from .lora_rows import RowLora
+from .row_lora import RowLora
 
 
 class LowBitLinear(nn.Module):

@@ -40,6 +40,27 @@ def side_rank(parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]])
     return sum(seen.values())
 
 
+def piece_ranks(
+    parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]], pieces: int
+) -> list[tuple[int, int]]:
+    """Per row block of the output (`pieces`: 3 for Q|K|V), the columns [lo, hi) of the stacked rank that
+    `write_side` gives it nonzero up factors in (lo == hi: none). A LoRA with separate Q, K and V factors
+    puts each block's in its own third of the stack: a side GEMM that knows this multiplies a block's
+    outputs by that third only (`kernels/lora_rows.py`), not by the zeros of the other two."""
+    cols: dict[int, int] = {}
+    R = 0
+    for _, _, down, _ in parts:
+        if id(down) not in cols:
+            cols[id(down)] = R
+            R += down.shape[0]
+    lo, hi = [R] * pieces, [0] * pieces
+    for slot, _, down, _ in parts:
+        c = cols[id(down)]
+        for p in range(pieces) if slot is None else (slot,):
+            lo[p], hi[p] = min(lo[p], c), max(hi[p], c + down.shape[0])
+    return [(a, b) if a < b else (0, 0) for a, b in zip(lo, hi)]
+
+
 @torch.no_grad()
 def write_side(
     down_t: torch.Tensor,

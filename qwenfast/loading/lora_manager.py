@@ -31,8 +31,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import LoraError
-from ..kernels.lora_rows import RowLoraLinear
 from ..kernels.lowbit import LowBitLinear
+from ..kernels.row_lora import RowLoraLinear
 from .lora import LoraDelta, LoraSource, ModuleIndex, plan_lora, read_lora
 from .lora_fp8 import set_side_lora
 

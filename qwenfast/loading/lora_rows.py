@@ -32,10 +32,10 @@ import torch
 import torch.nn as nn
 
 from ..errors import LoraError
-from ..kernels.lora_rows import RowLora, RowLoraLinear, RowSelection
 from ..kernels.lowbit import LowBitLinear
+from ..kernels.row_lora import RowLora, RowLoraLinear, RowSelection
 from .lora import ModuleIndex, plan_lora, read_lora
-from .lora_fp8 import bucket, side_rank, write_side
+from .lora_fp8 import bucket, piece_ranks, side_rank, write_side
 
 __all__ = ["RowAdapters"]
 
@@ -116,6 +116,7 @@ class RowAdapters:
             st = self.stacks[mod]
             st.down[slot].zero_()
             st.up[slot].zero_()
+            st.ranges[slot].zero_()
             st.ranks[slot] = 0
         self.evictions += 1
         return slot
@@ -123,7 +124,7 @@ class RowAdapters:
     def _write(self, mod: str, slot: int, parts: Parts) -> None:
         layer = self.index.linear[mod]
         st = self.stacks.get(mod)
-        R = bucket(side_rank(parts))
+        R, pieces = bucket(side_rank(parts)), self.index.pieces.get(mod, 1)
         if st is None or st.down.shape[1] < R:  # a new or larger stack: every resident adapter again
             dt = layer.out_dtype if isinstance(layer, LowBitLinear) else layer.weight.dtype
             dev, n = self.device, self.slots + 1
@@ -132,15 +133,21 @@ class RowAdapters:
                 torch.zeros(n, layer.out_features, R, device=dev, dtype=dt),
                 self.selection,
                 [0] * n if st is None else st.ranks,
+                torch.zeros(n, pieces, 2, device=dev, dtype=torch.int32),
             )
             self.stacks[mod] = st
             self.layout += 1
             for other, s in self.resident.items():
                 if mod in self.parts[other]:
-                    write_side(st.down[s], st.up[s], self.parts[other][mod], self.index.pieces.get(mod, 1))
+                    self._write_slot(st, s, self.parts[other][mod], pieces)
             if self.installed:
                 self._point(mod)
-        write_side(st.down[slot], st.up[slot], parts, self.index.pieces.get(mod, 1))
+        self._write_slot(st, slot, parts, pieces)
+
+    @staticmethod
+    def _write_slot(st: RowLora, slot: int, parts: Parts, pieces: int) -> None:
+        write_side(st.down[slot], st.up[slot], parts, pieces)
+        st.ranges[slot].copy_(torch.tensor(piece_ranks(parts, pieces), dtype=torch.int32))
         st.ranks[slot] = side_rank(parts)
 
     # ------------------------------------------------------------ batches

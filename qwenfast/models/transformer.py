@@ -34,7 +34,7 @@ from ..kernels.gated_residual import (
     gated_residual_layernorm_modulate_fp8,
 )
 from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
-from ..kernels.lora_rows import plain_linear
+from ..kernels.row_lora import plain_linear
 from ..runtime.attention import KeyLengths, attention, joint_attention
 from ..runtime.blocks import StepContext
 from ..runtime.contract import DenoisableTransformer
