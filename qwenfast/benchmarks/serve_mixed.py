@@ -12,7 +12,8 @@ Closed loop at each concurrency c: c client threads take the next request of the
 answer, take the next. Each level runs its requests twice and times the second pass: the first captures
 the CUDA graphs and loads the adapters its shapes, batches and LoRAs need (a few dozen captures in a
 one-minute level), so the figures are a warmed server's, as in service; the first pass's captures are
-recorded too (`warm_captures`). Figures per level: images/min, p50/p95 latency per class (queue included),
+recorded too (`warm_captures`); `--warm-shapes` runs every shape the load can make once before a server's
+first level or the soak (`shapes_warm`: what a deployment's warm-up would send). Figures per level: images/min, p50/p95 latency per class (queue included),
 the answers by status, the GPU memory sampled every 0.5 s, graph captures, adapter loads/evictions, batches
 run between two steps of a longer one. Rows, in one run on one GPU with the same weights:
 

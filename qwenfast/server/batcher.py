@@ -44,11 +44,6 @@ from .schemas import APIError, Params
 log = logging.getLogger("qwenfast.server")
 
 
-def torch_device_type(device) -> str:
-    """ "cuda" / "cpu" / ... of a torch.device or its string ("cuda:0")."""
-    return str(device).split(":")[0]
-
-
 class Cancelled(Exception):
     """Every request of a running batch went away; stop spending GPU time on it."""
 
@@ -281,7 +276,7 @@ class Scheduler:
         each batch size of a shape is a graph of its own, captured the first time it runs (a few forwards'
         time, during which nothing else runs, and an eager forward's memory on top). Three same-shape
         requests run as two and one: two graphs that the same load needs anyway, instead of a third one
-        (the mixed load's timed pass captured 7 graphs, for ~8 s of its 69, mostly such odd sizes)."""
+        (a mixed load's timed pass that captured 7 graphs spent about an eighth of its time on them)."""
         return bool(self.pipe.options.cuda_graphs) and self.pipe.device.type == "cuda"
 
     def _interleave(self, job0: Job, remaining: int) -> None:
