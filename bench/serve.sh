@@ -10,9 +10,9 @@
 #   STAGE=rows     only the per-row LoRA overhead of one forward (batch 4, four rank-64 LoRAs, 1024²), eager
 #                  and CUDA-graphed, beside FP8 and beside bf16 GEMMs (about 3 minutes)
 #   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, every shape of the load
-#                  run once first (--warm-shapes, into an LRU of GRAPH_SLOTS graphs, default 160: the ~136 the
-#                  shapes make), a broken LoRA dropped into the folder halfway
-#                  (about 17 minutes with the build, warm-ups and drain: more than one
+#                  run once first (--warm-shapes, into an LRU of GRAPH_SLOTS graphs, default 160: the shapes
+#                  make ~80), a broken LoRA dropped into the folder halfway
+#                  (about 14 minutes with the build, warm-ups and drain: more than one
 #                  10-minute device call, so start it detached and collect the record in a second call:
 #                  (RESULTS=/tmp/soak STAGE=soak setsid nohup bash bench/serve.sh > /tmp/soak/log 2>&1 &)
 #                  then wait for /tmp/soak/serve_mixed.jsonl)

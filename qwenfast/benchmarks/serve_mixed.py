@@ -501,22 +501,24 @@ def _pipeline_s(pipe, width: int, height: int, lora: str) -> dict:
     return out
 
 
-def shapes_warm(pipe, base: str, reqs: list[Req], lora: str, max_batch: int) -> dict:
-    """Every shape the load can give a forward, run once before it: each size of `reqs`, each batch size a
-    server with CUDA graphs makes (powers of two up to `max_batch`), each CFG / step-cache kind of the
-    classes (6 steps with a cache: enough for its first, full and cached steps; 1 without), with a LoRA
-    and without (adapter widths 1 and 0). B identical requests sent at once make a batch of B. What a
-    deployment's warm-up would send; the load then replays graphs instead of capturing them (a capture
-    runs a few eager forwards, with nothing else running and their working memory on top)."""
+def shapes_warm(pipe, base: str, reqs: list[Req], lora: str, max_batch: int, cfg_batch: int = 2) -> dict:
+    """The shapes the load gives a forward, run once before it: each size of `reqs`, each batch size a
+    server with CUDA graphs makes (powers of two up to `max_batch`; up to `cfg_batch` for the true-CFG
+    kinds: a tenth of the load, rarely more than two of one size waiting at once, and the costliest to
+    warm), each CFG / step-cache kind of the classes (6 steps with a cache: enough for its first, full
+    and cached steps; 1 without), with a LoRA and without (adapter widths 1 and 0). B identical requests
+    sent at once make a batch of B. What a deployment's warm-up would send; the load then replays graphs
+    instead of capturing them (a capture runs a few eager forwards, with nothing else running and their
+    working memory on top); the record's captures during the load say what it missed."""
     g0, t0 = pipe.graph_stats(), time.perf_counter()
     kinds = sorted({(cfg, cache) for _, cfg, cache, _ in CLASSES.values()}, key=str)
     sizes = list(dict.fromkeys((r.width, r.height) for r in reqs))
-    batches = [1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch]
     k, failed, sent = -10_000, 0, 0
     for w, h in sizes:
         for cfg, cache in kinds:
+            top = max_batch if cfg <= 1 else min(max_batch, cfg_batch)
             for name in (lora, None):
-                for b in batches:
+                for b in [1 << i for i in range(top.bit_length())]:
                     one = [
                         Req(
                             k - i,
