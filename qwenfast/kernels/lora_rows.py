@@ -34,8 +34,8 @@ expand they were re-read once per tile of y's columns: +40% per forward instead 
 d6f97ce); the image stream's rows stay one part (`TILES["programs"]`).
 
 Registers: compiled for sm_90a (ptxas -v; `qwenfast.testing.ptxas`, which needs no GPU), the expand at
-the tiles its GPU sweeps chose spilled ~2.7 KB stored and ~3.4 KB loaded per thread, at every tile tried:
-its y tile was addressed through a (BM, BN) tile of 64-bit pointers computed before the products and live
+the tiles its GPU sweeps chose spilled ~2.7 KB stored and ~3.4 KB loaded per thread, and it spilled at
+every other tile compiled to check: its y tile was addressed through a (BM, BN) tile of 64-bit pointers computed before the products and live
 across them. It now addresses y after them, with 32-bit offsets inside one row of y and one slot of up
 (the launcher checks they fit; else the torch pass), and S is a compile-time count. The shrink took a
 stack's whole padded rank in one program (256 for the qkv stack's 192: 1.2 KB of spills, a quarter of
