@@ -578,7 +578,8 @@ def test_captured_side_path_replays_any_selection(weights):
 def test_default_tiles_do_not_spill(kernel):
     """The kernels at their default tiles (`TILES`), compiled for sm_90a on this machine (Triton's PTX and
     the ptxas of its wheel: no GPU needed), spill no registers: a spilled kernel moves its spilled values
-    through local memory on every use (the expand did, at its chosen tiles and every other tile compiled to check)."""
+    through local memory on every use (the expand did, at its chosen tiles and every other tile compiled
+    to check)."""
     import qwenfast.kernels.lora_rows as L
     from qwenfast.testing.ptxas import spills
 

@@ -3,9 +3,9 @@
 
 Why: a kernel whose registers spill moves its spilled values through local memory (L1, then L2) on every
 use, which a tile sweep on the GPU cannot tell from plain memory traffic: the per-row LoRA expand spilled
-~3.4 KB per thread at its chosen tiles, and at every other tile compiled to check (its y tile addressed through a (BM, BN) tile of 64-bit
-pointers kept live across the products). A test can assert a kernel's chosen tiles compile without spills,
-on any machine with the triton wheel."""
+~3.4 KB per thread at its chosen tiles, and at every other tile compiled to check (its y tile addressed
+through a (BM, BN) tile of 64-bit pointers kept live across the products). A test can assert a kernel's
+chosen tiles compile without spills, on any machine with the triton wheel."""
 
 from __future__ import annotations
 
