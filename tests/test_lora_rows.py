@@ -585,7 +585,7 @@ def test_default_tiles_do_not_spill(kernel):
 
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
     if kernel.startswith("expand"):
-        bm, bn, br, w, st = L.TILES["expand"]
+        bm, bn, br, w, st, *cap = L.TILES["expand"]
         sig = {"h_ptr": "*bf16", "u_ptr": "*bf16", "idx_ptr": "*i64", "y_ptr": "*bf16", "rr_ptr": "*i32",
                **ints("T", "N", "R", "G", "NG", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is", "s_yb", "s_yt"),
                **{c: "constexpr" for c in ("S", "RANGES", "BM", "BN", "BR", "IEEE")}}  # fmt: skip
@@ -597,7 +597,7 @@ def test_default_tiles_do_not_spill(kernel):
             "BR": br,
             "IEEE": False,
         }
-        got = spills(L._expand_kernel, sig, cx, w, st)
+        got = spills(L._expand_kernel, sig, cx, w, st, maxnreg=cap[0] if cap else None)
     else:
         bm, bk, w, st, br = L.TILES["shrink"]
         codes, part = kernel.endswith("codes"), kernel.endswith("part")

@@ -73,7 +73,9 @@ __all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton"]
 
 # tiles (module state: benchmark sweeps): shrink (BM rows, BK of K, warps, software-pipeline stages, the rank
 # a program covers at most: a wider stack takes several programs); expand (BM x BN of y, BR of the rank at a
-# time, warps, stages); both chosen without spills in ptxas -v for sm_90a (module docstring); programs: the
+# time, warps, stages[, a register cap per thread: 128 lets two programs share an SM]); both chosen without
+# spills in ptxas -v for sm_90a (module docstring; 64 x 128 x 32 at 8 warps capped at 128 spills 16 bytes,
+# uncapped it takes 183 registers: candidates for a GPU sweep); programs: the
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
 # rows split, the image stream's 128 programs at batch 4 do not)
 TILES = {"shrink": (128, 64, 8, 3, 64), "expand": (128, 128, 32, 8, 3), "programs": 200}
@@ -454,7 +456,7 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
         raise ValueError(
             f"lora_rows_triton: y {tuple(y.shape)} / up {tuple(up.shape)} too large for 32-bit offsets"
         )
-    bm, bn, bre, w, st = TILES["expand"]
+    bm, bn, bre, w, st, *cap = TILES["expand"]  # (a sixth entry: ptxas's register cap per thread)
     bre = min(bre, max(16, triton.next_power_of_2(R)))
     G = 1 if ranges is None else ranges.shape[1]
     by_block = ranges is not None and (N // G) % bn == 0
@@ -486,6 +488,7 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
             IEEE=up.dtype == torch.float32,
             num_warps=w,
             num_stages=st,
+            **({"maxnreg": cap[0]} if cap and cap[0] else {}),
         )
     return y
 

@@ -18,18 +18,24 @@ __all__ = ["spills"]
 
 
 def spills(
-    fn, signature: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, arch: int = 90
+    fn,
+    signature: dict[str, str],
+    constexprs: dict,
+    num_warps: int,
+    num_stages: int,
+    arch: int = 90,
+    maxnreg: int | None = None,
 ) -> dict[str, int]:
     """{"stores", "loads", "registers"} of `fn` (a @triton.jit function) compiled for sm_`arch`: `signature`
-    maps every argument to its Triton type ("*bf16", "i32", ...; "constexpr" for those in `constexprs`)."""
+    maps every argument to its Triton type ("*bf16", "i32", ...; "constexpr" for those in `constexprs`);
+    `maxnreg`: the launch's register cap per thread, if any (the PTX carries it to ptxas)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     src = ASTSource(fn, signature, constexprs=constexprs)
-    k = triton.compile(
-        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
-    )
+    opts = {"num_warps": num_warps, "num_stages": num_stages, **({"maxnreg": maxnreg} if maxnreg else {})}
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=opts)
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as d:
         ptx = Path(d) / "k.ptx"
