@@ -253,7 +253,9 @@ def level(
     wall = time.perf_counter() - t0
     res = {"concurrency": c, **summarise(rows, wall)}
     if stop_at is None:  # (levels, not the soak) what each request and batch did, for the p95's why
-        res["trace"] = _trace(rows, m.batch_log, m0)
+        with m.lock:  # (the worker thread appends to it)
+            log = list(m.batch_log)
+        res["trace"] = _trace(rows, log, m0)
     if warm:
         res["warm_captures"] = warm_captures
     ok_server = sum(v for (ep, st), v in m.requests.items() if st == 200) - sum(
@@ -279,7 +281,7 @@ def _trace(rows: list[dict], log, m0: float) -> dict:
     the pass's start (one clock: time.monotonic)."""
     reqs = sorted([round(r["t"] - m0, 2), r["cls"], r["size"], round(r["s"], 2), r["outcome"]] for r in rows)
     batches = []
-    for end, dt, n, *what in list(log):
+    for end, dt, n, *what in log:
         if end - dt >= m0:
             steps, w, h, depth = what
             batches.append([round(end - dt - m0, 2), round(dt, 2), n, steps, f"{w}x{h}", depth])

@@ -22,7 +22,7 @@ import torch
 from ..errors import LoraError
 from ..kernels.lowbit import LowBitLinear
 
-__all__ = ["bucket", "set_side_lora", "side_rank", "write_side"]
+__all__ = ["bucket", "piece_ranks", "set_side_lora", "side_rank", "stack_columns", "write_side"]
 
 
 def bucket(rank: int) -> int:
@@ -32,52 +32,49 @@ def bucket(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length()) if rank <= 64 else -(-rank // 64) * 64
 
 
-def side_rank(parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]]) -> int:
-    """The rank of `parts` stacked along R (parts sharing one `down` tensor share its columns)."""
-    seen: dict[int, int] = {}
+Parts = list[
+    tuple[int | None, torch.Tensor, torch.Tensor, float]
+]  # (slot, up (rows, r), down (r, K), factor)
+
+
+def stack_columns(parts: Parts) -> tuple[dict[int, tuple[int, torch.Tensor]], int]:
+    """Where each distinct `down` of `parts` goes in the stacked rank: id(down) -> (first column, down), in
+    the parts' order (parts sharing one `down` tensor share its columns), and the total rank."""
+    cols: dict[int, tuple[int, torch.Tensor]] = {}
+    R = 0
     for _, _, down, _ in parts:
-        seen.setdefault(id(down), down.shape[0])
-    return sum(seen.values())
+        if id(down) not in cols:
+            cols[id(down)] = (R, down)
+            R += down.shape[0]
+    return cols, R
 
 
-def piece_ranks(
-    parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]], pieces: int
-) -> list[tuple[int, int]]:
+def side_rank(parts: Parts) -> int:
+    """The rank of `parts` stacked along R (parts sharing one `down` tensor share its columns)."""
+    return stack_columns(parts)[1]
+
+
+def piece_ranks(parts: Parts, pieces: int) -> list[tuple[int, int]]:
     """Per row block of the output (`pieces`: 3 for Q|K|V), the columns [lo, hi) of the stacked rank that
     `write_side` gives it nonzero up factors in (lo == hi: none). A LoRA with separate Q, K and V factors
     puts each block's in its own third of the stack: a side GEMM that knows this multiplies a block's
     outputs by that third only (`kernels/lora_rows.py`), not by the zeros of the other two."""
-    cols: dict[int, int] = {}
-    R = 0
-    for _, _, down, _ in parts:
-        if id(down) not in cols:
-            cols[id(down)] = R
-            R += down.shape[0]
+    cols, R = stack_columns(parts)
     lo, hi = [R] * pieces, [0] * pieces
     for slot, _, down, _ in parts:
-        c = cols[id(down)]
+        c = cols[id(down)][0]
         for p in range(pieces) if slot is None else (slot,):
             lo[p], hi[p] = min(lo[p], c), max(hi[p], c + down.shape[0])
     return [(a, b) if a < b else (0, 0) for a, b in zip(lo, hi)]
 
 
 @torch.no_grad()
-def write_side(
-    down_t: torch.Tensor,
-    up_t: torch.Tensor,
-    parts: list[tuple[int | None, torch.Tensor, torch.Tensor, float]],
-    pieces: int = 3,
-) -> None:
+def write_side(down_t: torch.Tensor, up_t: torch.Tensor, parts: Parts, pieces: int = 3) -> None:
     """Write `parts` [(slot, up (rows, r), down (r, K), factor), ...] into down_t (R, K) / up_t (N, R)
-    (R >= `side_rank(parts)`; the rest zeroed): their downs stacked along R, each up (times its factor)
-    in its columns and in the rows of its slot (`pieces` equal row blocks: 3 for Q|K|V)."""
+    (R >= `side_rank(parts)`; the rest zeroed): their downs stacked along R (`stack_columns`), each up
+    (times its factor) in its columns and in the rows of its slot (`pieces` equal row blocks: 3 for Q|K|V)."""
     N = up_t.shape[0]
-    cols: dict[int, tuple[int, torch.Tensor]] = {}  # id(down) -> (first column, down)
-    R = 0
-    for _, _, down, _ in parts:
-        if id(down) not in cols:
-            cols[id(down)] = (R, down)
-            R += down.shape[0]
+    cols, R = stack_columns(parts)
     down_t[R:].zero_()
     up_t.zero_()
     for c, down in cols.values():

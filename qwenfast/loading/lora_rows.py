@@ -35,11 +35,9 @@ from ..errors import LoraError
 from ..kernels.lowbit import LowBitLinear
 from ..kernels.row_lora import RowLora, RowLoraLinear, RowSelection
 from .lora import ModuleIndex, plan_lora, read_lora
-from .lora_fp8 import bucket, piece_ranks, side_rank, write_side
+from .lora_fp8 import Parts, bucket, piece_ranks, side_rank, write_side
 
 __all__ = ["RowAdapters"]
-
-Parts = list[tuple[int | None, torch.Tensor, torch.Tensor, float]]  # (slot, up, down, factor)
 
 
 class RowAdapters:

@@ -302,12 +302,14 @@ class DecodeGraphs(_GraphCache):
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         """`vae.decode_untiled(z)` (1, z, h, w) -> (1, 3, 8h, 8w), replayed once captured."""
-        if self._weights_at() != self._where:
+        where, captures = self._weights_at(), self.captures
+        if where != self._where:
             self.clear()
         out = self._run(
             (tuple(z.shape), z.dtype, str(z.device), self.vae.fast), self.vae.decode_untiled, (z,)
         )
-        self._where = self._weights_at()  # (a first decode lays the weights out channels-last)
+        # a capture's warm-up may lay the weights out anew (channels-last, once): read them again then only
+        self._where = self._weights_at() if self.captures != captures else where
         return out
 
 
