@@ -69,7 +69,7 @@ import torch
 from . import FLOAT_DTYPES, _on_device, triton_available, use_triton
 from .fp8_rows import FP8
 
-__all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton"]
+__all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton", "lora_shrink"]
 
 # tiles (module state: benchmark sweeps): shrink (BM rows, BK of K, warps, software-pipeline stages, the rank
 # a program covers at most: a wider stack takes several programs); expand (BM x BN of y, BR of the rank at a
@@ -85,6 +85,7 @@ if triton_available():
     import triton.language as tl
 
     from . import interpreting
+    from .fp8_rows import _e4m3
 
     # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly in tl.dot (3.7: values of 1e10 on
     # small inputs): there the tiles go to fp32 first, which the GPU path does not need
@@ -130,6 +131,7 @@ if triton_available():
         IEEE: tl.constexpr,
         CODES: tl.constexpr,
         PART: tl.constexpr,
+        SAT: tl.constexpr = False,
     ):
         """h[b, t, s*R + r] = strength[b, s] * x[b, t] . down[idx[b, s], r] (fp32 accumulation, stored in
         h's dtype) for one (b, s), BM rows and BR of the rank; zeros for the zero slot (the expand skips
@@ -164,7 +166,11 @@ if triton_available():
         hp = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R + rank[None, :]
         if PART:
             hp += kt.to(tl.int64) * s_pk
-        tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
+        if SAT:  # e4m3 h (a wide GEMM's input columns): saturated (e4m3 has no infinity), rounded as torch
+            hv = _e4m3(tl.clamp(acc, -448.0, 448.0))
+        else:
+            hv = acc.to(h_ptr.dtype.element_ty)
+        tl.store(hp, hv, mask=(rows[:, None] < T) & (rank[None, :] < R))
 
     @triton.jit
     def _sum_parts_kernel(p_ptr, h_ptr, E, KS, BLOCK: tl.constexpr):
@@ -308,6 +314,35 @@ def lora_rows(
     return _expand_torch(_shrink_torch(x, down, idx, scale, x_scale), up, idx, y)
 
 
+def lora_shrink(
+    x: torch.Tensor,
+    down: torch.Tensor,
+    idx: torch.Tensor,
+    scale: torch.Tensor,
+    h: torch.Tensor,
+    x_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The shrink alone, into `h` (B, L, S*R), any strides with a unit last one (a view of a wide GEMM's
+    input columns: `RowLora.wide_input`): h[b, t, s*R + r] = scale[b, s] · x[b, t] · down[idx[b, s], r]
+    (times x_scale[b, t] for e4m3 codes). `h` in the factors' dtype, or e4m3 (saturated at ±448)."""
+    B, L, K = x.shape
+    R = down.shape[1]
+    if h.shape != (B, L, idx.shape[1] * R) or h.stride(-1) != 1:
+        raise ValueError(
+            f"lora_shrink: h must be (B, L, S*R) = {(B, L, idx.shape[1] * R)} with unit last stride"
+        )
+    y = x.new_empty(B, L, 0, dtype=down.dtype)  # (for the checks' shapes only: up stands in as (n, 0, R))
+    up = down.new_empty(down.shape[0], 0, R)
+    _check(x, y, down, up, idx, scale, x_scale)
+    if _triton_ok(x, y, down, up, idx, scale, x_scale):
+        return _shrink(x, down, idx, scale, h, x_scale)
+    hv = _shrink_torch(x, down, idx, scale, x_scale)
+    if h.dtype == FP8:
+        hv = hv.float().clamp(-448.0, 448.0)
+    h.copy_(hv)
+    return h
+
+
 def _shrink_torch(x, down, idx, scale, x_scale=None) -> torch.Tensor:
     """The shrink in torch: each row's selected factors gathered side by side along the rank, one batched
     GEMM; h (B, L, S*R) in the factors' dtype, strengths (and e4m3 rows' scales) applied."""
@@ -392,13 +427,13 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     br = min(brmax, max(16, triton.next_power_of_2(R)))
     if h is None:
         h = torch.empty(B, L, S * R, dtype=down.dtype, device=x.device)
-    if h.shape != (B, L, S * R) or h.dtype != down.dtype:
+    if h.shape != (B, L, S * R) or h.dtype not in (down.dtype, FP8):
         raise ValueError(
-            f"lora_rows_triton: h must be {down.dtype} {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
+            f"lora_rows_triton: h must be {down.dtype} or e4m3 {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
         )
     nrt = triton.cdiv(R, br)
     programs = B * S * triton.cdiv(L, bm) * nrt
-    ks = _splits(programs, K, bk) if h.is_contiguous() else 1
+    ks = _splits(programs, K, bk) if h.is_contiguous() and h.dtype != FP8 else 1
     kc = triton.cdiv(triton.cdiv(K, ks), bk) * bk
     ks = triton.cdiv(K, kc)  # (no empty last part)
     out = h if ks == 1 else torch.empty(ks, B, L, S * R, dtype=torch.float32, device=x.device)
@@ -432,6 +467,7 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
             IEEE=down.dtype == torch.float32,  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
             CODES=codes,
             PART=ks > 1,
+            SAT=h.dtype == FP8,
             num_warps=w,
             num_stages=st,
         )
