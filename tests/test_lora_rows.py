@@ -759,7 +759,16 @@ def test_wide_gemm_on_the_gpu(weights):
 
 @pytest.mark.skipif(not TRITON, reason="needs CUDA and triton")  # (CI has triton: its interpreter runs)
 @pytest.mark.parametrize(
-    "kernel", ["expand S=1", "expand S=2", "expand S=1 ranges", "shrink", "shrink codes", "shrink part"]
+    "kernel",
+    [
+        "expand S=1",
+        "expand S=2",
+        "expand S=1 ranges",
+        "shrink",
+        "shrink codes",
+        "shrink part",
+        "shrink codes wide",
+    ],
 )
 @pytest.mark.skipif(TRITON and not PINNED_TRITON, reason="Triton older than the test extra's 3.7.1")
 def test_default_tiles_do_not_spill(kernel):
@@ -787,12 +796,12 @@ def test_default_tiles_do_not_spill(kernel):
         got = spills(L._expand_kernel, sig, cx, w, st, maxnreg=cap[0] if cap else None)
     else:
         bm, bk, w, st, br = L.TILES["shrink"]
-        codes, part = kernel.endswith("codes"), kernel.endswith("part")
+        codes, part, wide = "codes" in kernel, kernel.endswith("part"), kernel.endswith("wide")
         sig = {"x_ptr": "*fp8e4nv" if codes else "*bf16", "xs_ptr": "*fp32", "d_ptr": "*bf16", "idx_ptr": "*i64",
-               "sc_ptr": "*fp32", "h_ptr": "*fp32" if part else "*bf16",
+               "sc_ptr": "*fp32", "h_ptr": "*fp32" if part else "*fp8e4nv" if wide else "*bf16",
                **ints("T", "K", "R", "S", "s_xb", "s_xt", "s_dn", "s_dr", "s_ib", "s_is", "s_hb", "s_ht", "NRT",
                       "KC", "s_pk"),
-               **{c: "constexpr" for c in ("BM", "BR", "BK", "IEEE", "CODES", "PART")}}  # fmt: skip
-        cx = {"BM": bm, "BR": br, "BK": bk, "IEEE": False, "CODES": codes, "PART": part}
+               **{c: "constexpr" for c in ("BM", "BR", "BK", "IEEE", "CODES", "PART", "SAT")}}  # fmt: skip
+        cx = {"BM": bm, "BR": br, "BK": bk, "IEEE": False, "CODES": codes, "PART": part, "SAT": wide}
         got = spills(L._shrink_kernel, sig, cx, w, st)
     assert got["stores"] == 0 and got["loads"] == 0, got
