@@ -165,10 +165,11 @@ class RowAdapters:
         """An FP8 layer's e4m3 up factors of `slot` for the wide GEMM (`RowLora.wide_input`): up · g / sw,
         its h divided by g. Their products must fit e4m3 on both sides: a block's h is a row's codes
         (|c| <= 448) times a down row, bounded here by a = 448 x the largest down-row norm, up · g / sw
-        by u = max |up / sw|; g = sqrt(a / u) puts both at sqrt(a·u). Returns whether that is <= 224
-        (twice under e4m3's 448): an adapter whose update is large against the layer's weights (its
-        up factors near the weights' own magnitudes) does not fit, and rows using it take the side path
-        (`narrow`)."""
+        by u = max |up / sw|; g = sqrt(a / u) puts both at sqrt(a·u). Returns whether that is <= 448
+        (e4m3's largest; a is itself ~3x what a row's codes give on rows whose amax is ~4 of their rms):
+        an adapter whose update is large against the layer's weights (its up factors near the weights'
+        own magnitudes) does not fit, and rows using it take the side path (`narrow`). (A random
+        rank-64 LoRA moving a random full-size layer's weights by ~4% of their spread fits.)"""
         d, u = st.down[slot].float(), st.up[slot].float()  # (R, K), (N, R)
         sw = st.weight_scale.float()  # (N, 1)
         a, um = FP8_MAX * float(d.norm(dim=1).amax()), float((u.abs() / sw).amax())
@@ -176,7 +177,7 @@ class RowAdapters:
         st.gain[slot] = g
         codes = (u * g / sw).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         st.up8[slot].view(torch.uint8).copy_(codes.view(torch.uint8))
-        return a * um <= (FP8_MAX / 2) ** 2
+        return a * um <= FP8_MAX**2
 
     def _widen(self, mod: str, layer: nn.Module) -> None:
         """The wide GEMM's room in `layer`'s weight (`wide`): the weight copied into the first K columns of
