@@ -8,8 +8,7 @@
 #                  --graph-slots N, TEXT_BUCKET=N --text-bucket N, CONCURRENCY="8 16" other levels,
 #                  WARM_SHAPES=1 --warm-shapes: every shape of the load once before each server's levels)
 #   STAGE=rows     only the per-row LoRA overhead of one forward (batch 4, four rank-64 LoRAs, 1024²), eager
-#                  and CUDA-graphed, beside FP8 and beside bf16 GEMMs, the side path and the wide GEMM
-#                  (ROW_WIDE="0 4": --row-wide values; about 5 minutes)
+#                  and CUDA-graphed, beside FP8 and beside bf16 GEMMs (about 3 minutes)
 #   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, every shape of the load
 #                  run once first (--warm-shapes, into an LRU of GRAPH_SLOTS graphs, default 160: the shapes
 #                  make ~80), a broken LoRA dropped into the folder halfway
@@ -28,9 +27,7 @@ case "${STAGE:-uniform}" in
                ${WARM_SHAPES:+--warm-shapes} \
                --results "$RESULTS" ;;
     rows) for w in fp8 bf16; do
-              for wide in ${ROW_WIDE:-0 4}; do
-                  $QF bench serve --workload rows --weights "$w" --row-wide "$wide" --lora-folder "$LORAS" --results "$RESULTS"
-              done
+              $QF bench serve --workload rows --weights "$w" --lora-folder "$LORAS" --results "$RESULTS"
           done ;;
     soak) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --cuda-graphs --warm-shapes \
               --graph-slots "${GRAPH_SLOTS:-160}" ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} \

@@ -22,7 +22,7 @@ from qwenfast.kernels import triton_available
 from qwenfast.kernels.fp8_linear import FP8Linear
 from qwenfast.kernels.lora_rows import lora_rows, lora_rows_ref, lora_rows_triton
 from qwenfast.kernels.lowbit import LowBitLinear
-from qwenfast.kernels.row_lora import RowLora, RowLoraLinear, plain_linear
+from qwenfast.kernels.row_lora import RowLoraLinear, plain_linear
 from qwenfast.loading.lora_manager import LoraManager
 from qwenfast.loading.lora_rows import RowAdapters
 from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
@@ -232,61 +232,6 @@ def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeyp
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("codes", [False, True])
-@pytest.mark.parametrize("B,T,K,n,R,S", [(3, 7, 40, 4, 16, 2), (2, 70, 72, 3, 32, 1)])
-def test_shrink_into_wide_blocks(device, codes, B, T, K, n, R, S, monkeypatch):
-    """`lora_shrink` into the wide GEMM's input columns (`RowLora.wide_input`: row b's h for adapter s in
-    block b·S + s of a (B·T, K + B·S·R) buffer, an as_strided view): the kernel writes those blocks and
-    nothing else (the rest stays poisoned), equal to the torch shrink; e4m3 blocks (FP8 layers) saturate
-    at ±448 instead of turning NaN."""
-    import qwenfast.kernels.lora_rows as lora_rows_mod
-    from qwenfast.kernels.fp8_rows import FP8, quantize_rows_ref
-    from qwenfast.kernels.lora_rows import lora_shrink
-
-    dev = "cpu" if device == "interp" else device
-    g = torch.Generator().manual_seed(B * 5 + K)
-    x = torch.randn(B * T, K, generator=g)
-    dt = torch.bfloat16
-    if codes:
-        x, _ = quantize_rows_ref(x)  # (B*T, K) e4m3 codes: |h| reaches the hundreds (saturated at 448)
-    else:
-        x = x.to(dt)
-    x = x.view(B, T, K).to(dev)
-    down = (torch.randn(n, R, K, generator=g) / K**0.5 * (8 if codes else 1)).to(dt).to(dev)
-    down[0] = 0
-    # idx a slice of a wider selection (as `RowSelection.current` cut to the used width), scale not
-    idx = torch.randint(0, n, (B, S + 1), generator=g).to(dev)[:, :S]
-    scale = (torch.rand(B, S, generator=g) + 0.5).to(dev)
-    E = B * S * R
-    out_dt = FP8 if codes else dt
-    poison = 0x7F if codes else 0x7FC0  # NaN in e4m3fn / bf16
-    bits = torch.uint8 if codes else torch.int16
-    a = torch.full((B * T, K + E), poison, dtype=bits, device=dev).view(out_dt)
-    h = a.as_strided((B, T, S * R), (T * (K + E) + S * R, K + E, 1), K)
-    ones = torch.ones(B, T, device=dev) if codes else None
-    monkeypatch.setattr(lora_rows_mod, "_shrink_torch", lambda *a, **k: pytest.fail("not the kernel"))
-    lora_shrink(x, down, idx, scale, h, ones)
-    monkeypatch.undo()
-    want = lora_rows_mod._shrink_torch(x, down, idx, scale, ones).float()  # (B, T, S*R)
-    if codes:
-        assert want.abs().max() > 448  # (some saturate)
-        want = want.clamp(-448, 448).to(FP8).float()
-    got = h.float()
-    assert torch.isfinite(got).all()
-    ref = want.abs().max()
-    if codes:  # within one e4m3 step (the torch shrink rounds to bf16 first, then to e4m3)
-        assert_close_finite(got / ref, want / ref, rtol=0.125, atol=1e-3)
-        assert (got != want).float().mean() < 0.05
-    else:
-        assert_close_finite(got / ref, want / ref, rtol=0, atol=1e-2)
-    blocks = torch.zeros(B * T, E, dtype=torch.bool)
-    for b in range(B):
-        blocks[b * T : (b + 1) * T, b * S * R : (b + 1) * S * R] = True
-    rest = a[:, K:].float().cpu()[~blocks]
-    assert torch.isnan(rest).all() and torch.isnan(a[:, :K].float()).all()  # nothing else written
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @torch.no_grad()
 def test_fp8_producers_hand_their_rows_to_per_row_loras(device):
     """With the FP8 producer fusion on (the default), the kernels that quantise an FP8 layer's input keep
@@ -446,73 +391,6 @@ def test_rows_with_different_loras_equal_each_row_alone(model, tmp_path):
     assert model.graph_tag is None
     assert torch.equal(model(x, txt, None, t, shapes), base)  # no LoRA left behind
     assert linears == {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-
-
-@torch.no_grad()
-def test_wide_gemm_equals_the_side_path(model, tmp_path, monkeypatch):
-    """`RowAdapters(wide=W)`: the rows' updates multiplied inside each layer's GEMM ([x | h] times the
-    weight with the rows' up factors in its spare columns) equal the side path after the GEMM. Float
-    weights: the model's output within 1e-5 in fp32. FP8 weights (the blocks are e4m3 there: h scaled by
-    each slot's gain, up by it over the weight's row scales): every layer, on the same input both ways,
-    within 10% of what its LoRAs move at most (1% on average) (through the model, an e4m3 code of a later input flips on far
-    less). The side path does not run (`RowLora.add` refuses), the widened weights give the model's
-    output bit for bit when no row uses an adapter, a batch of more (row, adapter) blocks than W takes
-    the side path, and so does one using an FP8 adapter too large for e4m3 blocks."""
-    fp8 = any(isinstance(m, FP8Linear) for m in model.modules())
-    # (on FP8 weights, updates of a hundredth of _lora's: its own are as large as the tiny model's weights,
-    # and such an adapter's e4m3 blocks do not fit; "s" is one)
-    weak = lambda sd: {k: v * 0.01 if fp8 and "lora_B" in k else v for k, v in sd.items()}  # noqa: E731
-    loras = {"a": weak(_lora(1, 4)), "b": weak(_lora(2, 8)), "c": weak(_lora(3, 16)), "s": _lora(4, 4)}
-    for name, sd in loras.items():
-        save_file(sd, tmp_path / f"{name}.safetensors")
-    sets = [[("a", 1.0)], [("b", 0.7), ("c", -0.5)], [], [("c", 1.3)]]
-    x, txt, t, shapes = _inputs(len(sets))
-    g = torch.Generator().manual_seed(9)
-
-    def run(wide: int, rows_sets, layers: bool = False, strict: bool = False) -> torch.Tensor:
-        n = len(rows_sets)
-        plain = model(x[:n], txt[:n], None, t[:n], shapes)
-        rows = RowAdapters(model, slots=3, folder=tmp_path, wide=wide)
-        rows.install()
-        try:
-            rows.select(rows_sets, "cpu")
-            with monkeypatch.context() as mp:
-                if strict:
-                    mp.setattr(RowLora, "add", lambda *a, **k: pytest.fail("the side path ran"))
-                out = model(x[:n], txt[:n], None, t[:n], shapes)
-            sel = rows.selection
-            for mod in rows.stacks if layers else ():  # each layer on one input, wide and not
-                layer = rows.index.linear[mod]
-                xin = torch.randn(n * 5, layer.in_features, generator=g)
-                got = layer(xin)
-                with monkeypatch.context() as mp:
-                    mp.setattr(sel, "wide", False)
-                    side = layer(xin)
-                    mp.setattr(sel, "groups", [])  # (no row with an adapter: the plain GEMM)
-                    moved = (side - layer(xin)).abs().amax()
-                assert moved > 1e-3, mod
-                assert_close_finite(got, side, rtol=0, atol=0.1 * float(moved) if fp8 else TOL)
-                assert (got - side).abs().mean() < (0.01 * moved if fp8 else TOL)
-            if wide:
-                assert all(st.wide is not None for st in rows.stacks.values())
-                assert all((st.up8 is not None) == fp8 for st in rows.stacks.values())
-                rows.select([[] for _ in rows_sets], "cpu")
-                assert torch.equal(model(x[:n], txt[:n], None, t[:n], shapes), plain)
-            return out
-        finally:
-            rows.uninstall()
-
-    base = model(x, txt, None, t, shapes)
-    side = run(0, sets)
-    assert (side - base).abs().amax() > 10 * TOL
-    wide = run(8, sets, layers=True, strict=True)  # 4 rows x 2 adapters = 8 blocks
-    if not fp8:
-        assert_close_finite(wide, side, rtol=0, atol=TOL)
-    # 8 blocks do not fit in 4: the side path, the same output as without room
-    assert_close_finite(run(4, sets), side, rtol=0, atol=TOL)
-    strong = [[("s", 1.0)], [("a", 1.0)]]  # on FP8 weights "s" does not fit: the side path
-    assert_close_finite(run(8, strong, strict=not fp8), run(0, strong), rtol=0, atol=TOL)
-    assert torch.equal(model(x, txt, None, t, shapes), base)  # no LoRA left behind, weights as they were
 
 
 def test_adapters_outside_the_block_linears_are_refused(model, tmp_path):
@@ -698,78 +576,9 @@ def test_captured_side_path_replays_any_selection(weights):
         rows.uninstall()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("weights", ["bf16", "fp8"])
-@torch.no_grad()
-def test_wide_gemm_on_the_gpu(weights):
-    """The wide GEMM on CUDA (bf16 `F.linear`, FP8 `_scaled_mm` over e4m3 blocks): every layer against the
-    side path on the same input, within 1e-2 of its output's scale plus (FP8) 10% of what its LoRAs move;
-    then captured in a CUDA graph that replays another selection of as many blocks (the weights' spare
-    columns are rewritten inside the graph) equal to that selection's eager forward."""
-    from qwenfast.kernels.fp8_linear import fp8_supported, quantize_model
-    from qwenfast.runtime.cuda_graphs import CudaGraphRunner
-
-    from .test_fp8_fused import _tiny_fp8_model
-
-    if weights == "fp8" and not fp8_supported(torch.device("cuda")):
-        pytest.skip("needs an FP8 GPU")
-    model = _tiny_fp8_model(False, "cuda", quantize=False)
-    if weights == "fp8":
-        quantize_model(model)
-    f = 0.01 if weights == "fp8" else 1.0  # (e4m3 blocks fit adapters small against the weights)
-    rows = RowAdapters(model, slots=3, device="cuda", wide=4)
-    for name, (seed, rank) in {"a": (1, 4), "b": (2, 8), "c": (3, 16)}.items():
-        rows.put(name, {k: v * f if "lora_B" in k else v for k, v in _lora(seed, rank).items()})
-    assert not rows.narrow
-    x, txt, t, shapes = _inputs(4)
-    x, txt, t = x.cuda().bfloat16(), txt.cuda().bfloat16(), t.cuda()
-    g = torch.Generator(device="cuda").manual_seed(3)
-    rows.install()
-    runner = CudaGraphRunner(model)
-    try:
-        rows.select([[("a", 2.0)], [("b", 1.4)], [], [("c", 2.6)]], "cuda")
-        sel = rows.selection
-        assert sel.wide and model.graph_tag == ("row-loras", 1, True)
-        for mod in rows.stacks:
-            layer = rows.index.linear[mod]
-            xin = torch.randn(4 * 9, layer.in_features, device="cuda", generator=g, dtype=torch.bfloat16)
-            got = layer(xin).float()
-            sel.wide = False
-            side = layer(xin).float()
-            groups, sel.groups = sel.groups, []
-            moved = (side - layer(xin).float()).abs().amax()
-            sel.wide, sel.groups = True, groups
-            assert moved > 0, mod
-            tol = 1e-2 * float(side.abs().amax()) + (0.1 * float(moved) if weights == "fp8" else 0)
-            assert torch.isfinite(got).all() and (got - side).abs().amax() <= tol, (mod, float(moved))
-        for sets in (
-            [[("a", 2.0)], [("b", 1.4)], [], [("c", 2.6)]],
-            [[("c", -1.0)], [("a", 2.0)], [("b", 1.4)], []],
-        ):
-            rows.select(sets, "cuda")
-            want = model(x, txt, None, t, shapes).float()
-            for _ in range(4):  # warm-ups, the capture (of the first), replays
-                got = runner(x, txt, None, t, shapes).float()
-            assert torch.isfinite(got).all()
-            assert ((got - want).abs().max() / want.abs().max()).item() < 1e-2
-        assert runner.captures == 1
-    finally:
-        runner.clear()
-        rows.uninstall()
-
-
 @pytest.mark.skipif(not TRITON, reason="needs CUDA and triton")  # (CI has triton: its interpreter runs)
 @pytest.mark.parametrize(
-    "kernel",
-    [
-        "expand S=1",
-        "expand S=2",
-        "expand S=1 ranges",
-        "shrink",
-        "shrink codes",
-        "shrink part",
-        "shrink codes wide",
-    ],
+    "kernel", ["expand S=1", "expand S=2", "expand S=1 ranges", "shrink", "shrink codes", "shrink part"]
 )
 @pytest.mark.skipif(TRITON and not PINNED_TRITON, reason="Triton older than the test extra's 3.7.1")
 def test_default_tiles_do_not_spill(kernel):
@@ -797,12 +606,12 @@ def test_default_tiles_do_not_spill(kernel):
         got = spills(L._expand_kernel, sig, cx, w, st, maxnreg=cap[0] if cap else None)
     else:
         bm, bk, w, st, br = L.TILES["shrink"]
-        codes, part, wide = "codes" in kernel, kernel.endswith("part"), kernel.endswith("wide")
+        codes, part = kernel.endswith("codes"), kernel.endswith("part")
         sig = {"x_ptr": "*fp8e4nv" if codes else "*bf16", "xs_ptr": "*fp32", "d_ptr": "*bf16", "idx_ptr": "*i64",
-               "sc_ptr": "*fp32", "h_ptr": "*fp32" if part else "*fp8e4nv" if wide else "*bf16",
+               "sc_ptr": "*fp32", "h_ptr": "*fp32" if part else "*bf16",
                **ints("T", "K", "R", "S", "s_xb", "s_xt", "s_dn", "s_dr", "s_ib", "s_is", "s_hb", "s_ht", "NRT",
                       "KC", "s_pk"),
-               **{c: "constexpr" for c in ("BM", "BR", "BK", "IEEE", "CODES", "PART", "SAT")}}  # fmt: skip
-        cx = {"BM": bm, "BR": br, "BK": bk, "IEEE": False, "CODES": codes, "PART": part, "SAT": wide}
+               **{c: "constexpr" for c in ("BM", "BR", "BK", "IEEE", "CODES", "PART")}}  # fmt: skip
+        cx = {"BM": bm, "BR": br, "BK": bk, "IEEE": False, "CODES": codes, "PART": part}
         got = spills(L._shrink_kernel, sig, cx, w, st)
     assert got["stores"] == 0 and got["loads"] == 0, got

@@ -104,12 +104,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="mixed and rows: the transformer's weights (default fp8 on a GPU, bf16 otherwise; rows: fp8)",
     )
     p.add_argument(
-        "--row-wide",
-        type=int,
-        default=0,
-        help="rows: room for that many (row, adapter) blocks in each layer's weight (the wide GEMM; 0: the side path)",
-    )
-    p.add_argument(
         "--requests",
         type=int,
         default=None,
@@ -341,7 +335,7 @@ def run_from_args(a: argparse.Namespace) -> int:
     if a.workload == "rows":
         from .serve_baselines import run_rows
 
-        run_rows(a.lora_folder, a.loras, results_dir(a.results), weights=a.weights or "fp8", wide=a.row_wide)
+        run_rows(a.lora_folder, a.loras, results_dir(a.results), weights=a.weights or "fp8")
         return 0
     if a.workload == "mixed":
         import torch

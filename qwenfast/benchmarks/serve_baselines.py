@@ -154,15 +154,12 @@ def row_overhead(
     return res
 
 
-def run_rows(
-    lora_folder: str | None = None, n_loras: int = 10, out_dir=None, weights: str = "fp8", wide: int = 0
-) -> dict:
+def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None, weights: str = "fp8") -> dict:
     """`qwenfast bench serve --workload rows`: only the per-row LoRA overhead of one forward
     (`row_overhead`, eager and CUDA-graphed) on the mixed workload's model (random-full; `weights` fp8,
     int8 or bf16: the same side path beside an 8-bit or a float GEMM) and its random LoRAs (the rank-64
     ones), without the serving levels: a record of its own in serve_mixed.jsonl (`mode: row_overhead`).
-    `wide`: the layers' room for (row, adapter) blocks (`RowAdapters(wide=...)`: the updates inside each
-    layer's GEMM), recorded as `wide`. A CUDA GPU only."""
+    A CUDA GPU only."""
     import tempfile
     import time
     from pathlib import Path
@@ -179,21 +176,19 @@ def run_rows(
     names = [f"lora-{i}" for i in range(n_loras)]
     if not all((folder / f"{n}.safetensors").is_file() for n in names):
         names = save_loras(folder, pipe.transformer, n_loras)
-    pipe.enable_row_loras(folder, slots=n_loras, wide=wide)
+    pipe.enable_row_loras(folder, slots=n_loras)
     res = {
         "bench": "serve_mixed",
         "mode": "row_overhead",
         **versions(),
         "model": "random-full",
         "weights": weights,
-        "wide": wide,
     }
     res["build_s"] = round(time.perf_counter() - t0, 1)
     from ..kernels import lora_rows
 
     res["tiles"] = {k: list(v) if isinstance(v, tuple) else v for k, v in lora_rows.TILES.items()}
     res["row_overhead"] = row_overhead(pipe, names[1::2], graphs=True)  # the rank-64 LoRAs (save_loras)
-    res["narrow"] = len(pipe.row_loras.narrow)  # adapters whose e4m3 blocks did not fit (side path)
     print(f"  per-row LoRA overhead, one forward: {res['row_overhead']}")
     emit(res, "serve_mixed.jsonl", out_dir)
     return res

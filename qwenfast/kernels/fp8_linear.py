@@ -40,7 +40,6 @@ from .fp8_rows import (
     quantize_rows_ref,
 )
 from .lowbit import LowBitLinear, replace_layers
-from .row_lora import RowLora
 
 if triton_available():
     from .fp8_rows import _quant_rows_kernel
@@ -206,8 +205,6 @@ class FP8Linear(LowBitLinear):
                     "the producer must keep it (keep=True) while a LoRA is active"
                 )
             if not self._fast(x):
-                if E := self._wide(x):
-                    return self._wide_ref(rows.q, rows.scale, M, E).view(*shape[:-1], N)
                 y = (rows.q[:M].float() * rows.scale[:M]) @ (self.weight_fp8.float() * self.weight_scale).t()
                 if self.bias is not None:
                     y = y + self.bias.float()
@@ -218,9 +215,6 @@ class FP8Linear(LowBitLinear):
             x8, sx = rows.q, rows.scale
         else:
             if not self._fast(x):
-                if E := self._wide(x):
-                    q, sc = quantize_rows_ref(x.reshape(-1, K))
-                    return self._wide_ref(q, sc, q.shape[0], E).view(*x.shape[:-1], N)
                 y = fp8_linear_ref(x, self.weight_fp8, self.weight_scale, self.bias, self.out_dtype)
                 if self.lora is not None:
                     y = self.add_lora(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
@@ -241,21 +235,6 @@ class FP8Linear(LowBitLinear):
         """(M, N) = rows [0, M) of x8 (Mp, K) · sx times the FP8 weight, + bias (+ LoRA on x2)."""
         bias = None if self.bias is None else self.bias.to(self.out_dtype)
         key = (x8.shape[0], self.in_features, self.out_features, device.index)
-        if (E := self._wide(x8)) and key not in _REFUSED:  # per-row LoRAs inside the GEMM
-            try:
-                a, K = self.lora.wide_input(x8[:M], x8.shape[0], E), self.in_features
-                return torch._scaled_mm(
-                    a,
-                    self.lora.wide[:, : K + E].t(),
-                    scale_a=sx,
-                    scale_b=self.weight_scale.t(),
-                    bias=bias,
-                    out_dtype=self.out_dtype,
-                    use_fast_accum=True,
-                )[:M]
-            except RuntimeError as e:  # (refused: the plain GEMM and the side path below)
-                if "NOT_SUPPORTED" not in str(e):
-                    raise
         if key not in _REFUSED:
             try:
                 y = torch._scaled_mm(
@@ -284,20 +263,6 @@ class FP8Linear(LowBitLinear):
         if bias is not None:
             y = y + bias
         return y if self.lora is None else self.add_lora(x2, y, (x8[:M], sx[:M]))
-
-    def _wide(self, x: torch.Tensor | QuantizedRows) -> int:
-        """The wide GEMM's extra columns for this forward (`RowLora.wide_columns`), else 0."""
-        lo = self.lora
-        return lo.wide_columns(self.weight_fp8) if isinstance(lo, RowLora) and self.lora_active() else 0
-
-    def _wide_ref(self, q: torch.Tensor, sx: torch.Tensor, M: int, E: int) -> torch.Tensor:
-        """The wide GEMM dequantised in fp32 (CPU, GPUs without FP8 GEMMs): what `_scaled_mm` multiplies."""
-        K = self.in_features
-        a = self.lora.wide_input(q[:M], M, E)
-        y = (a.float() * sx[:M]) @ (self.lora.wide[:, : K + E].float() * self.weight_scale).t()
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(self.out_dtype)
 
     def extra_repr(self) -> str:
         lo = self.lora

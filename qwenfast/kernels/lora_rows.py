@@ -56,6 +56,19 @@ rows and their scales (`x_scale`) instead of a bf16 copy the producer would keep
 (~12 ms of the FP8 forward at 3 TB/s), and the codes halve what the shrink reads. The update is then the
 dequantised input's: its e4m3 rounding (what the GEMM beside it multiplies) is also in the LoRA term.
 
+Tried and taken out (commit 5180a74, `--row-wide`): the updates inside the layer's own GEMM, by
+concatenation along K. Each layer's weight kept in an (N, K + W·R) buffer whose spare columns take, per
+forward, the up factors of each (row, adapter) block; the GEMM's input [x | each row's h in its own block
+of R columns, zeros in the others'] (the shrink writing into the blocks). No second read and write of
+the output, for a copy of the input and B·S·R more columns of products (the qkv stack's 192 at batch 4:
++25% of that GEMM). Measured on an H100 (2026-11-27, `ROW_WIDE="4 0" STAGE=rows bash bench/serve.sh` at
+that commit: batch 4, 1024², four rank-64 LoRAs, CUDA graphs): bf16 28.2% over no LoRA against 20.8% for
+the side path in the same run. FP8 needs both sides of a block in e4m3
+(one row scale for x and h, one column scale for W and up): h of a row's codes over a per-slot gain, up
+times it over the weight's row scales; their products span up to 448², and the benchmark's random
+rank-64 LoRAs (moving a full-size layer's weights by ~4% of their spread) need more in the FFN's second
+Linear (K = 12288: the smallest row scales), so every one of them would have kept the side path.
+
 The layer side (kernels/row_lora.py): `RowSelection`, `RowLora` (one layer's stacks; its `add` picks the
 path) and `RowLoraLinear`, a float Linear (bf16 / fp32 weights) with the same side path: the per-row
 adapters cannot be fused into one weight, so such a layer runs its GEMM as is and adds each row's updates
@@ -69,7 +82,7 @@ import torch
 from . import FLOAT_DTYPES, _on_device, triton_available, use_triton
 from .fp8_rows import FP8
 
-__all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton", "lora_shrink"]
+__all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton"]
 
 # tiles (module state: benchmark sweeps): shrink (BM rows, BK of K, warps, software-pipeline stages, the rank
 # a program covers at most: a wider stack takes several programs); expand (BM x BN of y, BR of the rank at a
@@ -85,7 +98,6 @@ if triton_available():
     import triton.language as tl
 
     from . import interpreting
-    from .fp8_rows import _e4m3
 
     # Triton's CPU interpreter multiplies bf16/fp16 tiles wrongly in tl.dot (3.7: values of 1e10 on
     # small inputs): there the tiles go to fp32 first, which the GPU path does not need
@@ -131,7 +143,6 @@ if triton_available():
         IEEE: tl.constexpr,
         CODES: tl.constexpr,
         PART: tl.constexpr,
-        SAT: tl.constexpr = False,
     ):
         """h[b, t, s*R + r] = strength[b, s] * x[b, t] . down[idx[b, s], r] (fp32 accumulation, stored in
         h's dtype) for one (b, s), BM rows and BR of the rank; zeros for the zero slot (the expand skips
@@ -166,11 +177,7 @@ if triton_available():
         hp = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R + rank[None, :]
         if PART:
             hp += kt.to(tl.int64) * s_pk
-        if SAT:  # e4m3 h (a wide GEMM's input columns): saturated (e4m3 has no infinity), rounded as torch
-            hv = _e4m3(tl.clamp(acc, -448.0, 448.0))
-        else:
-            hv = acc.to(h_ptr.dtype.element_ty)
-        tl.store(hp, hv, mask=(rows[:, None] < T) & (rank[None, :] < R))
+        tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
 
     @triton.jit
     def _sum_parts_kernel(p_ptr, h_ptr, E, KS, BLOCK: tl.constexpr):
@@ -314,35 +321,6 @@ def lora_rows(
     return _expand_torch(_shrink_torch(x, down, idx, scale, x_scale), up, idx, y)
 
 
-def lora_shrink(
-    x: torch.Tensor,
-    down: torch.Tensor,
-    idx: torch.Tensor,
-    scale: torch.Tensor,
-    h: torch.Tensor,
-    x_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The shrink alone, into `h` (B, L, S*R), any strides with a unit last one (a view of a wide GEMM's
-    input columns: `RowLora.wide_input`): h[b, t, s*R + r] = scale[b, s] · x[b, t] · down[idx[b, s], r]
-    (times x_scale[b, t] for e4m3 codes). `h` in the factors' dtype, or e4m3 (saturated at ±448)."""
-    B, L, K = x.shape
-    R = down.shape[1]
-    if h.shape != (B, L, idx.shape[1] * R) or h.stride(-1) != 1:
-        raise ValueError(
-            f"lora_shrink: h must be (B, L, S*R) = {(B, L, idx.shape[1] * R)} with unit last stride"
-        )
-    y = x.new_empty(B, L, 0, dtype=down.dtype)  # (for the checks' shapes only: up stands in as (n, 0, R))
-    up = down.new_empty(down.shape[0], 0, R)
-    _check(x, y, down, up, idx, scale, x_scale)
-    if _triton_ok(x, y, down, up, idx, scale, x_scale):
-        return _shrink(x, down, idx, scale, h, x_scale)
-    hv = _shrink_torch(x, down, idx, scale, x_scale)
-    if h.dtype == FP8:
-        hv = hv.float().clamp(-448.0, 448.0)
-    h.copy_(hv)
-    return h
-
-
 def _shrink_torch(x, down, idx, scale, x_scale=None) -> torch.Tensor:
     """The shrink in torch: each row's selected factors gathered side by side along the rank, one batched
     GEMM; h (B, L, S*R) in the factors' dtype, strengths (and e4m3 rows' scales) applied."""
@@ -423,19 +401,17 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     B, L, K = x.shape
     n, R, _ = down.shape
     S = idx.shape[1]
-    if scale.stride() != idx.stride():  # (the kernel reads both at idx's strides)
-        idx, scale = idx.contiguous(), scale.contiguous()
     bm, bk, w, st, brmax = TILES["shrink"]
     br = min(brmax, max(16, triton.next_power_of_2(R)))
     if h is None:
         h = torch.empty(B, L, S * R, dtype=down.dtype, device=x.device)
-    if h.shape != (B, L, S * R) or h.dtype not in (down.dtype, FP8):
+    if h.shape != (B, L, S * R) or h.dtype != down.dtype:
         raise ValueError(
-            f"lora_rows_triton: h must be {down.dtype} or e4m3 {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
+            f"lora_rows_triton: h must be {down.dtype} {(B, L, S * R)}, not {h.dtype} {tuple(h.shape)}"
         )
     nrt = triton.cdiv(R, br)
     programs = B * S * triton.cdiv(L, bm) * nrt
-    ks = _splits(programs, K, bk) if h.is_contiguous() and h.dtype != FP8 else 1
+    ks = _splits(programs, K, bk) if h.is_contiguous() else 1
     kc = triton.cdiv(triton.cdiv(K, ks), bk) * bk
     ks = triton.cdiv(K, kc)  # (no empty last part)
     out = h if ks == 1 else torch.empty(ks, B, L, S * R, dtype=torch.float32, device=x.device)
@@ -469,7 +445,6 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
             IEEE=down.dtype == torch.float32,  # fp32 stays fp32 (tl.dot would round its inputs to TF32)
             CODES=codes,
             PART=ks > 1,
-            SAT=h.dtype == FP8,
             num_warps=w,
             num_stages=st,
         )

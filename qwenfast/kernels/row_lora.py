@@ -12,8 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .fp8_rows import FP8
-from .lora_rows import lora_rows, lora_shrink
+from .lora_rows import lora_rows
 
 __all__ = ["RowLora", "RowLoraLinear", "RowSelection", "plain_linear"]
 
@@ -34,14 +33,13 @@ class RowSelection:
         self.buffers: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self.current: tuple[torch.Tensor, torch.Tensor] | None = None
         self.used = width  # the most adapters any row of the current selection combines (host-side)
-        self.wide = False  # whether the layers may take the wide GEMM (`RowLora.wide_columns`; host-side)
         # host-side runs of consecutive rows with the same adapters: [(first row, end row, [(slot, s)])]
         self.groups: list[tuple[int, int, list[tuple[int, float]]]] = []
 
     def clear(self) -> None:
         """No selection: every forward until the next `set` runs without the side path (a call that
         gives no per-row LoRAs must not inherit the last call's)."""
-        self.current, self.used, self.groups, self.wide = None, 0, [], False
+        self.current, self.used, self.groups = None, 0, []
 
     def set(self, rows: list[list[tuple[int, float]]], device: torch.device | str) -> None:
         """`rows`: per batch row, its [(slot, strength), ...] (slot 0 / an empty list: no LoRA)."""
@@ -91,69 +89,6 @@ class RowLora:
     # (n, G, 2) int32: per slot and per row block of the output (G equal blocks: 3 for Q|K|V), the
     # stacked rank's columns [lo, hi) its up factors use (`loading.lora_fp8.piece_ranks`); None: all
     ranges: torch.Tensor | None = None
-    # The wide GEMM (`RowAdapters(wide=W)`): the layer's weight lives in the first K columns of `wide`
-    # (N, K + W·R); a forward of B rows x S adapters (B·S <= W) writes each (row, adapter)'s up factors into
-    # a block of R spare columns and multiplies [x | each row's h in its own block] by it: the updates
-    # come out of the layer's own GEMM (see `wide_columns`). FP8 layers multiply e4m3 blocks: `up8`
-    # (n, N, R), up · gain / the weight's row scale, and `gain` (n,) fp32, each slot's balance between
-    # its h (divided by it) and up8 (`RowAdapters._write_wide`).
-    wide: torch.Tensor | None = None
-    up8: torch.Tensor | None = None
-    gain: torch.Tensor | None = None
-    weight_scale: torch.Tensor | None = None  # (N, 1) the FP8 layer's (what up8 is divided by)
-
-    def wide_columns(self, weight: torch.Tensor) -> int:
-        """E > 0: this forward takes the wide GEMM over `weight`'s K and E more columns of `wide`; 0: the
-        side path after the GEMM (`add`). Why: the side path reads and writes the layer's output again
-        (B·L·N, two bytes an element each way: counted at 1024², batch 4, ~1.8 GB a block of the 60,
-        ~15% of an FP8 forward at 3 TB/s before any arithmetic), where the wide GEMM adds B·S·R to a
-        K of thousands (the qkv stack's 192 at batch 4: +25% of that GEMM's products, +8% of the others')
-        and one copy of its input. Taken when the rows differ (or in a capture, which any selection
-        replays) and B·S·R fits; rows that share one adapter keep the plain GEMM pair of `add`."""
-        sel = self.selection
-        if self.wide is None or not sel.active or not sel.wide:
-            return 0
-        B, R = sel.current[0].shape[0], self.down.shape[1]
-        E, K = B * sel.used * R, weight.shape[1]
-        if K + E > self.wide.shape[1] or weight.data_ptr() != self.wide.data_ptr() or E % 16:
-            return 0
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        return E if capturing or len(sel.groups) > 1 else 0
-
-    def wide_input(self, x2: torch.Tensor, rows: int, E: int) -> torch.Tensor:
-        """(rows, K + E): x2 (M, K) (float, or an FP8 layer's e4m3 codes) in the first K columns, then
-        row b's h for its adapter s in block b·S + s of R columns (zeros elsewhere; rows >= M zeros);
-        and `wide`'s columns [K, K + E) set to those blocks' up factors (`up8` for codes). Then
-        y = [x | h] · wide[:, :K + E]ᵀ is x · Wᵀ plus every row's updates: with codes, each block's
-        h is strength · codes · downᵀ / gain and up8 = up · gain / sw, so the GEMM's row and column
-        scales (sx, sw) give back strength · (x · downᵀ) · upᵀ."""
-        sel = self.selection
-        (M, K), R = x2.shape, self.down.shape[1]
-        B, S = sel.current[0].shape[0], sel.used
-        T = M // B
-        idx, scale = sel.current[0][:, :S], sel.current[1][:, :S]
-        codes = x2.dtype == FP8
-        a = torch.empty(rows, K + E, dtype=x2.dtype, device=x2.device)
-        raw = a.view(torch.uint8) if codes else a  # (data movement on e4m3 as bytes: CPU kernels lack it)
-        raw[:M, :K].copy_(x2.view(torch.uint8) if codes else x2)
-        raw[M:, :K].zero_()
-        raw[:, K:].zero_()
-        # (B, T, S*R) view of the blocks: row b's tokens at rows b·T.., its S blocks at b·S·R.. of the E
-        h = a.as_strided((B, T, S * R), (T * (K + E) + S * R, K + E, 1), a.storage_offset() + K)
-        if codes:
-            ones = torch.ones(B, T, device=x2.device)  # (the codes alone: sx is the GEMM's row scale)
-            lora_shrink(x2.view(B, T, K), self.down, idx, scale / self.gain[idx], h, ones)
-        else:
-            lora_shrink(x2.view(B, T, K), self.down, idx, scale, h)
-        up = self.up8 if codes else self.up  # (n, N, R)
-        N = up.shape[1]
-        g = up.index_select(0, idx.reshape(-1))  # (B*S, N, R): block j = b·S + s
-        tail = self.wide[:, K : K + E].view(N, B * S, R)
-        if codes:
-            tail.view(torch.uint8).copy_(g.view(torch.uint8).transpose(0, 1))
-        else:
-            tail.copy_(g.transpose(0, 1))
-        return a
 
     def add(self, x2: torch.Tensor, y2: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """y2 (M, N) + the per-row updates of x2 (M, K); the M tokens are B rows of M / B, in order.
@@ -222,11 +157,6 @@ class RowLoraLinear(nn.Linear):
         return self.lora is not None and self.lora.selection.active
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.adds() and (E := self.lora.wide_columns(self.weight)):
-            K, M = x.shape[-1], x.numel() // x.shape[-1]
-            a = self.lora.wide_input(x.reshape(M, K), M, E)  # (M, K + E)
-            y = F.linear(a, self.lora.wide[:, : K + E], self.bias)
-            return y.view(*x.shape[:-1], y.shape[-1])
         y = F.linear(x, self.weight, self.bias)
         if not self.adds():
             return y

@@ -32,7 +32,6 @@ import torch
 import torch.nn as nn
 
 from ..errors import LoraError
-from ..kernels.fp8_linear import FP8, FP8_MAX, FP8Linear
 from ..kernels.lowbit import LowBitLinear
 from ..kernels.row_lora import RowLora, RowLoraLinear, RowSelection
 from .lora import ModuleIndex, plan_lora, read_lora
@@ -52,12 +51,8 @@ class RowAdapters:
         width: int = 2,
         folder: str | os.PathLike | None = None,
         device: torch.device | str | None = None,
-        wide: int = 0,
     ):
-        """`device`: where the stacks live (the pipeline's device; default: the model's). `wide`: room in
-        each FP8 or float layer's weight for that many (row, adapter) blocks of up factors, so a forward
-        of at most that many rows x adapters multiplies them in the layer's own GEMM (`RowLora.wide`;
-        the weight grows by `wide` x the stack's rank columns); 0: the side path after each GEMM."""
+        """`device`: where the stacks live (the pipeline's device; default: the model's)."""
         if slots < 1:
             raise ValueError("RowAdapters needs at least one adapter slot")
         self.model, self.index, self.slots = model, ModuleIndex(model), slots
@@ -72,8 +67,6 @@ class RowAdapters:
         self.layout = 0  # bumped when a stack is (re)allocated: captured graphs read the old tensors
         self.loads = self.evictions = 0
         self.installed = False
-        self.wide = wide
-        self.narrow: set[int] = set()  # slots whose e4m3 blocks would not fit (`_write_wide`): no wide GEMM
 
     # ------------------------------------------------------------ adapters
     def put(self, name: str, lora: str | os.PathLike | dict, keep: frozenset[str] = frozenset()) -> int:
@@ -99,7 +92,6 @@ class RowAdapters:
                 "batch instead (set_loras)"
             )
         slot = self._free_slot(keep)
-        self.narrow.discard(slot)
         self.parts[name] = parts
         for mod, p in parts.items():
             self._write(mod, slot, p)
@@ -124,9 +116,6 @@ class RowAdapters:
             st.up[slot].zero_()
             st.ranges[slot].zero_()
             st.ranks[slot] = 0
-            if st.up8 is not None:
-                st.up8[slot].view(torch.uint8).zero_()
-                st.gain[slot] = 1.0
         self.evictions += 1
         return slot
 
@@ -153,63 +142,11 @@ class RowAdapters:
                 self._point(mod)
         self._write_slot(st, slot, parts, pieces)
 
-    def _write_slot(self, st: RowLora, slot: int, parts: Parts, pieces: int) -> None:
+    @staticmethod
+    def _write_slot(st: RowLora, slot: int, parts: Parts, pieces: int) -> None:
         write_side(st.down[slot], st.up[slot], parts, pieces)
         st.ranges[slot].copy_(torch.tensor(piece_ranks(parts, pieces), dtype=torch.int32))
         st.ranks[slot] = side_rank(parts)
-        if st.up8 is not None and not self._write_wide(st, slot):
-            self.narrow.add(slot)
-
-    @staticmethod
-    def _write_wide(st: RowLora, slot: int) -> bool:
-        """An FP8 layer's e4m3 up factors of `slot` for the wide GEMM (`RowLora.wide_input`): up · g / sw,
-        its h divided by g. Their products must fit e4m3 on both sides: a block's h is a row's codes
-        (|c| <= 448) times a down row, bounded here by a = 448 x the largest down-row norm, up · g / sw
-        by u = max |up / sw|; g = sqrt(a / u) puts both at sqrt(a·u). Returns whether that is <= 448
-        (e4m3's largest; a is itself ~3x what a row's codes give on rows whose amax is ~4 of their rms):
-        an adapter whose update is large against the layer's weights (its up factors near the weights'
-        own magnitudes) does not fit, and rows using it take the side path (`narrow`). (A random
-        rank-64 LoRA moving a random full-size layer's weights by ~4% of their spread fits.)"""
-        d, u = st.down[slot].float(), st.up[slot].float()  # (R, K), (N, R)
-        sw = st.weight_scale.float()  # (N, 1)
-        a, um = FP8_MAX * float(d.norm(dim=1).amax()), float((u.abs() / sw).amax())
-        g = (a / um) ** 0.5 if a > 0 and um > 0 else 1.0
-        st.gain[slot] = g
-        codes = (u * g / sw).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        st.up8[slot].view(torch.uint8).copy_(codes.view(torch.uint8))
-        return a * um <= FP8_MAX**2
-
-    def _widen(self, mod: str, layer: nn.Module) -> None:
-        """The wide GEMM's room in `layer`'s weight (`wide`): the weight copied into the first K columns of
-        an (N, K + wide·R) buffer and kept as a view of it (same values, same module; FP8 layers also get
-        their e4m3 up factors). Nothing for INT8 layers (their GEMM has no such form here)."""
-        st = self.stacks[mod]
-        fp8 = isinstance(layer, FP8Linear)
-        if not self.wide or not (fp8 or isinstance(layer, RowLoraLinear)):
-            return
-        w = layer.weight_fp8 if fp8 else layer.weight.data
-        (N, K), R = w.shape, st.down.shape[1]
-        if (
-            st.wide is not None
-            and st.wide.shape[1] == K + self.wide * R
-            and w.data_ptr() == st.wide.data_ptr()
-        ):
-            return
-        wide = torch.zeros(N, K + self.wide * R, dtype=w.dtype, device=w.device)
-        if fp8:
-            wide.view(torch.uint8)[:, :K].copy_(w.view(torch.uint8))
-            layer.weight_fp8 = wide[:, :K]
-            st.weight_scale = layer.weight_scale
-            st.up8 = torch.zeros(st.up.shape, dtype=torch.uint8, device=w.device).view(FP8)
-            st.gain = torch.ones(st.up.shape[0], device=w.device)
-            for s in self.resident.values():
-                if not self._write_wide(st, s):
-                    self.narrow.add(s)
-        else:
-            wide[:, :K].copy_(w)
-            layer.weight.data = wide[:, :K]
-        st.wide = wide
-        self.layout += 1  # graphs captured the old weight
 
     # ------------------------------------------------------------ batches
     def select(self, rows: list[list[tuple[str, float]]], device: torch.device | str) -> None:
@@ -227,7 +164,6 @@ class RowAdapters:
         for n in order:
             self.resident.move_to_end(n)
         self.selection.set([[(self.resident[n], float(s)) for n, s in row] for row in rows], device)
-        self.selection.wide = bool(self.wide) and not any(self.resident[n] in self.narrow for n in names)
         self._tag()
 
     def clear(self) -> None:
@@ -241,8 +177,7 @@ class RowAdapters:
         not, and a captured side path runs over that many slot columns only (a batch whose rows each
         use one LoRA pays for one, not for the selection's full width)."""
         sel = self.selection
-        tag = ("row-loras", sel.used if sel.active else 0) + ((sel.wide,) if self.wide and sel.active else ())
-        self.model.graph_tag = tag if self.installed else None
+        self.model.graph_tag = ("row-loras", sel.used if sel.active else 0) if self.installed else None
 
     def install(self) -> None:
         """Point every stacked layer at its stack; stacks made later (a new layer, a larger rank) too."""
@@ -266,7 +201,6 @@ class RowAdapters:
             self.layout += 1  # graphs captured the old module's GEMM
             layer = new
         layer.lora = self.stacks[mod]
-        self._widen(mod, layer)
 
     def _swap(self, mod: str, new: nn.Module) -> None:
         parent, _, leaf = mod.rpartition(".")

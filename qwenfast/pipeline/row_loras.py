@@ -28,16 +28,13 @@ class RowLoraMethods:
         return self._row_adapters
 
     def enable_row_loras(
-        self, folder: str | os.PathLike | None = None, slots: int = 8, width: int = 2, wide: int = 0
+        self, folder: str | os.PathLike | None = None, slots: int = 8, width: int = 2
     ) -> None:
         """Let each prompt of a call use its own LoRAs (`loras=` per prompt), read from `folder`
         (`name.safetensors`) on first use and kept in `slots` slots on the device, least recently used
         out first; a prompt combines up to `width`. Any weights (bf16, fp8, int8: the adapters run
         unmerged beside the block GEMMs), no LoRA loaded for the whole batch, the transformer resident
-        on the device; the class must declare it (`capabilities.row_loras`: its call takes `loras=`).
-        `wide`: room in each FP8 or float block Linear's weight for that many (row, adapter) blocks,
-        so batches of at most that many multiply their updates inside the layer's GEMM
-        (`loading.lora_rows.RowAdapters`); 0: after it."""
+        on the device; the class must declare it (`capabilities.row_loras`: its call takes `loras=`)."""
         from ..loading.lora_rows import RowAdapters
 
         if not self.capabilities.row_loras:
@@ -48,9 +45,7 @@ class RowLoraMethods:
             raise ConfigureError("LoRAs are loaded for the whole batch: set_loras([]) before per-row LoRAs")
         if self.options.parallel is not None:
             raise ConfigureError("per-row LoRAs do not run with --parallel yet")
-        adapters = RowAdapters(
-            self.transformer, slots=slots, width=width, folder=folder, device=self.device, wide=wide
-        )
+        adapters = RowAdapters(self.transformer, slots=slots, width=width, folder=folder, device=self.device)
         adapters.install()
         self._row_adapters = adapters
         self._row_layout = adapters.layout
