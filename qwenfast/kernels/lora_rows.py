@@ -63,11 +63,11 @@ of R columns, zeros in the others'] (the shrink writing into the blocks). No sec
 the output, for a copy of the input and B·S·R more columns of products (the qkv stack's 192 at batch 4:
 +25% of that GEMM). Measured on an H100 (2026-11-27, `ROW_WIDE="4 0" STAGE=rows bash bench/serve.sh` at
 that commit: batch 4, 1024², four rank-64 LoRAs, CUDA graphs): bf16 28.2% over no LoRA against 20.8% for
-the side path in the same run. FP8 needs both sides of a block in e4m3
-(one row scale for x and h, one column scale for W and up): h of a row's codes over a per-slot gain, up
-times it over the weight's row scales; their products span up to 448², and the benchmark's random
-rank-64 LoRAs (moving a full-size layer's weights by ~4% of their spread) need more in the FFN's second
-Linear (K = 12288: the smallest row scales), so every one of them would have kept the side path.
+the side path in the same run. FP8 needs both sides of a block in e4m3 (one row scale for x and h, one
+column scale for W and up): h of a row's codes over a per-slot gain, up times it over the weight's row
+scales; their products span up to 448², and the benchmark's random rank-64 LoRAs (moving a full-size
+layer's weights by ~4% of their spread) need more in the FFN's second Linear (K = 12288: the smallest
+row scales), so every one of them would have kept the side path.
 
 The layer side (kernels/row_lora.py): `RowSelection`, `RowLora` (one layer's stacks; its `add` picks the
 path) and `RowLoraLinear`, a float Linear (bf16 / fp32 weights) with the same side path: the per-row
