@@ -401,6 +401,8 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     B, L, K = x.shape
     n, R, _ = down.shape
     S = idx.shape[1]
+    if scale.stride() != idx.stride():  # the kernel reads both at idx's strides
+        idx, scale = idx.contiguous(), scale.contiguous()
     bm, bk, w, st, brmax = TILES["shrink"]
     br = min(brmax, max(16, triton.next_power_of_2(R)))
     if h is None:
