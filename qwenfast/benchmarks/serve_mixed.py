@@ -13,9 +13,9 @@ answer, take the next. Each level runs its requests twice and times the second p
 the CUDA graphs and loads the adapters its shapes, batches and LoRAs need (a few dozen captures in a
 one-minute level), so the figures are a warmed server's, as in service; the first pass's captures are
 recorded too (`warm_captures`); `--warm-shapes` runs every shape the load can make once before a server's
-first level or the soak (`shapes_warm`: what a deployment's warm-up would send). Figures per level: images/min, p50/p95 latency per class (queue included),
-the answers by status, the GPU memory sampled every 0.5 s, graph captures, adapter loads/evictions, batches
-run between two steps of a longer one. Rows, in one run on one GPU with the same weights:
+first level or the soak (`shapes_warm`: what a deployment's warm-up would send). Figures per level:
+images/min, p50/p95 latency per class (queue included), the answers by status, the GPU memory sampled
+every 0.5 s, graph captures, adapter loads/evictions, batches run between two steps of a longer one. Rows, in one run on one GPU with the same weights:
 
 - `per-row`: `--row-loras` (each request its LoRA inside any batch) with step-boundary interleaving;
 - `old batcher`: the LoRA set in the batch key (one LoRA group at a time, `set_loras` between batches),
@@ -42,7 +42,7 @@ import statistics
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from . import clients
@@ -522,20 +522,12 @@ def shapes_warm(pipe, base: str, reqs: list[Req], lora: str, max_batch: int, cfg
             for name in (lora, None):
                 for b in [1 << i for i in range(top.bit_length())]:
                     one = [
-                        Req(
-                            k - i,
-                            "warm",
-                            w,
-                            h,
-                            6 if cache else 1,
-                            cfg,
-                            cache,
-                            name,
-                            1.0,
-                            PROMPTS[0],
-                            i,
-                            False,
-                            False,
+                        replace(
+                            _plain(k - i, "4-step", (w, h), name, PROMPTS[0], i),
+                            cls="warm",
+                            steps=6 if cache else 1,
+                            cfg=cfg,
+                            cache=cache,
                         )
                         for i in range(b)
                     ]

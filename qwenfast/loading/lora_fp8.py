@@ -32,9 +32,8 @@ def bucket(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length()) if rank <= 64 else -(-rank // 64) * 64
 
 
-Parts = list[
-    tuple[int | None, torch.Tensor, torch.Tensor, float]
-]  # (slot, up (rows, r), down (r, K), factor)
+# [(slot, up (rows, r), down (r, K), factor), ...]
+Parts = list[tuple[int | None, torch.Tensor, torch.Tensor, float]]
 
 
 def stack_columns(parts: Parts) -> tuple[dict[int, tuple[int, torch.Tensor]], int]:

@@ -230,8 +230,7 @@ class Scheduler:
                         return None
                     self.cond.wait()
                 first = self._first()
-                key = first.job.key
-                limit = self.cfg.max_batch if first.job.kind == "t2i" else 1
+                key, limit = first.job.key, self._limit(first)
                 deadline = first.job.enqueued + self.cfg.batch_wait_s
                 while not self.stopping and not first.job.cancelled:
                     n = sum(1 for it in self.pending if it.job.key == key)
@@ -241,12 +240,15 @@ class Scheduler:
                     self.cond.wait(deadline - now)
                 if self.pending:  # a shorter request may have come while this one waited: pick again
                     first = self._first()
-                    key = first.job.key
-                    limit = self.cfg.max_batch if first.job.kind == "t2i" else 1
+                    key, limit = first.job.key, self._limit(first)
                 take = self._take(key, limit)
                 if not take:  # the first request was cancelled while waiting for batch-mates
                     continue
                 return take
+
+    def _limit(self, first: Item) -> int:
+        """How many images a batch started by `first` may take: text-to-image batches, other tasks run alone."""
+        return self.cfg.max_batch if first.job.kind == "t2i" else 1
 
     def _first(self) -> Item:
         """The next batch's first item (hold `cond`): fewest steps, then oldest; the oldest once it has
