@@ -19,7 +19,11 @@ pick is made again after the wait for batch-mates (8 clients starting at once: t
 8-step request, and the 4-step ones that came within the wait ran inside it, after its first step).
 With CUDA graphs a batch takes a power of two of the images that share its key (`_graph_sizes`).
 Between two steps of a running batch, the waiting shorter requests may run to the end first
-(`_interleave`), for at most `age_bound_s` of pauses per running batch.
+(`_interleave`), for at most `age_bound_s` of pauses per running batch. "Shorter" is GPU work, not step
+count: steps x image tokens x rows, twice with true CFG (`_work`). And the host keeps pace with the GPU
+(`StepPace`): the steps of a batch replayed from CUDA graphs are queued in a few milliseconds, so without
+it every "between two steps" came before the GPU had run the first, and a request that arrived later
+waited for the whole batch.
 """
 
 from __future__ import annotations
@@ -115,6 +119,40 @@ class Job:
 class Item:
     job: Job
     index: int  # which of the job's n images
+
+
+def _work(p: Params, rows: int, steps: int) -> float:
+    """The GPU work of `steps` denoising steps of a batch of `rows` images like `p`, in image pixels: a
+    step costs about its tokens times its rows (the 60 blocks' GEMMs; attention grows faster, the text is
+    short), twice with true CFG (a forward per branch)."""
+    cfg = 2 if p.cfg > 1 and p.negative is not None else 1
+    return float(p.width * p.height * rows * cfg * steps)
+
+
+class StepPace:
+    """Keeps the host at most `lag` denoising steps ahead of the GPU inside a batch (called from its step
+    callback, once per step).
+
+    Why: the step callback is where a running batch lets shorter requests through (`_interleave`), and it
+    runs when the host has queued a step, not when the GPU has run it. With CUDA graphs a step is a replay
+    or two, so the host queued a whole 8-step batch in milliseconds and made every interleaving decision
+    before the GPU had finished the first step (a mixed load on an H100 interleaved one batch in 40
+    requests); the progress events streamed to clients ran ahead likewise. Each call records an event on
+    the current stream and waits for the one `lag` steps back: the GPU always has the next `lag` steps
+    queued, so it never waits for the host. A no-op without CUDA (`event` None)."""
+
+    def __init__(self, event=None, lag: int = 2):
+        self.event, self.lag = event, lag  # event: a factory of objects with record() and synchronize()
+        self.queued: deque = deque()
+
+    def __call__(self) -> None:
+        if self.event is None:
+            return
+        e = self.event()
+        e.record()
+        self.queued.append(e)
+        while len(self.queued) > self.lag:
+            self.queued.popleft().synchronize()  # (torch releases the GIL while it waits)
 
 
 class Scheduler:
@@ -281,11 +319,13 @@ class Scheduler:
         (a mixed load's timed pass that captured 7 graphs spent about an eighth of its time on them)."""
         return bool(self.pipe.options.cuda_graphs) and self.pipe.device.type == "cuda"
 
-    def _interleave(self, job0: Job, remaining: int) -> None:
+    def _interleave(self, job0: Job, remaining: int, rows: int = 1) -> None:
         """Between two steps of a running text-to-image batch (its step callback): run the waiting batches
         of shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
-        whole run. Policy: among pending text-to-image requests with fewer steps than the running batch
-        has left, the fewest steps first (then the oldest), batch after batch while any waits (requests
+        whole run. Policy: among pending text-to-image requests whose whole run is less GPU work than
+        what the running batch (`rows` images) has left (`_work`: a 4-step 1024² image runs inside an
+        8-step batch of four 928x1664 ones until its last two steps, not only its first three), the fewest
+        steps first (then the oldest), batch after batch while any waits (requests
         of other sizes or step counts make batches of their own: running only one of them per step of
         the long batch held each of the others for that step too); `nesting` levels deep (an 8-step
         batch run inside a 50-step one lets a 4-step one run inside it in turn: with one level, a 4-step
@@ -305,7 +345,8 @@ class Scheduler:
             return
         while job0.paused_s < self.cfg.age_bound_s:  # until the long batch has yielded enough
             with self.cond:
-                ok = [it for it in self.pending if self._can_interleave(it.job, job0, remaining)]
+                left = _work(job0.params, rows, remaining)
+                ok = [it for it in self.pending if self._can_interleave(it.job, job0, left)]
                 if not ok:
                     return
                 first = min(ok, key=lambda it: (it.job.params.steps, it.job.enqueued))
@@ -324,13 +365,14 @@ class Scheduler:
                         if job.done >= job.params.n or job.cancelled:
                             self.running.discard(job)
 
-    def _can_interleave(self, job: Job, job0: Job, remaining: int) -> bool:
+    def _can_interleave(self, job: Job, job0: Job, left: float) -> bool:
+        """Whether `job` may run now inside `job0`'s batch, which has `left` work to go (`_work`)."""
         c = job.params.cache
         cache = self._default_cache if c is None else (None if c == "off" else c)
         return (
             job.kind == "t2i"
             and not job.cancelled
-            and job.params.steps < remaining
+            and _work(job.params, 1, job.params.steps) < left
             and cache is None
             and (self._rows is not None or job.loras == job0.loras)
         )
@@ -490,14 +532,16 @@ class Scheduler:
             for job in jobs
         }
         sent = {job: 0 for job in jobs}
+        pace = StepPace(torch.cuda.Event if self.pipe.device.type == "cuda" else None)
 
         def callback(i: int, n: int, x) -> None:
+            pace()  # decide (and report progress) at most `lag` steps ahead of the GPU
             if all(j.cancelled for j in jobs):
                 raise Cancelled
             for job in jobs:
                 job.post({"type": "image_generation.progress", "step": i + 1, "steps": n})
             if job0.kind == "t2i":
-                self._interleave(job0, n - i - 1)
+                self._interleave(job0, n - i - 1, len(items))
             rows = [r for r, it in enumerate(items) if i in preview_at[it.job] and not it.job.cancelled]
             if rows and not p.size_auto:
                 try:

@@ -1,0 +1,98 @@
+"""The scheduler's step pace and its work rule (server/batcher.py: `StepPace`, `_work`).
+
+`StepPace` keeps the host a fixed number of steps ahead of the GPU, so that decisions made in a batch's
+step callback (interleaving shorter requests, progress events) happen while the batch runs; checked
+here with recorded fake events (the CUDA event is the same protocol). `_work` makes "shorter" mean GPU
+work: a small image with as many steps as a large batch has left runs inside it, which a step count
+alone refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from qwenfast.server.batcher import StepPace, _work  # noqa: E402
+from qwenfast.server.schemas import Params  # noqa: E402
+from tests.test_server import (  # noqa: E402, F401
+    OK,
+    GatedPipe,
+    Senders,
+    _one_torch_thread,
+    alone,
+    assert_same_image,
+    pipe,
+    png_pixels,
+    running,
+)
+
+
+class FakeEvent:
+    """Records when it was recorded and waited on, in one shared log."""
+
+    log: list[tuple[str, int]] = []
+    made = 0
+
+    def __init__(self):
+        self.n = FakeEvent.made
+        FakeEvent.made += 1
+
+    def record(self):
+        FakeEvent.log.append(("record", self.n))
+
+    def synchronize(self):
+        FakeEvent.log.append(("wait", self.n))
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_step_pace_waits_for_the_step_lag_steps_back(lag):
+    """Call k (after step k was queued) records event k and waits for event k - lag, so the GPU keeps
+    `lag` steps queued and the host is never further ahead; each event is waited on once."""
+    FakeEvent.log, FakeEvent.made = [], 0
+    pace = StepPace(FakeEvent, lag=lag)
+    for k in range(6):
+        pace()
+        waited = [n for what, n in FakeEvent.log if what == "wait"]
+        assert waited == list(range(max(0, k - lag + 1))), (k, FakeEvent.log)
+        assert FakeEvent.log[-1] == (("wait", k - lag) if k >= lag else ("record", k))
+    assert len(pace.queued) == lag
+
+
+def test_step_pace_without_cuda_does_nothing():
+    pace = StepPace(None)
+    for _ in range(3):
+        pace()
+    assert not pace.queued
+
+
+def test_work_counts_pixels_rows_steps_and_cfg():
+    p = Params(prompt="a", negative=None, width=64, height=32, steps=4, cfg=4.0, n=1, seed=0)
+    assert _work(p, 1, 4) == 64 * 32 * 4
+    assert _work(p, 3, 2) == 64 * 32 * 3 * 2
+    q = Params(prompt="a", negative=" ", width=64, height=32, steps=4, cfg=4.0, n=1, seed=0)  # true CFG: two forwards
+    assert _work(q, 1, 4) == 2 * _work(p, 1, 4)
+    r = Params(prompt="a", negative=" ", width=64, height=32, steps=4, cfg=1.0, n=1, seed=0)  # scale 1: one forward
+    assert _work(r, 1, 4) == _work(p, 1, 4)
+
+
+def test_a_small_request_runs_inside_a_larger_batch_with_as_many_steps_left(pipe):
+    """A 3-step 32x32 request queued during the first step of a 4-step 64x64 batch (3 steps left): as
+    many steps, a quarter of the pixels, so a quarter of the work; it runs between two of the long batch's
+    steps and is answered first (by step count alone it waited for the whole batch). Images as alone."""
+    gated = GatedPipe(pipe)
+    with running(gated, max_batch=4) as (base, app):
+        gated.gate.clear()
+        send = Senders(base)
+        send.start("long", {**OK, "seed": 3, "steps": 4, "size": "64x64"})
+        assert gated.entered.wait(30)
+        send.start("small", {**OK, "seed": 5, "steps": 3}, queued=1)
+        gated.gate.set()
+        send.join()
+        interleaved = app.state.metrics.interleaved
+    assert interleaved == 1 and send.done == ["small", "long"] and gated.steps == [3, 4], send.done
+    for k, seed, steps, side in (("long", 3, 4, 64), ("small", 5, 3, 32)):
+        assert send.res[k].status_code == 200
+        got = png_pixels(send.res[k].json()["data"][0]["b64_json"])
+        assert_same_image(got, alone(pipe, OK["prompt"], seed, side, side, steps=steps), k)
