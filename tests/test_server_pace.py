@@ -15,6 +15,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from qwenfast.server.batcher import StepPace, _work  # noqa: E402
+from qwenfast.server.run import load_pipeline  # noqa: E402
 from qwenfast.server.schemas import Params  # noqa: E402
 from tests.test_server import (  # noqa: E402, F401
     OK,
@@ -23,10 +24,14 @@ from tests.test_server import (  # noqa: E402, F401
     _one_torch_thread,
     alone,
     assert_same_image,
-    pipe,
     png_pixels,
     running,
 )
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return load_pipeline(None, device="cpu", dtype="fp32")
 
 
 class FakeEvent:
@@ -71,9 +76,13 @@ def test_work_counts_pixels_rows_steps_and_cfg():
     p = Params(prompt="a", negative=None, width=64, height=32, steps=4, cfg=4.0, n=1, seed=0)
     assert _work(p, 1, 4) == 64 * 32 * 4
     assert _work(p, 3, 2) == 64 * 32 * 3 * 2
-    q = Params(prompt="a", negative=" ", width=64, height=32, steps=4, cfg=4.0, n=1, seed=0)  # true CFG: two forwards
+    q = Params(
+        prompt="a", negative=" ", width=64, height=32, steps=4, cfg=4.0, n=1, seed=0
+    )  # true CFG: two forwards
     assert _work(q, 1, 4) == 2 * _work(p, 1, 4)
-    r = Params(prompt="a", negative=" ", width=64, height=32, steps=4, cfg=1.0, n=1, seed=0)  # scale 1: one forward
+    r = Params(
+        prompt="a", negative=" ", width=64, height=32, steps=4, cfg=1.0, n=1, seed=0
+    )  # scale 1: one forward
     assert _work(r, 1, 4) == _work(p, 1, 4)
 
 
