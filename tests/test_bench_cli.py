@@ -95,3 +95,34 @@ def test_bench_task_edit_2511_smoke(capsys):
     w = ours.transformer.state_dict()
     plain, _ = build(True)
     assert all(torch.equal(w[k], v) for k, v in plain.transformer.state_dict().items())
+
+
+def test_shapes_warm_runs_the_largest_shape_first(monkeypatch):
+    """The warm-up of `bench serve --warm-shapes` sends its largest size at its largest batch first, then
+    smaller ones: the step cache sizes its buffers by the first shape, and a later larger one would
+    reallocate them and leave every graph captured before unusable (runtime/cache.py)."""
+    from qwenfast.benchmarks import serve_mixed as sm
+
+    sent: list[tuple[int, tuple, int]] = []  # (pixels, (CFG, cache, LoRA), batch) per batch sent
+
+    def closed_loop(base, reqs, c, *a, **kw):
+        r = reqs[0]
+        sent.append((r.width * r.height, (r.cfg, r.cache, r.lora), len(reqs)))
+        return [{"outcome": "200"} for _ in reqs]
+
+    class Pipe:
+        def graph_stats(self):
+            return {"captures": 0, "decode_captures": 0, "resident": 0}
+
+    monkeypatch.setattr(sm, "closed_loop", closed_loop)
+    sizes = ((32, 32), (64, 48), (48, 48))
+    reqs = [sm._plain(i, "4-step", size, None, sm.PROMPTS[0], i) for i, size in enumerate(sizes)]
+    out = sm.shapes_warm(Pipe(), "http://unused", reqs, "style", max_batch=4)
+    assert out["requests"] == sum(b for *_, b in sent) and out["failed"] == 0
+    areas = [a for a, _, _ in sent]
+    assert areas == sorted(areas, reverse=True) and areas[0] == 64 * 48
+    groups = {(a, kind) for a, kind, _ in sent}
+    assert len(groups) == 3 * 3 * 2  # sizes x CFG/cache kinds x with and without a LoRA
+    for a, kind in groups:  # each shape's batches: the largest first
+        bs = [b for a2, k2, b in sent if (a2, k2) == (a, kind)]
+        assert bs == ([4, 2, 1] if kind[0] <= 1 else [2, 1]), (a, kind, bs)

@@ -511,16 +511,19 @@ def shapes_warm(pipe, base: str, reqs: list[Req], lora: str, max_batch: int, cfg
     and cached steps; 1 without), with a LoRA and without (adapter widths 1 and 0). B identical requests
     sent at once make a batch of B. What a deployment's warm-up would send; the load then replays graphs
     instead of capturing them (a capture runs a few eager forwards, with nothing else running and their
-    working memory on top); the record's captures during the load say what it missed."""
+    working memory on top); the record's captures during the load say what it missed. Largest first (size,
+    then batch): the step cache's buffers are sized by the first shape that needs them, so no later one
+    reallocates them, which would leave every graph captured before it unusable (runtime/cache.py; an
+    H100 soak that warmed the smallest first captured 27 graphs again during the load)."""
     g0, t0 = pipe.graph_stats(), time.perf_counter()
     kinds = sorted({(cfg, cache) for _, cfg, cache, _ in CLASSES.values()}, key=str)
-    sizes = list(dict.fromkeys((r.width, r.height) for r in reqs))
+    sizes = sorted(dict.fromkeys((r.width, r.height) for r in reqs), key=lambda s: -s[0] * s[1])
     k, failed, sent = -10_000, 0, 0
     for w, h in sizes:
         for cfg, cache in kinds:
             top = max_batch if cfg <= 1 else min(max_batch, cfg_batch)
             for name in (lora, None):
-                for b in [1 << i for i in range(top.bit_length())]:
+                for b in [1 << i for i in reversed(range(top.bit_length()))]:
                     one = [
                         replace(
                             _plain(k - i, "4-step", (w, h), name, PROMPTS[0], i),
