@@ -126,6 +126,8 @@ def serve_soak(recs: list[Rec]) -> str:
             f"{r['warm_captures']} / {s.get('decode_captures', 0)}"
             + (f", {s['decode_graphs_resident']}" if "decode_graphs_resident" in s else "")]]
           if r.get("warm_captures") is not None else []),
+        *([["every shape of the load once before it (--warm-shapes): requests / graphs captured / resident after",
+            f"{w['requests']} / {w['captures']} / {w['resident']}"]] if (w := r.get("shapes_warm")) else []),
         ["allocated, per-minute floor (GiB)", " ".join(f"{v:.2f}" for v in m.get("floor_gib", []))],
         ["allocated, per-minute peak (GiB)", " ".join(f"{v:.2f}" for v in m.get("peak_gib", []))],
     ]  # fmt: skip
