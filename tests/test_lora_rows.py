@@ -179,6 +179,14 @@ def test_expand_by_column_blocks(device, dtype, tol, S, monkeypatch):
     monkeypatch.setitem(lora_rows_mod.TILES, "expand", (16, 64, 16, 4, 2))  # 64 columns straddle blocks
     got = lora_rows_triton(x, y.clone(), down, up, idx, scale, ranges=ranges)
     assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
+    monkeypatch.setitem(lora_rows_mod.TILES, "prefetch", 1)  # y's tile read before the products: the same
+    for tile in ((16, 32, 16, 4, 2), (16, 64, 16, 4, 2)):
+        monkeypatch.setitem(lora_rows_mod.TILES, "expand", tile)
+        got = lora_rows_triton(
+            x, y.clone(), down, poisoned if tile[1] == 32 else up, idx, scale, ranges=ranges
+        )
+        assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
+        assert torch.equal(got[1], y[1])
     with pytest.raises(ValueError, match="ranges must be"):
         lora_rows(x, y, down, up, idx, scale, ranges=ranges.long())  # int32 only
 
@@ -598,7 +606,7 @@ def test_default_tiles_do_not_spill(kernel):
         bm, bn, br, w, st, *cap = L.TILES["expand"]
         sig = {"h_ptr": "*bf16", "u_ptr": "*bf16", "idx_ptr": "*i64", "y_ptr": "*bf16", "rr_ptr": "*i32",
                **ints("T", "N", "R", "G", "NG", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is", "s_yb", "s_yt"),
-               **{c: "constexpr" for c in ("S", "RANGES", "BM", "BN", "BR", "IEEE")}}  # fmt: skip
+               **{c: "constexpr" for c in ("S", "RANGES", "BM", "BN", "BR", "IEEE", "PREFETCH")}}  # fmt: skip
         cx = {
             "S": int(kernel[9]),
             "RANGES": kernel.endswith("ranges"),
@@ -606,6 +614,7 @@ def test_default_tiles_do_not_spill(kernel):
             "BN": bn,
             "BR": br,
             "IEEE": False,
+            "PREFETCH": L.TILES["prefetch"],
         }
         got = spills(L._expand_kernel, sig, cx, w, st, maxnreg=cap[0] if cap else None)
     else:

@@ -42,6 +42,12 @@ stack's whole padded rank in one program (256 for the qkv stack's 192: 1.2 KB of
 its products on padding); it now covers 64 at a time, the rank tiles of one block of rows launched side
 by side so they read those rows of x from L2. The chosen tiles of both compile without spills
 (`test_default_tiles_do_not_spill`). What that is worth on the GPU is for `STAGE=rows bash bench/serve.sh`.
+Measured since (H100, FP8, batch 4, 1024², four rank-64 LoRAs, one eager forward's kernels, commit
+c09de89): expand 77.6 ms, shrink 22.0 ms of the 84 ms the side path adds; the expand moves ~109 GB per
+forward, so it runs at ~1.4 TB/s, two fifths of the card's memory bandwidth. Its default tile takes 255
+registers per thread (ptxas, sm_90a): one program of 8 warps per SM, little memory traffic in flight.
+Tiles of fewer registers that no GPU sweep has timed yet: 64 x 64 (BR 32, 8 warps) 80 registers, 32 x 128
+(BR 32, 8 warps) 127; `prefetch` adds ~50 to each.
 
 Column blocks: a LoRA with separate Q, K and V factors stacks to rank 192 on the fused qkv projection,
 but each third of its output columns has nonzero up factors in one third of that rank only
@@ -90,8 +96,9 @@ __all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton"]
 # spills in ptxas -v for sm_90a (module docstring; 64 x 128 x 32 at 8 warps capped at 128 spills 16 bytes,
 # uncapped it takes 183 registers: candidates for a GPU sweep); programs: the
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
-# rows split, the image stream's 128 programs at batch 4 do not)
-TILES = {"shrink": (128, 64, 8, 3, 64), "expand": (128, 128, 32, 8, 3), "programs": 200}
+# rows split, the image stream's 128 programs at batch 4 do not); prefetch: the expand reads y's tile before
+# its products (`_expand_kernel`), a candidate for GPU sweeps, off until one measures it faster
+TILES = {"shrink": (128, 64, 8, 3, 64), "expand": (128, 128, 32, 8, 3), "programs": 200, "prefetch": 0}
 
 if triton_available():
     import triton
@@ -215,6 +222,7 @@ if triton_available():
         BN: tl.constexpr,
         BR: tl.constexpr,
         IEEE: tl.constexpr,
+        PREFETCH: tl.constexpr,
     ):
         """y[b, t, n] += sum over the row's slots s of h[b, t, s*R:(s+1)*R] . up[idx[b, s], n], BM x BN
         of y, h in the factors' dtype (rounded as the torch pass rounds its h); a row whose slots are all
@@ -226,7 +234,9 @@ if triton_available():
         Register budget (ptxas -v for sm_90a, counted offline: `lora_rows` docstring): offsets inside one
         row's tensors are 32-bit (the launcher checks they fit) and y's tile is addressed only after the
         products, so no (BM, BN) tile of 64-bit pointers stays live across the loop; S is a compile-time
-        count (unrolled)."""
+        count (unrolled). PREFETCH (`TILES["prefetch"]`, a candidate for GPU sweeps, off by default): y's
+        tile is loaded before the products, so its read from memory overlaps them (the expand ran at about
+        two fifths of an H100's memory bandwidth, its y read issued only after the products)."""
         nt, mt, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # N fastest: h's tile stays in L2
         rows = mt * BM + tl.arange(0, BM)
         cols = nt * BN + tl.arange(0, BN)
@@ -235,6 +245,13 @@ if triton_available():
         for s in tl.static_range(S):
             live = tl.maximum(live, (tl.load(idx_ptr + b * s_ib + s * s_is) != 0).to(tl.int32))
         if live != 0:
+            yb = y_ptr + b.to(tl.int64) * s_yb
+            if PREFETCH:
+                y = tl.load(
+                    yb + (rows[:, None] * s_yt + cols[None, :]),
+                    mask=(rows[:, None] < T) & (cols[None, :] < N),
+                    other=0.0,
+                )
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             hb = h_ptr + b.to(tl.int64) * s_hb
             for s in tl.static_range(S):
@@ -257,10 +274,10 @@ if triton_available():
                         other=0.0,
                     )
                     acc += _dot(ha, ua, IEEE)
-            yb = y_ptr + b.to(tl.int64) * s_yb
             off = rows[:, None] * s_yt + cols[None, :]
             m = (rows[:, None] < T) & (cols[None, :] < N)
-            y = tl.load(yb + off, mask=m, other=0.0)
+            if not PREFETCH:
+                y = tl.load(yb + off, mask=m, other=0.0)
             tl.store(yb + off, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -501,6 +518,7 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
             BN=bn,
             BR=bre,
             IEEE=up.dtype == torch.float32,
+            PREFETCH=int(TILES.get("prefetch", 0)),
             num_warps=w,
             num_stages=st,
             **({"maxnreg": cap[0]} if cap and cap[0] else {}),
