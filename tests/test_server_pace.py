@@ -1,8 +1,8 @@
-"""The scheduler's step pace and its work rule (server/batcher.py: `StepPace`, `_work`).
+"""The scheduler's step pace and its work rule (server/batcher.py: `StepPace`, `work`).
 
 `StepPace` keeps the host a fixed number of steps ahead of the GPU, so that decisions made in a batch's
 step callback (interleaving shorter requests, progress events) happen while the batch runs; checked
-here with recorded fake events (the CUDA event is the same protocol). `_work` makes "shorter" mean GPU
+here with recorded fake events (the CUDA event is the same protocol). `work` makes "shorter" mean GPU
 work: a small image with as many steps as a large batch has left runs inside it, which a step count
 alone refused.
 """
@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from qwenfast.server.batcher import StepPace, _work  # noqa: E402
+from qwenfast.server.pace import StepPace, work  # noqa: E402
 from qwenfast.server.run import load_pipeline  # noqa: E402
 from qwenfast.server.schemas import Params  # noqa: E402
 from tests.test_server import (  # noqa: E402, F401
@@ -74,16 +74,16 @@ def test_step_pace_without_cuda_does_nothing():
 
 def test_work_counts_pixels_rows_steps_and_cfg():
     p = Params(prompt="a", negative=None, width=64, height=32, steps=4, cfg=4.0, n=1, seed=0)
-    assert _work(p, 1, 4) == 64 * 32 * 4
-    assert _work(p, 3, 2) == 64 * 32 * 3 * 2
+    assert work(p, 1, 4) == 64 * 32 * 4
+    assert work(p, 3, 2) == 64 * 32 * 3 * 2
     q = Params(
         prompt="a", negative=" ", width=64, height=32, steps=4, cfg=4.0, n=1, seed=0
     )  # true CFG: two forwards
-    assert _work(q, 1, 4) == 2 * _work(p, 1, 4)
+    assert work(q, 1, 4) == 2 * work(p, 1, 4)
     r = Params(
         prompt="a", negative=" ", width=64, height=32, steps=4, cfg=1.0, n=1, seed=0
     )  # scale 1: one forward
-    assert _work(r, 1, 4) == _work(p, 1, 4)
+    assert work(r, 1, 4) == work(p, 1, 4)
 
 
 def test_a_small_request_runs_inside_a_larger_batch_with_as_many_steps_left(pipe):

@@ -265,6 +265,8 @@ def create_app(
             "max_images": max_images,
             "limits": {**vars(cfg.limits), "max_images": max_images},
         }
+        if getattr(sched, "warm_state", None) is not None:  # --warm-up: its progress (server/warmup.py)
+            body["warm_up"] = dict(sched.warm_state)
         if hasattr(sched, "health"):  # Ray Serve: replicas up/total; none up -> 503
             body.update(await asyncio.to_thread(sched.health))
         if body["status"] != "ok":

@@ -20,7 +20,7 @@ pick is made again after the wait for batch-mates (8 clients starting at once: t
 With CUDA graphs a batch takes a power of two of the images that share its key (`_graph_sizes`).
 Between two steps of a running batch, the waiting shorter requests may run to the end first
 (`_interleave`), for at most `age_bound_s` of pauses per running batch. "Shorter" is GPU work, not step
-count: steps x image tokens x rows, twice with true CFG (`_work`). And the host keeps pace with the GPU
+count: steps x image tokens x rows, twice with true CFG (`pace.work`). And the host keeps pace with the GPU
 (`StepPace`): the steps of a batch replayed from CUDA graphs are queued in a few milliseconds, so without
 it every "between two steps" came before the GPU had run the first, and a request that arrived later
 waited for the whole batch.
@@ -39,10 +39,13 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import validation as V
 from ..errors import ConfigureError
+from . import warmup
 from .imaging import jpeg_b64
 from .metrics import Metrics
 from .options import ServerConfig
+from .pace import StepPace, work
 from .schemas import APIError, Params
 
 log = logging.getLogger("qwenfast.server")
@@ -121,40 +124,6 @@ class Item:
     index: int  # which of the job's n images
 
 
-def _work(p: Params, rows: int, steps: int) -> float:
-    """The GPU work of `steps` denoising steps of a batch of `rows` images like `p`, in image pixels: a
-    step costs about its tokens times its rows (the 60 blocks' GEMMs; attention grows faster, the text is
-    short), twice with true CFG (a forward per branch)."""
-    cfg = 2 if p.cfg > 1 and p.negative is not None else 1
-    return float(p.width * p.height * rows * cfg * steps)
-
-
-class StepPace:
-    """Keeps the host at most `lag` denoising steps ahead of the GPU inside a batch (called from its step
-    callback, once per step).
-
-    Why: the step callback is where a running batch lets shorter requests through (`_interleave`), and it
-    runs when the host has queued a step, not when the GPU has run it. With CUDA graphs a step is a replay
-    or two, so the host queued a whole 8-step batch in milliseconds and made every interleaving decision
-    before the GPU had finished the first step (a mixed load on an H100 interleaved one batch in 40
-    requests); the progress events streamed to clients ran ahead likewise. Each call records an event on
-    the current stream and waits for the one `lag` steps back: the GPU always has the next `lag` steps
-    queued, so it never waits for the host. A no-op without CUDA (`event` None)."""
-
-    def __init__(self, event=None, lag: int = 2):
-        self.event, self.lag = event, lag  # event: a factory of objects with record() and synchronize()
-        self.queued: deque = deque()
-
-    def __call__(self) -> None:
-        if self.event is None:
-            return
-        e = self.event()
-        e.record()
-        self.queued.append(e)
-        while len(self.queued) > self.lag:
-            self.queued.popleft().synchronize()  # (torch releases the GIL while it waits)
-
-
 class Scheduler:
     nesting = 2  # interleaved batches inside one another at most (`_interleave`)
 
@@ -179,6 +148,22 @@ class Scheduler:
             self._rows = pipe.row_loras
         self._depth = 0  # batches interleaved into running ones that are running now (`_interleave`)
         self._default_cache = pipe.options.cache  # the server's --cache
+        self.warm_state: dict | None = None  # --warm-up's progress (warmup.py), for /health
+        mult = pipe.capabilities.size_multiple
+        for w, h in cfg.warm_up:  # the size rule of requests (`schemas.validate`), checked before serving
+            try:
+                lim = cfg.limits
+                V.check_size(
+                    w,
+                    h,
+                    min_side=lim.min_side,
+                    max_side=lim.max_side,
+                    max_pixels=lim.max_pixels,
+                    multiple=mult,
+                    name="--warm-up size",
+                )
+            except ValueError as e:
+                raise ConfigureError(str(e)) from None
         self._thread = threading.Thread(target=self._loop, name="qwenfast-worker", daemon=True)
 
     # ------------------------------------------------------------------ called from the event loop
@@ -241,6 +226,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ worker thread
     def _loop(self) -> None:
+        if self.cfg.warm_up:
+            warmup.run(self, self.cfg.warm_up, self._warm_items)
         while True:
             batch = self._next_batch()
             if batch is None:
@@ -259,6 +246,11 @@ class Scheduler:
                     for job in {it.job for it in batch}:
                         if job.done >= job.params.n or job.cancelled:
                             self.running.discard(job)
+
+    def _warm_items(self, p: Params, loras: tuple, loop) -> list[Item]:
+        """The items of a warm-up request (`warmup.run`): a job on a loop nobody runs."""
+        job = Job(p, loop, kind="t2i", loras=loras, per_row=self._rows is not None)
+        return [Item(job, i) for i in range(p.n)]
 
     def _next_batch(self) -> list[Item] | None:
         with self.cond:
@@ -323,7 +315,7 @@ class Scheduler:
         """Between two steps of a running text-to-image batch (its step callback): run the waiting batches
         of shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
         whole run. Policy: among pending text-to-image requests whose whole run is less GPU work than
-        what the running batch (`rows` images) has left (`_work`: a 4-step 1024² image runs inside an
+        what the running batch (`rows` images) has left (`pace.work`: a 4-step 1024² image runs inside an
         8-step batch of four 928x1664 ones until its last two steps, not only its first three), the fewest
         steps first (then the oldest), batch after batch while any waits (requests
         of other sizes or step counts make batches of their own: running only one of them per step of
@@ -345,7 +337,7 @@ class Scheduler:
             return
         while job0.paused_s < self.cfg.age_bound_s:  # until the long batch has yielded enough
             with self.cond:
-                left = _work(job0.params, rows, remaining)
+                left = work(job0.params, rows, remaining)
                 ok = [it for it in self.pending if self._can_interleave(it.job, job0, left)]
                 if not ok:
                     return
@@ -366,13 +358,13 @@ class Scheduler:
                             self.running.discard(job)
 
     def _can_interleave(self, job: Job, job0: Job, left: float) -> bool:
-        """Whether `job` may run now inside `job0`'s batch, which has `left` work to go (`_work`)."""
+        """Whether `job` may run now inside `job0`'s batch, which has `left` work to go (`pace.work`)."""
         c = job.params.cache
         cache = self._default_cache if c is None else (None if c == "off" else c)
         return (
             job.kind == "t2i"
             and not job.cancelled
-            and _work(job.params, 1, job.params.steps) < left
+            and work(job.params, 1, job.params.steps) < left
             and cache is None
             and (self._rows is not None or job.loras == job0.loras)
         )

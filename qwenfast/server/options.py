@@ -51,6 +51,23 @@ class ServerConfig:
     preview_px: int = 192  # long side of the streamed preview images
     limits: Limits = field(default_factory=Limits)
     model_name: str | None = None  # id in /v1/models (default: the model folder's name)
+    warm_up: tuple[tuple[int, int], ...] = ()  # sizes whose batch shapes run once before serving (warmup.py)
+
+
+def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
+    """'1024x1024,1328x1328' -> ((1024, 1024), (1328, 1328)); ValueError with what to write otherwise."""
+    out = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            w, h = (int(v) for v in part.lower().split("x"))
+        except ValueError:
+            raise ValueError(f"--warm-up: {part!r} is not WIDTHxHEIGHT (e.g. 1024x1024,1328x1328)") from None
+        out.append((w, h))
+    if not out:
+        raise ValueError("--warm-up needs at least one WIDTHxHEIGHT (e.g. 1024x1024)")
+    return tuple(dict.fromkeys(out))
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +123,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="batch requests with different LoRAs together, each row with its own, N adapters kept on the "
         "GPU (least recently used out first); needs --lora-dir and the transformer resident (no block offload); "
         "text-to-image only (default 0: requests batch by LoRA set)",
+    )
+    p.add_argument(
+        "--warm-up",
+        default=None,
+        metavar="SIZES",
+        help="before serving, run every batch shape of these sizes once (e.g. 1024x1024,1328x1328: batch "
+        "sizes up to --max-batch, CFG on and off, with and without a per-row LoRA), so that with "
+        "--cuda-graphs no graph is captured under load; requests that come meanwhile wait in the queue, "
+        "/health shows the progress (pair it with --text-bucket)",
     )
     add_engine_arguments(p, cuda_graphs_default=False)  # --device --dtype --offload --fp8 --preset ...
     p.add_argument(
@@ -200,7 +226,14 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         raise SystemExit(
             "error: --row-loras N needs N >= 1 and --lora-dir (the folder the adapters come from)"
         )
+    warm = ()
+    if a.warm_up:
+        try:
+            warm = parse_sizes(a.warm_up)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     return ServerConfig(
+        warm_up=warm,
         api_key=key,
         max_queue=a.max_queue,
         max_batch=a.max_batch,
