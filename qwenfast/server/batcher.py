@@ -335,6 +335,8 @@ class Scheduler:
         # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
         if self._depth >= self.nesting or not self.cfg.interleave or o.parallel is not None:
             return
+        if self.warm_state is not None and not self.warm_state["done"]:  # requests wait for the warm-up
+            return
         while job0.paused_s < self.cfg.age_bound_s:  # until the long batch has yielded enough
             with self.cond:
                 left = work(job0.params, rows, remaining)
