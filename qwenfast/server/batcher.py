@@ -148,7 +148,10 @@ class Scheduler:
             self._rows = pipe.row_loras
         self._depth = 0  # batches interleaved into running ones that are running now (`_interleave`)
         self._default_cache = pipe.options.cache  # the server's --cache
-        self.warm_state: dict | None = None  # --warm-up's progress (warmup.py), for /health
+        # --warm-up's progress (warmup.py), for /health; while it runs nothing is interleaved into it
+        self.warm_state = (
+            {"batches": 0, "of": None, "failed": 0, "s": 0.0, "done": False} if cfg.warm_up else None
+        )
         mult = pipe.capabilities.size_multiple
         for w, h in cfg.warm_up:  # the size rule of requests (`schemas.validate`), checked before serving
             try:

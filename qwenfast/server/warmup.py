@@ -11,7 +11,7 @@ The plan (`plan`): sizes largest first (the step cache's buffers are sized by th
 them, and a later larger one would make every graph captured before unusable: runtime/cache.py); for
 each, the request defaults (the model's CFG with the blank negative prompt a request without one gets,
 the server's `--cache`) and no CFG (the 4- and 8-step Lightning requests); with per-row LoRAs
-(`--row-loras`) each once without and once with one adapter (the first in `--lora-dir` that loads); batch
+(`--row-loras`) each once without and once with one adapter (the first in `--lora-dir` by name); batch
 sizes the powers of two up to `--max-batch`, largest first (under CUDA graphs batches take a power of two
 of their images: `Scheduler._take`). One step without a step cache, six with one (its first, full and
 cached steps). The prompt is a short one: graphs are keyed by the text's padded length, so give
@@ -81,7 +81,8 @@ def run(sched, sizes: tuple[tuple[int, int], ...], items_of) -> dict:
     lora = first_lora(sched.cfg.lora_dir) if rows else None
     cfg = float(sched.pipe.defaults.get("true_cfg_scale", 1.0))
     todo = plan(sizes, sched.cfg.max_batch, cfg, sched._default_cache, lora)
-    state = sched.warm_state = {"batches": 0, "of": len(todo), "failed": 0, "s": 0.0, "done": False}
+    state = sched.warm_state  # (made by the scheduler, so /health shows the warm-up from the start)
+    state["of"] = len(todo)
     loop = asyncio.new_event_loop()  # the jobs' futures belong to a loop nobody runs: no one awaits them
     t0 = time.monotonic()
     try:
