@@ -152,7 +152,6 @@ class Scheduler:
         self.warm_state = (
             {"batches": 0, "of": None, "failed": 0, "s": 0.0, "done": False} if cfg.warm_up else None
         )
-        mult = pipe.capabilities.size_multiple
         for w, h in cfg.warm_up:  # the size rule of requests (`schemas.validate`), checked before serving
             try:
                 lim = cfg.limits
@@ -162,7 +161,7 @@ class Scheduler:
                     min_side=lim.min_side,
                     max_side=lim.max_side,
                     max_pixels=lim.max_pixels,
-                    multiple=mult,
+                    multiple=pipe.capabilities.size_multiple,
                     name="--warm-up size",
                 )
             except ValueError as e:
