@@ -528,7 +528,10 @@ class Scheduler:
             for job in jobs
         }
         sent = {job: 0 for job in jobs}
-        pace = StepPace(torch.cuda.Event if self.pipe.device.type == "cuda" else None)
+        # blocking events: the worker sleeps while it waits instead of spinning a core the event loop's
+        # image encoding can use
+        cuda = self.pipe.device.type == "cuda"
+        pace = StepPace((lambda: torch.cuda.Event(blocking=True)) if cuda else None)
 
         def callback(i: int, n: int, x) -> None:
             pace()  # decide (and report progress) at most `lag` steps ahead of the GPU
