@@ -30,7 +30,8 @@ memory grew by 2.4 GiB over an 8-minute mixed soak, H100). When a larger shape c
 reallocated and `epoch` moves on: graphs captured against the old one are never replayed again. So an
 arena is made `HEADROOM` times what the shape needs: a longer prompt (another text bucket) or a slightly
 larger size does not reallocate it, and a server's warm-up that runs its largest shape first
-(`benchmarks.serve_mixed.shapes_warm`) leaves every graph it captures valid for the load.
+(`qwenfast serve --warm-up`, server/warmup.py; the serve benchmark's `shapes_warm`) leaves every graph it
+captures valid for the load.
 """
 
 from __future__ import annotations
@@ -48,8 +49,9 @@ from .blocks import BlockCall, BlockRunner, StepContext
 __all__ = ["CachePolicy", "StepCacheRunner", "CACHE_PRESETS", "resolve_policy"]
 
 # an arena is allocated this many times the residuals it must hold (module docstring): an H100 soak whose
-# warm-up grew the arena three times captured 27 graphs again during the load, each with an eager
-# forward's working memory on top of the floor; a quarter more costs ~0.1 GB at 1328², batch 2 with CFG
+# warm-up grew the arena as it went (33 of its 73 graphs dropped as stale) captured 27 graphs again during
+# the load, each with an eager forward's working memory on top of the floor; a quarter more costs ~0.1 GB
+# at 1328², batch 2 with CFG
 HEADROOM = 1.25
 
 
