@@ -13,12 +13,14 @@ import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
 
 from qwenfast.server.pace import StepPace, work  # noqa: E402
 from qwenfast.server.run import load_pipeline  # noqa: E402
 from qwenfast.server.schemas import Params  # noqa: E402
 from tests.test_server import (  # noqa: E402, F401
     OK,
+    G,
     GatedPipe,
     Senders,
     _one_torch_thread,
@@ -105,3 +107,42 @@ def test_a_small_request_runs_inside_a_larger_batch_with_as_many_steps_left(pipe
         assert send.res[k].status_code == 200
         got = png_pixels(send.res[k].json()["data"][0]["b64_json"])
         assert_same_image(got, alone(pipe, OK["prompt"], seed, side, side, steps=steps), k)
+
+
+def test_a_cuda_batch_waits_in_each_step_callback_for_the_step_two_back(pipe, monkeypatch):
+    """The worker's step callback paces the batch (`Scheduler._generate`): on a CUDA pipeline each step
+    records a blocking event and waits for the one two steps back, before the callback's decisions; on
+    CPU no event is made. The pipeline here runs on the CPU and only says it is on CUDA."""
+    import torch
+
+    made = []
+
+    class Event(FakeEvent):
+        def __init__(self, blocking=False):
+            super().__init__()
+            made.append(blocking)
+
+    class OnCuda:
+        def __init__(self, pipe):
+            self._pipe, self.seen = pipe, []
+
+        def __getattr__(self, name):
+            return getattr(self._pipe, name)
+
+        device = torch.device("cuda")
+
+        def __call__(self, *args, callback=None, **kw):
+            def cb(i, n, x):
+                callback(i, n, x)
+                self.seen.append([k for what, k in FakeEvent.log if what == "wait"])
+
+            return self._pipe(*args, callback=cb, **kw)
+
+    FakeEvent.log, FakeEvent.made = [], 0
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    wrapped = OnCuda(pipe)
+    with running(wrapped, max_batch=2) as (base, _):
+        r = httpx.post(base + G, json={**OK, "steps": 5}, timeout=60)
+    assert r.status_code == 200
+    assert made == [True] * 5  # one blocking event per step
+    assert wrapped.seen == [[], [], [0], [0, 1], [0, 1, 2]]  # step k waited for step k - 2
