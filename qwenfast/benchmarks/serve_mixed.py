@@ -15,7 +15,8 @@ one-minute level), so the figures are a warmed server's, as in service; the firs
 recorded too (`warm_captures`); `--warm-shapes` runs every shape the load can make once before a server's
 first level or the soak (`shapes_warm`: what a deployment's warm-up would send). Figures per level:
 images/min, p50/p95 latency per class (queue included), the answers by status, the GPU memory sampled
-every 0.5 s, graph captures, adapter loads/evictions, batches run between two steps of a longer one. Rows, in one run on one GPU with the same weights:
+every 0.5 s, graph captures, adapter loads/evictions, batches run between two steps of a longer one.
+Rows, in one run on one GPU with the same weights:
 
 - `per-row`: `--row-loras` (each request its LoRA inside any batch) with step-boundary interleaving;
 - `old batcher`: the LoRA set in the batch key (one LoRA group at a time, `set_loras` between batches),
@@ -511,32 +512,30 @@ def shapes_warm(pipe, base: str, reqs: list[Req], lora: str, max_batch: int, cfg
     and cached steps; 1 without), with a LoRA and without (adapter widths 1 and 0). B identical requests
     sent at once make a batch of B. What a deployment's warm-up would send; the load then replays graphs
     instead of capturing them (a capture runs a few eager forwards, with nothing else running and their
-    working memory on top); the record's captures during the load say what it missed. Largest first (size,
-    then batch): the step cache's buffers are sized by the first shape that needs them, so no later one
-    reallocates them, which would leave every graph captured before it unusable (runtime/cache.py; an
-    H100 soak that warmed the smallest first captured 27 graphs again during the load)."""
+    working memory on top); the record's captures during the load say what it missed. In the order of the
+    server's `--warm-up` (`server.warmup.shapes`: largest first, so that the step cache's buffers never
+    grow after a capture; an H100 soak that warmed the smallest first captured 27 graphs again during the
+    load)."""
+    from ..server.warmup import shapes  # the server's --warm-up order
+
     g0, t0 = pipe.graph_stats(), time.perf_counter()
     kinds = sorted({(cfg, cache) for _, cfg, cache, _ in CLASSES.values()}, key=str)
-    sizes = sorted(dict.fromkeys((r.width, r.height) for r in reqs), key=lambda s: -s[0] * s[1])
+    sizes = [(r.width, r.height) for r in reqs]
     k, failed, sent = -10_000, 0, 0
-    for w, h in sizes:
-        for cfg, cache in kinds:
-            top = max_batch if cfg <= 1 else min(max_batch, cfg_batch)
-            for name in (lora, None):
-                for b in [1 << i for i in reversed(range(top.bit_length()))]:
-                    one = [
-                        replace(
-                            _plain(k - i, "4-step", (w, h), name, PROMPTS[0], i),
-                            cls="warm",
-                            steps=6 if cache else 1,
-                            cfg=cfg,
-                            cache=cache,
-                        )
-                        for i in range(b)
-                    ]
-                    k -= b
-                    sent += b
-                    failed += sum(r["outcome"] != "200" for r in closed_loop(base, one, b))
+    for s in shapes(sizes, kinds, max_batch, lora, cfg_batch):
+        one = [
+            replace(
+                _plain(k - i, "4-step", (s.width, s.height), s.lora, PROMPTS[0], i),
+                cls="warm",
+                steps=s.steps,
+                cfg=s.cfg,
+                cache=s.cache,
+            )
+            for i in range(s.n)
+        ]
+        k -= s.n
+        sent += s.n
+        failed += sum(r["outcome"] != "200" for r in closed_loop(base, one, s.n))
     g = pipe.graph_stats()
     return {
         "requests": sent,

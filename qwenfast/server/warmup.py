@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .schemas import Params
@@ -37,6 +38,41 @@ log = logging.getLogger("qwenfast.server")
 PROMPT = "a warm-up image"  # a short prompt: the first text bucket
 
 
+@dataclass(frozen=True)
+class Shape:
+    """One warm-up batch: `n` images of one size, true-CFG scale, step-cache preset and LoRA (a path or
+    None), `steps` steps (six with a cache: its first, full and cached steps; one without)."""
+
+    width: int
+    height: int
+    cfg: float
+    cache: str | None
+    lora: str | None
+    n: int
+    steps: int
+
+
+def shapes(
+    sizes,
+    kinds: list[tuple[float, str | None]],
+    max_batch: int,
+    lora: str | None,
+    cfg_batch: int | None = None,
+) -> list[Shape]:
+    """THE warm-up order (the server's `plan` and the serve benchmark's `shapes_warm`): sizes largest first;
+    for each, the (CFG scale, cache preset) `kinds` in their order, each without and then with `lora`, at
+    batch sizes the powers of two up to `max_batch` (up to `cfg_batch` with true CFG, when given), largest
+    first (see the module docstring for why largest)."""
+    out = []
+    for w, h in sorted(dict.fromkeys(sizes), key=lambda s: -s[0] * s[1]):
+        for cfg, cache in kinds:
+            top = max_batch if cfg <= 1 or cfg_batch is None else min(max_batch, cfg_batch)
+            for lo in (None, lora) if lora else (None,):
+                for i in reversed(range(top.bit_length())):
+                    out.append(Shape(w, h, cfg, cache, lo, 1 << i, 6 if cache else 1))
+    return out
+
+
 def plan(
     sizes: tuple[tuple[int, int], ...],
     max_batch: int,
@@ -44,22 +80,19 @@ def plan(
     cache: str | None,
     lora: str | None,
 ) -> list[tuple[Params, tuple]]:
-    """The warm-up batches in the order they run: (the request's parameters with n = the batch size, its
-    LoRAs as a job holds them, ((path, strength),) or ()). `cfg`: the model's default true-CFG scale;
-    `cache`: the server's step-cache preset (None: off); `lora`: a path in the LoRA folder or None."""
-    kinds = [(cfg, " ")] if cfg > 1 else []
-    kinds.append((1.0, None))
-    batches = [1 << i for i in reversed(range(max_batch.bit_length()))]
-    loras = [()] + ([((lora, 1.0),)] if lora else [])
-    out = []
-    for w, h in sorted(sizes, key=lambda s: -s[0] * s[1]):
-        for c, negative in kinds:
-            for lo in loras:
-                for b in batches:
-                    steps = 6 if cache else 1
-                    p = Params(PROMPT, negative, w, h, steps, cfg=c, n=b, seed=0)
-                    out.append((p, lo))
-    return out
+    """The server's warm-up batches in the order they run: (the request's parameters with n = the batch
+    size, its LoRAs as a job holds them, ((path, strength),) or ()). `cfg`: the model's default true-CFG
+    scale (with the blank negative prompt a request without one gets); `cache`: the server's step-cache
+    preset (None: off; the requests leave theirs unset, so the server's applies); `lora`: a path in the
+    LoRA folder or None."""
+    kinds = ([(cfg, cache)] if cfg > 1 else []) + [(1.0, cache)]
+    return [
+        (
+            Params(PROMPT, " " if s.cfg > 1 else None, s.width, s.height, s.steps, cfg=s.cfg, n=s.n, seed=0),
+            ((s.lora, 1.0),) if s.lora else (),
+        )
+        for s in shapes(sizes, kinds, max_batch, lora)
+    ]
 
 
 def first_lora(folder: str | None) -> str | None:
