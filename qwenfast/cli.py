@@ -21,9 +21,9 @@ from .options import WEIGHTS
 
 def _size(s: str) -> tuple[int, int]:
     try:
-        w, h = (int(v) for v in s.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"size must look like 1024x768 (WIDTHxHEIGHT), got {s!r}") from None
+        w, h = V.parse_size(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     try:  # the server's rule (validation.check_size): refused, never rounded; 2.1 models check 32 after loading
         V.check_size(w, h, name="")  # argparse says "argument --size: "
     except ValueError as e:

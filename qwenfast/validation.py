@@ -86,6 +86,16 @@ def image_seeds(seed: int, n: int, max_seed: int = MAX_SEED) -> list[int]:
     return [(seed + i) % (max_seed + 1) for i in range(n)]
 
 
+def parse_size(text: str) -> tuple[int, int]:
+    """'1024x768' -> (1024, 768) (WIDTHxHEIGHT, any case of x); ValueError naming the form otherwise. The
+    CLI's --size and the server's --warm-up read sizes with it; the rule they must keep is `check_size`."""
+    try:
+        w, h = (int(v) for v in text.strip().lower().split("x"))
+    except ValueError:
+        raise ValueError(f"size must look like 1024x768 (WIDTHxHEIGHT), got {text!r}") from None
+    return w, h
+
+
 def check_size(
     width: int,
     height: int,

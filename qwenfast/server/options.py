@@ -10,7 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from ..validation import MAX_CFG, MAX_PIXELS, MAX_SIDE, MAX_STEPS
+from ..validation import MAX_CFG, MAX_PIXELS, MAX_SIDE, MAX_STEPS, parse_size
 
 
 @dataclass
@@ -61,10 +61,9 @@ def parse_sizes(text: str) -> tuple[tuple[int, int], ...]:
         if not part:
             continue
         try:
-            w, h = (int(v) for v in part.lower().split("x"))
+            out.append(parse_size(part))
         except ValueError:
             raise ValueError(f"--warm-up: {part!r} is not WIDTHxHEIGHT (e.g. 1024x1024,1328x1328)") from None
-        out.append((w, h))
     if not out:
         raise ValueError("--warm-up needs at least one WIDTHxHEIGHT (e.g. 1024x1024)")
     return tuple(dict.fromkeys(out))
