@@ -518,7 +518,7 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
             BN=bn,
             BR=bre,
             IEEE=up.dtype == torch.float32,
-            PREFETCH=int(TILES.get("prefetch", 0)),
+            PREFETCH=int(TILES["prefetch"]),
             num_warps=w,
             num_stages=st,
             **({"maxnreg": cap[0]} if cap and cap[0] else {}),

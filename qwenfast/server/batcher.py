@@ -313,7 +313,7 @@ class Scheduler:
         (a mixed load's timed pass that captured 7 graphs spent about an eighth of its time on them)."""
         return bool(self.pipe.options.cuda_graphs) and self.pipe.device.type == "cuda"
 
-    def _interleave(self, job0: Job, remaining: int, rows: int = 1) -> None:
+    def _interleave(self, job0: Job, remaining: int, rows: int) -> None:
         """Between two steps of a running text-to-image batch (its step callback): run the waiting batches
         of shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
         whole run. Policy: among pending text-to-image requests whose whole run is less GPU work than
@@ -339,9 +339,9 @@ class Scheduler:
             return
         if self.warm_state is not None and not self.warm_state["done"]:  # requests wait for the warm-up
             return
+        left = work(job0.params, rows, remaining)  # what the running batch has to go
         while job0.paused_s < self.cfg.age_bound_s:  # until the long batch has yielded enough
             with self.cond:
-                left = work(job0.params, rows, remaining)
                 ok = [it for it in self.pending if self._can_interleave(it.job, job0, left)]
                 if not ok:
                     return
