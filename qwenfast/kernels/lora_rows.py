@@ -98,7 +98,7 @@ __all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton"]
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
 # rows split, the image stream's 128 programs at batch 4 do not); prefetch: the expand reads y's tile before
 # its products (`_expand_kernel`), a candidate for GPU sweeps, off until one measures it faster
-TILES = {"shrink": (128, 64, 8, 3, 64), "expand": (128, 128, 32, 8, 3), "programs": 200, "prefetch": 0}
+TILES = {"shrink": (128, 64, 8, 3, 64), "expand": (64, 128, 32, 8, 3), "programs": 200, "prefetch": 0}
 
 if triton_available():
     import triton
