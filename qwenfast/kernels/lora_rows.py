@@ -46,8 +46,14 @@ Measured since (H100, FP8, batch 4, 1024², four rank-64 LoRAs, one eager forwar
 c09de89): expand 77.6 ms, shrink 22.0 ms of the 84 ms the side path adds; the expand moves ~109 GB per
 forward, so it runs at ~1.4 TB/s, two fifths of the card's memory bandwidth. Its default tile takes 255
 registers per thread (ptxas, sm_90a): one program of 8 warps per SM, little memory traffic in flight.
-Tiles of fewer registers that no GPU sweep has timed yet: 64 x 64 (BR 32, 8 warps) 80 registers, 32 x 128
-(BR 32, 8 warps) 127; `prefetch` adds ~50 to each.
+Swept since (H100, 2026-11-27, commit 802e1aa, the sweep now `python bench/lora_rows_tiles.py`: the image
+stream's four layers, times summed per block): the expand 0.940 ms at 128 x 128, 0.818 at 64 x 128 (BR
+32, 8 warps; 2.2 TB/s counting one read and one write of the outputs), the default since; no tile or
+`prefetch` setting beat it by more than 1%; the shrink 0.338 ms at its default, 0.282 at 128 x 128 x 8
+warps, which spills (~250 bytes a thread), so not taken. The forward with the sweep's fastest tiles
+(eager, batch 4, each row its own LoRA) added 81 ms (+24.6%) to the FP8 forward, against 88 ms (+26.6%)
+at the former defaults (commit 28b60e8), and +21.3% to the bf16 one: still far from 15%, which needs the
+update out of its own pass over the outputs.
 
 Column blocks: a LoRA with separate Q, K and V factors stacks to rank 192 on the fused qkv projection,
 but each third of its output columns has nonzero up factors in one third of that rank only

@@ -1,0 +1,86 @@
+"""Tile sweep of the per-row LoRA kernels (qwenfast/kernels/lora_rows.py) on the image stream's four layer
+shapes at 1024², batch 4, each row its own rank-64 LoRA (the fused qkv stack: rank 192 in three column
+blocks), FP8 input codes as the FP8 path feeds the shrink. Prints each tile's time per block (the four
+layers summed) and the expand's rate counting one read and one write of each output; then, with --rows,
+`qwenfast bench serve --workload rows` (fp8 and bf16) at the fastest tiles.
+
+    python bench/lora_rows_tiles.py [--rows --lora-folder .bench_loras --results bench/results]
+
+A Hopper GPU; about 2 minutes without --rows. An analysis tool: the tiles it finds go into `TILES` by
+hand, after `test_default_tiles_do_not_spill` (ptxas, no GPU) says they compile without spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from qwenfast.kernels import lora_rows as LR
+
+B, L, SLOTS = 4, 4096, 9
+SHAPES = [(3072, 9216, 192, 3), (3072, 3072, 64, 1), (3072, 12288, 64, 1), (12288, 3072, 64, 1)]  # K, N, R, G
+EXPAND = [(128, 128, 32, 8, 3), (64, 64, 32, 8, 3), (64, 64, 32, 4, 3), (32, 128, 32, 8, 3), (32, 128, 32, 4, 3),
+          (64, 128, 32, 4, 3), (64, 128, 32, 8, 3), (64, 128, 64, 8, 3), (128, 64, 32, 4, 3), (64, 256, 32, 8, 3),
+          (128, 256, 32, 8, 3), (64, 64, 64, 4, 2), (64, 128, 32, 4, 4)]  # fmt: skip
+SHRINK = [(128, 64, 8, 3, 64), (64, 64, 4, 3, 64), (64, 128, 4, 3, 64), (128, 128, 8, 3, 64), (128, 64, 4, 4, 64),
+          (128, 64, 8, 4, 128), (64, 128, 4, 4, 128), (128, 128, 8, 3, 128), (64, 64, 4, 4, 64), (256, 64, 8, 3, 64)]  # fmt: skip
+
+
+def layers(dev="cuda"):
+    g = torch.Generator(device=dev).manual_seed(0)
+    out = []
+    for K, N, R, G in SHAPES:
+        down = torch.randn(SLOTS, R, K, device=dev, generator=g).bfloat16() * 0.02
+        up = torch.randn(SLOTS, N, R, device=dev, generator=g).bfloat16() * 0.02
+        rr = torch.tensor([[(i * R // G, (i + 1) * R // G) for i in range(G)]] * SLOTS, dtype=torch.int32)
+        x = torch.randn(B, L, K, device=dev, generator=g).to(torch.float8_e4m3fn)
+        xs = torch.rand(B, L, device=dev, generator=g) * 0.01
+        y = torch.randn(B, L, N, device=dev, generator=g).bfloat16()
+        h = torch.empty(B, L, R, device=dev, dtype=torch.bfloat16)
+        out.append((down, up, rr.to(dev) if G > 1 else None, x, xs, y, h))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", action="store_true", help="then the rows benchmark at the fastest tiles")
+    ap.add_argument("--lora-folder", default=".bench_loras")
+    ap.add_argument("--results", default=None)
+    a = ap.parse_args()
+    data, idx = layers(), torch.arange(1, B + 1, device="cuda").view(B, 1)
+    scale = torch.ones(B, 1, device="cuda")
+    ybytes = sum(2 * y.numel() * y.element_size() for *_, y, _ in data)
+
+    def timed(fn) -> float:
+        return sum(triton.testing.do_bench(lambda d=d: fn(*d), warmup=10, rep=60) for d in data)
+
+    res = {"expand": [], "shrink": []}
+    print(f"{'expand tile (BM, BN, BR, warps, stages)':42} prefetch  ms/block  TB/s")
+    for tile in EXPAND:
+        for pre in (0, 1):
+            LR.TILES.update(expand=tile, prefetch=pre)
+            ms = timed(lambda down, up, rr, x, xs, y, h: LR._expand(h, up, idx, y, rr))
+            res["expand"].append([list(tile), pre, round(ms, 3)])
+            print(f"{str(tile):42} {pre:8}  {ms:8.3f}  {ybytes / ms / 1e9:4.2f}")
+    print(f"{'shrink tile (BM, BK, warps, stages, BR max)':42}           ms/block")
+    for tile in SHRINK:
+        LR.TILES.update(shrink=tile)
+        ms = timed(lambda down, up, rr, x, xs, y, h: LR._shrink(x, down, idx, scale, h, xs))
+        res["shrink"].append([list(tile), round(ms, 3)])
+        print(f"{str(tile):42}           {ms:8.3f}")
+    be, bs = min(res["expand"], key=lambda r: r[2]), min(res["shrink"], key=lambda r: r[1])
+    res["best"] = {"expand": be, "shrink": bs}
+    print(json.dumps(res))
+    if a.rows:
+        from qwenfast.benchmarks.serve_baselines import run_rows
+
+        LR.TILES.update(expand=tuple(be[0]), prefetch=be[1], shrink=tuple(bs[0]))
+        for w in ("fp8", "bf16"):
+            run_rows(a.lora_folder, out_dir=a.results, weights=w)
+
+
+if __name__ == "__main__":
+    main()
