@@ -32,8 +32,8 @@ def _scheduler(graphs: bool, device: str = "cuda", **cfg) -> Scheduler:
     return Scheduler(pipe, ServerConfig(**cfg), Metrics())  # (its worker thread is never started)
 
 
-def _job(loop, steps: int, n: int = 1, size: int = 64) -> Job:
-    p = Params(prompt="a cat", negative=None, width=size, height=size, steps=steps, cfg=1.0, n=n, seed=0)
+def _job(loop, steps: int, n: int = 1, size: int = 64, cfg: float = 1.0, negative: str | None = None) -> Job:
+    p = Params(prompt="a cat", negative=negative, width=size, height=size, steps=steps, cfg=cfg, n=n, seed=0)
     return Job(p, loop)
 
 
@@ -73,3 +73,17 @@ def test_batches_take_a_power_of_two_with_graphs(loop, graphs, device, sizes):
     order = [it.job for b in got for it in b]
     assert order == [j for j in jobs for _ in range(j.params.n)]  # arrival order, nothing lost or doubled
     assert [it.job for it in s._next_batch()] == [other] and not s.pending
+
+
+@pytest.mark.parametrize("cap, sizes", [(2, [2, 2, 2, 1]), (None, [4, 2, 1])])
+def test_true_cfg_batches_take_at_most_max_cfg_batch(loop, cap, sizes):
+    """--max-cfg-batch: a true-CFG batch (a scale above 1 and a negative prompt: two forwards a step) takes
+    at most that many images; one without a negative prompt (one forward) takes what --max-batch allows."""
+    s = _scheduler(True, batch_wait_s=0.0, max_batch=8, max_cfg_batch=cap)
+    cfg_job = _job(loop, 50, n=7, cfg=4.0, negative=" ")
+    plain = _job(loop, 50, n=4, cfg=4.0, size=96)  # no negative prompt: no true CFG
+    s.submit(cfg_job)
+    s.submit(plain)
+    got = [len(s._next_batch()) for _ in sizes]
+    assert got == sizes
+    assert len(s._next_batch()) == 4 and not s.pending

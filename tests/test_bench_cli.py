@@ -112,7 +112,7 @@ def test_shapes_warm_runs_the_largest_shape_first(monkeypatch):
 
     class Pipe:
         def graph_stats(self):
-            return {"captures": 0, "decode_captures": 0, "resident": 0}
+            return {"captures": 0, "decode_captures": 0, "resident": 0, "stale": 0}
 
     monkeypatch.setattr(sm, "closed_loop", closed_loop)
     sizes = ((32, 32), (64, 48), (48, 48))

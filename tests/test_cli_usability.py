@@ -276,3 +276,14 @@ def test_serve_refuses_a_busy_port_before_loading(capsys, monkeypatch):
         port = s.getsockname()[1]
         err = _error(["serve", "--port", str(port), "--device", "cpu"], capsys)
     assert err == f"error: cannot listen on 127.0.0.1:{port}: in use (another server?); pick another --port\n"
+
+
+def test_serve_max_cfg_batch_reaches_the_server_config():
+    pytest.importorskip("pydantic")
+    from qwenfast.server.options import config_from_args
+
+    assert config_from_args(_sub("serve").parse_args([])).max_cfg_batch is None  # default: --max-batch's
+    cfg = config_from_args(_sub("serve").parse_args(["--max-batch", "8", "--max-cfg-batch", "2"]))
+    assert (cfg.max_batch, cfg.max_cfg_batch) == (8, 2)
+    with pytest.raises(SystemExit):
+        _sub("serve").parse_args(["--max-cfg-batch", "0"])

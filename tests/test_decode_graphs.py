@@ -145,6 +145,7 @@ def test_stale_epoch_graphs_are_dropped_and_an_emptied_pool_forgotten():
     assert g.drop_stale(a) == 0
     b.epoch = 3
     assert g.drop_stale(b) == 1 and not g.graphs and g._pool is None
+    assert g.stale == 3  # counted (the serve benchmark's graphs_dropped_stale)
     d = DecodeGraphs(torch.nn.Identity(), pool_of=g)
     g._pool, d.graphs["k"] = "shared", "entry"
     d.clear()

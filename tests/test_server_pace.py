@@ -109,6 +109,30 @@ def test_a_small_request_runs_inside_a_larger_batch_with_as_many_steps_left(pipe
         assert_same_image(got, alone(pipe, OK["prompt"], seed, side, side, steps=steps), k)
 
 
+@pytest.mark.parametrize("steps, enters", [(6, False), (5, True)])
+def test_a_request_enters_a_batch_of_two_by_the_work_each_image_has_left(pipe, steps, enters):
+    """A 48x48 request queued during the first step of a 4-step batch of two 64x64 images (3 steps, 3 x
+    4096 pixels left per image): 6 steps (13,824) is less than the batch has left in all but more than
+    each of its images has, so running it first would delay two images by more than it saves one: it
+    waits. 5 steps (11,520) is less than each image's: it runs inside. Images as alone either way."""
+    gated = GatedPipe(pipe)
+    with running(gated, max_batch=4) as (base, app):
+        gated.gate.clear()
+        send = Senders(base)
+        send.start("long", {**OK, "seed": 3, "steps": 4, "size": "64x64", "n": 2})
+        assert gated.entered.wait(30)
+        send.start("mid", {**OK, "seed": 5, "steps": steps, "size": "48x48"}, queued=1)
+        gated.gate.set()
+        send.join()
+        interleaved = app.state.metrics.interleaved
+    order = ["mid", "long"] if enters else ["long", "mid"]
+    assert interleaved == int(enters) and send.done == order, (interleaved, send.done)
+    assert gated.steps == ([steps, 4] if enters else [4, steps]), gated.steps
+    got = png_pixels(send.res["mid"].json()["data"][0]["b64_json"])
+    assert_same_image(got, alone(pipe, OK["prompt"], 5, 48, 48, steps=steps), "mid")
+    assert [png_pixels(d["b64_json"]).shape for d in send.res["long"].json()["data"]] == [(64, 64, 3)] * 2
+
+
 def test_a_cuda_batch_waits_in_each_step_callback_for_the_step_two_back(pipe, monkeypatch):
     """The worker's step callback paces the batch (`Scheduler._generate`): on a CUDA pipeline each step
     records a blocking event and waits for the one two steps back, before the callback's decisions; on

@@ -68,6 +68,8 @@ def test_plan_runs_the_largest_shapes_first():
         (2, 6, (("/loras/a.safetensors", 1.0),)),
         (1, 6, (("/loras/a.safetensors", 1.0),)),
     ]
+    capped = plan(((32, 32),), 8, 4.0, None, None, cfg_batch=2)  # --max-cfg-batch 2: CFG batches 2 and 1
+    assert [(p.cfg, p.n) for p, _ in capped] == [(4.0, 2), (4.0, 1), (1.0, 8), (1.0, 4), (1.0, 2), (1.0, 1)]
 
 
 def test_sizes_are_parsed_and_checked():

@@ -119,8 +119,12 @@ def serve_soak(recs: list[Rec]) -> str:
         ],
         ["5xx / lost / answered twice", f"{s['fivexx']} / {s['lost']} / {s['duplicated']}"],
         ["images/min", f"{s['images_per_min']:.1f}"],
+        *([[f"{c} requests, latency p50 / p95", f"{s['classes'][c]['n']}, {secs(s['classes'][c]['p50_s'])} / "
+            f"{secs(s['classes'][c]['p95_s'])}"] for c in ("4-step", "8-step") if c in s.get("classes", {})]),
         [f"CUDA graphs captured / replays / resident (LRU of {r.get('graph_slots', 8)})",
          f"{s['graph_captures']} / {s['graph_replays']} / {s['graphs_resident']}"],
+        *([["graphs dropped as stale in the load (a step cache's buffers grew)", f"{s['graphs_dropped_stale']}"]]
+          if "graphs_dropped_stale" in s else []),
         *([["graphs captured in the warm-up (its first requests once) / VAE decode graphs captured in the load"
             + (", resident at its end" if "decode_graphs_resident" in s else ""),
             f"{r['warm_captures']} / {s.get('decode_captures', 0)}"

@@ -57,6 +57,12 @@ CLASSES = {  # name -> (steps, true CFG, step cache, share)
     "50-step": (50, 4.0, None, 0.05),
     "50-step fast": (50, 4.0, "fast", 0.05),
 }
+# the servers' --max-cfg-batch, and the largest true-CFG batch the warm-up runs: two images (two forwards a step
+# each: two fill the GPU at these sizes). Uncapped, 50-step requests queued behind short ones could form
+# batches the warm-up never ran, and a larger batch with a step cache grows the cache's buffers, which makes
+# every graph captured with a cache unusable (an H100 soak that warmed up to two, uncapped, captured 12 graphs
+# during the load, each with an eager forward's memory above the floor; `graphs_dropped_stale` now counts)
+CFG_BATCH = 2
 # timed requests per level at least (3 per client above that): ~20 of them 4-step, for a p95
 LEVEL_REQUESTS = 40
 PROMPTS = [
@@ -268,6 +274,7 @@ def level(
     g = pipe.graph_stats()
     res["graph_captures"], res["graph_replays"] = g["captures"] - g0["captures"], g["replays"] - g0["replays"]
     res["graphs_resident"] = g["resident"]
+    res["graphs_dropped_stale"] = g["stale"] - g0["stale"]  # a step cache's buffers grew during the load
     res["decode_captures"] = g["decode_captures"] - g0["decode_captures"]
     res["decode_graphs_resident"] = g["decode_resident"]
     res["server_phases_s"] = phase_means(ph0, m.phase_sums("generations"))  # mean per successful request
@@ -365,6 +372,7 @@ def run(
         "loras": n_loras,
         "lora_ranks": [32, 64],
         "max_batch": max_batch,
+        "max_cfg_batch": CFG_BATCH,
         "cuda_graphs": cuda_graphs,
         "graph_slots": slots_graphs,
         "text_bucket": text_bucket,
@@ -396,6 +404,7 @@ def run(
     def server(row_loras: int, interleave: bool):
         scfg = ServerConfig(
             max_batch=max_batch,
+            max_cfg_batch=CFG_BATCH,
             max_queue=4096,
             batch_wait_s=0.02,
             timeout_s=3600,
@@ -504,11 +513,12 @@ def _pipeline_s(pipe, width: int, height: int, lora: str) -> dict:
     return out
 
 
-def shapes_warm(pipe, base: str, reqs: list[Req], lora: str, max_batch: int, cfg_batch: int = 2) -> dict:
+def shapes_warm(
+    pipe, base: str, reqs: list[Req], lora: str, max_batch: int, cfg_batch: int = CFG_BATCH
+) -> dict:
     """The shapes the load gives a forward, run once before it: each size of `reqs`, each batch size a
     server with CUDA graphs makes (powers of two up to `max_batch`; up to `cfg_batch` for the true-CFG
-    kinds: a tenth of the load, rarely more than two of one size waiting at once, and the costliest to
-    warm), each CFG / step-cache kind of the classes (6 steps with a cache: enough for its first, full
+    kinds, the servers' `max_cfg_batch`), each CFG / step-cache kind of the classes (6 steps with a cache: enough for its first, full
     and cached steps; 1 without), with a LoRA and without (adapter widths 1 and 0). B identical requests
     sent at once make a batch of B. What a deployment's warm-up would send; the load then replays graphs
     instead of capturing them (a capture runs a few eager forwards, with nothing else running and their
@@ -543,6 +553,7 @@ def shapes_warm(pipe, base: str, reqs: list[Req], lora: str, max_batch: int, cfg
         "captures": g["captures"] - g0["captures"],
         "decode_captures": g["decode_captures"] - g0["decode_captures"],
         "resident": g["resident"],
+        "dropped_stale": g["stale"] - g0["stale"],
         "s": round(time.perf_counter() - t0, 1),
     }
 

@@ -244,13 +244,15 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         self._clear_modulations()
 
     def graph_stats(self) -> dict[str, int]:
-        """The transformer's CUDA graphs so far: captures, replays, and how many are resident now (and the
-        per-image VAE decode's captures)."""
+        """The transformer's CUDA graphs so far: captures, replays, how many are resident now and how many
+        were dropped as stale (captured against a step cache's buffers before it reallocated them); and the
+        per-image VAE decode's captures."""
         g = self._graphs
         return {
             "captures": g.captures,
             "replays": g.replays,
             "resident": len(g.graphs),
+            "stale": g.stale,
             "decode_captures": self._decode_graphs.captures,
             "decode_resident": len(self._decode_graphs.graphs),
         }

@@ -53,8 +53,9 @@ class _GraphCache:
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.enabled = True
         self._pool = None
-        self.captures = 0  # stats: graphs captured and replays run so far
+        self.captures = 0  # stats: graphs captured and replays run so far, graphs dropped as stale
         self.replays = 0
+        self.stale = 0
 
     def run(self, key: tuple, fn, *inputs: torch.Tensor | None) -> torch.Tensor:
         """`fn(*inputs)`, replayed from the graph captured for `key` (captured on first use); eager
@@ -170,6 +171,7 @@ class CudaGraphRunner(_GraphCache):
         stale = [k for k in self.graphs if k[-1] is not None and k[-1][0] is runner and k[-2] != runner.epoch]
         for k in stale:
             del self.graphs[k]
+        self.stale += len(stale)
         if not self.graphs:
             self.clear()  # (no graph left in the pool: the next capture needs a new one)
         return len(stale)

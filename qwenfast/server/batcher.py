@@ -45,7 +45,7 @@ from . import warmup
 from .imaging import jpeg_b64
 from .metrics import Metrics
 from .options import ServerConfig
-from .pace import StepPace, work
+from .pace import StepPace, true_cfg, work
 from .schemas import APIError, Params
 
 log = logging.getLogger("qwenfast.server")
@@ -279,8 +279,12 @@ class Scheduler:
                 return take
 
     def _limit(self, first: Item) -> int:
-        """How many images a batch started by `first` may take: text-to-image batches, other tasks run alone."""
-        return self.cfg.max_batch if first.job.kind == "t2i" else 1
+        """How many images a batch started by `first` may take: text-to-image batches (`max_cfg_batch` with
+        true CFG, when set), other tasks run alone."""
+        if first.job.kind != "t2i":
+            return 1
+        cap = self.cfg.max_cfg_batch if true_cfg(first.job.params) else None
+        return self.cfg.max_batch if cap is None else min(cap, self.cfg.max_batch)
 
     def _first(self) -> Item:
         """The next batch's first item (hold `cond`): fewest steps, then oldest; the oldest once it has
@@ -313,40 +317,41 @@ class Scheduler:
         (a mixed load's timed pass that captured 7 graphs spent about an eighth of its time on them)."""
         return bool(self.pipe.options.cuda_graphs) and self.pipe.device.type == "cuda"
 
-    def _interleave(self, job0: Job, remaining: int, rows: int) -> None:
+    def _interleave(self, job0: Job, remaining: int) -> None:
         """Between two steps of a running text-to-image batch (its step callback): run the waiting batches
         of shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
-        whole run. Policy: among pending text-to-image requests whose whole run is less GPU work than
-        what the running batch (`rows` images) has left (`pace.work`: a 4-step 1024² image runs inside an
-        8-step batch of four 928x1664 ones until its last two steps, not only its first three), the fewest
-        steps first (then the oldest), batch after batch while any waits (requests
-        of other sizes or step counts make batches of their own: running only one of them per step of
-        the long batch held each of the others for that step too); `nesting` levels deep (an 8-step
-        batch run inside a 50-step one lets a 4-step one run inside it in turn: with one level, a 4-step
-        request waited for the 8-step batch's whole run); and none once the running batch has been
-        paused `age_bound_s` in all, so a stream of short requests slows a long batch by a bounded time
-        (that bound plus the nested batches under way). The pauses count, not the long batch's wait in
-        the queue: under a saturating load long requests have often waited that long already, and
-        bounding by their age then held every short request for a long batch's whole run (the mixed
-        soak's 4-step p95). Only what cannot disturb the running batch: the
-        same LoRA set (any with --row-loras: each forward selects its rows), no step cache for the short
-        batch (a running batch's step cache is bypassed for it and its state left alone:
-        `pipe.step_cache_bypassed`), one process (not --parallel). Same images as batches run one after
-        the other."""
+        whole run. Policy: among pending text-to-image requests whose image is less GPU work than what each
+        image of the running batch has left (`pace.work`, per image: running one first delays every image
+        of the batch by its time, so it pays only when its work per image is the smaller, Smith's rule; a
+        4-step 1024² image enters an 8-step batch of 928x1664 images while that has three steps left or
+        more, an 8-step 1024² one no batch of two 4-step 1664x928 images after their first step), the
+        fewest steps first (then the oldest), batch after batch while any waits (requests of other sizes
+        or step counts make batches of their own: running only one of them per step of the long batch held
+        each of the others for that step too); `nesting` levels deep (an 8-step batch run inside a 50-step
+        one lets a 4-step one run inside it in turn: with one level, a 4-step request waited for the 8-step
+        batch's whole run); and none once the running batch has been paused `age_bound_s` in all, so a
+        stream of short requests slows a long batch by a bounded time (that bound plus the nested batches
+        under way). The pauses count, not the long batch's wait in the queue: under a saturating load long
+        requests have often waited that long already, and bounding by their age then held every short
+        request for a long batch's whole run (the mixed soak's 4-step p95). Only what cannot disturb the
+        running batch: the same LoRA set (any with --row-loras: each forward selects its rows), no step
+        cache for the short batch (a running batch's step cache is bypassed for it and its state left
+        alone: `pipe.step_cache_bypassed`), one process (not --parallel). Same images as batches run one
+        after the other."""
         o = self.pipe.options
         # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
         if self._depth >= self.nesting or not self.cfg.interleave or o.parallel is not None:
             return
         if self.warm_state is not None and not self.warm_state["done"]:  # requests wait for the warm-up
             return
-        left = work(job0.params, rows, remaining)  # what the running batch has to go
+        left = work(job0.params, 1, remaining)  # what each of the running batch's images has to go
         while job0.paused_s < self.cfg.age_bound_s:  # until the long batch has yielded enough
             with self.cond:
                 ok = [it for it in self.pending if self._can_interleave(it.job, job0, left)]
                 if not ok:
                     return
                 first = min(ok, key=lambda it: (it.job.params.steps, it.job.enqueued))
-                take = self._take(first.job.key, self.cfg.max_batch)
+                take = self._take(first.job.key, self._limit(first))
             self._depth += 1
             self.metrics.interleaved += 1
             t0 = time.monotonic()
@@ -362,7 +367,8 @@ class Scheduler:
                             self.running.discard(job)
 
     def _can_interleave(self, job: Job, job0: Job, left: float) -> bool:
-        """Whether `job` may run now inside `job0`'s batch, which has `left` work to go (`pace.work`)."""
+        """Whether `job` may run now inside `job0`'s batch, each of whose images has `left` work to go
+        (`pace.work`)."""
         c = job.params.cache
         cache = self._default_cache if c is None else (None if c == "off" else c)
         return (
@@ -540,7 +546,7 @@ class Scheduler:
             for job in jobs:
                 job.post({"type": "image_generation.progress", "step": i + 1, "steps": n})
             if job0.kind == "t2i":
-                self._interleave(job0, n - i - 1, len(items))
+                self._interleave(job0, n - i - 1)
             rows = [r for r, it in enumerate(items) if i in preview_at[it.job] and not it.job.cancelled]
             if rows and not p.size_auto:
                 try:

@@ -40,6 +40,7 @@ class ServerConfig:
     api_key: str | None = None
     max_queue: int = 64  # requests waiting (not yet started); more -> 429 with Retry-After
     max_batch: int = 4  # images per pipeline call
+    max_cfg_batch: int | None = None  # images per call with true CFG (two forwards a step); None: max_batch
     batch_wait_s: float = 0.02  # how long a lone request waits for batch-mates (added latency cap)
     timeout_s: float = 600.0  # per request, queue wait included
     lora_dir: str | None = None
@@ -91,6 +92,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--max-queue", type=_positive, default=d.max_queue, help="waiting requests before new ones get 429"
     )
     p.add_argument("--max-batch", type=_positive, default=d.max_batch, help="images per pipeline call")
+    p.add_argument(
+        "--max-cfg-batch",
+        type=_positive,
+        default=None,
+        help="images per pipeline call with true CFG (two forwards a step: two images already fill a GPU "
+        "at 1024²; with --cuda-graphs and a step cache it also bounds the cache's buffers and the graphs "
+        "--warm-up captures); default: --max-batch",
+    )
     p.add_argument(
         "--batch-wait-ms",
         type=float,
@@ -236,6 +245,7 @@ def config_from_args(a: argparse.Namespace) -> ServerConfig:
         api_key=key,
         max_queue=a.max_queue,
         max_batch=a.max_batch,
+        max_cfg_batch=a.max_cfg_batch,
         batch_wait_s=max(0.0, a.batch_wait_ms / 1e3),
         timeout_s=a.timeout,
         lora_dir=a.lora_dir,

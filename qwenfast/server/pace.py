@@ -12,8 +12,12 @@ def work(p: Params, rows: int, steps: int) -> float:
     """The GPU work of `steps` denoising steps of a batch of `rows` images like `p`, in image pixels: a
     step costs about its tokens times its rows (the 60 blocks' GEMMs; attention grows faster, the text is
     short), twice with true CFG (a forward per branch)."""
-    cfg = 2 if p.cfg > 1 and p.negative is not None else 1
-    return float(p.width * p.height * rows * cfg * steps)
+    return float(p.width * p.height * rows * (2 if true_cfg(p) else 1) * steps)
+
+
+def true_cfg(p: Params) -> bool:
+    """Whether a request runs true CFG: two forwards a step (a scale above 1 and a negative prompt)."""
+    return p.cfg > 1 and p.negative is not None
 
 
 class StepPace:

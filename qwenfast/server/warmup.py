@@ -79,19 +79,20 @@ def plan(
     cfg: float,
     cache: str | None,
     lora: str | None,
+    cfg_batch: int | None = None,
 ) -> list[tuple[Params, tuple]]:
     """The server's warm-up batches in the order they run: (the request's parameters with n = the batch
     size, its LoRAs as a job holds them, ((path, strength),) or ()). `cfg`: the model's default true-CFG
     scale (with the blank negative prompt a request without one gets); `cache`: the server's step-cache
     preset (None: off; the requests leave theirs unset, so the server's applies); `lora`: a path in the
-    LoRA folder or None."""
+    LoRA folder or None; `cfg_batch`: the largest true-CFG batch (`--max-cfg-batch`; None: `max_batch`)."""
     kinds = ([(cfg, cache)] if cfg > 1 else []) + [(1.0, cache)]
     return [
         (
             Params(PROMPT, " " if s.cfg > 1 else None, s.width, s.height, s.steps, cfg=s.cfg, n=s.n, seed=0),
             ((s.lora, 1.0),) if s.lora else (),
         )
-        for s in shapes(sizes, kinds, max_batch, lora)
+        for s in shapes(sizes, kinds, max_batch, lora, cfg_batch)
     ]
 
 
@@ -113,7 +114,7 @@ def run(sched, sizes: tuple[tuple[int, int], ...], items_of) -> dict:
     rows = sched._rows is not None
     lora = first_lora(sched.cfg.lora_dir) if rows else None
     cfg = float(sched.pipe.defaults.get("true_cfg_scale", 1.0))
-    todo = plan(sizes, sched.cfg.max_batch, cfg, sched._default_cache, lora)
+    todo = plan(sizes, sched.cfg.max_batch, cfg, sched._default_cache, lora, sched.cfg.max_cfg_batch)
     state = sched.warm_state  # (made by the scheduler, so /health shows the warm-up from the start)
     state["of"] = len(todo)
     loop = asyncio.new_event_loop()  # the jobs' futures belong to a loop nobody runs: no one awaits them
