@@ -5,9 +5,10 @@
 #  - QWENFAST_COMMIT: the commit the records name, for a copy of the tree without .git;
 #  - prints the GPU, its memory, clocks and power limit once.
 set -uo pipefail
-if compgen -G ".whl/*.whl" > /dev/null; then
+# (once per process tree: serve.sh's STAGE=pair runs two stages at once, which inherit the installed wheels)
+if [ -z "${QWENFAST_WHEELS_IN:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=/tmp/site:$PWD QWENFAST_WHEELS_IN=1
 else
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
