@@ -16,6 +16,8 @@
 #                  10-minute device call, so start it detached and collect the record in a second call:
 #                  (RESULTS=/tmp/soak STAGE=soak setsid nohup bash bench/serve.sh > /tmp/soak/log 2>&1 &)
 #                  then wait for /tmp/soak/serve_mixed.jsonl)
+#   STAGE=tiles    the per-row LoRA kernels' tile sweep on the image stream's layer shapes, then STAGE=rows at the
+#                  fastest tiles (python -m qwenfast.benchmarks.lora_tiles; about 5 minutes)
 #   STAGE=pair     two GPUs of one host: the soak on the first and the mixed levels on the second at once, each
 #                  with its own LoRA folder ($LORAS/0, $LORAS/1) and records ($RESULTS/soak, $RESULTS/mixed); the
 #                  other variables as above (about 15 minutes: start it detached, as the soak, with RESULTS under
@@ -36,11 +38,12 @@ case "${STAGE:-uniform}" in
     soak) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --cuda-graphs --warm-shapes \
               --graph-slots "${GRAPH_SLOTS:-160}" ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} \
               --duration 480 --concurrency 8 --results "$RESULTS" ;;
+    tiles) python3 -m qwenfast.benchmarks.lora_tiles --rows --lora-folder "$LORAS" --results "$RESULTS" ;;
     pair) mkdir -p "$RESULTS/soak" "$RESULTS/mixed"
           CUDA_VISIBLE_DEVICES=0 RESULTS="$RESULTS/soak" LORAS="$LORAS/0" STAGE=soak bash bench/serve.sh \
               > "$RESULTS/soak/log" 2>&1 &
           CUDA_VISIBLE_DEVICES=1 RESULTS="$RESULTS/mixed" LORAS="$LORAS/1" STAGE=mixed bash bench/serve.sh \
               > "$RESULTS/mixed/log" 2>&1 &
           wait ;;
-    *) echo "STAGE must be uniform, mixed, rows, soak or pair" >&2; exit 2 ;;
+    *) echo "STAGE must be uniform, mixed, rows, soak, tiles or pair" >&2; exit 2 ;;
 esac

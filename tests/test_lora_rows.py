@@ -628,3 +628,13 @@ def test_default_tiles_do_not_spill(kernel):
         cx = {"BM": bm, "BR": br, "BK": bk, "IEEE": False, "CODES": codes, "PART": part}
         got = spills(L._shrink_kernel, sig, cx, w, st)
     assert got["stores"] == 0 and got["loads"] == 0, got
+
+
+def test_the_tile_sweep_times_the_default_tiles():
+    """`STAGE=tiles bash bench/serve.sh` (benchmarks/lora_tiles.py) sweeps tiles around the defaults: they
+    must be among its candidates, or a sweep could never confirm (or beat) them like for like."""
+    import qwenfast.kernels.lora_rows as L
+    from qwenfast.benchmarks import lora_tiles
+
+    assert tuple(L.TILES["expand"][:5]) in lora_tiles.EXPAND
+    assert tuple(L.TILES["shrink"]) in lora_tiles.SHRINK

@@ -46,7 +46,7 @@ Measured since (H100, FP8, batch 4, 1024², four rank-64 LoRAs, one eager forwar
 c09de89): expand 77.6 ms, shrink 22.0 ms of the 84 ms the side path adds; the expand moves ~109 GB per
 forward, so it runs at ~1.4 TB/s, two fifths of the card's memory bandwidth. Its default tile takes 255
 registers per thread (ptxas, sm_90a): one program of 8 warps per SM, little memory traffic in flight.
-Swept since (H100, 2026-11-27, commit 802e1aa, the sweep now `python bench/lora_rows_tiles.py`: the image
+Swept since (H100, 2026-11-27, commit 802e1aa, the sweep now `STAGE=tiles bash bench/serve.sh`: the image
 stream's four layers, times summed per block): the expand 0.940 ms at 128 x 128, 0.818 at 64 x 128 (BR
 32, 8 warps; 2.2 TB/s counting one read and one write of the outputs), the default since; no tile or
 `prefetch` setting beat it by more than 1%; the shrink 0.338 ms at its default, 0.282 at 128 x 128 x 8

@@ -2,9 +2,10 @@
 shapes at 1024², batch 4, each row its own rank-64 LoRA (the fused qkv stack: rank 192 in three column
 blocks), FP8 input codes as the FP8 path feeds the shrink. Prints each tile's time per block (the four
 layers summed) and the expand's rate counting one read and one write of each output; then, with --rows,
-`qwenfast bench serve --workload rows` (fp8 and bf16) at the fastest tiles.
+`qwenfast bench serve --workload rows` (fp8 and bf16) at the fastest tiles (`STAGE=tiles bash
+bench/serve.sh`).
 
-    python bench/lora_rows_tiles.py [--rows --lora-folder .bench_loras --results bench/results]
+    python -m qwenfast.benchmarks.lora_tiles [--rows --lora-folder .bench_loras --results bench/results]
 
 A Hopper GPU; about 2 minutes without --rows. An analysis tool: the tiles it finds go into `TILES` by
 hand, after `test_default_tiles_do_not_spill` (ptxas, no GPU) says they compile without spills.
@@ -16,17 +17,26 @@ import argparse
 import json
 
 import torch
-import triton
 
-from qwenfast.kernels import lora_rows as LR
+from ..kernels import lora_rows as LR
 
 B, L, SLOTS = 4, 4096, 9
 SHAPES = [(3072, 9216, 192, 3), (3072, 3072, 64, 1), (3072, 12288, 64, 1), (12288, 3072, 64, 1)]  # K, N, R, G
-EXPAND = [(128, 128, 32, 8, 3), (64, 64, 32, 8, 3), (64, 64, 32, 4, 3), (32, 128, 32, 8, 3), (32, 128, 32, 4, 3),
-          (64, 128, 32, 4, 3), (64, 128, 32, 8, 3), (64, 128, 64, 8, 3), (128, 64, 32, 4, 3), (64, 256, 32, 8, 3),
-          (128, 256, 32, 8, 3), (64, 64, 64, 4, 2), (64, 128, 32, 4, 4)]  # fmt: skip
-SHRINK = [(128, 64, 8, 3, 64), (64, 64, 4, 3, 64), (64, 128, 4, 3, 64), (128, 128, 8, 3, 64), (128, 64, 4, 4, 64),
-          (128, 64, 8, 4, 128), (64, 128, 4, 4, 128), (128, 128, 8, 3, 128), (64, 64, 4, 4, 64), (256, 64, 8, 3, 64)]  # fmt: skip
+
+
+def _tiles(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(v) for v in t.split()) for t in text.split(",")]
+
+
+# expand: (BM, BN, BR, warps, stages); shrink: (BM, BK, warps, stages, BR max)
+EXPAND = _tiles(
+    "128 128 32 8 3, 64 64 32 8 3, 64 64 32 4 3, 32 128 32 8 3, 32 128 32 4 3, 64 128 32 4 3, 64 128 32 8 3,"
+    "64 128 64 8 3, 128 64 32 4 3, 64 256 32 8 3, 128 256 32 8 3, 64 64 64 4 2, 64 128 32 4 4"
+)
+SHRINK = _tiles(
+    "128 64 8 3 64, 64 64 4 3 64, 64 128 4 3 64, 128 128 8 3 64, 128 64 4 4 64, 128 64 8 4 128, 64 128 4 4 128,"
+    "128 128 8 3 128, 64 64 4 4 64, 256 64 8 3 64"
+)
 
 
 def layers(dev="cuda"):
@@ -50,6 +60,8 @@ def main() -> None:
     ap.add_argument("--lora-folder", default=".bench_loras")
     ap.add_argument("--results", default=None)
     a = ap.parse_args()
+    import triton.testing
+
     data, idx = layers(), torch.arange(1, B + 1, device="cuda").view(B, 1)
     scale = torch.ones(B, 1, device="cuda")
     ybytes = sum(2 * y.numel() * y.element_size() for *_, y, _ in data)
