@@ -638,3 +638,88 @@ def test_the_tile_sweep_times_the_default_tiles():
 
     assert tuple(L.TILES["expand"][:5]) in lora_tiles.EXPAND
     assert tuple(L.TILES["shrink"]) in lora_tiles.SHRINK
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("S,ranged", [(1, True), (2, False)])
+def test_qk_norm_rope_rows_equals_the_expand_then_the_norm(device, dtype, tol, S, ranged):
+    """`qk_norm_rope_rows` (the qkv layer's per-row expand fused into QK-norm + RoPE) against the unfused
+    pair in torch: 70 tokens over two token tiles, 3 heads of 32, rank 16 per Q/K/V piece (by column
+    blocks with `ranges`: up poisoned with NaN outside each block's own columns changes nothing; without,
+    every block on the whole rank), a row of the zero slot, the buffers' positions outside [offset,
+    offset + L) left as poisoned, and the LoRA moving Q, K and V far more than the tolerance."""
+    from qwenfast.kernels.qk_norm_rope import qk_norm_rope_ref
+    from qwenfast.kernels.qk_norm_rope_rows import qk_norm_rope_rows, qk_norm_rope_rows_ref
+
+    dev = "cpu" if device == "interp" else device
+    g = torch.Generator().manual_seed(7 + S)
+    B, L, H, Dh, n, r, off = 3, 70, 3, 32, 4, 16, 5
+    R, N, HD = 3 * r, 3 * H * Dh, H * Dh
+    qkv = torch.randn(B, L, N, generator=g).to(dtype)
+    h = torch.randn(B, L, S * R, generator=g).to(dtype)
+    up = torch.zeros(n, N, R)
+    if ranged:  # each piece's up in its own third of the rank
+        for p in range(3):
+            up[1:, p * HD : (p + 1) * HD, p * r : (p + 1) * r] = torch.randn(n - 1, HD, r, generator=g) * 0.3
+    else:
+        up[1:] = torch.randn(n - 1, N, R, generator=g) * 0.3
+    up = up.to(dtype)
+    idx = torch.randint(1, n, (B, S), generator=g)
+    idx[0] = 0  # the first row: no LoRA
+    ranges = (
+        torch.tensor([[[p * r, (p + 1) * r] for p in range(3)]] * n, dtype=torch.int32) if ranged else None
+    )
+    wq, wk = ((1 + 0.2 * torch.randn(Dh, generator=g)).to(dtype) for _ in range(2))
+    ang = torch.rand(L, Dh // 2, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+
+    def buffers(device):
+        return [torch.full((B, off + L + 3, H, Dh), float("nan"), dtype=dtype, device=device).transpose(1, 2)
+                for _ in range(3)]  # fmt: skip
+
+    want = qk_norm_rope_rows_ref(qkv, h, up, idx, ranges, wq, wk, cos, sin, *buffers("cpu"), offset=off)
+    to = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    args = [to(t) for t in (qkv, h, up, idx, ranges, wq, wk, cos, sin)]
+    got = qk_norm_rope_rows(*args, *buffers(dev), offset=off)
+    for w, o in zip(want, got):
+        mid, o = w[:, :, off : off + L], o.cpu()
+        ref = mid.float().abs().max()
+        assert_close_finite(o[:, :, off : off + L].float() / ref, mid.float() / ref, rtol=0, atol=tol)
+        assert torch.isnan(o[:, :, :off]).all() and torch.isnan(o[:, :, off + L :]).all()  # not written
+    if ranged:  # the kernel reads each block's own columns of the rank only
+        poisoned = up.clone()
+        for p in range(3):
+            cols = [c for c in range(R) if not p * r <= c < (p + 1) * r]
+            poisoned[1:, p * HD : (p + 1) * HD, cols] = float("nan")
+        again = qk_norm_rope_rows(*args[:2], poisoned.to(dev), *args[3:], *buffers(dev), offset=off)
+        for a, o in zip(again, got):
+            assert torch.equal(a[:, :, off : off + L], o[:, :, off : off + L])
+    plain = qk_norm_rope_ref(qkv, wq, wk, cos, sin, *buffers("cpu"), offset=off)
+    for w, p in zip(want, plain):
+        moved = (w[1:, :, off : off + L].float() - p[1:, :, off : off + L].float()).abs().max()
+        assert moved / w[:, :, off : off + L].float().abs().max() > 10 * tol
+        assert torch.equal(w[0, :, off : off + L], p[0, :, off : off + L])  # the zero slot adds nothing
+
+
+@pytest.mark.skipif(not TRITON, reason="needs CUDA and triton")  # (CI has triton: its interpreter runs)
+@pytest.mark.skipif(TRITON and not PINNED_TRITON, reason="Triton older than the test extra's 3.7.1")
+@pytest.mark.parametrize("S", [1, 2])
+def test_qk_norm_rope_rows_default_tile_does_not_spill(S):
+    """`qk_norm_rope_rows` at its default tile (`TILE`), bf16 with column blocks, head_dim 128, compiled for
+    sm_90a without a GPU: no registers spilled (64 tokens a program spilled at 4 and 8 warps)."""
+    import triton.language as tl
+
+    import qwenfast.kernels.qk_norm_rope_rows as M
+    from qwenfast.testing.ptxas import spills
+
+    ptrs = ["qkv", "h", "u", "idx", "rr", "wq", "wk", "cos", "sin", "oq", "ok", "ov"]
+    types = ["*bf16"] * 3 + ["*i64", "*i32"] + ["*bf16"] * 2 + ["*fp32"] * 2 + ["*bf16"] * 3
+    ints = ["L", "H", "Dh", "R", "offset", "s_b", "s_l", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is", "s_cos",
+            "s_sin", "sq_b", "sq_h", "sq_s", "sk_b", "sk_h", "sk_s", "sv_b", "sv_h", "sv_s"]  # fmt: skip
+    cx = {"S": S, "BT": M.TILE["tokens"], "BR": M.TILE["rank"], "BLOCK_D": 128, "RANGES": True, "IEEE": False,
+          "YDT": tl.bfloat16, "W_HALF": True, "QDT": tl.bfloat16, "KDT": tl.bfloat16, "VDT": tl.bfloat16}  # fmt: skip
+    sig = {**{f"{p}_ptr": t for p, t in zip(ptrs, types)}, **dict.fromkeys(ints, "i32"), "eps": "fp32"}
+    sig.update(dict.fromkeys(cx, "constexpr"))
+    got = spills(M._qk_norm_rope_rows_kernel, sig, cx, M.TILE["warps"], 2)
+    assert got["stores"] == 0 and got["loads"] == 0, got

@@ -1,7 +1,8 @@
 """Tile sweep of the per-row LoRA kernels (qwenfast/kernels/lora_rows.py) on the image stream's four layer
 shapes at 1024², batch 4, each row its own rank-64 LoRA (the fused qkv stack: rank 192 in three column
 blocks), FP8 input codes as the FP8 path feeds the shrink. Prints each tile's time per block (the four
-layers summed) and the expand's rate counting one read and one write of each output; then, with --rows,
+layers summed) and the expand's rate counting one read and one write of each output, then the qkv
+layer's expand + QK-norm/RoPE against the fused `qk_norm_rope_rows` at its token tiles; then, with --rows,
 `qwenfast bench serve --workload rows` (fp8 and bf16) at the fastest tiles (`STAGE=tiles bash
 bench/serve.sh`).
 
@@ -54,6 +55,37 @@ def layers(dev="cuda"):
     return out
 
 
+def fused_qkv(layer, idx, bench) -> dict:
+    """The qkv layer's expand followed by QK-norm + RoPE (what a forward runs) against `qk_norm_rope_rows`
+    (the two in one pass), at its token tiles: ms per block, the image stream (24 heads of 128)."""
+    from ..kernels import qk_norm_rope_rows as QR
+    from ..kernels.qk_norm_rope import qk_norm_rope
+
+    down, up, rr, x, xs, y, h = layer
+    H, Dh = 24, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = [1 + 0.1 * torch.randn(Dh, device="cuda", generator=g).bfloat16() for _ in range(2)]
+    ang = torch.rand(L, Dh // 2, device="cuda", generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    outs = [
+        torch.empty(B, L + 64, H, Dh, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)
+    ]
+
+    def pair():
+        qk_norm_rope(LR._expand(h, up, idx, y, rr), *w, cos, sin, *outs, offset=64)
+
+    out = {"pair_ms": round(bench(pair, warmup=10, rep=60), 4), "fused": []}
+    print(f"qkv expand + QK-norm/RoPE: {out['pair_ms']:.4f} ms; fused (tokens, warps):")
+    for bt, warps in ((16, 4), (32, 4), (32, 8), (64, 8), (64, 4)):
+        QR.TILE.update(tokens=bt, warps=warps)
+        ms = bench(
+            lambda: QR.qk_norm_rope_rows(y, h, up, idx, rr, *w, cos, sin, *outs, offset=64), warmup=10, rep=60
+        )
+        out["fused"].append([bt, warps, round(ms, 4)])
+        print(f"  {bt:3} {warps}: {ms:.4f} ms")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", action="store_true", help="then the rows benchmark at the fastest tiles")
@@ -85,6 +117,8 @@ def main() -> None:
         print(f"{str(tile):42}           {ms:8.3f}")
     be, bs = min(res["expand"], key=lambda r: r[2]), min(res["shrink"], key=lambda r: r[1])
     res["best"] = {"expand": be, "shrink": bs}
+    LR.TILES.update(expand=tuple(be[0]), prefetch=be[1])
+    res["qkv_fused"] = fused_qkv(data[0], idx, triton.testing.do_bench)
     print(json.dumps(res))
     if a.rows:
         from qwenfast.benchmarks.serve_baselines import run_rows

@@ -86,7 +86,9 @@ if triton_available():
         YDT: tl.constexpr,
         W_HALF: tl.constexpr,
     ):
-        """RMSNorm over the last dim of an fp32 [BLOCK_H, BLOCK_D] tile, then RoPE; fp32 out."""
+        """RMSNorm over the last dim of an fp32 [BLOCK_H, BLOCK_D] tile, then RoPE by the angles' cos / sin
+        (fp32, broadcastable to [BLOCK_H, BLOCK_D // 2]: one token's for a tile of heads, or each row's
+        own for a tile of tokens, `qk_norm_rope_rows`); fp32 out."""
         ms = tl.sum(x * x, axis=1) / Dh
         y = x * tl.rsqrt(ms + eps)[:, None]
         w = tl.load(w_ptr + ds, mask=dmask, other=0.0).to(tl.float32)
@@ -95,8 +97,8 @@ if triton_available():
         else:
             y = y * w[None, :]
         ye, yo = tl.split(tl.reshape(y, [BLOCK_H, BLOCK_D // 2, 2]))
-        oe = ye * c[None, :] - yo * s[None, :]
-        oo = ye * s[None, :] + yo * c[None, :]
+        oe = ye * c - yo * s
+        oo = ye * s + yo * c
         return _round(tl.reshape(tl.join(oe, oo), [BLOCK_H, BLOCK_D]), YDT)  # apply_rope's type_as
 
     @triton.jit
@@ -167,6 +169,7 @@ if triton_available():
         s = tl.load(sin_ptr + tok * s_sin + half, mask=hmask, other=0.0).to(tl.float32)
 
         q = tl.load(src, mask=m2, other=0.0).to(tl.float32)
+        c, s = c[None, :], s[None, :]  # one token: the same angles for every head
         q = _norm_rope(q, wq_ptr, ds, dmask, c, s, Dh, eps, BLOCK_H, BLOCK_D, YDT, W_HALF)
         dq = oq_ptr + b * sq_b + hs[:, None] * sq_h + seq * sq_s + ds[None, :]
         if Q8:  # e4m3 at the bound's descale (no amax pass: see the module docstring)
