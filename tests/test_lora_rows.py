@@ -286,6 +286,93 @@ def test_fp8_producers_hand_their_rows_to_per_row_loras(device):
     assert moved > 10 * err and err < 2e-2, (moved, err)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_qkv_updates_fused_into_the_qk_norm_equal_the_layer_adding_them(device, monkeypatch):
+    """Where the gathered kernels run (CUDA, the interpreter), the qkv layers leave their per-row updates to
+    the QK-norm kernel (`deferred_rows` -> `qk_norm_rope_rows`, once per stream and block): the model equals
+    the one whose layers add them (`row_lora.FUSE` off) within fp32 rounding, far below what the LoRAs move;
+    with the 8-bit attention backend the pending updates are added to the projections first, the same."""
+    import qwenfast.kernels.qk_norm_rope_rows as QR
+    from qwenfast.kernels import row_lora
+    from qwenfast.runtime.attention import use_attention
+
+    from .conftest import rel_err
+    from .test_fp8_fused import _tiny_fp8_model
+
+    dev = "cpu" if device == "interp" else device
+    model = _tiny_fp8_model(False, dev)
+    x, txt, t, shapes = _inputs(2)
+    x, txt, t = x.to(dev, model.dtype), txt.to(dev, model.dtype), t.to(dev)
+    base = model(x, txt, None, t, shapes)
+    rows = RowAdapters(model, slots=3, device=dev)
+    for name, (seed, rank) in {"a": (1, 4), "b": (2, 8), "c": (3, 16)}.items():
+        rows.put(name, _lora(seed, rank))
+    calls = []
+    real = QR.qk_norm_rope_rows
+    monkeypatch.setattr(QR, "qk_norm_rope_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rows.install()
+    outs = {}
+    try:
+        rows.select([[("a", 1.0)], [("b", 0.7), ("c", -0.5)]], dev)  # rows that differ: the gathered kernels
+        for fuse in (False, True):
+            monkeypatch.setitem(row_lora.FUSE, "qkv", fuse)
+            calls.clear()
+            outs[fuse] = model(x, txt, None, t, shapes)
+            assert len(calls) == (2 * len(model.blocks) if fuse else 0), len(calls)
+        with use_attention("fp8"):
+            calls.clear()
+            outs["fp8"] = model(x, txt, None, t, shapes)
+            monkeypatch.setitem(row_lora.FUSE, "qkv", False)
+            outs["fp8 unfused"] = model(x, txt, None, t, shapes)
+        assert not calls
+    finally:
+        rows.uninstall()
+    moved, err = rel_err(base, outs[True]), rel_err(outs[False], outs[True])
+    assert moved > 10 * max(err, 1e-5) and err < 1e-5, (moved, err)
+    assert rel_err(outs["fp8 unfused"], outs["fp8"]) < 1e-5
+
+
+@torch.no_grad()
+def test_joint_attention_adds_a_pending_qkv_update(monkeypatch):
+    """`joint_attention` given a stream's per-row qkv update still pending (what a qkv layer leaves under
+    `deferred_rows`) equals it given the projection with the update added (CPU: the kernels' references);
+    the update moves the output far more than the tolerance; a fused kernel that fails warns once and the
+    update is then added to the projection first, the same result."""
+    import qwenfast.kernels.qk_norm_rope_rows as QR
+    from qwenfast.kernels.row_lora import PendingRows
+    from qwenfast.runtime import attention as A
+
+    g = torch.Generator().manual_seed(0)
+    B, Lt, Li, H, Dh, n, R = 2, 5, 9, 2, 16, 3, 8
+    qkv_t, qkv_i = torch.randn(B, Lt, 3 * H * Dh, generator=g), torch.randn(B, Li, 3 * H * Dh, generator=g)
+    h, up = torch.randn(B, Li, R, generator=g), torch.randn(n, 3 * H * Dh, R, generator=g) * 0.3
+    up[0] = 0
+    pend = PendingRows(h, up, torch.tensor([[1], [2]]), None)
+    wq, wk = (1 + 0.1 * torch.randn(Dh, generator=g) for _ in range(2))
+    (ct, st), (ci, si) = (
+        (a.cos(), a.sin()) for a in (torch.rand(L, Dh // 2, generator=g) * 6 for L in (Lt, Li))
+    )
+
+    def run(img, pending=None):
+        streams = [(qkv_t, wq, wk, ct, st), (img, wq, wk, ci, si)]
+        return A.joint_attention(streams, H, Dh, None, pending).clone()
+
+    want = run(pend.apply(qkv_i.clone()))
+    plain = run(qkv_i.clone())
+    got = run(qkv_i.clone(), [None, pend])
+    assert_close_finite(got, want, rtol=0, atol=1e-5)
+    assert (want - plain).abs().max() > 1e-3
+    monkeypatch.setitem(A._QK_ROWS, "ok", True)
+    monkeypatch.setattr(
+        QR, "qk_norm_rope_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no build"))
+    )
+    with pytest.warns(UserWarning, match="QK-norm kernel failed"):
+        again = run(qkv_i.clone(), [None, pend])
+    assert A._QK_ROWS["ok"] is False
+    assert_close_finite(again, want, rtol=0, atol=1e-5)
+
+
 @pytest.mark.skipif(TRITON and not PINNED_TRITON, reason="Triton older than the test extra's 3.7.1")
 def test_interpreter_subprocess(request):
     run_interpreter_cases(__file__, at_least=len(interpreter_cases(request)), exactly=True)

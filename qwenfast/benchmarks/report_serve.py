@@ -86,6 +86,12 @@ def serve_mixed(recs: list[Rec]) -> str:
             f"{o['none_installed_ms']:.0f} ms; "
             f"each row its own rank-64 LoRA {o['each_row_its_lora_ms']:.0f} ms ({o['overhead_pct']:+.0f}%); "
             f"adapters installed, no row using one {o['rows_without_lora_ms']:.0f} ms ({o['no_lora_rows_overhead_pct']:+.0f}%)"
+            + "".join(
+                f"; each row its LoRA, the qkv updates {k.rsplit('_', 1)[1]} "
+                f"({'by their own expand' if k.endswith('unfused') else 'in the QK-norm pass'}) {o[k]:.0f} ms"
+                for k in ("each_row_its_lora_unfused_ms", "each_row_its_lora_fused_ms")
+                if k in o
+            )
             + (
                 f"; CUDA-graphed {o['none_installed_graph_ms']:.0f} / {o['each_row_its_lora_graph_ms']:.0f} "
                 f"({o['overhead_graph_pct']:+.0f}%) / {o['rows_without_lora_graph_ms']:.0f} ms "

@@ -333,11 +333,16 @@ def joint_qkv(
     head_dim: int,
     qk_dtype: torch.dtype | None = None,
     descale_qk: torch.Tensor | None = None,
+    pending: list | None = None,
+    fused=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The joint Q, K, V (B, H, S, D), views of fresh (B, S, H, D) buffers, each stream written at its
     offset by `qk_norm_rope`; streams: (qkv, q gain, k gain, cos, sin) each, in sequence order, as
     `runtime.attention.joint_attention` takes them. qk_dtype: Q's and K's (default the projections'
-    dtype; e4m3 with `descale_qk`, fp32 (2,) = their descales); V keeps the projections' dtype."""
+    dtype; e4m3 with `descale_qk`, fp32 (2,) = their descales); V keeps the projections' dtype.
+    `pending`: per stream, its qkv layer's per-row LoRA update not yet added (`row_lora.PendingRows`) or
+    None; such a stream goes through `fused(qkv, pending, wq, wk, cos, sin, q, k, v, offset)` (the caller's
+    `qk_norm_rope_rows`, which adds it in the same pass), or with e4m3 Q and K is added first."""
     qkv0 = streams[0][0]
     B, S, dev = qkv0.shape[0], sum(st[0].shape[1] for st in streams), qkv0.device
     q, k = (
@@ -347,8 +352,14 @@ def joint_qkv(
     v = torch.empty(B, S, heads, head_dim, dtype=qkv0.dtype, device=dev).transpose(1, 2)
     dq, dk = (None, None) if descale_qk is None else (descale_qk[0:1], descale_qk[1:2])
     offset = 0
-    for qkv, wq, wk, cos, sin in streams:
-        qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
+    for i, (qkv, wq, wk, cos, sin) in enumerate(streams):
+        p = None if pending is None else pending[i]
+        if p is None:
+            qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
+        elif qk_dtype is not None and qk_dtype != qkv.dtype:  # (e4m3 Q, K: the unfused pair)
+            qk_norm_rope(p.apply(qkv), wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
+        else:
+            fused(qkv, p, wq, wk, cos, sin, q, k, v, offset)
         offset += qkv.shape[1]
     return q, k, v
 
