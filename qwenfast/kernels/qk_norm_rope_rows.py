@@ -18,8 +18,9 @@ the slots each row uses (0: none, its rows add nothing), `ranges` (n, 3, 2) int3
 written in the buffers' float dtype (no e4m3 outputs: the 8-bit attention path keeps the unfused pair).
 
 `qk_norm_rope_rows_ref` is the unfused pair in torch (the expand's torch form, then `qk_norm_rope_ref`).
-Not wired into the model yet: a building block whose GPU time against the pair it replaces is for the tile
-sweep (`STAGE=tiles bash bench/serve.sh`) to measure first.
+The model reaches it through `row_lora.deferred_rows` and `runtime.attention.joint_attention` (on while
+`row_lora.FUSE["qkv"]`); its GPU time against the pair it replaces is for the tile sweep (`STAGE=tiles
+bash bench/serve.sh`) and the rows benchmark, which times the forward both ways, to measure.
 """
 
 from __future__ import annotations
