@@ -342,7 +342,8 @@ def joint_qkv(
     dtype; e4m3 with `descale_qk`, fp32 (2,) = their descales); V keeps the projections' dtype.
     `pending`: per stream, its qkv layer's per-row LoRA update not yet added (`row_lora.PendingRows`) or
     None; such a stream goes through `fused(qkv, pending, wq, wk, cos, sin, q, k, v, offset)` (the caller's
-    `qk_norm_rope_rows`, which adds it in the same pass), or with e4m3 Q and K is added first."""
+    `qk_norm_rope_rows`, which adds it in the same pass; float Q and K only: the 8-bit attention path adds
+    pending updates to the projections before it calls this, `runtime.attention.joint_attention`)."""
     qkv0 = streams[0][0]
     B, S, dev = qkv0.shape[0], sum(st[0].shape[1] for st in streams), qkv0.device
     q, k = (
@@ -356,8 +357,6 @@ def joint_qkv(
         p = None if pending is None else pending[i]
         if p is None:
             qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
-        elif qk_dtype is not None and qk_dtype != qkv.dtype:  # (e4m3 Q, K: the unfused pair)
-            qk_norm_rope(p.apply(qkv), wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
         else:
             fused(qkv, p, wq, wk, cos, sin, q, k, v, offset)
         offset += qkv.shape[1]
