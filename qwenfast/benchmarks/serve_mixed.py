@@ -518,8 +518,8 @@ def shapes_warm(
 ) -> dict:
     """The shapes the load gives a forward, run once before it: each size of `reqs`, each batch size a
     server with CUDA graphs makes (powers of two up to `max_batch`; up to `cfg_batch` for the true-CFG
-    kinds, the servers' `max_cfg_batch`), each CFG / step-cache kind of the classes (6 steps with a cache: enough for its first, full
-    and cached steps; 1 without), with a LoRA and without (adapter widths 1 and 0). B identical requests
+    kinds, the servers' `max_cfg_batch`), each CFG / step-cache kind of the classes (6 steps with a
+    cache: enough for its first, full and cached steps; 1 without), with a LoRA and without (adapter widths 1 and 0). B identical requests
     sent at once make a batch of B. What a deployment's warm-up would send; the load then replays graphs
     instead of capturing them (a capture runs a few eager forwards, with nothing else running and their
     working memory on top); the record's captures during the load say what it missed. In the order of the
