@@ -21,8 +21,11 @@ from .lora_rows import lora_rows
 
 __all__ = ["RowLora", "RowLoraLinear", "RowSelection", "plain_linear", "PendingRows", "deferred_rows", "FUSE"]
 
-# whether a consumer may take a layer's per-row expand over (`deferred_rows`); tests flip it to compare
-FUSE = {"qkv": True}
+# whether a consumer may take a layer's per-row expand over (`deferred_rows`); tests flip it to compare.
+# Off: on an H100 the QK-norm kernel with the qkv updates inside ran no faster than the expand and the plain
+# QK-norm kernel one after the other at its best tile, and slower at the others (`STAGE=tiles bash
+# bench/serve.sh`), and the forward with it on was no faster either (the rows benchmark times both)
+FUSE = {"qkv": False}
 
 
 def plain_linear(layer: nn.Module) -> bool:
