@@ -88,6 +88,29 @@ def test_work_counts_pixels_rows_steps_and_cfg():
     assert work(r, 1, 4) == work(p, 1, 4)
 
 
+def test_may_run_inside_by_work_per_image_or_shorter_class():
+    """`may_run_inside` on the mixed load's shapes: a 4-step 1328² image enters an 8-step batch of four
+    928x1664 images with two steps left (more than each image's two steps, less than the batch's eight
+    image-steps: a shorter class), but not a 4-step batch of two 1664x928 images with one step left
+    (as many steps: only the work per image counts); an 8-step 1024² image never enters a 4-step batch of
+    two 1664x928 images past their first step (more steps, more work than each image has left), even
+    though it is less than the batch has left in all."""
+    from qwenfast.server.pace import may_run_inside
+
+    def P(w, h, steps):
+        return Params(prompt="a", negative=None, width=w, height=h, steps=steps, cfg=1.0, n=1, seed=0)
+
+    four_1328 = P(1328, 1328, 4)
+    assert may_run_inside(four_1328, P(928, 1664, 8), 4, 2)
+    assert not may_run_inside(four_1328, P(928, 1664, 8), 1, 2)  # one image: more than its two steps
+    assert not may_run_inside(four_1328, P(1664, 928, 4), 2, 1)
+    assert may_run_inside(P(1024, 1024, 4), P(1664, 928, 4), 2, 3)  # Smith's rule: less than each image's
+    eight = P(1024, 1024, 8)
+    assert work(eight, 1, 8) < work(P(1664, 928, 4), 2, 3)  # less than the batch's total ...
+    assert not may_run_inside(eight, P(1664, 928, 4), 2, 3)  # ... but more steps: it waits
+    assert may_run_inside(eight, P(1664, 928, 50), 1, 10)  # a long batch: by the work per image
+
+
 def test_a_small_request_runs_inside_a_larger_batch_with_as_many_steps_left(pipe):
     """A 3-step 32x32 request queued during the first step of a 4-step 64x64 batch (3 steps left): as
     many steps, a quarter of the pixels, so a quarter of the work; it runs between two of the long batch's
@@ -133,9 +156,31 @@ def test_a_request_enters_a_batch_of_two_by_the_work_each_image_has_left(pipe, s
     assert [png_pixels(d["b64_json"]).shape for d in send.res["long"].json()["data"]] == [(64, 64, 3)] * 2
 
 
-def test_a_cuda_batch_waits_in_each_step_callback_for_the_step_two_back(pipe, monkeypatch):
+@pytest.mark.parametrize("side, enters", [(80, True), (96, False)])
+def test_a_request_of_fewer_steps_enters_a_batch_by_what_it_has_left_in_all(pipe, side, enters):
+    """A 3-step request queued during the first step of a 4-step batch of two 64x64 images (3 steps left:
+    12,288 pixels each, 24,576 in all): fewer steps than the batch, so it runs inside when it is less work
+    than the batch has left in all, though more than each image has (80x80: 19,200); 96x96 (27,648) is
+    more than that and waits. Images as alone either way."""
+    gated = GatedPipe(pipe)
+    with running(gated, max_batch=4) as (base, app):
+        gated.gate.clear()
+        send = Senders(base)
+        send.start("long", {**OK, "seed": 3, "steps": 4, "size": "64x64", "n": 2})
+        assert gated.entered.wait(30)
+        send.start("short", {**OK, "seed": 5, "steps": 3, "size": f"{side}x{side}"}, queued=1)
+        gated.gate.set()
+        send.join()
+        interleaved = app.state.metrics.interleaved
+    order = ["short", "long"] if enters else ["long", "short"]
+    assert interleaved == int(enters) and send.done == order, (interleaved, send.done)
+    got = png_pixels(send.res["short"].json()["data"][0]["b64_json"])
+    assert_same_image(got, alone(pipe, OK["prompt"], 5, side, side, steps=3), "short")
+
+
+def test_a_cuda_batch_waits_in_each_step_callback_for_the_step_before(pipe, monkeypatch):
     """The worker's step callback paces the batch (`Scheduler._generate`): on a CUDA pipeline each step
-    records a blocking event and waits for the one two steps back, before the callback's decisions; on
+    records a blocking event and waits for the one a step back, before the callback's decisions; on
     CPU no event is made. The pipeline here runs on the CPU and only says it is on CUDA."""
     import torch
 
@@ -169,4 +214,4 @@ def test_a_cuda_batch_waits_in_each_step_callback_for_the_step_two_back(pipe, mo
         r = httpx.post(base + G, json={**OK, "steps": 5}, timeout=60)
     assert r.status_code == 200
     assert made == [True] * 5  # one blocking event per step
-    assert wrapped.seen == [[], [], [0], [0, 1], [0, 1, 2]]  # step k waited for step k - 2
+    assert wrapped.seen == [[], [0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]  # step k waited for step k - 1

@@ -277,6 +277,10 @@ def level(
     res["graphs_dropped_stale"] = g["stale"] - g0["stale"]  # a step cache's buffers grew during the load
     res["decode_captures"] = g["decode_captures"] - g0["decode_captures"]
     res["decode_graphs_resident"] = g["decode_resident"]
+    # each graph the load captured: [s from the pass's start, shapes and variant, allocated GiB before, after]
+    res["captured"] = [
+        [round(t - m0, 1), what, round(a, 2), round(b, 2)] for t, what, a, b in g.get("log", ()) if t >= m0
+    ]
     res["server_phases_s"] = phase_means(ph0, m.phase_sums("generations"))  # mean per successful request
     if rows_ is not None:
         res["adapter_loads"], res["adapter_evictions"] = rows_.loads - ad0[0], rows_.evictions - ad0[1]

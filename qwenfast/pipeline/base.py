@@ -243,7 +243,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
         self._decode_graphs.clear()
         self._clear_modulations()
 
-    def graph_stats(self) -> dict[str, int]:
+    def graph_stats(self) -> dict:
         """The transformer's CUDA graphs so far: captures, replays, how many are resident now and how many
         were dropped as stale (captured against a step cache's buffers before it reallocated them); and the
         per-image VAE decode's captures."""
@@ -255,6 +255,7 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
             "stale": g.stale,
             "decode_captures": self._decode_graphs.captures,
             "decode_resident": len(self._decode_graphs.graphs),
+            "log": list(g.log),  # the last captures: (monotonic time, shapes, allocated GiB before, after)
         }
 
     @contextlib.contextmanager

@@ -10,8 +10,9 @@ fails (an op that cannot be captured, or no CUDA), the runner warns once and run
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import torch
@@ -56,6 +57,9 @@ class _GraphCache:
         self.captures = 0  # stats: graphs captured and replays run so far, graphs dropped as stale
         self.replays = 0
         self.stale = 0
+        # the last captures: (time.monotonic(), what, allocated GiB before, after): which shapes a
+        # server's load still captured, and what each added to its resting memory
+        self.log: deque = deque(maxlen=64)
 
     def run(self, key: tuple, fn, *inputs: torch.Tensor | None) -> torch.Tensor:
         """`fn(*inputs)`, replayed from the graph captured for `key` (captured on first use); eager
@@ -69,6 +73,7 @@ class _GraphCache:
     def _run(self, key: tuple, fn, inputs: tuple) -> torch.Tensor:
         entry = self.graphs.get(key)
         if entry is None:
+            t, before = time.monotonic(), torch.cuda.memory_allocated()
             try:
                 entry = self._capture(fn, inputs)
             except torch.OutOfMemoryError:  # not a capture problem: let the OOM back-off split the batch
@@ -81,6 +86,7 @@ class _GraphCache:
                 return fn(*inputs)
             self.graphs[key] = entry
             self.captures += 1
+            self.log.append((t, self._describe(key), before / 2**30, torch.cuda.memory_allocated() / 2**30))
             self.resize(self.max_graphs)
         else:
             self.graphs.move_to_end(key)
@@ -92,6 +98,10 @@ class _GraphCache:
         self.replays += 1
         self._replayed()
         return static_out.clone()  # the static buffer is overwritten by the next replay
+
+    def _describe(self, key: tuple) -> str:
+        """A short name of a graph's key for the capture log: its input shapes."""
+        return " ".join(str(k) for k in key if isinstance(k, tuple) and all(isinstance(d, int) for d in k))
 
     def _capture(self, fn, inputs: tuple):
         static_in = tuple(None if a is None else a.clone() for a in inputs)
@@ -151,6 +161,11 @@ class CudaGraphRunner(_GraphCache):
         super().__init__(max_graphs, warmup)
         self.model = model
         self._epochs: dict = {}  # block runner -> the epoch of its buffers that its graphs were last keyed on
+
+    def _describe(self, key: tuple) -> str:
+        """x and text shapes, the model's graph tag and the step variant (the key's layout below)."""
+        variant = key[-1]
+        return f"x{key[0]} txt{key[1]} tag {key[-3]}" + ("" if variant is None else f" {variant[1]}")
 
     def _runner(self) -> BlockRunner | None:
         """The model's block runner now (configure may have swapped it since the last call)."""

@@ -19,11 +19,12 @@ pick is made again after the wait for batch-mates (8 clients starting at once: t
 8-step request, and the 4-step ones that came within the wait ran inside it, after its first step).
 With CUDA graphs a batch takes a power of two of the images that share its key (`_graph_sizes`).
 Between two steps of a running batch, the waiting shorter requests may run to the end first
-(`_interleave`), for at most `age_bound_s` of pauses per running batch. "Shorter" is GPU work, not step
-count: steps x image tokens x rows, twice with true CFG (`pace.work`). And the host keeps pace with the GPU
-(`StepPace`): the steps of a batch replayed from CUDA graphs are queued in a few milliseconds, so without
-it every "between two steps" came before the GPU had run the first, and a request that arrived later
-waited for the whole batch.
+(`_interleave`), for at most `age_bound_s` of pauses per running batch. "Shorter" is GPU work (steps x
+image tokens x rows, twice with true CFG: `pace.work`): less than each of the batch's images has left, or,
+for a request of fewer steps than the batch, less than the batch has left in all (`pace.may_run_inside`).
+And the host keeps pace with the GPU (`StepPace`): the steps of a batch replayed from CUDA graphs are
+queued in a few milliseconds, so without it every "between two steps" came before the GPU had run the
+first, and a request that arrived later waited for the whole batch.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from . import warmup
 from .imaging import jpeg_b64
 from .metrics import Metrics
 from .options import ServerConfig
-from .pace import StepPace, true_cfg, work
+from .pace import StepPace, may_run_inside, true_cfg
 from .schemas import APIError, Params
 
 log = logging.getLogger("qwenfast.server")
@@ -317,37 +318,34 @@ class Scheduler:
         (a mixed load's timed pass that captured 7 graphs spent about an eighth of its time on them)."""
         return bool(self.pipe.options.cuda_graphs) and self.pipe.device.type == "cuda"
 
-    def _interleave(self, job0: Job, remaining: int) -> None:
-        """Between two steps of a running text-to-image batch (its step callback): run the waiting batches
-        of shorter requests to the end first, so that a 4-step request is not held for a 50-step batch's
-        whole run. Policy: among pending text-to-image requests whose image is less GPU work than what each
-        image of the running batch has left (`pace.work`, per image: running one first delays every image
-        of the batch by its time, so it pays only when its work per image is the smaller, Smith's rule; a
-        4-step 1024² image enters an 8-step batch of 928x1664 images while that has three steps left or
-        more, an 8-step 1024² one no batch of two 4-step 1664x928 images after their first step), the
-        fewest steps first (then the oldest), batch after batch while any waits (requests of other sizes
-        or step counts make batches of their own: running only one of them per step of the long batch held
-        each of the others for that step too); `nesting` levels deep (an 8-step batch run inside a 50-step
-        one lets a 4-step one run inside it in turn: with one level, a 4-step request waited for the 8-step
-        batch's whole run); and none once the running batch has been paused `age_bound_s` in all, so a
-        stream of short requests slows a long batch by a bounded time (that bound plus the nested batches
-        under way). The pauses count, not the long batch's wait in the queue: under a saturating load long
-        requests have often waited that long already, and bounding by their age then held every short
-        request for a long batch's whole run (the mixed soak's 4-step p95). Only what cannot disturb the
-        running batch: the same LoRA set (any with --row-loras: each forward selects its rows), no step
-        cache for the short batch (a running batch's step cache is bypassed for it and its state left
-        alone: `pipe.step_cache_bypassed`), one process (not --parallel). Same images as batches run one
-        after the other."""
+    def _interleave(self, job0: Job, rows0: int, remaining: int) -> None:
+        """Between two steps of a running text-to-image batch of `rows0` images (its step callback): run the
+        waiting batches of shorter requests to the end first, so that a 4-step request is not held for a
+        50-step batch's whole run. Policy (`pace.may_run_inside`, in GPU work): among pending text-to-image
+        requests that are less work than each image of the running batch has left (Smith's rule), or have
+        fewer steps than it and are less work than it has left in all (short requests first), the fewest
+        steps first (then the oldest), batch after batch while any waits (requests of other sizes or step
+        counts make batches of their own: running only one of them per step of the long batch held each of
+        the others for that step too); `nesting` levels deep (an 8-step batch run inside a 50-step one lets
+        a 4-step one run inside it in turn: with one level, a 4-step request waited for the 8-step batch's
+        whole run); and none once the running batch has been paused `age_bound_s` in all, so a stream of
+        short requests slows a long batch by a bounded time (that bound plus the nested batches under way).
+        The pauses count, not the long batch's wait in the queue: under a saturating load long requests
+        have often waited that long already, and bounding by their age then held every short request for a
+        long batch's whole run (the mixed soak's 4-step p95). Only what cannot disturb the running batch:
+        the same LoRA set (any with --row-loras: each forward selects its rows), no step cache for the
+        short batch (a running batch's step cache is bypassed for it and its state left alone:
+        `pipe.step_cache_bypassed`), one process (not --parallel). Same images as batches run one after
+        the other."""
         o = self.pipe.options
         # (--parallel: the followers run rank 0's calls in order; a call inside a call would deadlock them)
         if self._depth >= self.nesting or not self.cfg.interleave or o.parallel is not None:
             return
         if self.warm_state is not None and not self.warm_state["done"]:  # requests wait for the warm-up
             return
-        left = work(job0.params, 1, remaining)  # what each of the running batch's images has to go
         while job0.paused_s < self.cfg.age_bound_s:  # until the long batch has yielded enough
             with self.cond:
-                ok = [it for it in self.pending if self._can_interleave(it.job, job0, left)]
+                ok = [it for it in self.pending if self._can_interleave(it.job, job0, rows0, remaining)]
                 if not ok:
                     return
                 first = min(ok, key=lambda it: (it.job.params.steps, it.job.enqueued))
@@ -366,15 +364,14 @@ class Scheduler:
                         if job.done >= job.params.n or job.cancelled:
                             self.running.discard(job)
 
-    def _can_interleave(self, job: Job, job0: Job, left: float) -> bool:
-        """Whether `job` may run now inside `job0`'s batch, each of whose images has `left` work to go
-        (`pace.work`)."""
+    def _can_interleave(self, job: Job, job0: Job, rows0: int, left: int) -> bool:
+        """Whether `job` may run now inside `job0`'s batch of `rows0` images with `left` steps to go."""
         c = job.params.cache
         cache = self._default_cache if c is None else (None if c == "off" else c)
         return (
             job.kind == "t2i"
             and not job.cancelled
-            and work(job.params, 1, job.params.steps) < left
+            and may_run_inside(job.params, job0.params, rows0, left)
             and cache is None
             and (self._rows is not None or job.loras == job0.loras)
         )
@@ -546,7 +543,7 @@ class Scheduler:
             for job in jobs:
                 job.post({"type": "image_generation.progress", "step": i + 1, "steps": n})
             if job0.kind == "t2i":
-                self._interleave(job0, n - i - 1)
+                self._interleave(job0, len(items), n - i - 1)
             rows = [r for r, it in enumerate(items) if i in preview_at[it.job] and not it.job.cancelled]
             if rows and not p.size_auto:
                 try:
