@@ -15,22 +15,32 @@ def _p(cls: dict | None) -> str:
 
 
 def serve_mixed(recs: list[Rec]) -> str:
-    r = newest(
-        recs, "serve_mixed.jsonl", lambda r: r.get("mode") == "levels" and r.get("model") == "random-full"
-    )
+    """The newest levels record with its baselines (the old batcher), then the per-row server alone in every
+    levels record after it (`--old-concurrency` with no levels: a scheduler change timed on its own), each
+    against its own run's idle latencies."""
+    full = lambda r: r.get("mode") == "levels" and r.get("model") == "random-full"  # noqa: E731
+    r = newest(recs, "serve_mixed.jsonl", lambda r: full(r) and bool(r.get("old_batcher")))
+    r = r or newest(recs, "serve_mixed.jsonl", full)
     if r is None:
         return f"*No mixed-load record yet: `{COMMAND}`.*"
-    idle = r.get("idle_s", {}).get("4-step")
+    later = sorted(
+        (x for x in recs if x.file == r.file and full(x) and not x.get("old_batcher")),
+        key=lambda x: (str(x.get("date", "")), x.line),
+    )
+    later = [x for x in later if (str(x.get("date", "")), x.line) > (str(r.get("date", "")), r.line)]
     rows = []
-    for name, key in (
-        ("old batcher (LoRA set in the batch key)", "old_batcher"),
-        ("per-row LoRAs", "per_row"),
+    for name, key, rec in (
+        ("old batcher (LoRA set in the batch key)", "old_batcher", r),
+        ("per-row LoRAs", "per_row", r),
+        *((f"per-row LoRAs at `{x.get('commit')}` (no baselines)", "per_row", x) for x in later),
     ):
-        for x in r.get(key, []):
+        idle = rec.get("idle_s", {}).get("4-step")
+        for x in rec.get(key, []):
+            name_n = f"{name}, {x['sent']} requests" if rec is not r else name
             p95 = x["classes"].get("4-step", {}).get("p95_s")
             rows.append(
                 [
-                    name,
+                    name_n,
                     str(x["concurrency"]),
                     f"{x['images_per_min']:.1f}",
                     ratio(x.get("x_old_batcher")),
@@ -55,7 +65,7 @@ def serve_mixed(recs: list[Rec]) -> str:
     flags = [f for f, on in flags if on]
     notes = [
         f"Both servers: {r.get('weights', 'fp8').upper()} weights, {', '.join(flags) or 'eager'}.",
-        f"Idle (one request alone): 4-step {secs(idle)}; its bare pipeline call "
+        f"Idle (one request alone): 4-step {secs(r.get('idle_s', {}).get('4-step'))}; its bare pipeline call "
         f"{secs(r.get('idle_pipeline_s', {}).get('4-step with LoRA'))} with its LoRA, "
         f"{secs(r.get('idle_pipeline_s', {}).get('4-step no LoRA'))} without."
         + (
@@ -66,7 +76,14 @@ def serve_mixed(recs: list[Rec]) -> str:
             else ""
         ),
     ]
-    used = [r]
+    notes += [
+        f"`{x.get('commit')}`: the per-row server alone, {x['per_row'][0]['sent'] if x.get('per_row') else 0} "
+        f"requests; idle 4-step {secs(x.get('idle_s', {}).get('4-step'))}, by size "
+        + ", ".join(f"{k} {secs(v)}" for k, v in x.get("idle_4step_by_size_s", {}).items())
+        + f" (`{x.get('command')}`)."
+        for x in later
+    ]
+    used = [r, *later]
     overheads = [(r.get("weights", "fp8"), r)] if r.get("row_overhead") else []
     for w in ("fp8", "int8", "bf16"):  # the overhead measured on its own (`--workload rows`, a fresh
         # process): preferred to one measured after the serving levels (the server's graphs, caches and
