@@ -398,9 +398,12 @@ def test_a_call_between_two_cached_steps_bypasses_the_cache(fresh, policy):
     cached_inner = fresh("two blue stars", generator=_gen(9), **inner_kw).images
     inner = []
 
+    cached, runners = fresh.block_runner, []
+
     def cb(i, n, x):
         if i == 4:
             with fresh.step_cache_bypassed():
+                runners.append(fresh.block_runner)
                 inner.append(fresh("two blue stars", generator=_gen(9), **inner_kw).images)
 
     stats0 = dict(fresh.block_runner.stats)
@@ -410,6 +413,11 @@ def test_a_call_between_two_cached_steps_bypasses_the_cache(fresh, policy):
     assert_close_finite(inner[0], plain, rtol=0, atol=1e-6)
     assert np.abs(cached_inner - plain).max() > 1e-4  # what the bypass avoids
     assert fresh.block_runner.variant(StepContext(3, 12, 0.5, "cond", cache=False)) == "plain"
+    # inside, the runner a configure without a cache hands over (its CUDA graphs are the uncached ones);
+    # the cached one is back after
+    assert fresh.block_runner is cached and runners[0] is not cached
+    fresh.configure(cache=None)
+    assert fresh.block_runner is runners[0]
 
 
 def test_every_shape_of_a_branch_shares_one_buffer(fresh):

@@ -329,12 +329,22 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
     def step_cache_bypassed(self) -> Iterator[None]:
         """Calls inside run as if no step cache were configured, and leave the configured cache's state
         alone: the server runs a short uncached request between two steps of a cached batch this way
-        (server/batcher.py). Same images as a call with `cache=None` configured."""
-        prev = self._step_cache_off
+        (server/batcher.py). Same images as a call with `cache=None` configured: inside, the transformer
+        runs the very block runner a `configure(cache=None)` hands it (kept per policy, `configure`), so
+        its forwards replay the CUDA graphs captured without a cache. (The cached runner told to skip
+        its cache computed the same, but its graphs were keyed on it: every size and batch of short
+        request run inside a cached batch was captured again, during the load, an eager forward's
+        memory on top each time.)"""
+        prev, runner = self._step_cache_off, self.transformer.block_runner
+        plain = self._block_runners.get(None) if self._options.cache is not None else runner
+        if plain is None:
+            plain = self._block_runners[None] = BlockRunner()
         self._step_cache_off = True
+        self.transformer.set_block_runner(plain)
         try:
             yield
         finally:
+            self.transformer.set_block_runner(runner)
             self._step_cache_off = prev
 
     def apply_preset(self, name: str) -> None:
