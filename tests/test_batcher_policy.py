@@ -17,7 +17,8 @@ import torch
 
 pytest.importorskip("fastapi")
 
-from qwenfast.server.batcher import Job, Scheduler  # noqa: E402
+from qwenfast.server.batcher import Scheduler  # noqa: E402
+from qwenfast.server.jobs import Job  # noqa: E402
 from qwenfast.server.metrics import Metrics  # noqa: E402
 from qwenfast.server.options import ServerConfig  # noqa: E402
 from qwenfast.server.schemas import Params  # noqa: E402

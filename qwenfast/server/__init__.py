@@ -6,6 +6,8 @@ import time, so `qwenfast --help` stays fast):
 - `options.py`   command-line flags and the `Limits` every request is checked against
 - `schemas.py`   request parsing and validation, OpenAI-shaped errors
 - `batcher.py`   the bounded queue and the worker thread that batches compatible requests
+- `jobs.py`      one request as the worker sees it (its images, results, stream, timings)
+- `pace.py`      what "shorter" means when batches run inside others, and the worker's step pace
 - `imaging.py`   image encoding, previews, upload checks
 - `loras.py`     LoRA names -> files, only inside `--lora-dir`
 - `metrics.py`   Prometheus text format, hand-written (no extra dependency)

@@ -35,9 +35,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import validation as V
 from ..validation import round_size
-from .batcher import Job, Scheduler
+from .batcher import Scheduler
 from .capabilities import capabilities
 from .imaging import MIME, b64, encode_image, load_mask, load_upload
+from .jobs import Job
 from .loras import LoraResolver
 from .metrics import Metrics, gpu_memory, model_info
 from .options import ServerConfig

@@ -156,7 +156,7 @@ class EngineReplica:
         """Events of one job ({"type": ...} dicts, as the local batcher posts them), then
         {"type": "result", "images": [PIL...]} or {"type": "error", "error": {...}}. If the caller goes
         away (Ray cancels this call), the job is cancelled like a client that hung up."""
-        from .batcher import Job
+        from .jobs import Job
         from .ray_remote import _error_dict
         from .schemas import APIError
 
