@@ -1,6 +1,7 @@
 """The mixed-load serving tables of `qwenfast bench report`: `serve-mixed` (the newest levels record of
-`qwenfast bench serve --workload mixed`: per-row LoRAs against the old batcher and a diffusers loop in the
-same run) and `serve-soak` (the newest soak record)."""
+`qwenfast bench serve --workload mixed` with its baselines: per-row LoRAs against the old batcher and a
+diffusers loop in the same run; then the per-row server of each later run without them) and `serve-soak`
+(the newest soak record)."""
 
 from __future__ import annotations
 
