@@ -8,7 +8,10 @@ from qwenfast.benchmarks.report_serve import serve_mixed
 
 
 def _level(ipm: float, p95: float, sent: int = 40, **kw) -> dict:
-    classes = {"4-step": {"n": 16, "p50_s": 1.0, "p95_s": p95}, "8-step": {"n": 18, "p50_s": 3.0, "p95_s": 9.0}}
+    classes = {
+        "4-step": {"n": 16, "p50_s": 1.0, "p95_s": p95},
+        "8-step": {"n": 18, "p50_s": 3.0, "p95_s": 9.0},
+    }
     return {"concurrency": 8, "sent": sent, "images_per_min": ipm, "mean_batch": 1.2, "classes": classes,
             "server_errors": 0, **kw}  # fmt: skip
 
