@@ -810,3 +810,41 @@ def test_qk_norm_rope_rows_default_tile_does_not_spill(S):
     sig.update(dict.fromkeys(cx, "constexpr"))
     got = spills(M._qk_norm_rope_rows_kernel, sig, cx, M.TILE["warps"], 2)
     assert got["stores"] == 0 and got["loads"] == 0, got
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_tile_sweep_tools_run_on_small_layers(device, monkeypatch):
+    """The tile sweep's shrink-programs sweep and per-layer table (`STAGE=tiles bash bench/serve.sh`, a GPU
+    tool) on four small layers like the image stream's, one call of each kernel timed as 1 ms: a time for
+    each tile and programs count, a rate for each layer; and what they ran is the kernels' result (the
+    shrink at the last programs count against the torch form)."""
+    import qwenfast.kernels.lora_rows as L
+    from qwenfast.benchmarks import lora_tiles as T
+
+    dev = "cpu" if device == "interp" else device
+    monkeypatch.setattr(L, "TILES", dict(L.TILES))
+    monkeypatch.setattr(T, "B", 2)
+    monkeypatch.setattr(T, "L", 40)
+    monkeypatch.setattr(T, "SHAPES", [(64, 384, 12, 3), (64, 128, 8, 1), (64, 256, 8, 1), (1024, 128, 8, 1)])
+    data, idx = T.layers(dev), torch.arange(1, 3, device=dev).view(2, 1)
+    scale = torch.ones(2, 1, device=dev)
+    calls = []
+
+    def bench(ms):
+        def run(fn, warmup, rep):
+            calls.append(fn())
+            return ms
+
+        return run
+
+    sweep = T.programs_sweep(data, idx, scale, [L.TILES["shrink"], L.TILES["shrink"]], bench(1.0))
+    assert [r[1:] for r in sweep] == [[200, 4.0], [528, 4.0], [1056, 4.0]]  # one tile (deduplicated)
+    rows = T.per_layer(data, idx, scale, bench(1e-4))
+    assert [r[0] for r in rows] == [list(shape[:3]) for shape in T.SHAPES]
+    assert all(r[1] == r[3] == 1e-4 and r[2] > 0 and r[4] > 0 for r in rows), rows
+    assert len(calls) == 12 + 8
+    down, up, rr, x, xs, y, h = data[3]
+    want = torch.einsum("blk,rk->blr", x.float() * xs[..., None], down[1].float())  # row b uses slot b + 1
+    want[1] = torch.einsum("lk,rk->lr", x[1].float() * xs[1, :, None], down[2].float())
+    got = L._shrink(x, down, idx, scale, None, xs).float()
+    assert torch.isfinite(got).all() and (got - want).abs().max() <= 2e-2 * want.abs().max()

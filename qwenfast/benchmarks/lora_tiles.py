@@ -2,7 +2,8 @@
 shapes at 1024², batch 4, each row its own rank-64 LoRA (the fused qkv stack: rank 192 in three column
 blocks), FP8 input codes as the FP8 path feeds the shrink. Prints each tile's time per block (the four
 layers summed) and the expand's rate counting one read and one write of each output, then the qkv
-layer's expand + QK-norm/RoPE against the fused `qk_norm_rope_rows` at its token tiles; then, with --rows,
+layer's expand + QK-norm/RoPE against the fused `qk_norm_rope_rows` at its token tiles; the shrink with K
+split for more programs (`TILES["programs"]`) and each layer's rate at the fastest tiles; then, with --rows,
 `qwenfast bench serve --workload rows` (fp8 and bf16) at the fastest tiles (`STAGE=tiles bash
 bench/serve.sh`).
 
@@ -86,6 +87,39 @@ def fused_qkv(layer, idx, bench) -> dict:
     return out
 
 
+def programs_sweep(data, idx, scale, tiles, bench) -> list:
+    """The shrink at `tiles` with K split until it launches at least half of `programs` (the image stream's
+    fc2 layer is 128 programs at batch 4 unsplit: fewer than an H100's 132 SMs, one program each); ms per
+    block. [[tile, programs, ms], ...]"""
+    out = []
+    print(f"{'shrink tile':32} programs  ms/block")
+    for tile in dict.fromkeys(tiles):
+        for programs in (200, 528, 1056):
+            LR.TILES.update(shrink=tile, programs=programs)
+            ms = sum(
+                bench(lambda d=d: LR._shrink(d[3], d[0], idx, scale, d[6], d[4]), warmup=10, rep=60)
+                for d in data
+            )
+            out.append([list(tile), programs, round(ms, 3)])
+            print(f"{str(tile):32} {programs:8}  {ms:8.3f}")
+    return out
+
+
+def per_layer(data, idx, scale, bench) -> list:
+    """Each layer at the tiles now in `TILES`: the expand's and the shrink's ms and the rate at which they
+    move their bytes (the expand reads and writes y; the shrink reads the e4m3 codes of x), TB/s: which
+    layer sits furthest below the memory's rate."""
+    out = []
+    print(f"{'layer (K, N, R)':22} expand ms  TB/s   shrink ms  TB/s")
+    for (K, N, R, _), (down, up, rr, x, xs, y, h) in zip(SHAPES, data):
+        e = bench(lambda: LR._expand(h, up, idx, y, rr), warmup=10, rep=60)
+        sh = bench(lambda: LR._shrink(x, down, idx, scale, h, xs), warmup=10, rep=60)
+        eb, sb = 2 * y.numel() * y.element_size(), x.numel() * x.element_size()
+        out.append([[K, N, R], round(e, 4), round(eb / e / 1e9, 2), round(sh, 4), round(sb / sh / 1e9, 2)])
+        print(f"{str((K, N, R)):22} {e:9.4f}  {eb / e / 1e9:4.2f}   {sh:9.4f}  {sb / sh / 1e9:4.2f}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", action="store_true", help="then the rows benchmark at the fastest tiles")
@@ -102,6 +136,7 @@ def main() -> None:
         return sum(triton.testing.do_bench(lambda d=d: fn(*d), warmup=10, rep=60) for d in data)
 
     res = {"expand": [], "shrink": []}
+    default = dict(LR.TILES)  # (the programs sweep also times the default shrink tile)
     print(f"{'expand tile (BM, BN, BR, warps, stages)':42} prefetch  ms/block  TB/s")
     for tile in EXPAND:
         for pre in (0, 1):
@@ -118,12 +153,18 @@ def main() -> None:
     be, bs = min(res["expand"], key=lambda r: r[2]), min(res["shrink"], key=lambda r: r[1])
     res["best"] = {"expand": be, "shrink": bs}
     LR.TILES.update(expand=tuple(be[0]), prefetch=be[1])
+    res["shrink_programs"] = programs_sweep(
+        data, idx, scale, [tuple(bs[0]), default["shrink"]], triton.testing.do_bench
+    )
+    bp = min(res["shrink_programs"], key=lambda r: r[2])
+    res["best"]["shrink_programs"] = bp
+    LR.TILES.update(shrink=tuple(bp[0]), programs=bp[1])
+    res["per_layer"] = per_layer(data, idx, scale, triton.testing.do_bench)  # at the fastest tiles
     res["qkv_fused"] = fused_qkv(data[0], idx, triton.testing.do_bench)
     print(json.dumps(res))
-    if a.rows:
+    if a.rows:  # the forward at the fastest tiles (the records name them: `tiles`)
         from qwenfast.benchmarks.serve_baselines import run_rows
 
-        LR.TILES.update(expand=tuple(be[0]), prefetch=be[1], shrink=tuple(bs[0]))
         for w in ("fp8", "bf16"):
             run_rows(a.lora_folder, out_dir=a.results, weights=w)
 
