@@ -245,7 +245,7 @@ def level(
 ) -> dict:
     """One closed-loop level against a running server, with the server-side counters it moved; `warm`:
     the same requests once untimed first (see the module docstring)."""
-    w0 = pipe.graph_stats()["captures"]
+    w0, tw = pipe.graph_stats()["captures"], time.monotonic()
     if warm:
         closed_loop(base, reqs, c)
     warm_captures = pipe.graph_stats()["captures"] - w0
@@ -278,9 +278,12 @@ def level(
     res["decode_captures"] = g["decode_captures"] - g0["decode_captures"]
     res["decode_graphs_resident"] = g["decode_resident"]
     # each graph the load captured: [s from the pass's start, shapes and variant, allocated GiB before, after]
-    res["captured"] = [
-        [round(t - m0, 1), what, round(a, 2), round(b, 2)] for t, what, a, b in g.get("log", ()) if t >= m0
+    log = [
+        [round(t - m0, 1), what, round(a, 2), round(b, 2)] for t, what, a, b in g.get("log", ()) if t >= tw
     ]
+    res["captured"] = [c for c in log if c[0] >= 0]
+    if warm:  # the untimed first pass's (negative times)
+        res["warm_captured"] = [c for c in log if c[0] < 0]
     res["server_phases_s"] = phase_means(ph0, m.phase_sums("generations"))  # mean per successful request
     if rows_ is not None:
         res["adapter_loads"], res["adapter_evictions"] = rows_.loads - ad0[0], rows_.evictions - ad0[1]
