@@ -132,50 +132,32 @@ def test_a_small_request_runs_inside_a_larger_batch_with_as_many_steps_left(pipe
         assert_same_image(got, alone(pipe, OK["prompt"], seed, side, side, steps=steps), k)
 
 
-@pytest.mark.parametrize("steps, enters", [(6, False), (5, True)])
-def test_a_request_enters_a_batch_of_two_by_the_work_each_image_has_left(pipe, steps, enters):
-    """A 48x48 request queued during the first step of a 4-step batch of two 64x64 images (3 steps, 3 x
-    4096 pixels left per image): 6 steps (13,824) is less than the batch has left in all but more than
-    each of its images has, so running it first would delay two images by more than it saves one: it
-    waits. 5 steps (11,520) is less than each image's: it runs inside. Images as alone either way."""
+@pytest.mark.parametrize(
+    "steps, side, enters", [(6, 48, False), (5, 48, True), (3, 80, True), (3, 96, False)]
+)
+def test_a_request_enters_a_batch_of_two_by_the_work_it_has_left(pipe, steps, side, enters):
+    """A request queued during the first step of a 4-step batch of two 64x64 images (3 steps left: 12,288
+    pixels each, 24,576 in all). As many steps or more: it runs inside only when it is less work than each
+    of the batch's images has left (running it first would delay two images by more than it saves one):
+    6 steps at 48x48 (13,824) waits, 5 steps (11,520) runs inside. Fewer steps: it runs inside when it is
+    less work than the batch has left in all, though more than each image has: 3 steps at 80x80 (19,200)
+    runs inside, at 96x96 (27,648) it waits. Images as alone either way."""
     gated = GatedPipe(pipe)
     with running(gated, max_batch=4) as (base, app):
         gated.gate.clear()
         send = Senders(base)
         send.start("long", {**OK, "seed": 3, "steps": 4, "size": "64x64", "n": 2})
         assert gated.entered.wait(30)
-        send.start("mid", {**OK, "seed": 5, "steps": steps, "size": "48x48"}, queued=1)
+        send.start("other", {**OK, "seed": 5, "steps": steps, "size": f"{side}x{side}"}, queued=1)
         gated.gate.set()
         send.join()
         interleaved = app.state.metrics.interleaved
-    order = ["mid", "long"] if enters else ["long", "mid"]
+    order = ["other", "long"] if enters else ["long", "other"]
     assert interleaved == int(enters) and send.done == order, (interleaved, send.done)
     assert gated.steps == ([steps, 4] if enters else [4, steps]), gated.steps
-    got = png_pixels(send.res["mid"].json()["data"][0]["b64_json"])
-    assert_same_image(got, alone(pipe, OK["prompt"], 5, 48, 48, steps=steps), "mid")
+    got = png_pixels(send.res["other"].json()["data"][0]["b64_json"])
+    assert_same_image(got, alone(pipe, OK["prompt"], 5, side, side, steps=steps), "other")
     assert [png_pixels(d["b64_json"]).shape for d in send.res["long"].json()["data"]] == [(64, 64, 3)] * 2
-
-
-@pytest.mark.parametrize("side, enters", [(80, True), (96, False)])
-def test_a_request_of_fewer_steps_enters_a_batch_by_what_it_has_left_in_all(pipe, side, enters):
-    """A 3-step request queued during the first step of a 4-step batch of two 64x64 images (3 steps left:
-    12,288 pixels each, 24,576 in all): fewer steps than the batch, so it runs inside when it is less work
-    than the batch has left in all, though more than each image has (80x80: 19,200); 96x96 (27,648) is
-    more than that and waits. Images as alone either way."""
-    gated = GatedPipe(pipe)
-    with running(gated, max_batch=4) as (base, app):
-        gated.gate.clear()
-        send = Senders(base)
-        send.start("long", {**OK, "seed": 3, "steps": 4, "size": "64x64", "n": 2})
-        assert gated.entered.wait(30)
-        send.start("short", {**OK, "seed": 5, "steps": 3, "size": f"{side}x{side}"}, queued=1)
-        gated.gate.set()
-        send.join()
-        interleaved = app.state.metrics.interleaved
-    order = ["short", "long"] if enters else ["long", "short"]
-    assert interleaved == int(enters) and send.done == order, (interleaved, send.done)
-    got = png_pixels(send.res["short"].json()["data"][0]["b64_json"])
-    assert_same_image(got, alone(pipe, OK["prompt"], 5, side, side, steps=3), "short")
 
 
 def test_a_cuda_batch_waits_in_each_step_callback_for_the_step_before(pipe, monkeypatch):

@@ -24,11 +24,11 @@ def serve_mixed(recs: list[Rec]) -> str:
     r = r or newest(recs, "serve_mixed.jsonl", full)
     if r is None:
         return f"*No mixed-load record yet: `{COMMAND}`.*"
+    when = lambda x: (str(x.get("date", "")), x.line)  # noqa: E731 - `newest`'s order
     later = sorted(
-        (x for x in recs if x.file == r.file and full(x) and not x.get("old_batcher")),
-        key=lambda x: (str(x.get("date", "")), x.line),
+        (x for x in recs if x.file == r.file and full(x) and not x.get("old_batcher") and when(x) > when(r)),
+        key=when,
     )
-    later = [x for x in later if (str(x.get("date", "")), x.line) > (str(r.get("date", "")), r.line)]
     rows = []
     for name, key, rec in (
         ("old batcher (LoRA set in the batch key)", "old_batcher", r),
