@@ -36,6 +36,10 @@ EXPAND = _tiles(
     "64 128 64 8 3, 128 64 32 4 3, 64 256 32 8 3, 128 256 32 8 3, 64 64 64 4 2, 64 128 32 4 4,"
     "64 128 32 8 3 128, 64 128 32 4 3 128, 64 64 32 4 3 128"  # (a register cap: two programs an SM)
 )
+# the streaming expand (`TILES["stream"]`): (BM, BN, BR, warps, CN columns a program); none spills (ptxas, sm_90a)
+STREAM = _tiles(
+    "64 128 32 8 1024, 64 128 32 8 3072, 64 128 32 8 512, 64 128 64 8 1024, 128 64 32 8 1024, 32 128 32 4 1024"
+)
 SHRINK = _tiles(
     "128 64 8 3 64, 64 64 4 3 64, 64 128 4 3 64, 128 128 8 3 64, 128 64 4 4 64, 128 64 8 4 128, 64 128 4 4 128,"
     "128 128 8 3 128, 64 64 4 4 64, 256 64 8 3 64"
@@ -106,6 +110,19 @@ def programs_sweep(data, idx, scale, tiles, bench) -> list:
     return out
 
 
+def stream_sweep(data, idx, tiles, timed, ybytes) -> list:
+    """The streaming expand (`_expand_stream_kernel`) at each of `tiles`: ms per block (the four layers)."""
+    out = []
+    print(f"{'stream tile (BM, BN, BR, warps, CN)':42}           ms/block  TB/s")
+    for tile in tiles:
+        LR.TILES.update(stream=tile)
+        ms = timed(lambda down, up, rr, x, xs, y, h: LR._expand(h, up, idx, y, rr))
+        out.append([list(tile), round(ms, 3)])
+        print(f"{str(tile):42}           {ms:8.3f}  {ybytes / ms / 1e9:4.2f}")
+    LR.TILES.update(stream=None)
+    return out
+
+
 def per_layer(data, idx, scale, bench) -> list:
     """Each layer at the tiles now in `TILES`: the expand's and the shrink's ms and the rate at which they
     move their bytes (the expand reads and writes y; the shrink reads the e4m3 codes of x), TB/s: which
@@ -126,6 +143,15 @@ def main() -> None:
     ap.add_argument("--rows", action="store_true", help="then the rows benchmark at the fastest tiles")
     ap.add_argument("--lora-folder", default=".bench_loras")
     ap.add_argument("--results", default=None)
+    ap.add_argument("--expand", type=_tiles, default=EXPAND, help='expand tiles "BM BN BR warps stages, ..."')
+    ap.add_argument(
+        "--stream", type=_tiles, default=STREAM, help='streaming expand tiles "BM BN BR warps CN, ..."'
+    )
+    ap.add_argument(
+        "--shrink", type=_tiles, default=SHRINK, help='shrink tiles "BM BK warps stages BRmax, ..."'
+    )
+    ap.add_argument("--weights", default="fp8,bf16", help="the rows benchmark's bases (comma-separated)")
+    ap.add_argument("--no-fused", action="store_true", help="skip the fused qkv + QK-norm comparison")
     a = ap.parse_args()
     import triton.testing
 
@@ -139,14 +165,15 @@ def main() -> None:
     res = {"expand": [], "shrink": []}
     default = dict(LR.TILES)  # (the programs sweep also times the default shrink tile)
     print(f"{'expand tile (BM, BN, BR, warps, stages)':42} prefetch  ms/block  TB/s")
-    for tile in EXPAND:
+    for tile in a.expand:
         for pre in (0, 1):
             LR.TILES.update(expand=tile, prefetch=pre)
             ms = timed(lambda down, up, rr, x, xs, y, h: LR._expand(h, up, idx, y, rr))
             res["expand"].append([list(tile), pre, round(ms, 3)])
             print(f"{str(tile):42} {pre:8}  {ms:8.3f}  {ybytes / ms / 1e9:4.2f}")
+    res["stream"] = stream_sweep(data, idx, a.stream, timed, ybytes)
     print(f"{'shrink tile (BM, BK, warps, stages, BR max)':42}           ms/block")
-    for tile in SHRINK:
+    for tile in a.shrink:
         LR.TILES.update(shrink=tile)
         ms = timed(lambda down, up, rr, x, xs, y, h: LR._shrink(x, down, idx, scale, h, xs))
         res["shrink"].append([list(tile), round(ms, 3)])
@@ -154,6 +181,9 @@ def main() -> None:
     be, bs = min(res["expand"], key=lambda r: r[2]), min(res["shrink"], key=lambda r: r[1])
     res["best"] = {"expand": be, "shrink": bs}
     LR.TILES.update(expand=tuple(be[0]), prefetch=be[1])
+    if res["stream"] and min(r[1] for r in res["stream"]) < be[2]:  # the streaming expand is faster
+        res["best"]["stream"] = min(res["stream"], key=lambda r: r[1])
+        LR.TILES.update(stream=tuple(res["best"]["stream"][0]))
     res["shrink_programs"] = programs_sweep(
         data, idx, scale, [tuple(bs[0]), default["shrink"]], triton.testing.do_bench
     )
@@ -161,12 +191,13 @@ def main() -> None:
     res["best"]["shrink_programs"] = bp
     LR.TILES.update(shrink=tuple(bp[0]), programs=bp[1])
     res["per_layer"] = per_layer(data, idx, scale, triton.testing.do_bench)  # at the fastest tiles
-    res["qkv_fused"] = fused_qkv(data[0], idx, triton.testing.do_bench)
+    if not a.no_fused:
+        res["qkv_fused"] = fused_qkv(data[0], idx, triton.testing.do_bench)
     print(json.dumps(res))
     if a.rows:  # the forward at the fastest tiles (the records name them: `tiles`)
         from qwenfast.benchmarks.serve_baselines import run_rows
 
-        for w in ("fp8", "bf16"):
+        for w in a.weights.split(","):
             run_rows(a.lora_folder, out_dir=a.results, weights=w)
 
 
