@@ -1,13 +1,16 @@
 """Tile sweep of the per-row LoRA kernels (qwenfast/kernels/lora_rows.py) on the image stream's four layer
 shapes at 1024², batch 4, each row its own rank-64 LoRA (the fused qkv stack: rank 192 in three column
 blocks), FP8 input codes as the FP8 path feeds the shrink. Prints each tile's time per block (the four
-layers summed) and the expand's rate counting one read and one write of each output, then the qkv
-layer's expand + QK-norm/RoPE against the fused `qk_norm_rope_rows` at its token tiles; the shrink with K
+layers summed) and the expand's rate counting one read and one write of each output; the shrink with K
 split for more programs (`TILES["programs"]`) and each layer's rate at the fastest tiles; then, with --rows,
-`qwenfast bench serve --workload rows` (fp8 and bf16) at the fastest tiles (`STAGE=tiles bash
-bench/serve.sh`).
+`qwenfast bench serve --workload rows` (fp8 and bf16, or --weights) at the fastest tiles (`STAGE=tiles bash
+bench/serve.sh`). --expand / --shrink take other tile lists ("BM BN BR warps stages, ..." for the expand).
 
     python -m qwenfast.benchmarks.lora_tiles [--rows --lora-folder .bench_loras --results bench/results]
+
+Tried and taken out (commit dd7437f): an expand whose programs walk a run of columns with the next tile of y
+loaded before the current one's products (two tiles in flight). H100, the four layers per block: 1.02 ms
+at its best tile (64 x 128 x 64, 8 warps, 1024 columns a program) against 0.81 ms for `_expand_kernel`.
 
 A Hopper GPU; about 2 minutes without --rows. An analysis tool: the tiles it finds go into `TILES` by
 hand, after `test_default_tiles_do_not_spill` (ptxas, no GPU) says they compile without spills.
@@ -36,10 +39,6 @@ EXPAND = _tiles(
     "64 128 64 8 3, 128 64 32 4 3, 64 256 32 8 3, 128 256 32 8 3, 64 64 64 4 2, 64 128 32 4 4,"
     "64 128 32 8 3 128, 64 128 32 4 3 128, 64 64 32 4 3 128"  # (a register cap: two programs an SM)
 )
-# the streaming expand (`TILES["stream"]`): (BM, BN, BR, warps, CN columns a program); none spills (ptxas, sm_90a)
-STREAM = _tiles(
-    "64 128 32 8 1024, 64 128 32 8 3072, 64 128 32 8 512, 64 128 64 8 1024, 128 64 32 8 1024, 32 128 32 4 1024"
-)
 SHRINK = _tiles(
     "128 64 8 3 64, 64 64 4 3 64, 64 128 4 3 64, 128 128 8 3 64, 128 64 4 4 64, 128 64 8 4 128, 64 128 4 4 128,"
     "128 128 8 3 128, 64 64 4 4 64, 256 64 8 3 64"
@@ -61,37 +60,6 @@ def layers(dev="cuda"):
     return out
 
 
-def fused_qkv(layer, idx, bench) -> dict:
-    """The qkv layer's expand followed by QK-norm + RoPE (what a forward runs) against `qk_norm_rope_rows`
-    (the two in one pass), at its token tiles: ms per block, the image stream (24 heads of 128)."""
-    from ..kernels import qk_norm_rope_rows as QR
-    from ..kernels.qk_norm_rope import qk_norm_rope
-
-    down, up, rr, x, xs, y, h = layer
-    H, Dh = 24, 128
-    g = torch.Generator(device="cuda").manual_seed(1)
-    w = [1 + 0.1 * torch.randn(Dh, device="cuda", generator=g).bfloat16() for _ in range(2)]
-    ang = torch.rand(L, Dh // 2, device="cuda", generator=g) * 6
-    cos, sin = ang.cos(), ang.sin()
-    outs = [
-        torch.empty(B, L + 64, H, Dh, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)
-    ]
-
-    def pair():
-        qk_norm_rope(LR._expand(h, up, idx, y, rr), *w, cos, sin, *outs, offset=64)
-
-    out = {"pair_ms": round(bench(pair, warmup=10, rep=60), 4), "fused": []}
-    print(f"qkv expand + QK-norm/RoPE: {out['pair_ms']:.4f} ms; fused (tokens, warps):")
-    for bt, warps in ((16, 4), (32, 4), (32, 8), (64, 8), (64, 4)):
-        QR.TILE.update(tokens=bt, warps=warps)
-        ms = bench(
-            lambda: QR.qk_norm_rope_rows(y, h, up, idx, rr, *w, cos, sin, *outs, offset=64), warmup=10, rep=60
-        )
-        out["fused"].append([bt, warps, round(ms, 4)])
-        print(f"  {bt:3} {warps}: {ms:.4f} ms")
-    return out
-
-
 def programs_sweep(data, idx, scale, tiles, bench) -> list:
     """The shrink at `tiles` with K split until it launches at least half of `programs` (the image stream's
     fc2 layer is 128 programs at batch 4 unsplit: fewer than an H100's 132 SMs, one program each); ms per
@@ -107,19 +75,6 @@ def programs_sweep(data, idx, scale, tiles, bench) -> list:
             )
             out.append([list(tile), programs, round(ms, 3)])
             print(f"{str(tile):32} {programs:8}  {ms:8.3f}")
-    return out
-
-
-def stream_sweep(data, idx, tiles, timed, ybytes) -> list:
-    """The streaming expand (`_expand_stream_kernel`) at each of `tiles`: ms per block (the four layers)."""
-    out = []
-    print(f"{'stream tile (BM, BN, BR, warps, CN)':42}           ms/block  TB/s")
-    for tile in tiles:
-        LR.TILES.update(stream=tile)
-        ms = timed(lambda down, up, rr, x, xs, y, h: LR._expand(h, up, idx, y, rr))
-        out.append([list(tile), round(ms, 3)])
-        print(f"{str(tile):42}           {ms:8.3f}  {ybytes / ms / 1e9:4.2f}")
-    LR.TILES.update(stream=None)
     return out
 
 
@@ -145,13 +100,9 @@ def main() -> None:
     ap.add_argument("--results", default=None)
     ap.add_argument("--expand", type=_tiles, default=EXPAND, help='expand tiles "BM BN BR warps stages, ..."')
     ap.add_argument(
-        "--stream", type=_tiles, default=STREAM, help='streaming expand tiles "BM BN BR warps CN, ..."'
-    )
-    ap.add_argument(
         "--shrink", type=_tiles, default=SHRINK, help='shrink tiles "BM BK warps stages BRmax, ..."'
     )
     ap.add_argument("--weights", default="fp8,bf16", help="the rows benchmark's bases (comma-separated)")
-    ap.add_argument("--no-fused", action="store_true", help="skip the fused qkv + QK-norm comparison")
     a = ap.parse_args()
     import triton.testing
 
@@ -171,7 +122,6 @@ def main() -> None:
             ms = timed(lambda down, up, rr, x, xs, y, h: LR._expand(h, up, idx, y, rr))
             res["expand"].append([list(tile), pre, round(ms, 3)])
             print(f"{str(tile):42} {pre:8}  {ms:8.3f}  {ybytes / ms / 1e9:4.2f}")
-    res["stream"] = stream_sweep(data, idx, a.stream, timed, ybytes)
     print(f"{'shrink tile (BM, BK, warps, stages, BR max)':42}           ms/block")
     for tile in a.shrink:
         LR.TILES.update(shrink=tile)
@@ -181,9 +131,6 @@ def main() -> None:
     be, bs = min(res["expand"], key=lambda r: r[2]), min(res["shrink"], key=lambda r: r[1])
     res["best"] = {"expand": be, "shrink": bs}
     LR.TILES.update(expand=tuple(be[0]), prefetch=be[1])
-    if res["stream"] and min(r[1] for r in res["stream"]) < be[2]:  # the streaming expand is faster
-        res["best"]["stream"] = min(res["stream"], key=lambda r: r[1])
-        LR.TILES.update(stream=tuple(res["best"]["stream"][0]))
     res["shrink_programs"] = programs_sweep(
         data, idx, scale, [tuple(bs[0]), default["shrink"]], triton.testing.do_bench
     )
@@ -191,8 +138,6 @@ def main() -> None:
     res["best"]["shrink_programs"] = bp
     LR.TILES.update(shrink=tuple(bp[0]), programs=bp[1])
     res["per_layer"] = per_layer(data, idx, scale, triton.testing.do_bench)  # at the fastest tiles
-    if not a.no_fused:
-        res["qkv_fused"] = fused_qkv(data[0], idx, triton.testing.do_bench)
     print(json.dumps(res))
     if a.rows:  # the forward at the fastest tiles (the records name them: `tiles`)
         from qwenfast.benchmarks.serve_baselines import run_rows

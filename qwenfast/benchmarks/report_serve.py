@@ -102,20 +102,8 @@ def serve_mixed(recs: list[Rec]) -> str:
         notes.append(
             f"One forward beside {w.upper()} GEMMs, batch {o['batch']} at {o['size']}², eager: no adapters "
             f"{o['none_installed_ms']:.0f} ms; "
-            f"each row its own rank-64 LoRA"
-            + (
-                " (the qkv layers' updates in the QK-norm pass)"
-                if "each_row_its_lora_unfused_ms" in o
-                else ""
-            )
-            + f" {o['each_row_its_lora_ms']:.0f} ms ({o['overhead_pct']:+.0f}%); "
+            f"each row its own rank-64 LoRA {o['each_row_its_lora_ms']:.0f} ms ({o['overhead_pct']:+.0f}%); "
             f"adapters installed, no row using one {o['rows_without_lora_ms']:.0f} ms ({o['no_lora_rows_overhead_pct']:+.0f}%)"
-            + "".join(
-                f"; the same with the qkv layers' updates "
-                f"{'added by their own expand' if 'unfused' in k else 'added in the QK-norm pass'} {o[k]:.0f} ms"
-                for k in ("each_row_its_lora_unfused_ms", "each_row_its_lora_fused_ms")
-                if k in o
-            )
             + (
                 f"; CUDA-graphed {o['none_installed_graph_ms']:.0f} / {o['each_row_its_lora_graph_ms']:.0f} "
                 f"({o['overhead_graph_pct']:+.0f}%) / {o['rows_without_lora_graph_ms']:.0f} ms "

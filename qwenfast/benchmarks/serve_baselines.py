@@ -106,9 +106,7 @@ def row_overhead(
     pipe, names: list[str], size: int = 1024, batch: int = 4, txt_len: int = 128, graphs: bool = False
 ) -> dict:
     """One transformer forward (batch `batch`, `size`², no CFG, eager) with no per-row adapters installed,
-    with each row its own LoRA (`names[:batch]`; again with `row_lora.FUSE["qkv"]` flipped: the qkv layers'
-    updates added by the QK-norm kernel or by their own expand), and with every row choosing none; ms
-    (median of 10).
+    with each row its own LoRA (`names[:batch]`), and with every row choosing none; ms (median of 10).
     `graphs`: the same three replayed as CUDA graphs too (`*_graph_ms`: what a server with
     --cuda-graphs runs)."""
     from ..runtime.cuda_graphs import CudaGraphRunner
@@ -143,14 +141,6 @@ def row_overhead(
         rows.select(sel, dev)
         res["ranks"] = [int(rows.stacks[m].down.shape[1]) for m in list(rows.stacks)[:1]]
         timed("each_row_its_lora")
-        from ..kernels import row_lora
-
-        fuse = row_lora.FUSE["qkv"]
-        row_lora.FUSE["qkv"] = not fuse  # the qkv layers' updates in the QK-norm kernel's pass, or their own
-        try:
-            timed("each_row_its_lora_" + ("unfused" if fuse else "fused"))
-        finally:
-            row_lora.FUSE["qkv"] = fuse
         rows.select([[] for _ in range(batch)], dev)
         timed("rows_without_lora")
     finally:

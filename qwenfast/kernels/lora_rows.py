@@ -53,7 +53,15 @@ stream's four layers, times summed per block): the expand 0.940 ms at 128 x 128,
 warps, which spills (~250 bytes a thread), so not taken. The forward with the sweep's fastest tiles
 (eager, batch 4, each row its own LoRA) added 81 ms (+24.6%) to the FP8 forward, against 88 ms (+26.6%)
 at the former defaults (commit 28b60e8), and +21.3% to the bf16 one: still far from 15%, which needs the
-update out of its own pass over the outputs.
+update out of its own pass over the outputs. Again on an H100 (2026-11-28, commit dd7437f,
+`python -m qwenfast.benchmarks.lora_tiles --rows --weights fp8 --expand ... --shrink ...`): the expand
+capped at 128 registers (two programs an SM) 0.853-0.873 ms per block against 0.815 uncapped; the shrink's K
+split into more programs (`TILES["programs"]` 528, 1056) 0.345 / 0.388 against 0.274. Per layer at the
+fastest tiles (ms, TB/s of the bytes each must move): qkv (rank 192, three blocks) expand 0.364 / 1.66,
+shrink 0.077 / 0.65; the attention's out projection 0.077 / 2.61 and 0.040 / 1.28; the MLP's first Linear
+0.293 / 2.75 and 0.041 / 1.24; its second 0.078 / 2.59 and 0.114 / 1.77. The qkv stack is furthest below
+the memory's rate; at the other layers' rates its two kernels would take ~10 ms less a forward: ~19%
+over no LoRA, still over 15%.
 
 Column blocks: a LoRA with separate Q, K and V factors stacks to rank 192 on the fused qkv projection,
 but each third of its output columns has nonzero up factors in one third of that rank only
@@ -104,14 +112,11 @@ __all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton"]
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
 # rows split, the image stream's 128 programs at batch 4 do not); prefetch: the expand reads y's tile before
 # its products (`_expand_kernel`), a candidate for GPU sweeps, off until one measures it faster
-# stream: `_expand_stream_kernel` in place of `_expand_kernel` at (BM, BN, BR, warps, CN columns a program),
-# None: off (a candidate for GPU sweeps until one measures it faster)
 TILES = {
     "shrink": (128, 64, 8, 3, 64),
     "expand": (64, 128, 32, 8, 3),
     "programs": 200,
     "prefetch": 0,
-    "stream": None,
 }
 
 if triton_available():
@@ -293,92 +298,6 @@ if triton_available():
             if not PREFETCH:
                 y = tl.load(yb + off, mask=m, other=0.0)
             tl.store(yb + off, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=m)
-
-    @triton.jit
-    def _expand_stream_kernel(
-        h_ptr,
-        u_ptr,
-        idx_ptr,
-        y_ptr,
-        rr_ptr,
-        T,
-        N,
-        R,
-        G,
-        NG,
-        P,
-        CN,
-        s_hb,
-        s_ht,
-        s_un,
-        s_uo,
-        s_ib,
-        s_is,
-        s_yb,
-        s_yt,
-        S: tl.constexpr,
-        RANGES: tl.constexpr,
-        BM: tl.constexpr,
-        BN: tl.constexpr,
-        BR: tl.constexpr,
-        IEEE: tl.constexpr,
-    ):
-        """`_expand_kernel`'s sum, each program walking a run of CN columns of BM rows BN at a time (inside
-        one of G column blocks of NG columns: the run never straddles two, so with RANGES each slot's
-        [lo, hi) of that block applies to every tile of it), the next tile of y loaded before the current
-        one's products and store: two tiles of y in flight per program, where the one-tile programs of
-        `_expand_kernel` had one (its rate, ~2.2 TB/s on an H100, is what one 16 KB tile in flight per SM
-        gives at DRAM latency)."""
-        mt, b, q = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        g, p = q // P, q % P
-        c0 = g * NG + p * CN
-        c1 = tl.minimum(tl.minimum(g * NG + NG, c0 + CN), N)
-        rows = mt * BM + tl.arange(0, BM)
-        rs = tl.arange(0, BR)
-        bn = tl.arange(0, BN)
-        live = tl.full([], 0, tl.int32)
-        for s in tl.static_range(S):
-            live = tl.maximum(live, (tl.load(idx_ptr + b * s_ib + s * s_is) != 0).to(tl.int32))
-        if live != 0:
-            yb = y_ptr + b.to(tl.int64) * s_yb
-            hb = h_ptr + b.to(tl.int64) * s_hb
-            rm_t = rows[:, None] < T
-            y = tl.load(
-                yb + (rows[:, None] * s_yt + c0 + bn[None, :]), mask=rm_t & (c0 + bn < c1)[None, :], other=0.0
-            )
-            for n0 in range(c0, c1, BN):
-                cols = n0 + bn
-                nxt = cols + BN
-                y_next = tl.load(
-                    yb + (rows[:, None] * s_yt + nxt[None, :]), mask=rm_t & (nxt < c1)[None, :], other=0.0
-                )
-                acc = tl.zeros([BM, BN], dtype=tl.float32)
-                for s in tl.static_range(S):
-                    slot = tl.load(idx_ptr + b * s_ib + s * s_is)
-                    ub = u_ptr + slot.to(tl.int64) * s_un
-                    lo, hi = 0, R
-                    if RANGES:
-                        rp = rr_ptr + (slot * G + g) * 2
-                        lo, hi = tl.load(rp), tl.load(rp + 1)
-                    for r0 in range(lo, hi, BR):
-                        rm = (r0 + rs < hi) & (slot != 0)
-                        ha = tl.load(
-                            hb + (rows[:, None] * s_ht + (s * R + r0) + rs[None, :]),
-                            mask=rm_t & rm[None, :],
-                            other=0.0,
-                        )
-                        ua = tl.load(
-                            ub + (cols[None, :] * s_uo + r0 + rs[:, None]),
-                            mask=(cols[None, :] < c1) & rm[:, None],
-                            other=0.0,
-                        )
-                        acc += _dot(ha, ua, IEEE)
-                tl.store(
-                    yb + (rows[:, None] * s_yt + cols[None, :]),
-                    (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty),
-                    mask=rm_t & (cols < c1)[None, :],
-                )
-                y = y_next
 
 
 def _check(x, y, down, up, idx, scale, x_scale=None, ranges=None) -> None:
@@ -588,8 +507,6 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
         raise ValueError(
             f"lora_rows_triton: y {tuple(y.shape)} / up {tuple(up.shape)} too large for 32-bit offsets"
         )
-    if TILES["stream"]:
-        return _expand_stream(h, up, idx, y, ranges)
     bm, bn, bre, w, st, *cap = TILES["expand"]  # (a sixth entry: ptxas's register cap per thread)
     bre = min(bre, max(16, triton.next_power_of_2(R)))
     G = 1 if ranges is None else ranges.shape[1]
@@ -624,55 +541,6 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
             num_warps=w,
             num_stages=st,
             **({"maxnreg": cap[0]} if cap and cap[0] else {}),
-        )
-    return y
-
-
-def _expand_stream(h, up, idx, y, ranges=None) -> torch.Tensor:
-    """The expand as `_expand_stream_kernel` at `TILES["stream"]` (BM, BN, BR, warps, CN): runs of CN columns
-    per program, shortened while the launch would have fewer programs than `TILES["programs"]` (the text
-    stream's few rows); with `ranges`, each of y's G column blocks by its own columns of the rank."""
-    B, L, N = y.shape
-    R, S = up.shape[2], idx.shape[1]
-    bm, bn, br, w, cn = TILES["stream"]
-    br = min(br, max(16, triton.next_power_of_2(R)))
-    G = 1 if ranges is None else ranges.shape[1]
-    NG = N // G
-    cn = min(triton.cdiv(max(cn, bn), bn) * bn, triton.cdiv(NG, bn) * bn)
-    tiles = triton.cdiv(L, bm) * B * G
-    while cn > bn and tiles * triton.cdiv(NG, cn) < TILES["programs"]:
-        cn = triton.cdiv(cn // 2, bn) * bn
-    P = triton.cdiv(NG, cn)
-    with _on_device(y):
-        _expand_stream_kernel[(triton.cdiv(L, bm), B, G * P)](
-            h,
-            up,
-            idx,
-            y,
-            idx if ranges is None else ranges,  # (an unread pointer without ranges)
-            L,
-            N,
-            R,
-            G,
-            NG,
-            P,
-            cn,
-            h.stride(0),
-            h.stride(1),
-            up.stride(0),
-            up.stride(1),
-            idx.stride(0),
-            idx.stride(1),
-            y.stride(0),
-            y.stride(1),
-            S=S,
-            RANGES=ranges is not None,
-            BM=bm,
-            BN=bn,
-            BR=br,
-            IEEE=up.dtype == torch.float32,
-            num_warps=w,
-            num_stages=1,
         )
     return y
 

@@ -87,8 +87,7 @@ if triton_available():
         W_HALF: tl.constexpr,
     ):
         """RMSNorm over the last dim of an fp32 [BLOCK_H, BLOCK_D] tile, then RoPE by the angles' cos / sin
-        (fp32, broadcastable to [BLOCK_H, BLOCK_D // 2]: one token's for a tile of heads, or each row's
-        own for a tile of tokens, `qk_norm_rope_rows`); fp32 out."""
+        (fp32, broadcastable to [BLOCK_H, BLOCK_D // 2]: one token's for a tile of heads); fp32 out."""
         ms = tl.sum(x * x, axis=1) / Dh
         y = x * tl.rsqrt(ms + eps)[:, None]
         w = tl.load(w_ptr + ds, mask=dmask, other=0.0).to(tl.float32)
@@ -333,17 +332,11 @@ def joint_qkv(
     head_dim: int,
     qk_dtype: torch.dtype | None = None,
     descale_qk: torch.Tensor | None = None,
-    pending: list | None = None,
-    fused=None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The joint Q, K, V (B, H, S, D), views of fresh (B, S, H, D) buffers, each stream written at its
     offset by `qk_norm_rope`; streams: (qkv, q gain, k gain, cos, sin) each, in sequence order, as
     `runtime.attention.joint_attention` takes them. qk_dtype: Q's and K's (default the projections'
-    dtype; e4m3 with `descale_qk`, fp32 (2,) = their descales); V keeps the projections' dtype.
-    `pending`: per stream, its qkv layer's per-row LoRA update not yet added (`row_lora.PendingRows`) or
-    None; such a stream goes through `fused(qkv, pending, wq, wk, cos, sin, q, k, v, offset)` (the caller's
-    `qk_norm_rope_rows`, which adds it in the same pass; float Q and K only: the 8-bit attention path adds
-    pending updates to the projections before it calls this, `runtime.attention.joint_attention`)."""
+    dtype; e4m3 with `descale_qk`, fp32 (2,) = their descales); V keeps the projections' dtype."""
     qkv0 = streams[0][0]
     B, S, dev = qkv0.shape[0], sum(st[0].shape[1] for st in streams), qkv0.device
     q, k = (
@@ -353,12 +346,8 @@ def joint_qkv(
     v = torch.empty(B, S, heads, head_dim, dtype=qkv0.dtype, device=dev).transpose(1, 2)
     dq, dk = (None, None) if descale_qk is None else (descale_qk[0:1], descale_qk[1:2])
     offset = 0
-    for i, (qkv, wq, wk, cos, sin) in enumerate(streams):
-        p = None if pending is None else pending[i]
-        if p is None:
-            qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
-        else:
-            fused(qkv, p, wq, wk, cos, sin, q, k, v, offset)
+    for qkv, wq, wk, cos, sin in streams:
+        qk_norm_rope(qkv, wq, wk, cos, sin, q, k, v, offset=offset, descale_q=dq, descale_k=dk)
         offset += qkv.shape[1]
     return q, k, v
 

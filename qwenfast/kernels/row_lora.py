@@ -2,30 +2,25 @@
 model reads (`RowSelection`: which adapter slots each batch row uses, in device buffers a CUDA graph
 replays with), one layer's stacked adapters (`RowLora`, what an 8-bit layer's `lora` holds), and the float
 Linear that adds them (`RowLoraLinear`), with `plain_linear` for the fused paths that read a Linear's
-weight directly; and `deferred_rows`, through which a layer's consumer takes the expand over (`PendingRows`:
-the QK-norm kernel adds the qkv layer's updates in its own pass, kernels/qk_norm_rope_rows.py)."""
+weight directly.
+
+Tried and taken out (commit dd7437f): the qkv layers' expand fused into the QK-norm + RoPE kernel (the
+consumer adding each row's update in its own pass over the projection). On an H100 (FP8, batch 4, 1024²,
+four rank-64 LoRAs, eager) the forward took 429.3 ms with it against 410.3 ms with the expand on its own
+(`python -m qwenfast.benchmarks.lora_tiles --rows`), and the kernel alone was no faster than the pair at
+its best token tile."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import lora_rows as _lr
-from . import use_triton
 from .lora_rows import lora_rows
 
-__all__ = ["RowLora", "RowLoraLinear", "RowSelection", "plain_linear", "PendingRows", "deferred_rows", "FUSE"]
-
-# whether a consumer may take a layer's per-row expand over (`deferred_rows`); tests flip it to compare.
-# Off: on an H100 the QK-norm kernel with the qkv updates inside ran no faster than the expand and the plain
-# QK-norm kernel one after the other at its best tile, and slower at the others (`STAGE=tiles bash
-# bench/serve.sh`), and the forward with it on was no faster either (the rows benchmark times both)
-FUSE = {"qkv": False}
+__all__ = ["RowLora", "RowLoraLinear", "RowSelection", "plain_linear"]
 
 
 def plain_linear(layer: nn.Module) -> bool:
@@ -100,9 +95,6 @@ class RowLora:
     # (n, G, 2) int32: per slot and per row block of the output (G equal blocks: 3 for Q|K|V), the
     # stacked rank's columns [lo, hi) its up factors use (`loading.lora_fp8.piece_ranks`); None: all
     ranges: torch.Tensor | None = None
-    # set by `deferred_rows` for one forward of the layer: `add` leaves the expand to the consumer
-    defer: bool = False
-    pending: PendingRows | None = None
 
     def add(self, x2: torch.Tensor, y2: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """y2 (M, N) + the per-row updates of x2 (M, K); the M tokens are B rows of M / B, in order.
@@ -130,11 +122,6 @@ class RowLora:
             idx, scale = sel.current
             idx, scale = idx[:, : sel.used], scale[:, : sel.used]
             x3, y3 = x2.reshape(B, T, K), y2.view(B, T, N)
-            if self.defer and _lr._triton_ok(x3, y3, self.down, self.up, idx, scale, xs):
-                # the shrink here, the expand in the consumer's pass (`deferred_rows`)
-                h = _lr._shrink(x3, self.down, idx, scale, x_scale=xs)  # (B, T, S*R)
-                self.pending = PendingRows(h, self.up, idx, self.ranges)
-                return y2
             return lora_rows(x3, y3, self.down, self.up, idx, scale, xs, self.ranges).reshape(M, N)
         dt = self.down.dtype
         for b0, b1, adapters in sel.groups:
@@ -181,46 +168,3 @@ class RowLoraLinear(nn.Linear):
             return y
         K, N = x.shape[-1], y.shape[-1]
         return self.lora.add(x.reshape(-1, K), y.reshape(-1, N)).view(y.shape)
-
-
-@dataclass
-class PendingRows:
-    """A layer's per-row LoRA update not yet added to its output y (B, L, N): each row's low-rank activations
-    `h` (B, L, S*R) from the shrink, the stacked `up` (n, N, R), the rows' slots `idx` (B, S) and the stack's
-    `ranges` (n, G, 2) or None. The consumer adds y += h · upᵀ in its own pass (`qk_norm_rope_rows`, through
-    `runtime.attention.joint_attention`), or `apply` does it as the layer would have."""
-
-    h: torch.Tensor
-    up: torch.Tensor
-    idx: torch.Tensor
-    ranges: torch.Tensor | None
-
-    def apply(self, y: torch.Tensor) -> torch.Tensor:
-        """y (B, L, N) + the update, in place (the layer's fresh output): what the layer would have returned."""
-        if use_triton(self.h, self.up, y):
-            return _lr._expand(self.h, self.up, self.idx, y, self.ranges)
-        return _lr._expand_torch(self.h, self.up, self.idx, y)  # (in place: y is in the factors' dtype)
-
-
-class Deferred:
-    """What `deferred_rows` yields: `.pending` is the layer's `PendingRows` after its forward, or None (it
-    added its update itself: no per-row LoRA, one shared by all rows, or a path without the kernels)."""
-
-    pending: PendingRows | None = None
-
-
-@contextmanager
-def deferred_rows(layer: nn.Module, what: str) -> Iterator[Deferred]:
-    """Within the block, a forward of `layer` (an 8-bit Linear or a `RowLoraLinear` with per-row LoRAs) leaves
-    its per-row expand to the caller when the gathered kernels would run it (`RowLora.add`; `FUSE[what]` on):
-    the caller then owns `.pending` and must add it (`PendingRows.apply`, or a kernel that fuses it)."""
-    out = Deferred()
-    lora = getattr(layer, "lora", None)
-    if not isinstance(lora, RowLora) or not FUSE.get(what, False):
-        yield out
-        return
-    lora.defer, lora.pending = True, None
-    try:
-        yield out
-    finally:
-        out.pending, lora.defer, lora.pending = lora.pending, False, None

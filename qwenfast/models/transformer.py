@@ -34,7 +34,7 @@ from ..kernels.gated_residual import (
     gated_residual_layernorm_modulate_fp8,
 )
 from ..kernels.gelu import gelu_tanh_fp8, linear_gelu_tanh
-from ..kernels.row_lora import deferred_rows, plain_linear
+from ..kernels.row_lora import plain_linear
 from ..runtime.attention import KeyLengths, attention, joint_attention
 from ..runtime.blocks import StepContext
 from ..runtime.contract import DenoisableTransformer
@@ -280,19 +280,14 @@ class JointAttention(nn.Module):
         B, Li, Lt = img.shape[0], img.shape[1], txt.shape[1]
         H, Dh = self.heads, self.head_dim
         icos, isin, tcos, tsin = rope
-        # (B, L, 3*H*Dh); per-row LoRA updates left to the QK-norm kernel, which adds them in its pass
-        with deferred_rows(self.to_qkv, "qkv") as di, deferred_rows(self.add_qkv_proj, "qkv") as dt:
-            qkv_i, qkv_t = self.to_qkv(img), self.add_qkv_proj(txt)
+        qkv_i, qkv_t = self.to_qkv(img), self.add_qkv_proj(txt)  # (B, L, 3*H*Dh)
         streams = [
             (qkv_t, self.norm_added_q.weight, self.norm_added_k.weight, tcos, tsin),
             (qkv_i, self.norm_q.weight, self.norm_k.weight, icos, isin),
         ]  # joint order: [text; image] ([image; text] with KeyLengths, as `forward`)
-        pending = [dt.pending, di.pending]
         if img_first := isinstance(attn_mask, KeyLengths):
             streams.reverse()
-            pending.reverse()
-        pending = pending if any(p is not None for p in pending) else None
-        o = joint_attention(streams, H, Dh, attn_mask, pending).transpose(1, 2).reshape(B, Lt + Li, H * Dh)
+        o = joint_attention(streams, H, Dh, attn_mask).transpose(1, 2).reshape(B, Lt + Li, H * Dh)
         oi, ot = (o[:, :Li], o[:, Li:]) if img_first else (o[:, Lt:], o[:, :Lt])
         return self.to_out[0](oi), self.to_add_out(ot)
 

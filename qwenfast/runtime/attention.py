@@ -204,22 +204,13 @@ def joint_attention(
     heads: int,
     head_dim: int,
     mask: torch.Tensor | None,
-    pending: list | None = None,
 ) -> torch.Tensor:
     """Attention over the concatenated streams (sequence order = list order), from their fused QKV
     projections: QK RMSNorm + RoPE (`kernels.qk_norm_rope`) then `attention()`. -> (B, H, S, D), a
     view of (B, S, H, D) memory (the out projections reshape it without a copy). The result may live
-    in a buffer that the next `joint_attention` call reuses: consume it before calling again.
-    `pending`: per stream, the per-row LoRA update its qkv layer left to this call (`row_lora.PendingRows`,
-    `deferred_rows`) or None: the QK-norm kernel adds it in its pass; the other paths (a parallel wrapper,
-    8-bit attention) add it to the projection first, as the layer would have."""
+    in a buffer that the next `joint_attention` call reuses: consume it before calling again."""
     wrapped = len(_wrappers) == 1 and hasattr(_wrappers[0], "joint")
     fp8 = attention_backend() == "fp8" and not _wrappers and not isinstance(mask, KeyLengths)
-    if pending is not None and (wrapped or fp8):
-        for st, p in zip(streams, pending):
-            if p is not None:
-                p.apply(st[0])
-        pending = None
     if wrapped:
         return _wrappers[0].joint(streams, heads, head_dim, mask, _attention)
     if fp8:  # Q, K written in e4m3 by the norm kernel (when an engine runs)
@@ -230,35 +221,7 @@ def joint_attention(
             return out
     from ..kernels.qk_norm_rope import joint_qkv
 
-    return attention(*joint_qkv(streams, heads, head_dim, pending=pending, fused=_qk_rows), mask)
-
-
-_QK_ROWS = {"ok": True}  # the fused kernel ran (or has not been tried); False after it failed once
-
-
-def _qk_rows(qkv, p, wq, wk, cos, sin, q, k, v, offset: int) -> None:
-    """QK-norm + RoPE of one stream with its qkv layer's pending per-row LoRA update added in the same pass
-    (`qk_norm_rope_rows`). Should that kernel fail (a Triton that cannot build it), it warns once and the
-    updates are added to the projection first from then on, as the layer would have: the same result."""
-    from ..kernels.qk_norm_rope import qk_norm_rope
-    from ..kernels.qk_norm_rope_rows import qk_norm_rope_rows
-
-    if _QK_ROWS["ok"]:
-        try:
-            qk_norm_rope_rows(qkv, p.h, p.up, p.idx, p.ranges, wq, wk, cos, sin, q, k, v, offset)
-            return
-        except torch.OutOfMemoryError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the unfused pair below gives the same result
-            import warnings
-
-            warnings.warn(
-                f"the per-row LoRA QK-norm kernel failed ({type(e).__name__}: {str(e)[:120]}); the qkv layers' "
-                "updates are added to their projections first from now on",
-                stacklevel=2,
-            )
-            _QK_ROWS["ok"] = False
-    qk_norm_rope(p.apply(qkv), wq, wk, cos, sin, q, k, v, offset=offset)
+    return attention(*joint_qkv(streams, heads, head_dim), mask)
 
 
 def _bind(wrapper, inner: AttentionFn) -> AttentionFn:
