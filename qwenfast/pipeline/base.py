@@ -1,5 +1,5 @@
 """`PipelineBase`: what every Qwen-Image pipeline shares — options, the forward the denoise core
-calls, the OOM back-off around the core, presets, decoding, previews (LoRAs, memory placement and
+calls, the OOM back-off around the core, presets (LoRAs, memory placement, decoding and previews, and
 diffusers' methods come from the mixins it names).
 
 A pipeline call is: check the request -> prepare conditioning (prompts, reference images) -> draw
@@ -38,9 +38,10 @@ from ..runtime.cache import StepCacheRunner, resolve_policy
 from ..runtime.cuda_graphs import CudaGraphRunner, DecodeGraphs
 from ..runtime.modulation import ZERO, batch_rows
 from ..runtime.offload import BlockStreamer, ModelOffloader
-from ..runtime.oom import run_in_chunks, vae_decode
+from ..runtime.oom import run_in_chunks
 from . import sampling as S
 from .common import OUTPUT_TYPES, Generators, QwenImageOutput, postprocess, randn_tensor
+from .decoding import DecodeMethods
 from .diffusers_compat import DiffusersMethods
 from .loras import LoraMethods
 from .placement import PlacementMethods
@@ -52,7 +53,9 @@ from .tasks import Capabilities, model_capabilities, view_class
 log = logging.getLogger("qwenfast")
 
 
-class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowLoraMethods, PlacementMethods):
+class PipelineBase(
+    SharedState, DiffusersMethods, PromptConds, LoraMethods, RowLoraMethods, PlacementMethods, DecodeMethods
+):
     """Shared machinery; see the module docstring. Subclasses define `__call__` and the conditioning,
     and declare what they load and can do (`folder_kinds`, `needs`, `checkpoints`, `CAPABILITIES`:
     pipeline/tasks.py). diffusers' pipeline methods (`.to()`, `enable_model_cpu_offload`, `interrupt`,
@@ -584,69 +587,6 @@ class PipelineBase(SharedState, DiffusersMethods, PromptConds, LoraMethods, RowL
             return parts[0] if len(parts) == 1 else torch.cat(parts)
         finally:
             self._rows_done()  # a per-row LoRA selection ends with its call (pipeline/row_loras.py)
-
-    # ---------------------------------------------------------------- decoding
-    def decode_latents(self, x: torch.Tensor, h: int, w: int) -> torch.Tensor:
-        """Packed latents (B, h/2*w/2, 64) -> images (B, 3, 8h, 8w) in [-1, 1]. Splits / tiles on CUDA OOM.
-
-        The batch in one decode, as diffusers does; with the `decode_per_image` option one image at a
-        time, so that an image does not depend on its batch-mates (batched convolutions pick kernels
-        by batch size): what a server wants, so a batched request gets the image it gets alone. Those
-        one-image decodes replay CUDA graphs when `cuda_graphs` is on (`_decode_one`).
-        """
-        vcfg, vdt = self.vae.cfg, self.vae_dtype
-        z = S.unpack_latents(x, h, w).to(vdt)  # (B, 16, h, w)
-        mean = torch.tensor(vcfg.latents_mean).view(1, -1, 1, 1).to(z.device, vdt)
-        inv_std = 1.0 / torch.tensor(vcfg.latents_std).view(1, -1, 1, 1).to(z.device, vdt)
-        z = z / inv_std + mean
-        with self._vae_resident():
-            if not self._options.decode_per_image:
-                return vae_decode(self.vae, z)
-            return torch.cat([self._decode_one(z[r : r + 1]) for r in range(z.shape[0])])
-
-    def _decode_one(self, z: torch.Tensor) -> torch.Tensor:
-        """One image's decode (1, z, h, w): replayed from a CUDA graph per latent shape when graphs are on
-        (`runtime.cuda_graphs.DecodeGraphs`: the same kernels, so the same image, with no allocation
-        of its working set per image); eager when the decode would tile, the VAE is offloaded, or a
-        capture runs out of memory (`vae_decode` then splits / tiles as usual)."""
-        g = self._decode_graphs
-        if (
-            not (self._options.cuda_graphs and g.enabled and z.is_cuda)
-            or self._vae_offloader is not None
-            or self.vae.decode_tiles(z)
-        ):
-            return vae_decode(self.vae, z)
-        try:
-            return g(z)
-        except torch.OutOfMemoryError:
-            return vae_decode(self.vae, z)
-
-    def _vae_resident(self):
-        return (
-            self._vae_offloader.on_device() if self._vae_offloader is not None else contextlib.nullcontext()
-        )
-
-    def preview_images(self, latents: torch.Tensor, height: int, width: int, max_px: int = 192) -> list:
-        """PIL previews (long side <= max_px) of a step callback's latents for a `height` x `width` call.
-
-        Decodes a shrunken latent with the real VAE: true colours at ~1/16 of a full decode's cost.
-        """
-        import torch.nn.functional as F
-
-        h, w = S.latent_hw(height, width, self.vae_scale_factor)
-        z = S.unpack_latents(latents, h, w)  # (B, 16, h, w)
-        lim = max(2, max_px // self.vae_scale_factor)
-        scale = min(1.0, lim / max(h, w))
-        if scale < 1.0:
-            z = F.interpolate(
-                z.float(), size=(max(1, round(h * scale)), max(1, round(w * scale))), mode="area"
-            )
-        hh, ww = z.shape[-2:]
-        hh, ww = hh - hh % 2, ww - ww % 2
-        z = z[..., :hh, :ww]
-        with torch.no_grad():
-            img = self.decode_latents(S.pack_latents(z.to(latents.dtype)), hh, ww)
-        return postprocess(img, "pil")
 
     # ---------------------------------------------------------------- checks
     def _check(self, height, width, steps, n, output_type, max_sequence_length, sigmas) -> tuple[int, int]:
