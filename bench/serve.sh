@@ -11,11 +11,11 @@
 #                  and CUDA-graphed, beside FP8 and beside bf16 GEMMs (about 3 minutes)
 #   STAGE=soak     the mixed workload for 8 minutes at concurrency 8 with CUDA graphs, every shape of the load
 #                  run once first (--warm-shapes, into an LRU of GRAPH_SLOTS graphs, default 160: the shapes
-#                  make ~80), a broken LoRA dropped into the folder halfway
-#                  (about 14 minutes with the build, warm-ups and drain: more than one
-#                  10-minute device call, so start it detached and collect the record in a second call:
+#                  make ~80, the soak's only warm-up), a broken LoRA dropped into the folder halfway
+#                  (about 13 minutes with the build, the warm-up and the drain: more than one 10-minute
+#                  device call, so start it detached and collect the record in a second call:
 #                  (RESULTS=/tmp/soak STAGE=soak setsid nohup bash bench/serve.sh > /tmp/soak/log 2>&1 &)
-#                  then wait for /tmp/soak/serve_mixed.jsonl)
+#                  then wait for /tmp/soak/serve_mixed.jsonl; DURATION=240 is a shorter check that fits one call)
 #   STAGE=tiles    the per-row LoRA kernels' tile sweep on the image stream's layer shapes, then STAGE=rows at the
 #                  fastest tiles (python -m qwenfast.benchmarks.lora_tiles; about 5 minutes)
 #   STAGE=pair     two GPUs of one host: the soak on the first and the mixed levels on the second at once, each
@@ -37,7 +37,7 @@ case "${STAGE:-uniform}" in
           done ;;
     soak) $QF bench serve --workload mixed --model random-full --lora-folder "$LORAS" --cuda-graphs --warm-shapes \
               --graph-slots "${GRAPH_SLOTS:-160}" ${TEXT_BUCKET:+--text-bucket $TEXT_BUCKET} \
-              --duration 480 --concurrency 8 --results "$RESULTS" ;;
+              --duration "${DURATION:-480}" --concurrency 8 --results "$RESULTS" ;;
     tiles) python3 -m qwenfast.benchmarks.lora_tiles --rows --lora-folder "$LORAS" --results "$RESULTS" ;;
     pair) mkdir -p "$RESULTS/soak" "$RESULTS/mixed"
           CUDA_VISIBLE_DEVICES=0 RESULTS="$RESULTS/soak" LORAS="$LORAS/0" STAGE=soak bash bench/serve.sh \

@@ -147,7 +147,10 @@ def serve_soak(recs: list[Rec]) -> str:
             + (", resident at its end" if "decode_graphs_resident" in s else ""),
             f"{r['warm_captures']} / {s.get('decode_captures', 0)}"
             + (f", {s['decode_graphs_resident']}" if "decode_graphs_resident" in s else "")]]
-          if r.get("warm_captures") is not None else []),
+          if r.get("warm_captures") is not None else
+          [["VAE decode graphs captured in the load" + (", resident at its end" if "decode_graphs_resident" in s else ""),
+            f"{s.get('decode_captures', 0)}"
+            + (f", {s['decode_graphs_resident']}" if "decode_graphs_resident" in s else "")]]),
         *([["every shape of the load once before it (--warm-shapes): requests / graphs captured / resident after",
             f"{w['requests']} / {w['captures']} / {w['resident']}"]] if (w := r.get("shapes_warm")) else []),
         ["allocated, per-minute floor (GiB)", " ".join(f"{v:.2f}" for v in m.get("floor_gib", []))],

@@ -29,7 +29,9 @@ transformer forward (batch 4 at 1024², four different rank-64 LoRAs, and all ro
 the same forward with no adapters installed.
 
 `--duration S` turns it into a soak: the per-row server at the top concurrency for S seconds, after a
-warm-up of its first requests once (twice a level's count, untimed, as a level's first pass); halfway a
+warm-up: with `--warm-shapes` that pass alone (what a deployment's `--warm-up` sends; ~3 minutes on an
+H100 at full size, so that the build, the warm-up and a 4-minute soak fit one 10-minute device call),
+else its first requests once (twice a level's count, untimed, as a level's first pass); halfway a
 broken LoRA file is dropped into the folder and some requests name it (answered 400 invalid_lora);
 the record says whether anything answered 5xx, was lost (sent but never answered), or was answered twice
 (the server's 200 count against the clients'), and how far allocated memory moved after the warm-up.
@@ -465,7 +467,7 @@ def run(
                     f"  idle latency (one request alone): {res['idle_s']}; the pipeline call: {res['idle_pipeline_s']}"
                     f"; in the server: {res['idle_server_phases_s']}; 4-step by size: {res['idle_4step_by_size_s']}"
                 )
-            else:  # the soak's warm-up: its first requests once, untimed (the levels' first pass does this)
+            elif not warm_shapes:  # the soak's warm-up: its first requests once, untimed (as a level's)
                 g0 = pipe.graph_stats()["captures"]
                 closed_loop(base, reqs[: 2 * max(LEVEL_REQUESTS, 3 * max(concurrency))], max(concurrency))
                 res["warm_captures"] = pipe.graph_stats()["captures"] - g0
