@@ -114,13 +114,16 @@ def main() -> None:
     def timed(fn) -> float:
         return sum(triton.testing.do_bench(lambda d=d: fn(*d), warmup=10, rep=60) for d in data)
 
+    def expand(down, up, rr, x, xs, y, h):
+        return LR._expand(h, up, idx, y, rr)
+
     res = {"expand": [], "shrink": []}
     default = dict(LR.TILES)  # (the programs sweep also times the default shrink tile)
     print(f"{'expand tile (BM, BN, BR, warps, stages)':42} prefetch  ms/block  TB/s")
     for tile in a.expand:
         for pre in (0, 1):
             LR.TILES.update(expand=tile, prefetch=pre)
-            ms = timed(lambda down, up, rr, x, xs, y, h: LR._expand(h, up, idx, y, rr))
+            ms = timed(expand)
             res["expand"].append([list(tile), pre, round(ms, 3)])
             print(f"{str(tile):42} {pre:8}  {ms:8.3f}  {ybytes / ms / 1e9:4.2f}")
     print(f"{'shrink tile (BM, BK, warps, stages, BR max)':42}           ms/block")
@@ -137,9 +140,7 @@ def main() -> None:
     res["row_ranges"] = []
     for on in (0, 1):
         LR.TILES.update(row_ranges=on)
-        res["row_ranges"].append(
-            round(timed(lambda down, up, rr, x, xs, y, h: LR._expand(h, up, idx, y, rr)), 3)
-        )
+        res["row_ranges"].append(round(timed(expand), 3))
     print(
         f"expand with the rows' ranges gathered first: {res['row_ranges'][1]:.3f} ms/block (off: {res['row_ranges'][0]:.3f})"
     )

@@ -128,6 +128,17 @@ def serve_soak(recs: list[Rec]) -> str:
         return "*No soak record yet: `STAGE=soak bash bench/serve.sh`.*"
     s, m = r["soak"], r.get("memory", {})
     out = s["outcomes"]
+    # VAE decode graphs captured in the load (and resident at its end), after the warm-up's captures if any
+    warm = r.get("warm_captures")
+    dec_name = ("graphs captured in the warm-up (its first requests once) / " if warm is not None else "") + (
+        "VAE decode graphs captured in the load"
+        + (", resident at its end" if "decode_graphs_resident" in s else "")
+    )
+    dec = (
+        ("" if warm is None else f"{warm} / ")
+        + f"{s.get('decode_captures', 0)}"
+        + (f", {s['decode_graphs_resident']}" if "decode_graphs_resident" in s else "")
+    )
     rows = [
         ["wall time, clients", f"{secs(s['wall_s'])}, {s['concurrency']}"],
         ["requests sent / answered 200 (server's count)", f"{s['sent']} / {out.get('200', 0)} ({s['server_200']})"],
@@ -143,14 +154,7 @@ def serve_soak(recs: list[Rec]) -> str:
          f"{s['graph_captures']} / {s['graph_replays']} / {s['graphs_resident']}"],
         *([["graphs dropped as stale in the load (a step cache's buffers grew)", f"{s['graphs_dropped_stale']}"]]
           if "graphs_dropped_stale" in s else []),
-        *([["graphs captured in the warm-up (its first requests once) / VAE decode graphs captured in the load"
-            + (", resident at its end" if "decode_graphs_resident" in s else ""),
-            f"{r['warm_captures']} / {s.get('decode_captures', 0)}"
-            + (f", {s['decode_graphs_resident']}" if "decode_graphs_resident" in s else "")]]
-          if r.get("warm_captures") is not None else
-          [["VAE decode graphs captured in the load" + (", resident at its end" if "decode_graphs_resident" in s else ""),
-            f"{s.get('decode_captures', 0)}"
-            + (f", {s['decode_graphs_resident']}" if "decode_graphs_resident" in s else "")]]),
+        [dec_name, dec],
         *([["every shape of the load once before it (--warm-shapes): requests / graphs captured / resident after",
             f"{w['requests']} / {w['captures']} / {w['resident']}"]] if (w := r.get("shapes_warm")) else []),
         ["allocated, per-minute floor (GiB)", " ".join(f"{v:.2f}" for v in m.get("floor_gib", []))],

@@ -526,10 +526,9 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
     bre = min(bre, max(16, triton.next_power_of_2(R)))
     G = 1 if ranges is None else ranges.shape[1]
     mode = 0 if ranges is None or (N // G) % bn else 2 if TILES["row_ranges"] else 1
-    rr = {0: idx, 1: ranges}.get(mode)  # (idx: an unread pointer without ranges)
     with _on_device(y):
-        if mode == 2:  # each row's ranges, (B, S, G, 2)
-            rr = ranges.index_select(0, idx.reshape(-1))
+        # the stack's ranges (n, G, 2), each row's (B, S, G, 2), or idx: an unread pointer without ranges
+        rr = ranges if mode == 1 else ranges.index_select(0, idx.reshape(-1)) if mode == 2 else idx
         _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
             h,
             up,

@@ -179,13 +179,10 @@ class PipelineBase(
         if new.cache != old.cache:
             # one runner per policy for the pipeline's life: the graphs captured under each stay valid
             # across switches (a server's per-request `cache`), as their keys hold their runner
-            runners = self._block_runners
-            runners.setdefault(resolve_policy(old.cache), self.transformer.block_runner)
-            policy = resolve_policy(new.cache)
-            if policy not in runners:
-                runners[policy] = StepCacheRunner(policy) if policy is not None else BlockRunner()
-            runners[policy].reset_stats()  # its counters count from this configure on, as a new one's
-            self.transformer.set_block_runner(runners[policy])
+            self._block_runners.setdefault(resolve_policy(old.cache), self.transformer.block_runner)
+            runner = self._runner_for(resolve_policy(new.cache))
+            runner.reset_stats()  # its counters count from this configure on, as a new one's
+            self.transformer.set_block_runner(runner)
         self.transformer.set_fused(new.fused)
         self.text_encoder.cuda_graphs = new.cuda_graphs and new.offload == "none"
         self._graphs.resize(new.graph_slots)
@@ -339,9 +336,7 @@ class PipelineBase(
         request run inside a cached batch was captured again, during the load, an eager forward's
         memory on top each time.)"""
         prev, runner = self._step_cache_off, self.transformer.block_runner
-        plain = self._block_runners.get(None) if self._options.cache is not None else runner
-        if plain is None:
-            plain = self._block_runners[None] = BlockRunner()
+        plain = self._runner_for(None) if self._options.cache is not None else runner
         self._step_cache_off = True
         self.transformer.set_block_runner(plain)
         try:
@@ -349,6 +344,14 @@ class PipelineBase(
         finally:
             self.transformer.set_block_runner(runner)
             self._step_cache_off = prev
+
+    def _runner_for(self, policy) -> BlockRunner:
+        """The block runner kept for step-cache `policy` (None: no cache), made the first time it is asked
+        for: one per policy for the pipeline's life, so the CUDA graphs captured under each (keyed by their
+        runner) stay valid across switches."""
+        if policy not in self._block_runners:
+            self._block_runners[policy] = StepCacheRunner(policy) if policy is not None else BlockRunner()
+        return self._block_runners[policy]
 
     def apply_preset(self, name: str) -> None:
         """Sampling defaults for a distilled LoRA (`qwenfast.config.PRESETS`): steps, true CFG and scheduler fields.
