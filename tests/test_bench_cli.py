@@ -77,6 +77,10 @@ def test_bench_serve_mixed_and_its_soak(capsys):
     assert "warm_captures" not in soak and "trace" not in s
     # every shape once first: 4 sizes x 3 CFG/cache kinds x with and without a LoRA x batches of 1 and 2
     assert soak["shapes_warm"]["requests"] == 4 * 3 * 2 * (1 + 2) and soak["shapes_warm"]["failed"] == 0
+    # its 4-step p95 set against the same sizes each alone, measured after the warm-up
+    assert len(soak["idle_4step_by_size_s"]) == 4 and min(soak["idle_4step_by_size_s"].values()) > 0
+    if s["classes"].get("4-step", {}).get("p95_s"):
+        assert s["p95_4step_x_idle_same_sizes"] > 0
 
 
 def test_bench_task_edit_2511_smoke(capsys):

@@ -150,6 +150,9 @@ def serve_soak(recs: list[Rec]) -> str:
         ["images/min", f"{s['images_per_min']:.1f}"],
         *([[f"{c} requests, latency p50 / p95", f"{s['classes'][c]['n']}, {secs(s['classes'][c]['p50_s'])} / "
             f"{secs(s['classes'][c]['p95_s'])}"] for c in ("4-step", "8-step") if c in s.get("classes", {})]),
+        *([["4-step p95 / the p95 of the same requests' sizes each alone", f"{secs(s['classes']['4-step']['p95_s'])}"
+            f" / {secs(s['idle_4step_same_sizes_p95_s'])} = {s['p95_4step_x_idle_same_sizes']:.2f}×"]]
+          if "p95_4step_x_idle_same_sizes" in s else []),
         [f"CUDA graphs captured / replays / resident (LRU of {r.get('graph_slots', 8)})",
          f"{s['graph_captures']} / {s['graph_replays']} / {s['graphs_resident']}"],
         *([["graphs dropped as stale in the load (a step cache's buffers grew)", f"{s['graphs_dropped_stale']}"]]
