@@ -393,6 +393,38 @@ def test_timeout_and_disconnect_cancel_the_work(pipe):
         assert httpx.post(base + G, json={**OK, "seed": 1}).status_code == 200
 
 
+def test_a_stream_client_gone_leaves_no_waiting_task(pipe):
+    """A streaming client that hangs up while its request runs: the handler's wait on the job's event queue
+    goes with it (was: the get task stayed pending after the handler was cancelled, and the garbage
+    collector destroyed it later: "Task was destroyed but it is pending!" in a soak's log)."""
+    import asyncio
+    import gc
+
+    gated = GatedPipe(pipe)
+    gated.gate.clear()
+    gc.disable()  # (a pending task in a garbage cycle stays visible until the collector runs)
+    server, th, base = start_server(create_app(gated, ServerConfig(max_batch=1)))
+    loop = server.servers[0].get_loop()
+
+    def gets() -> int:  # the event-queue gets pending on the server's loop
+        async def count():
+            return sum("Queue.get" in repr(t.get_coro()) for t in asyncio.all_tasks())
+
+        return asyncio.run_coroutine_threadsafe(count(), loop).result(10)
+
+    try:
+        client = _raw_post(base, {**OK, "steps": 30, "stream": True})
+        assert gated.entered.wait(30)
+        _wait(lambda: gets() == 1)  # the handler waits on its events
+        client.close()
+        _wait(lambda: 'qwenfast_rejected_total{reason="disconnect"} 1' in httpx.get(base + "/metrics").text)
+        _wait(lambda: gets() == 0, timeout=5)
+    finally:
+        gc.enable()
+        gated.gate.set()
+        stop_server(server, th)
+
+
 def test_n_images_split_over_batches_keep_their_seeds(pipe):
     with running(pipe, max_batch=2) as (base, _):
         r = httpx.post(base + G, json={"prompt": "three cats", "size": "32x48", "steps": 2, "n": 3, "seed": 40},

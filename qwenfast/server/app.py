@@ -666,11 +666,15 @@ def create_app(
                 )
             while True:
                 get = asyncio.ensure_future(job.events.get())
-                done, _ = await asyncio.wait(
-                    {get, job.future},
-                    timeout=min(2.0, max(0.0, deadline - time.monotonic())),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
+                try:
+                    done, _ = await asyncio.wait(
+                        {get, job.future},
+                        timeout=min(2.0, max(0.0, deadline - time.monotonic())),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:  # a client gone cancels the wait: the get would stay pending, then be destroyed
+                    if not get.done():
+                        get.cancel()
                 if get in done:
                     ev = get.result()
                     if ev["type"] == "image_generation.partial_image":
@@ -678,7 +682,6 @@ def create_app(
                     elif p.progress:  # qwenfast's own event types only when asked for
                         yield _event(ev)
                     continue
-                get.cancel()
                 if job.future.done():
                     break
                 if time.monotonic() >= deadline:

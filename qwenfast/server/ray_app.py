@@ -177,11 +177,14 @@ class EngineReplica:
         try:
             while True:
                 get = asyncio.ensure_future(job.events.get())
-                done, _ = await asyncio.wait({get, job.future}, return_when=asyncio.FIRST_COMPLETED)
+                try:
+                    done, _ = await asyncio.wait({get, job.future}, return_when=asyncio.FIRST_COMPLETED)
+                finally:  # (a caller gone cancels the wait: no get left pending)
+                    if not get.done():
+                        get.cancel()
                 if get in done:
                     yield get.result()
                     continue
-                get.cancel()
                 while not job.events.empty():  # events posted before the answer
                     yield job.events.get_nowait()
                 break
