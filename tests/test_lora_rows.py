@@ -187,12 +187,6 @@ def test_expand_by_column_blocks(device, dtype, tol, S, monkeypatch):
         )
         assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
         assert torch.equal(got[1], y[1])
-    # each row's ranges gathered by the launcher (RANGES 2) instead of read at its slot: the same walk
-    monkeypatch.setitem(lora_rows_mod.TILES, "expand", (16, 32, 16, 4, 2))
-    got1 = lora_rows_triton(x, y.clone(), down, poisoned, idx, scale, ranges=ranges)
-    monkeypatch.setitem(lora_rows_mod.TILES, "row_ranges", 1)
-    got2 = lora_rows_triton(x, y.clone(), down, poisoned, idx, scale, ranges=ranges)
-    assert torch.equal(got2, got1) and torch.equal(got2[1], y[1])
     with pytest.raises(ValueError, match="ranges must be"):
         lora_rows(x, y, down, up, idx, scale, ranges=ranges.long())  # int32 only
 
@@ -596,16 +590,7 @@ def test_captured_side_path_replays_any_selection(weights):
 
 @pytest.mark.skipif(not TRITON, reason="needs CUDA and triton")  # (CI has triton: its interpreter runs)
 @pytest.mark.parametrize(
-    "kernel",
-    [
-        "expand S=1",
-        "expand S=2",
-        "expand S=1 ranges",
-        "expand S=2 row ranges",
-        "shrink",
-        "shrink codes",
-        "shrink part",
-    ],
+    "kernel", ["expand S=1", "expand S=2", "expand S=1 ranges", "shrink", "shrink codes", "shrink part"]
 )
 @pytest.mark.skipif(TRITON and not PINNED_TRITON, reason="Triton older than the test extra's 3.7.1")
 def test_default_tiles_do_not_spill(kernel):
@@ -621,11 +606,10 @@ def test_default_tiles_do_not_spill(kernel):
         bm, bn, br, w, st, *cap = L.TILES["expand"]
         sig = {"h_ptr": "*bf16", "u_ptr": "*bf16", "idx_ptr": "*i64", "y_ptr": "*bf16", "rr_ptr": "*i32",
                **ints("T", "N", "R", "G", "NG", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is", "s_yb", "s_yt"),
-               **{c: "constexpr" for c in ("S", "RANGES", "BM", "BN", "BR", "IEEE", "PREFETCH", "SP")}}  # fmt: skip
+               **{c: "constexpr" for c in ("S", "RANGES", "BM", "BN", "BR", "IEEE", "PREFETCH")}}  # fmt: skip
         cx = {
             "S": int(kernel[9]),
-            "SP": 2 if kernel[9] == "2" else 1,
-            "RANGES": 2 if kernel.endswith("row ranges") else int(kernel.endswith("ranges")),
+            "RANGES": kernel.endswith("ranges"),
             "BM": bm,
             "BN": bn,
             "BR": br,

@@ -1,8 +1,7 @@
 """Tile sweep of the per-row LoRA kernels (qwenfast/kernels/lora_rows.py) on the image stream's four layer
 shapes at 1024², batch 4, each row its own rank-64 LoRA (the fused qkv stack: rank 192 in three column
 blocks), FP8 input codes as the FP8 path feeds the shrink. Prints each tile's time per block (the four
-layers summed) and the expand's rate counting one read and one write of each output, the fastest one again
-with each row's column-block ranges gathered first (`TILES["row_ranges"]`); the shrink with K
+layers summed) and the expand's rate counting one read and one write of each output; the shrink with K
 split for more programs (`TILES["programs"]`) and each layer's rate at the fastest tiles; then, with --rows,
 `qwenfast bench serve --workload rows` (fp8 and bf16, or --weights) at the fastest tiles (`STAGE=tiles bash
 bench/serve.sh`). --expand / --shrink take other tile lists ("BM BN BR warps stages, ..." for the expand).
@@ -12,6 +11,9 @@ bench/serve.sh`). --expand / --shrink take other tile lists ("BM BN BR warps sta
 Tried and taken out (commit dd7437f): an expand whose programs walk a run of columns with the next tile of y
 loaded before the current one's products (two tiles in flight). H100, the four layers per block: 1.02 ms
 at its best tile (64 x 128 x 64, 8 warps, 1024 columns a program) against 0.81 ms for `_expand_kernel`.
+And (commit 324c769) each row's column-block ranges gathered by the launcher, so that the qkv stack's
+expand loads them with the row's slots, one dependent load less before its products: 0.814 ms per block
+against 0.811 without, no faster (the qkv expand still ~1.66 TB/s).
 
 A Hopper GPU; about 2 minutes without --rows. An analysis tool: the tiles it finds go into `TILES` by
 hand, after `test_default_tiles_do_not_spill` (ptxas, no GPU) says they compile without spills.
@@ -135,16 +137,6 @@ def main() -> None:
     be, bs = min(res["expand"], key=lambda r: r[2]), min(res["shrink"], key=lambda r: r[1])
     res["best"] = {"expand": be, "shrink": bs}
     LR.TILES.update(expand=tuple(be[0]), prefetch=be[1])
-    # the fastest expand again with each row's column-block ranges gathered first (`TILES["row_ranges"]`:
-    # the qkv stack's one dependent load less), kept if faster
-    res["row_ranges"] = []
-    for on in (0, 1):
-        LR.TILES.update(row_ranges=on)
-        res["row_ranges"].append(round(timed(expand), 3))
-    print(
-        f"expand with the rows' ranges gathered first: {res['row_ranges'][1]:.3f} ms/block (off: {res['row_ranges'][0]:.3f})"
-    )
-    LR.TILES.update(row_ranges=int(res["row_ranges"][1] < res["row_ranges"][0]))
     res["shrink_programs"] = programs_sweep(
         data, idx, scale, [tuple(bs[0]), default["shrink"]], triton.testing.do_bench
     )

@@ -111,15 +111,12 @@ __all__ = ["lora_rows", "lora_rows_ref", "lora_rows_triton"]
 # uncapped it takes 183 registers: candidates for a GPU sweep); programs: the
 # shrink splits K while it would launch fewer than half of these (0: never; 200: the text stream's few
 # rows split, the image stream's 128 programs at batch 4 do not); prefetch: the expand reads y's tile before
-# its products (`_expand_kernel`), a candidate for GPU sweeps, off until one measures it faster; row_ranges:
-# the expand reads each row's column-block ranges gathered by its launcher (`_expand_kernel`'s RANGES 2),
-# likewise a candidate
+# its products (`_expand_kernel`), a candidate for GPU sweeps, off until one measures it faster
 TILES = {
     "shrink": (128, 64, 8, 3, 64),
     "expand": (64, 128, 32, 8, 3),
     "programs": 200,
     "prefetch": 0,
-    "row_ranges": 0,
 }
 
 if triton_available():
@@ -245,18 +242,13 @@ if triton_available():
         BR: tl.constexpr,
         IEEE: tl.constexpr,
         PREFETCH: tl.constexpr,
-        SP: tl.constexpr,
     ):
         """y[b, t, n] += sum over the row's slots s of h[b, t, s*R:(s+1)*R] . up[idx[b, s], n], BM x BN
         of y, h in the factors' dtype (rounded as the torch pass rounds its h); a row whose slots are all
         zero is not touched (no load, no store), a zero slot's factors are not read. With RANGES, the
         tile's columns lie in one of G blocks of NG columns and a slot's rank is walked only over that
-        block's [lo, hi) of rr: Q, K and V of a stack of three rank-64 factors each take their own 64,
-        not all 192. RANGES 1: rr is the stack's (n, G, 2), read at the row's slot once that is loaded;
-        RANGES 2: rr is each row's (B, S, G, 2), gathered by the launcher (`TILES["row_ranges"]`), read
-        with the row's slots at the program's start (SP: S to a power of two), one dependent load less
-        before the products (the qkv stack's expand, the only one with ranges, ran at ~1.7 TB/s on an
-        H100 where the others ran at ~2.6-2.75: a candidate for GPU sweeps, off by default).
+        block's [lo, hi) of rr (n, G, 2): Q, K and V of a stack of three rank-64 factors each take their
+        own 64, not all 192.
 
         Register budget (ptxas -v for sm_90a, counted offline: `lora_rows` docstring): offsets inside one
         row's tensors are 32-bit (the launcher checks they fit) and y's tile is addressed only after the
@@ -268,11 +260,6 @@ if triton_available():
         rows = mt * BM + tl.arange(0, BM)
         cols = nt * BN + tl.arange(0, BN)
         rs = tl.arange(0, BR)
-        if RANGES == 2:  # this row's [lo, hi) of each slot for this column block, loaded with its slots
-            ss = tl.arange(0, SP)
-            rq = rr_ptr + ((b * S + ss) * G + (nt * BN) // NG) * 2
-            los = tl.load(rq, mask=ss < S, other=0)
-            his = tl.load(rq + 1, mask=ss < S, other=0)
         live = tl.full([], 0, tl.int32)  # any slot of this row not the zero one
         for s in tl.static_range(S):
             live = tl.maximum(live, (tl.load(idx_ptr + b * s_ib + s * s_is) != 0).to(tl.int32))
@@ -290,11 +277,9 @@ if triton_available():
                 slot = tl.load(idx_ptr + b * s_ib + s * s_is)
                 ub = u_ptr + slot.to(tl.int64) * s_un
                 lo, hi = 0, R
-                if RANGES == 1:
+                if RANGES:
                     rp = rr_ptr + (slot * G + (nt * BN) // NG) * 2
                     lo, hi = tl.load(rp), tl.load(rp + 1)
-                elif RANGES == 2:
-                    lo, hi = tl.sum(tl.where(ss == s, los, 0)), tl.sum(tl.where(ss == s, his, 0))
                 for r0 in range(lo, hi, BR):
                     rm = (r0 + rs < hi) & (slot != 0)
                     ha = tl.load(
@@ -525,16 +510,14 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
     bm, bn, bre, w, st, *cap = TILES["expand"]  # (a sixth entry: ptxas's register cap per thread)
     bre = min(bre, max(16, triton.next_power_of_2(R)))
     G = 1 if ranges is None else ranges.shape[1]
-    mode = 0 if ranges is None or (N // G) % bn else 2 if TILES["row_ranges"] else 1
+    by_block = ranges is not None and (N // G) % bn == 0
     with _on_device(y):
-        # the stack's ranges (n, G, 2), each row's (B, S, G, 2), or idx: an unread pointer without ranges
-        rr = ranges if mode == 1 else ranges.index_select(0, idx.reshape(-1)) if mode == 2 else idx
         _expand_kernel[(triton.cdiv(N, bn), triton.cdiv(L, bm), B)](
             h,
             up,
             idx,
             y,
-            rr,
+            ranges if by_block else idx,  # (an unread pointer without ranges)
             L,
             N,
             R,
@@ -549,13 +532,12 @@ def _expand(h, up, idx, y, ranges=None) -> torch.Tensor:
             y.stride(0),
             y.stride(1),
             S=S,
-            RANGES=mode,
+            RANGES=by_block,
             BM=bm,
             BN=bn,
             BR=bre,
             IEEE=up.dtype == torch.float32,
             PREFETCH=int(TILES["prefetch"]),
-            SP=triton.next_power_of_2(S),
             num_warps=w,
             num_stages=st,
             **({"maxnreg": cap[0]} if cap and cap[0] else {}),
