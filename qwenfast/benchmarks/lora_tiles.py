@@ -96,6 +96,97 @@ def per_layer(data, idx, scale, bench) -> list:
     return out
 
 
+GEMM = _tiles(
+    "128 128 128 8 4 8 32, 128 256 128 8 3 8 32, 128 256 64 8 4 8 32, 128 128 64 8 5 8 32, 256 128 64 8 4 8 32"
+)
+
+
+def gemm_sweep(tiles, bench) -> dict:
+    """The FP8 GEMM with the update in its epilogue (kernels/fp8_lora_gemm.py) against cuBLASLt's
+    (`torch._scaled_mm`, rowwise scales, bias) followed by the expand, on the image stream's four layers
+    (batch 4, 1024², each row its own rank-64 LoRA; the shrink, the same in both, left out): per layer ms
+    and TFLOP/s, per block the sums, each tile also without a LoRA (the GEMM's own rate against cuBLAS's).
+    Checks the fused output against the pair's (relative error, FP8's bf16 rounding)."""
+    from ..kernels import fp8_lora_gemm as F
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    idx = torch.arange(1, B + 1, device="cuda").view(B, 1)
+    M, out = B * L, {"layers": [], "tiles": [list(t) for t in tiles]}
+    print(
+        f"{'layer (K, N, R)':20} cuBLAS ms  TFLOP/s  +expand ms   "
+        + "  ".join(f"tile{i} lora/none" for i in range(len(tiles)))
+    )
+    for K, N, R, G in SHAPES:
+        x8 = (torch.randn(M, K, device="cuda", generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        w8 = (torch.randn(N, K, device="cuda", generator=g) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+        sx = torch.rand(M, 1, device="cuda", generator=g) * 1e-3
+        sw = torch.rand(N, 1, device="cuda", generator=g) * 1e-3
+        bias = torch.randn(N, device="cuda", generator=g).bfloat16()
+        h = torch.randn(B, L, R, device="cuda", generator=g).bfloat16()
+        up = torch.randn(SLOTS, N, R, device="cuda", generator=g).bfloat16() * 0.05
+        rr = torch.tensor([[(i * R // G, (i + 1) * R // G) for i in range(G)]] * SLOTS, dtype=torch.int32)
+        rr = rr.cuda() if G > 1 else None
+
+        def pair():
+            y = torch._scaled_mm(
+                x8,
+                w8.t(),
+                scale_a=sx,
+                scale_b=sw.t(),
+                bias=bias,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            )
+            return LR._expand(h, up, idx, y.view(B, L, N), rr)
+
+        cub = bench(
+            lambda: torch._scaled_mm(
+                x8,
+                w8.t(),
+                scale_a=sx,
+                scale_b=sw.t(),
+                bias=bias,
+                out_dtype=torch.bfloat16,
+                use_fast_accum=True,
+            )
+        )
+        row = {"layer": [K, N, R], "cublas_ms": round(cub, 4), "cublas_expand_ms": round(bench(pair), 4)}
+        ref, row["fused"] = pair().float().view(M, N), []
+        for t in tiles:
+            F.TILES["gemm"] = t
+            lo = (h, up, idx, rr)
+            try:
+                got = F.fp8_lora_gemm(x8, sx, w8, sw, bias, M, lo, torch.bfloat16).float()
+                err = float((got - ref).norm() / ref.norm())
+                row["fused"].append(
+                    [
+                        round(bench(lambda: F.fp8_lora_gemm(x8, sx, w8, sw, bias, M, lo, torch.bfloat16)), 4),
+                        round(
+                            bench(lambda: F.fp8_lora_gemm(x8, sx, w8, sw, bias, M, None, torch.bfloat16)), 4
+                        ),
+                        round(err, 5),
+                    ]
+                )
+            except Exception as e:  # (a tile that does not compile or fit: out of the sweep)
+                print(f"  tile {t}: {type(e).__name__}: {str(e)[:200]}")
+                row["fused"].append([float("inf"), float("inf"), None])
+        tf = 2 * M * N * K / cub / 1e9
+        print(
+            f"{str((K, N, R)):20} {cub:9.4f}  {tf:7.0f}  {row['cublas_expand_ms']:10.4f}   "
+            + "  ".join(f"{a:.4f}/{b:.4f} ({e or 0:.0e})" for a, b, e in row["fused"])
+        )
+        out["layers"].append(row)
+    out["block_cublas_expand_ms"] = round(sum(r["cublas_expand_ms"] for r in out["layers"]), 4)
+    out["block_fused_ms"] = [
+        round(sum(r["fused"][i][0] for r in out["layers"]), 4) for i in range(len(tiles))
+    ]
+    best = min(range(len(tiles)), key=lambda i: out["block_fused_ms"][i])
+    out["best"] = [list(tiles[best]), out["block_fused_ms"][best]]
+    print(f"per block: cuBLAS + expand {out['block_cublas_expand_ms']:.3f} ms; fused {out['block_fused_ms']}")
+    F.TILES["gemm"] = tuple(tiles[best])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", action="store_true", help="then the rows benchmark at the fastest tiles")
@@ -106,8 +197,26 @@ def main() -> None:
         "--shrink", type=_tiles, default=SHRINK, help='shrink tiles "BM BK warps stages BRmax, ..."'
     )
     ap.add_argument("--weights", default="fp8,bf16", help="the rows benchmark's bases (comma-separated)")
+    ap.add_argument(
+        "--gemm",
+        type=_tiles,
+        nargs="?",
+        const=GEMM,
+        default=None,
+        help='only the FP8 GEMM with the update in its epilogue: tiles "BM BN BK warps stages '
+        'GROUP_M BR, ..." (default: a sweep), then --rows at the fastest',
+    )
     a = ap.parse_args()
     import triton.testing
+
+    if a.gemm:
+        print(json.dumps(gemm_sweep(a.gemm, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60))))
+        if a.rows:
+            from qwenfast.benchmarks.serve_baselines import run_rows
+
+            for w in a.weights.split(","):
+                run_rows(a.lora_folder, out_dir=a.results, weights=w)
+        return
 
     data, idx = layers(), torch.arange(1, B + 1, device="cuda").view(B, 1)
     scale = torch.ones(B, 1, device="cuda")

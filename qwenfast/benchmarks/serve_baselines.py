@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..kernels import fp8_lora_gemm
+from ..kernels.fp8_linear import FP8Linear
 from . import median_ms
 
 
@@ -141,6 +143,14 @@ def row_overhead(
         rows.select(sel, dev)
         res["ranks"] = [int(rows.stacks[m].down.shape[1]) for m in list(rows.stacks)[:1]]
         timed("each_row_its_lora")
+        if any(isinstance(m, FP8Linear) for m in tr.modules()):  # the update in the GEMM's epilogue instead
+            was, ref = fp8_lora_gemm.TILES["on"], fwd().float()
+            fp8_lora_gemm.TILES["on"] = 1
+            try:
+                timed("each_row_its_lora_fused_gemm")
+                res["fused_gemm_rel_err"] = round(float((fwd().float() - ref).norm() / ref.norm()), 5)
+            finally:
+                fp8_lora_gemm.TILES["on"] = was
         rows.select([[] for _ in range(batch)], dev)
         timed("rows_without_lora")
     finally:
@@ -148,6 +158,9 @@ def row_overhead(
     for suffix in ("", "_graph") if graphs else ("",):
         base = res[f"none_installed{suffix}_ms"]
         res[f"overhead{suffix}_pct"] = round(100 * (res[f"each_row_its_lora{suffix}_ms"] / base - 1), 1)
+        if f"each_row_its_lora_fused_gemm{suffix}_ms" in res:
+            fused = res[f"each_row_its_lora_fused_gemm{suffix}_ms"]
+            res[f"overhead_fused_gemm{suffix}_pct"] = round(100 * (fused / base - 1), 1)
         res[f"no_lora_rows_overhead{suffix}_pct"] = round(
             100 * (res[f"rows_without_lora{suffix}_ms"] / base - 1), 1
         )
@@ -188,6 +201,7 @@ def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None, we
     from ..kernels import lora_rows
 
     res["tiles"] = {k: list(v) if isinstance(v, tuple) else v for k, v in lora_rows.TILES.items()}
+    res["tiles"]["fp8_lora_gemm"] = list(fp8_lora_gemm.TILES["gemm"])
     res["row_overhead"] = row_overhead(pipe, names[1::2], graphs=True)  # the rank-64 LoRAs (save_loras)
     print(f"  per-row LoRA overhead, one forward: {res['row_overhead']}")
     emit(res, "serve_mixed.jsonl", out_dir)

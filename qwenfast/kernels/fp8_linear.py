@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..runtime.arch import arch
 from . import _on_device, interpreting, triton_available, use_triton
+from .fp8_lora_gemm import fp8_lora_gemm
 from .fp8_rows import (
     FP8,
     FP8_MAX,
@@ -40,6 +41,7 @@ from .fp8_rows import (
     quantize_rows_ref,
 )
 from .lowbit import LowBitLinear, replace_layers
+from .row_lora import RowLora
 
 if triton_available():
     from .fp8_rows import _quant_rows_kernel
@@ -234,6 +236,9 @@ class FP8Linear(LowBitLinear):
     ) -> torch.Tensor:
         """(M, N) = rows [0, M) of x8 (Mp, K) · sx times the FP8 weight, + bias (+ LoRA on x2)."""
         bias = None if self.bias is None else self.bias.to(self.out_dtype)
+        lora = self.lora.fused(x8[:M], sx[:M]) if isinstance(self.lora, RowLora) else None
+        if lora is not None:  # per-row LoRAs in the GEMM's epilogue (kernels/fp8_lora_gemm.py)
+            return fp8_lora_gemm(x8, sx, self.weight_fp8, self.weight_scale, bias, M, lora, self.out_dtype)
         key = (x8.shape[0], self.in_features, self.out_features, device.index)
         if key not in _REFUSED:
             try:

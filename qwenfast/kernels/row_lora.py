@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .lora_rows import lora_rows
+from . import fp8_lora_gemm, use_triton
+from .lora_rows import _shrink, lora_rows
 
 __all__ = ["RowLora", "RowLoraLinear", "RowSelection", "plain_linear"]
 
@@ -138,6 +139,30 @@ class RowLora:
                 else:
                     yr.copy_(torch.addmm(yr.to(dt), h, self.up[slot, :, :r].t(), alpha=strength))
         return y2
+
+    def fused(self, codes: torch.Tensor, x_scale: torch.Tensor) -> tuple | None:
+        """The update as `fp8_lora_gemm`'s epilogue takes it, (h, up, idx, ranges), with h the shrink of
+        the layer's e4m3 input `codes` (M, K) and its row scales (M, 1); None where `add` should run
+        instead: the fused GEMM off (`fp8_lora_gemm.TILES["on"]`), no row with a LoRA, the rows sharing
+        one adapter set eagerly (two plain GEMMs at its rank), or layouts the kernels do not take."""
+        sel = self.selection
+        if not fp8_lora_gemm.TILES["on"] or not sel.active or self.down.dtype != torch.bfloat16:
+            return None
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        (M, K), B = codes.shape, sel.current[0].shape[0]
+        if not (capturing or len(sel.groups) > 1) or M % B or not fp8_lora_gemm.fits(K, self.up.shape[1]):
+            return None
+        if not (use_triton(codes) and codes.is_contiguous() and x_scale.is_contiguous()):
+            return None
+        if not (self.down.is_contiguous() and self.up.is_contiguous()):
+            return None
+        idx, scale = sel.current
+        idx, scale = idx[:, : sel.used], scale[:, : sel.used]
+        if scale.stride() != idx.stride():
+            idx, scale = idx.contiguous(), scale.contiguous()
+        T = M // B
+        h = _shrink(codes.view(B, T, K), self.down, idx, scale, None, x_scale.reshape(B, T))
+        return h, self.up, idx, self.ranges
 
 
 class RowLoraLinear(nn.Linear):

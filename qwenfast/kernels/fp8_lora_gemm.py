@@ -1,0 +1,248 @@
+"""An FP8 (e4m3, rowwise-scaled) GEMM whose epilogue adds each batch row's own LoRA update: y = x8·w8ᵀ·sx·sw
++ bias + h·up[slot]ᵀ, the last term per row of the batch (the per-row LoRA's expand, kernels/lora_rows.py).
+
+Why: per-row LoRAs beside FP8 GEMMs cost ~23% of an H100 forward at batch 4 (1024², four rank-64 LoRAs),
+three quarters of it the expand, which reads and writes every layer's output once more after the GEMM
+wrote it, at ~2.2 TB/s. Fused consumers (QK-norm, GELU) and the update by concatenation along K measured
+slower (kernels/row_lora.py, lora_rows.py). Here the update is a few more tensor-core products on the
+accumulator the GEMM already holds (rank 64 against K = 3072: ~2% of the products), and the output is
+written once. What it costs instead: cuBLASLt's FP8 GEMM (`torch._scaled_mm`) is replaced by this Triton
+one for layers with a per-row LoRA in use (only then: rows without LoRAs keep cuBLAS); worth it only if it
+runs close to cuBLAS's rate (`python -m qwenfast.benchmarks.lora_tiles --gemm` times both per layer).
+
+The shrink (h = x·downᵀ·strength, (B, T, S·R)) runs first as before (`lora_rows._shrink`, on the same e4m3
+codes). A tile of M rows may straddle two batch rows (T tokens each: 1328² makes 6,889): it adds each
+row's update over its own tokens. With `ranges` (the qkv stack, kernels/lora_rows.py: Q, K and V take their
+own third of a rank-192 stack), each tile walks its column block's [lo, hi) of the rank only.
+
+`fp8_lora_gemm_ref` is the dequantised fp32 product it must equal (within the FP8 GEMM's accumulation
+order and one bf16 rounding: the unfused pair rounds the GEMM's output before adding the update)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _on_device, triton_available
+
+__all__ = ["TILES", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
+
+# gemm: (BM, BN, BK, warps, stages, GROUP_M, BR): the GEMM's tile, its launch grouping (GROUP_M tiles of M
+# walk one column of tiles, so their w tiles stay in L2) and the rank the epilogue takes at a time (no
+# spills for sm_90a with a LoRA of one or two slots, ranged or not: 190-250 registers); on: FP8 layers with
+# per-row LoRAs in use run it instead of cuBLAS + the expand (`RowLora.fused`), off until a GPU sweep
+# measures it faster (`python -m qwenfast.benchmarks.lora_tiles --gemm`)
+TILES = {"gemm": (128, 128, 128, 8, 4, 8, 32), "on": 0}
+
+if triton_available():
+    import triton
+    import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from .lora_rows import _dot
+
+    @triton.jit
+    def _kernel(
+        x_desc,
+        w_desc,
+        y_desc,
+        sx_ptr,
+        sw_ptr,
+        b_ptr,
+        h_ptr,
+        u_ptr,
+        idx_ptr,
+        rr_ptr,
+        M,
+        N,
+        K,
+        T,
+        R,
+        G,
+        NG,
+        s_hb,
+        s_ht,
+        s_un,
+        s_uo,
+        s_ib,
+        s_is,
+        S: tl.constexpr,
+        LORA: tl.constexpr,
+        RANGES: tl.constexpr,
+        BIAS: tl.constexpr,
+        BM: tl.constexpr,
+        BN: tl.constexpr,
+        BK: tl.constexpr,
+        BR: tl.constexpr,
+        GROUP_M: tl.constexpr,
+        FP8_DOT: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """One BM x BN tile of y: the e4m3 products over K in fp32 (x and w through TMA descriptors: no
+        tile of pointers held in registers; the pointer-tile form spilled ~1 KB a thread at every tile
+        compiled for sm_90a), times the rows' and the columns' scales, + bias, + for each batch row the
+        tile's tokens belong to (one, or two where a tile straddles rows) and each of its S slots,
+        h[rows, slot's R] · up[slot, cols]ᵀ (slot 0: none)."""
+        pid = tl.program_id(0)
+        npm, npn = tl.cdiv(M, BM), tl.cdiv(N, BN)
+        group = pid // (GROUP_M * npn)
+        first = group * GROUP_M
+        gm = min(npm - first, GROUP_M)
+        pm = first + (pid % (GROUP_M * npn)) % gm
+        pn = (pid % (GROUP_M * npn)) // gm
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):  # (K % BK == 0: the launcher checks)
+            a = x_desc.load([pm * BM, k0])  # (BM, BK)
+            b = w_desc.load([pn * BN, k0])  # (BN, BK): w's rows are y's columns
+            if FP8_DOT:
+                acc = tl.dot(a, b.T, acc)
+            else:  # (Triton's interpreter: the e4m3 values widened, products exact in fp32)
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+        rows = pm * BM + tl.arange(0, BM)
+        cols = pn * BN + tl.arange(0, BN)
+        rmask, cmask = rows < M, cols < N
+        sx = tl.load(sx_ptr + rows, mask=rmask, other=0.0)
+        sw = tl.load(sw_ptr + cols, mask=cmask, other=0.0)
+        acc = acc * sx[:, None] * sw[None, :]
+        if BIAS:
+            acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if LORA:
+            rs = tl.arange(0, BR)
+            b0 = (pm * BM) // T
+            b1 = tl.minimum(pm * BM + BM - 1, M - 1) // T
+            for i in range(0, b1 - b0 + 1):
+                bb = b0 + i
+                t = rows - bb * T  # the tile's tokens inside row bb (others masked)
+                mine = rmask & (t >= 0) & (t < T)
+                hb = h_ptr + bb.to(tl.int64) * s_hb
+                for s in tl.static_range(S):
+                    slot = tl.load(idx_ptr + bb * s_ib + s * s_is)
+                    ub = u_ptr + slot.to(tl.int64) * s_un
+                    lo, hi = 0, R
+                    if RANGES:
+                        rp = rr_ptr + (slot * G + (pn * BN) // NG) * 2
+                        lo, hi = tl.load(rp), tl.load(rp + 1)
+                    hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
+                    for r0 in range(lo, hi, BR):
+                        rm = r0 + rs < hi
+                        ha = tl.load(
+                            hb + (t[:, None] * s_ht + (s * R + r0) + rs[None, :]),
+                            mask=mine[:, None] & rm[None, :],
+                            other=0.0,
+                        )
+                        ua = tl.load(  # (BR, BN)
+                            ub + (cols[None, :] * s_uo + r0 + rs[:, None]),
+                            mask=cmask[None, :] & rm[:, None],
+                            other=0.0,
+                        )
+                        acc += _dot(ha, ua, IEEE)  # (lora_rows': fp32 stays fp32; the interpreter's bf16)
+        y_desc.store([pm * BM, pn * BN], acc.to(y_desc.dtype))
+
+
+def fits(K: int, N: int) -> bool:
+    """Whether the kernel takes a (K -> N) layer: whole BK tiles, rows of y 16-byte aligned (TMA)."""
+    return K % TILES["gemm"][2] == 0 and N % 8 == 0
+
+
+def fp8_lora_gemm(
+    x8: torch.Tensor,
+    sx: torch.Tensor,
+    w8: torch.Tensor,
+    sw: torch.Tensor,
+    bias: torch.Tensor | None,
+    M: int,
+    lora: tuple | None,
+    out_dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(M, N) = rows [0, M) of x8 (Mp, K) e4m3 · sx (Mp, 1) times w8 (N, K) e4m3 · sw (N, 1), + bias (N),
+    + with `lora` = (h (B, T, S·R), up (n, N, R), idx (B, S) int64, ranges (n, G, 2) int32 or None) each
+    batch row's update (B·T = M). `out`: an (M, N) buffer to write (tests hand a poisoned one)."""
+    N, K = w8.shape
+    if not fits(K, N) or x8.stride() != (K, 1) or w8.stride() != (K, 1):
+        raise ValueError(f"fp8_lora_gemm: K {K} must be whole tiles and x8 / w8 contiguous")
+    y = torch.empty(M, N, dtype=out_dtype, device=x8.device) if out is None else out
+    bm, bn, bk, w, st, gm, br = TILES["gemm"]
+    if lora is None:
+        h = up = idx = rr = sx  # (unread pointers)
+        T, R, S, G, s_h, s_u, s_i, ranged = M, 1, 1, 1, (0, 0), (0, 0), (0, 0), False
+    else:
+        h, up, idx, rr = lora
+        B, T, _ = h.shape
+        R, S = up.shape[2], idx.shape[1]
+        if B * T != M or up.shape[1] != N or not up.is_contiguous():
+            raise ValueError(
+                f"fp8_lora_gemm: h {tuple(h.shape)} / up {tuple(up.shape)} do not match ({M}, {N})"
+            )
+        G = 1 if rr is None else rr.shape[1]
+        ranged = rr is not None and (N // G) % bn == 0
+        rr = rr if ranged else idx
+        s_h, s_u, s_i = (
+            (h.stride(0), h.stride(1)),
+            (up.stride(0), up.stride(1)),
+            (idx.stride(0), idx.stride(1)),
+        )
+    fp8_dot = x8.is_cuda  # (the interpreter widens: numpy has no e4m3 products)
+    with _on_device(x8):
+        _kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+            TensorDescriptor.from_tensor(x8, [bm, bk]),
+            TensorDescriptor.from_tensor(w8, [bn, bk]),
+            TensorDescriptor.from_tensor(y, [bm, bn]),  # (rows past M are not written: the TMA clips)
+            sx,
+            sw,
+            sx if bias is None else bias,
+            h,
+            up,
+            idx,
+            rr,
+            M,
+            N,
+            K,
+            T,
+            R,
+            G,
+            N // G,
+            *s_h,
+            *s_u,
+            *s_i,
+            S=S,
+            LORA=lora is not None,
+            RANGES=ranged,
+            BIAS=bias is not None,
+            BM=bm,
+            BN=bn,
+            BK=bk,
+            BR=min(br, max(16, triton.next_power_of_2(R))),
+            GROUP_M=gm,
+            FP8_DOT=fp8_dot,
+            IEEE=lora is not None and up.dtype == torch.float32,
+            num_warps=w,
+            num_stages=st,
+        )
+    return y
+
+
+def fp8_lora_gemm_ref(
+    x8: torch.Tensor,
+    sx: torch.Tensor,
+    w8: torch.Tensor,
+    sw: torch.Tensor,
+    bias: torch.Tensor | None,
+    M: int,
+    lora: tuple | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """`fp8_lora_gemm` dequantised, in fp32, rounded once to `out_dtype` (the up factors are zero outside
+    `ranges`, so the whole rank is summed here)."""
+    y = (x8[:M].float() * sx[:M]) @ (w8.float() * sw).t()
+    if bias is not None:
+        y = y + bias.float()
+    if lora is not None:
+        h, up, idx, _ = lora
+        B, T, _ = h.shape
+        R = up.shape[2]
+        y = y.view(B, T, -1)
+        for b in range(B):
+            for s in range(idx.shape[1]):
+                y[b] += h[b, :, s * R : (s + 1) * R].float() @ up[int(idx[b, s])].float().t()
+        y = y.view(M, -1)
+    return y.to(out_dtype)
