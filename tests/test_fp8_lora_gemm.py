@@ -94,7 +94,8 @@ def test_column_blocks_walk_their_own_ranks(device, monkeypatch):
 def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
     """`RowLora.fused` (the shrink on the e4m3 codes, then the epilogue) against the FP8 GEMM's reference
     followed by `RowLora.add` on the same codes (the unfused gathered side path), three rows with
-    different adapters and strengths; off (`TILES["on"]` 0) or one adapter set for all rows: None."""
+    different adapters and strengths; eagerly by default (`TILES["on"]` 1) or one adapter set for all rows
+    eagerly: None."""
     monkeypatch.setitem(F.TILES, "gemm", SMALL)
     g = torch.Generator().manual_seed(5)
     B, T, K, N, n, R = 3, 19, 64, 48, 4, 16
@@ -106,8 +107,8 @@ def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
     lora = RowLora(down, up, sel, ranks=[R] * n)
     M = B * T
     sel.set([[(1, 0.8)], [], [(2, 1.0), (3, -0.5)]], x8.device)
-    assert lora.fused(x8, sx) is None  # off by default
-    monkeypatch.setitem(F.TILES, "on", 1)
+    assert F.TILES["on"] == 1 and lora.fused(x8, sx) is None  # by default only in a forward being captured
+    monkeypatch.setitem(F.TILES, "on", 2)  # (eagerly too)
     got = F.fp8_lora_gemm(x8, sx, w8, sw, bias.bfloat16(), M, lora.fused(x8, sx), torch.bfloat16)
     base = F.fp8_lora_gemm_ref(x8, sx, w8, sw, bias.bfloat16(), M, None, torch.bfloat16)
     want = lora.add(x8, base.clone(), sx)

@@ -142,15 +142,18 @@ def row_overhead(
         sel = [[(n, 1.0)] for n in names[:batch]]
         rows.select(sel, dev)
         res["ranks"] = [int(rows.stacks[m].down.shape[1]) for m in list(rows.stacks)[:1]]
-        timed("each_row_its_lora")
-        if any(isinstance(m, FP8Linear) for m in tr.modules()):  # the update in the GEMM's epilogue instead
-            was, ref = fp8_lora_gemm.TILES["on"], fwd().float()
-            fp8_lora_gemm.TILES["on"] = 1
-            try:
+        fp8 = any(isinstance(m, FP8Linear) for m in tr.modules())
+        was = fp8_lora_gemm.TILES["on"]
+        try:
+            fp8_lora_gemm.TILES["on"] = 0  # the side path: the base GEMM, then the expand
+            timed("each_row_its_lora")
+            if fp8:  # the update in the FP8 GEMM's epilogue instead (eagerly too)
+                ref = fwd().float()
+                fp8_lora_gemm.TILES["on"] = 2
                 timed("each_row_its_lora_fused_gemm")
                 res["fused_gemm_rel_err"] = round(float((fwd().float() - ref).norm() / ref.norm()), 5)
-            finally:
-                fp8_lora_gemm.TILES["on"] = was
+        finally:
+            fp8_lora_gemm.TILES["on"] = was
         rows.select([[] for _ in range(batch)], dev)
         timed("rows_without_lora")
     finally:

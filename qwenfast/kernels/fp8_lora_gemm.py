@@ -28,10 +28,9 @@ __all__ = ["TILES", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
 
 # gemm: (BM, BN, BK, warps, stages, GROUP_M, BR): the GEMM's tile, its launch grouping (GROUP_M tiles of M
 # walk one column of tiles, so their w tiles stay in L2) and the rank the epilogue takes at a time (no
-# spills for sm_90a with a LoRA of one or two slots, ranged or not: 190-250 registers); on: FP8 layers with
-# per-row LoRAs in use run it instead of cuBLAS + the expand (`RowLora.fused`), off until a GPU sweep
-# measures it faster (`python -m qwenfast.benchmarks.lora_tiles --gemm`)
-TILES = {"gemm": (128, 128, 128, 8, 4, 8, 32), "on": 0}
+# spills for sm_90a with a LoRA of one or two slots, ranged or not); on: FP8 layers with per-row LoRAs in
+# use run it instead of cuBLAS + the expand (`RowLora.fused`: 1 in captured forwards, 2 eagerly too, 0 never)
+TILES = {"gemm": (128, 256, 128, 8, 3, 8, 32), "on": 1}
 
 if triton_available():
     import triton

@@ -143,14 +143,20 @@ class RowLora:
     def fused(self, codes: torch.Tensor, x_scale: torch.Tensor) -> tuple | None:
         """The update as `fp8_lora_gemm`'s epilogue takes it, (h, up, idx, ranges), with h the shrink of
         the layer's e4m3 input `codes` (M, K) and its row scales (M, 1); None where `add` should run
-        instead: the fused GEMM off (`fp8_lora_gemm.TILES["on"]`), no row with a LoRA, the rows sharing
-        one adapter set eagerly (two plain GEMMs at its rank), or layouts the kernels do not take."""
-        sel = self.selection
-        if not fp8_lora_gemm.TILES["on"] or not sel.active or self.down.dtype != torch.bfloat16:
+        instead: no row with a LoRA, layouts the kernels do not take, or by `fp8_lora_gemm.TILES["on"]`:
+        0 never, 1 (default) in a forward being captured into a CUDA graph, 2 also eagerly where rows
+        differ. Why captured only: eagerly the host's work per launch (three TMA descriptors made, a
+        launch of 30-odd arguments) fell behind the GPU: on an H100 (FP8, batch 4, 1024², four rank-64
+        LoRAs, commit 56ea94b) the eager forward took 485 ms with it against 420 ms with cuBLAS + the
+        expand, while replayed as a graph it took 392 ms against 412."""
+        sel, on = self.selection, fp8_lora_gemm.TILES["on"]
+        if not on or not sel.active or self.down.dtype != torch.bfloat16:
             return None
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         (M, K), B = codes.shape, sel.current[0].shape[0]
-        if not (capturing or len(sel.groups) > 1) or M % B or not fp8_lora_gemm.fits(K, self.up.shape[1]):
+        if not (capturing or (on == 2 and len(sel.groups) > 1)):
+            return None
+        if M % B or not fp8_lora_gemm.fits(K, self.up.shape[1]):
             return None
         if not (use_triton(codes) and codes.is_contiguous() and x_scale.is_contiguous()):
             return None
