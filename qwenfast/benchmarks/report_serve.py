@@ -111,6 +111,14 @@ def serve_mixed(recs: list[Rec]) -> str:
                 if "overhead_graph_pct" in o
                 else ""
             )
+            + (
+                f"; with each row's update in the FP8 GEMM's epilogue (`kernels/fp8_lora_gemm.py`) "
+                f"{o['each_row_its_lora_fused_gemm_ms']:.0f} ms eager ({o['overhead_fused_gemm_pct']:+.0f}%), "
+                f"{o['each_row_its_lora_fused_gemm_graph_ms']:.0f} ms CUDA-graphed "
+                f"({o['overhead_fused_gemm_graph_pct']:+.0f}%)"
+                if "overhead_fused_gemm_graph_pct" in o
+                else ""
+            )
             + (f" (`{x['command']}`)." if x is not r else ".")
         )
     return (
