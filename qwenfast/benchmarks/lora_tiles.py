@@ -101,6 +101,37 @@ GEMM = _tiles(
 )
 
 
+SHRINK_TMA = _tiles("128 128 8 3 64, 64 128 4 4 64, 128 256 8 3 64, 64 256 4 3 64, 128 128 4 4 64")
+
+
+def shrink_tma_sweep(tiles, bench) -> dict:
+    """The shrink of the e4m3 codes through TMA descriptors (`TILES["shrink_tma"]`) against the pointer
+    kernel at its default tile, on the image stream's four layers: ms per block (each layer's too), the
+    fastest kept in `TILES` if it beats the pointer kernel."""
+    data, idx = layers(), torch.arange(1, B + 1, device="cuda").view(B, 1)
+    scale = torch.ones(B, 1, device="cuda")
+
+    def per_layer():
+        return [bench(lambda d=d: LR._shrink(d[3], d[0], idx, scale, d[6], d[4])) for d in data]
+
+    LR.TILES["shrink_tma"] = None
+    out = {"pointer": [round(v, 4) for v in per_layer()], "tma": []}
+    for t in tiles:
+        LR.TILES["shrink_tma"] = t
+        try:
+            out["tma"].append([list(t), [round(v, 4) for v in per_layer()]])
+        except Exception as e:  # (a tile that does not compile or fit: out of the sweep)
+            print(f"  shrink tile {t}: {type(e).__name__}: {str(e)[:200]}")
+    blk = lambda v: round(sum(v), 4)  # noqa: E731
+    best = min(out["tma"], key=lambda r: blk(r[1]), default=None)
+    print(f"shrink per block: pointer {blk(out['pointer']):.4f} ms {out['pointer']}")
+    for t, v in out["tma"]:
+        print(f"  TMA {str(tuple(t)):28} {blk(v):.4f} ms {v}")
+    LR.TILES["shrink_tma"] = tuple(best[0]) if best and blk(best[1]) < blk(out["pointer"]) else None
+    out["chosen"] = LR.TILES["shrink_tma"]
+    return out
+
+
 def gemm_sweep(tiles, bench) -> dict:
     """The FP8 GEMM with the update in its epilogue (kernels/fp8_lora_gemm.py) against cuBLASLt's
     (`torch._scaled_mm`, rowwise scales, bias) followed by the expand, on the image stream's four layers
@@ -210,7 +241,10 @@ def main() -> None:
     import triton.testing
 
     if a.gemm:
-        print(json.dumps(gemm_sweep(a.gemm, lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60))))
+        bench = lambda fn: triton.testing.do_bench(fn, warmup=10, rep=60)  # noqa: E731
+        print(
+            json.dumps({"gemm": gemm_sweep(a.gemm, bench), "shrink_tma": shrink_tma_sweep(SHRINK_TMA, bench)})
+        )
         if a.rows:
             from qwenfast.benchmarks.serve_baselines import run_rows
 

@@ -117,6 +117,9 @@ TILES = {
     "expand": (64, 128, 32, 8, 3),
     "programs": 200,
     "prefetch": 0,
+    # e4m3 codes in, one K part: `_shrink_tma_kernel` at (BM, BK, warps, stages, BR max), or None: the
+    # pointer kernel above (a candidate for GPU sweeps, off until one measures it faster)
+    "shrink_tma": None,
 }
 
 if triton_available():
@@ -203,6 +206,55 @@ if triton_available():
         hp = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R + rank[None, :]
         if PART:
             hp += kt.to(tl.int64) * s_pk
+        tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    @triton.jit
+    def _shrink_tma_kernel(
+        x_desc,
+        d_desc,
+        xs_ptr,
+        idx_ptr,
+        sc_ptr,
+        h_ptr,
+        T,
+        K,
+        R,
+        S,
+        s_dn,
+        s_ib,
+        s_is,
+        s_hb,
+        s_ht,
+        NRT,
+        BM: tl.constexpr,
+        BR: tl.constexpr,
+        BK: tl.constexpr,
+    ):
+        """`_shrink_kernel` with CODES and one K part, its tiles through TMA descriptors: x's e4m3 codes as
+        (B·T, K) (a tile past row b's T tokens reads row b + 1's, whose products are not stored; past the
+        last row the TMA fills zeros) and the down stack as (n·R, K), so the loop holds no tile of
+        pointers and the loads run ahead of the products (the pointer kernel moved the image stream's
+        inputs at 0.6-1.3 TB/s on an H100)."""
+        pid, bs, mt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        rt = pid % NRT
+        b, s = bs // S, bs % S
+        slot = tl.load(idx_ptr + b * s_ib + s * s_is)
+        scale = tl.load(sc_ptr + b * s_ib + s * s_is)
+        rows = mt * BM + tl.arange(0, BM)
+        rank = rt * BR + tl.arange(0, BR)
+        acc = tl.zeros([BM, BR], dtype=tl.float32)
+        if slot != 0:
+            r0 = b * T + mt * BM
+            d0 = (slot * s_dn + rt * BR).to(tl.int32)  # (n·R rows: far below 2**31)
+            for k0 in range(0, K, BK):
+                xa = x_desc.load([r0, k0]).to(d_desc.dtype)  # (BM, BK) codes, widened (exact)
+                da = d_desc.load([d0, k0])  # (BR, BK)
+                acc += _dot(xa, tl.trans(da), False)
+            xs = tl.load(xs_ptr + b.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
+            acc = acc * xs[:, None] * scale
+        hp = h_ptr + b.to(tl.int64) * s_hb + rows[:, None].to(tl.int64) * s_ht + s * R + rank[None, :]
         tl.store(hp, acc.to(h_ptr.dtype.element_ty), mask=(rows[:, None] < T) & (rank[None, :] < R))
 
     @triton.jit
@@ -452,8 +504,11 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
     ks = _splits(programs, K, bk) if h.is_contiguous() else 1
     kc = triton.cdiv(triton.cdiv(K, ks), bk) * bk
     ks = triton.cdiv(K, kc)  # (no empty last part)
-    out = h if ks == 1 else torch.empty(ks, B, L, S * R, dtype=torch.float32, device=x.device)
     codes = x_scale is not None
+    tma = TILES["shrink_tma"]
+    if tma and codes and ks == 1 and x.is_contiguous() and K % 16 == 0 and down.dtype != torch.float32:
+        return _shrink_tma(x, x_scale, down, idx, scale, h, tma)
+    out = h if ks == 1 else torch.empty(ks, B, L, S * R, dtype=torch.float32, device=x.device)
     with _on_device(x):
         _shrink_kernel[(nrt * ks, B * S, triton.cdiv(L, bm))](
             x,
@@ -489,6 +544,41 @@ def _shrink(x, down, idx, scale, h=None, x_scale=None) -> torch.Tensor:
         if ks > 1:
             E = h.numel()
             _sum_parts_kernel[(triton.cdiv(E, 1024),)](out, h, E, ks, BLOCK=1024, num_warps=4)
+    return h
+
+
+def _shrink_tma(x, x_scale, down, idx, scale, h, tile) -> torch.Tensor:
+    """The shrink of e4m3 codes x (B, L, K) through `_shrink_tma_kernel` at `tile` (`TILES["shrink_tma"]`)."""
+    B, L, K = x.shape
+    n, R, _ = down.shape
+    S = idx.shape[1]
+    bm, bk, w, st, brmax = tile
+    br = min(brmax, max(16, triton.next_power_of_2(R)))
+    nrt = triton.cdiv(R, br)
+    with _on_device(x):
+        _shrink_tma_kernel[(nrt, B * S, triton.cdiv(L, bm))](
+            TensorDescriptor.from_tensor(x.view(B * L, K), [bm, bk]),
+            TensorDescriptor.from_tensor(down.view(n * R, K), [br, bk]),
+            x_scale,
+            idx,
+            scale,
+            h,
+            L,
+            K,
+            R,
+            S,
+            R,
+            idx.stride(0),
+            idx.stride(1),
+            h.stride(0),
+            h.stride(1),
+            nrt,
+            BM=bm,
+            BR=br,
+            BK=bk,
+            num_warps=w,
+            num_stages=st,
+        )
     return h
 
 
