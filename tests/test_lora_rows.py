@@ -224,13 +224,14 @@ def test_shrink_reads_e4m3_rows(device, dtype, tol, B, L, K, N, n, R, S, monkeyp
     assert torch.isfinite(h).all()
     assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
     assert torch.equal(got[0], y[0])
-    if dtype == torch.bfloat16 and K % 16 == 0:  # the shrink through TMA descriptors (TILES["shrink_tma"])
-        monkeypatch.setitem(lora_rows_mod.TILES, "shrink_tma", (16, 32, 4, 2, 32))
+    # the shrink through TMA descriptors (`TILES["shrink_tma"]`, bf16 factors, K a multiple of 16) at
+    # another tile, and the pointer kernel (None): the same
+    for tma in ((16, 32, 4, 2, 32), None) if dtype == torch.bfloat16 and K % 16 == 0 else ():
+        monkeypatch.setitem(lora_rows_mod.TILES, "shrink_tma", tma)
         h2 = torch.full_like(h, float("nan"))
         got = lora_rows_triton(x8, y.clone(), down, up, idx, scale, h=h2, x_scale=xs)
         assert torch.isfinite(h2).all() and torch.equal(got[0], y[0])
         assert_close_finite(got.float() / ref, want.float() / ref, rtol=0, atol=tol)
-        monkeypatch.setitem(lora_rows_mod.TILES, "shrink_tma", None)
     for fn in (lora_rows, lora_rows_ref):  # the dispatcher, and the loop itself, see the scale
         xs2 = xs.clone()
         xs2[1, 0] *= 8
@@ -597,7 +598,8 @@ def test_captured_side_path_replays_any_selection(weights):
 
 @pytest.mark.skipif(not TRITON, reason="needs CUDA and triton")  # (CI has triton: its interpreter runs)
 @pytest.mark.parametrize(
-    "kernel", ["expand S=1", "expand S=2", "expand S=1 ranges", "shrink", "shrink codes", "shrink part"]
+    "kernel",
+    ["expand S=1", "expand S=2", "expand S=1 ranges", "shrink", "shrink codes", "shrink part", "shrink tma"],
 )
 @pytest.mark.skipif(TRITON and not PINNED_TRITON, reason="Triton older than the test extra's 3.7.1")
 def test_default_tiles_do_not_spill(kernel):
@@ -624,6 +626,13 @@ def test_default_tiles_do_not_spill(kernel):
             "PREFETCH": L.TILES["prefetch"],
         }
         got = spills(L._expand_kernel, sig, cx, w, st, maxnreg=cap[0] if cap else None)
+    elif kernel == "shrink tma":
+        bm, bk, w, st, br = L.TILES["shrink_tma"]
+        sig = {"x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "d_desc": f"tensordesc<bf16[{br}, {bk}]>",
+               "xs_ptr": "*fp32", "idx_ptr": "*i64", "sc_ptr": "*fp32", "h_ptr": "*bf16",
+               **ints("T", "K", "R", "S", "s_dn", "s_ib", "s_is", "s_hb", "s_ht", "NRT"),
+               **{c: "constexpr" for c in ("BM", "BR", "BK")}}  # fmt: skip
+        got = spills(L._shrink_tma_kernel, sig, {"BM": bm, "BR": br, "BK": bk}, w, st)
     else:
         bm, bk, w, st, br = L.TILES["shrink"]
         codes, part = kernel.endswith("codes"), kernel.endswith("part")
@@ -642,9 +651,12 @@ def test_the_tile_sweep_times_the_default_tiles():
     must be among its candidates, or a sweep could never confirm (or beat) them like for like."""
     import qwenfast.kernels.lora_rows as L
     from qwenfast.benchmarks import lora_tiles
+    from qwenfast.kernels import fp8_lora_gemm
 
     assert tuple(L.TILES["expand"][:5]) in lora_tiles.EXPAND
     assert tuple(L.TILES["shrink"]) in lora_tiles.SHRINK
+    assert tuple(L.TILES["shrink_tma"]) in lora_tiles.SHRINK_TMA
+    assert tuple(fp8_lora_gemm.TILES["gemm"]) in lora_tiles.GEMM
 
 
 @pytest.mark.parametrize("device", DEVICES)

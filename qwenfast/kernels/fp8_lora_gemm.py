@@ -22,6 +22,9 @@ layers 3.17 ms at 128 x 256 x 128 (8 warps, 4 stages) against 3.62 for cuBLAS + 
 CUDA-graphed 393 ms against 411 with the side path and 334 without LoRAs (+17.8% against +23.1%); eagerly
 431 against 415 ms, so it runs only in captured forwards (`RowLora.fused`). The output differs from the
 unfused pair's by ~3e-3 per layer (one bf16 rounding less, another accumulation order), ~1% over a forward.
+With the shrink through TMA too (`lora_rows.TILES["shrink_tma"]`, commit d583209, `... --gemm "128 256 128
+8 4 8 32" --rows --weights fp8`): graphed 381 ms against 403 with the side path and 330 without LoRAs
+(+15.5% against +22.2%); eagerly 384 against 405 (faster that time, slower the two times before).
 
 `fp8_lora_gemm_ref` is the dequantised fp32 product it must equal (within the FP8 GEMM's accumulation
 order and one bf16 rounding: the unfused pair rounds the GEMM's output before adding the update)."""
