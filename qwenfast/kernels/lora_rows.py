@@ -21,47 +21,29 @@ own rank when the rows with one share it, else the gathered pass cut to the used
 On CUDA (and in Triton's interpreter) the gathered pass is two segmented Triton kernels instead
 (`lora_rows_triton`): `_shrink_kernel` reads each row's down factor in the stack where it lies (no
 gathered copy) and writes h = x · downᵀ · strength; `_expand_kernel` adds h · upᵀ into y tile by tile,
-one read and one write of y, and leaves rows of the zero slot untouched (no load, no store). Why: the
-profile of the torch pass (H100, FP8, 1024², batch 4, four rank-64 LoRAs, one forward; the qkv stack is
-rank 192: three factors side by side) spent 18.4 ms of its 88 ms in `index_select` copying the factors
-of each row, layer after layer, and 53.5 ms in the batched expand GEMM. (Since, with the kernels as
-they are, cuBLAS's batched GEMMs over gathered factors in place of either half or both measured within
-1.5% of a forward of them: H100, FP8, batch 4, 1024², commit 9a30567; the Triton expand also leaves rows
-without a LoRA untouched, where cuBLAS reads and writes them.) The shrink splits K into fp32
-parts when its rows make few programs (the text stream's 128-odd tokens per image: 4 programs at batch 4,
-each walking all of K alone), summed in order by a second kernel before the expand (summed inside the
-expand they were re-read once per tile of y's columns: +40% per forward instead of +27%, H100, commit
-d6f97ce); the image stream's rows stay one part (`TILES["programs"]`).
+one read and one write of y, rows of the zero slot untouched (no load, no store). Why: the torch pass
+spent 18.4 of its 88 ms a forward copying each row's factors (`index_select`; H100, FP8, 1024², batch 4,
+four rank-64 LoRAs); cuBLAS's batched GEMMs in place of either kernel measured within 1.5% (commit
+9a30567). The shrink splits K into fp32 parts when its rows make few programs (the text stream's 128-odd
+tokens per image), summed in order by a second kernel (`TILES["programs"]`; summed inside the expand they
+were re-read once per tile of y: +40% per forward instead of +27%, commit d6f97ce).
 
-Registers: compiled for sm_90a (ptxas -v; `qwenfast.testing.ptxas`, which needs no GPU), the expand at
-the tiles its GPU sweeps chose spilled ~2.7 KB stored and ~3.4 KB loaded per thread, and it spilled at
-every other tile compiled to check: its y tile was addressed through a (BM, BN) tile of 64-bit pointers computed before the products and live
-across them. It now addresses y after them, with 32-bit offsets inside one row of y and one slot of up
-(the launcher checks they fit; else the torch pass), and S is a compile-time count. The shrink took a
-stack's whole padded rank in one program (256 for the qkv stack's 192: 1.2 KB of spills, a quarter of
-its products on padding); it now covers 64 at a time, the rank tiles of one block of rows launched side
-by side so they read those rows of x from L2. The chosen tiles of both compile without spills
-(`test_default_tiles_do_not_spill`). What that is worth on the GPU is for `STAGE=rows bash bench/serve.sh`.
-Measured since (H100, FP8, batch 4, 1024², four rank-64 LoRAs, one eager forward's kernels, commit
-c09de89): expand 77.6 ms, shrink 22.0 ms of the 84 ms the side path adds; the expand moves ~109 GB per
-forward, so it runs at ~1.4 TB/s, two fifths of the card's memory bandwidth. Its default tile takes 255
-registers per thread (ptxas, sm_90a): one program of 8 warps per SM, little memory traffic in flight.
-Swept since (H100, 2026-11-27, commit 802e1aa, the sweep now `STAGE=tiles bash bench/serve.sh`: the image
-stream's four layers, times summed per block): the expand 0.940 ms at 128 x 128, 0.818 at 64 x 128 (BR
-32, 8 warps; 2.2 TB/s counting one read and one write of the outputs), the default since; no tile or
-`prefetch` setting beat it by more than 1%; the shrink 0.338 ms at its default, 0.282 at 128 x 128 x 8
-warps, which spills (~250 bytes a thread), so not taken. The forward with the sweep's fastest tiles
-(eager, batch 4, each row its own LoRA) added 81 ms (+24.6%) to the FP8 forward, against 88 ms (+26.6%)
-at the former defaults (commit 28b60e8), and +21.3% to the bf16 one: still far from 15%, which needs the
-update out of its own pass over the outputs. Again on an H100 (2026-11-28, commit dd7437f,
-`python -m qwenfast.benchmarks.lora_tiles --rows --weights fp8 --expand ... --shrink ...`): the expand
-capped at 128 registers (two programs an SM) 0.853-0.873 ms per block against 0.815 uncapped; the shrink's K
-split into more programs (`TILES["programs"]` 528, 1056) 0.345 / 0.388 against 0.274. Per layer at the
-fastest tiles (ms, TB/s of the bytes each must move): qkv (rank 192, three blocks) expand 0.364 / 1.66,
-shrink 0.077 / 0.65; the attention's out projection 0.077 / 2.61 and 0.040 / 1.28; the MLP's first Linear
-0.293 / 2.75 and 0.041 / 1.24; its second 0.078 / 2.59 and 0.114 / 1.77. The qkv stack is furthest below
-the memory's rate; at the other layers' rates its two kernels would take ~10 ms less a forward: ~19%
-over no LoRA, still over 15%.
+Registers (ptxas -v for sm_90a, `qwenfast.testing.ptxas`, no GPU needed): the expand once spilled ~3 KB
+per thread at every tile compiled, its y tile addressed through a (BM, BN) tile of 64-bit pointers live
+across the products; it now addresses y after them with 32-bit offsets inside one row of y and one slot of
+up (the launcher checks they fit), S a compile-time count. The shrink covers 64 of the rank at a time, the
+rank tiles of one block of rows side by side (they read those rows of x from L2). The default tiles
+compile without spills (`test_default_tiles_do_not_spill`).
+
+Measured on an H100 (FP8, batch 4, 1024², four rank-64 LoRAs; the sweep `python -m
+qwenfast.benchmarks.lora_tiles`, the image stream's four layers summed per block): the expand 0.940 ms at
+128 x 128, 0.818 at 64 x 128 (BR 32, 8 warps, the default: 2.2 TB/s counting one read and one write of
+the outputs; commit 802e1aa); no `prefetch`, register cap (two programs an SM) or K split of the shrink
+into more programs beat the defaults (commit dd7437f). Per layer (ms, TB/s of the bytes each must move):
+qkv (rank 192, three blocks) expand 0.364 / 1.66, shrink 0.077 / 0.65; attention out 0.077 / 2.61, 0.040 /
+1.28; MLP fc1 0.293 / 2.75, 0.041 / 1.24; fc2 0.078 / 2.59, 0.114 / 1.77. The forward with this side path
+adds ~22-25% to the FP8 forward and ~21% to the bf16 one; in CUDA-graphed FP8 forwards the expand now
+runs inside the base GEMM instead (`fp8_lora_gemm.py`, `RowLora.fused`).
 
 The shrink of e4m3 codes (the FP8 path) reads its tiles through TMA descriptors (`_shrink_tma_kernel`,
 `TILES["shrink_tma"]`): on an H100 (2026-11-28, commit d583209) 0.244 ms per block of the image stream
@@ -80,18 +62,12 @@ rows and their scales (`x_scale`) instead of a bf16 copy the producer would keep
 (~12 ms of the FP8 forward at 3 TB/s), and the codes halve what the shrink reads. The update is then the
 dequantised input's: its e4m3 rounding (what the GEMM beside it multiplies) is also in the LoRA term.
 
-Tried and taken out (commit 5180a74, `--row-wide`): the updates inside the layer's own GEMM, by
-concatenation along K. Each layer's weight kept in an (N, K + W·R) buffer whose spare columns take, per
-forward, the up factors of each (row, adapter) block; the GEMM's input [x | each row's h in its own block
-of R columns, zeros in the others'] (the shrink writing into the blocks). No second read and write of
-the output, for a copy of the input and B·S·R more columns of products (the qkv stack's 192 at batch 4:
-+25% of that GEMM). Measured on an H100 (2026-11-27, `ROW_WIDE="4 0" STAGE=rows bash bench/serve.sh` at
-that commit: batch 4, 1024², four rank-64 LoRAs, CUDA graphs): bf16 28.2% over no LoRA against 20.8% for
-the side path in the same run. FP8 needs both sides of a block in e4m3 (one row scale for x and h, one
-column scale for W and up): h of a row's codes over a per-slot gain, up times it over the weight's row
-scales; their products span up to 448², and the benchmark's random rank-64 LoRAs (moving a full-size
-layer's weights by ~4% of their spread) need more in the FFN's second Linear (K = 12288: the smallest
-row scales), so every one of them would have kept the side path.
+Tried and taken out (commit 5180a74, `--row-wide`): the updates inside the layer's own GEMM by
+concatenation along K (the weight widened by each (row, adapter)'s up factors, the input by each row's h
+in its own block of columns). On an H100 (batch 4, 1024², four rank-64 LoRAs, CUDA graphs) bf16 took
+28.2% over no LoRA against 20.8% for the side path (a copy of the input, +25% products on the qkv stack);
+on FP8 the random LoRAs' products did not fit e4m3's range beside the weights' row scales. The epilogue
+form that replaced it for FP8 is `fp8_lora_gemm.py`.
 
 The layer side (kernels/row_lora.py): `RowSelection`, `RowLora` (one layer's stacks; its `add` picks the
 path) and `RowLoraLinear`, a float Linear (bf16 / fp32 weights) with the same side path: the per-row
