@@ -46,7 +46,7 @@ def _case(g, device, B, T, K, N, n, R, S, pad=5):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("B,T,K,N,n,R,S", [(3, 37, 64, 80, 4, 16, 2), (2, 16, 96, 48, 3, 24, 1)])
 def test_fp8_lora_gemm_equals_its_reference(device, dtype, tol, B, T, K, N, n, R, S, monkeypatch):
-    monkeypatch.setitem(F.TILES, "gemm", SMALL)
+    monkeypatch.setitem(F.FUSED_GEMM, "gemm", SMALL)
     g = torch.Generator().manual_seed(B * 7 + K)
     x8, sx, w8, sw, bias, h, up, idx = _case(g, device, B, T, K, N, n, R, S)
     M = B * T
@@ -71,7 +71,7 @@ def test_fp8_lora_gemm_equals_its_reference(device, dtype, tol, B, T, K, N, n, R
 def test_column_blocks_walk_their_own_ranks(device, monkeypatch):
     """With `ranges` (n, G, 2) each column block adds only its [lo, hi) of the rank; factors outside the
     ranges are poisoned with huge values, so a tile reading them would show it."""
-    monkeypatch.setitem(F.TILES, "gemm", SMALL)
+    monkeypatch.setitem(F.FUSED_GEMM, "gemm", SMALL)
     g = torch.Generator().manual_seed(3)
     B, T, K, N, n, R, S, G = 3, 21, 64, 96, 4, 48, 2, 3  # three blocks of 32 columns, a third of R each
     x8, sx, w8, sw, bias, h, up, idx = _case(g, device, B, T, K, N, n, R, S)
@@ -94,9 +94,9 @@ def test_column_blocks_walk_their_own_ranks(device, monkeypatch):
 def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
     """`RowLora.fused` (the shrink on the e4m3 codes, then the epilogue) against the FP8 GEMM's reference
     followed by `RowLora.add` on the same codes (the unfused gathered side path), three rows with
-    different adapters and strengths; eagerly by default (`TILES["on"]` 1) or one adapter set for all rows
+    different adapters and strengths; eagerly by default (`FUSED_GEMM["on"]` 1) or one adapter set for all rows
     eagerly: None."""
-    monkeypatch.setitem(F.TILES, "gemm", SMALL)
+    monkeypatch.setitem(F.FUSED_GEMM, "gemm", SMALL)
     g = torch.Generator().manual_seed(5)
     B, T, K, N, n, R = 3, 19, 64, 48, 4, 16
     x8, sx, w8, sw, bias, *_ = _case(g, device, B, T, K, N, n, R, 1, pad=0)
@@ -107,8 +107,10 @@ def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
     lora = RowLora(down, up, sel, ranks=[R] * n)
     M = B * T
     sel.set([[(1, 0.8)], [], [(2, 1.0), (3, -0.5)]], x8.device)
-    assert F.TILES["on"] == 1 and lora.fused(x8, sx) is None  # by default only in a forward being captured
-    monkeypatch.setitem(F.TILES, "on", 2)  # (eagerly too)
+    assert (
+        F.FUSED_GEMM["on"] == 1 and lora.fused(x8, sx) is None
+    )  # by default only in a forward being captured
+    monkeypatch.setitem(F.FUSED_GEMM, "on", 2)  # (eagerly too)
     got = F.fp8_lora_gemm(x8, sx, w8, sw, bias.bfloat16(), M, lora.fused(x8, sx), torch.bfloat16)
     base = F.fp8_lora_gemm_ref(x8, sx, w8, sw, bias.bfloat16(), M, None, torch.bfloat16)
     want = lora.add(x8, base.clone(), sx)
@@ -125,7 +127,7 @@ def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
 def test_default_tile_does_not_spill(S, ranges):
     from qwenfast.testing.ptxas import spills
 
-    bm, bn, bk, w, st, gm, br = F.TILES["gemm"]
+    bm, bn, bk, w, st, gm, br = F.FUSED_GEMM["gemm"]
     sig = {
         "x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>",
         "w_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",

@@ -656,7 +656,7 @@ def test_the_tile_sweep_times_the_default_tiles():
     assert tuple(L.TILES["expand"][:5]) in lora_tiles.EXPAND
     assert tuple(L.TILES["shrink"]) in lora_tiles.SHRINK
     assert tuple(L.TILES["shrink_tma"]) in lora_tiles.SHRINK_TMA
-    assert tuple(fp8_lora_gemm.TILES["gemm"]) in lora_tiles.GEMM
+    assert tuple(fp8_lora_gemm.FUSED_GEMM["gemm"]) in lora_tiles.GEMM
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -184,7 +184,7 @@ def gemm_sweep(tiles, bench) -> dict:
         row = {"layer": [K, N, R], "cublas_ms": round(cub, 4), "cublas_expand_ms": round(bench(pair), 4)}
         ref, row["fused"] = pair().float().view(M, N), []
         for t in tiles:
-            F.TILES["gemm"] = t
+            F.FUSED_GEMM["gemm"] = t
             lo = (h, up, idx, rr)
             try:
                 got = F.fp8_lora_gemm(x8, sx, w8, sw, bias, M, lo, torch.bfloat16).float()
@@ -214,7 +214,7 @@ def gemm_sweep(tiles, bench) -> dict:
     best = min(range(len(tiles)), key=lambda i: out["block_fused_ms"][i])
     out["best"] = [list(tiles[best]), out["block_fused_ms"][best]]
     print(f"per block: cuBLAS + expand {out['block_cublas_expand_ms']:.3f} ms; fused {out['block_fused_ms']}")
-    F.TILES["gemm"] = tuple(tiles[best])
+    F.FUSED_GEMM["gemm"] = tuple(tiles[best])
     return out
 
 

@@ -143,17 +143,17 @@ def row_overhead(
         rows.select(sel, dev)
         res["ranks"] = [int(rows.stacks[m].down.shape[1]) for m in list(rows.stacks)[:1]]
         fp8 = any(isinstance(m, FP8Linear) for m in tr.modules())
-        was = fp8_lora_gemm.TILES["on"]
+        was = fp8_lora_gemm.FUSED_GEMM["on"]
         try:
-            fp8_lora_gemm.TILES["on"] = 0  # the side path: the base GEMM, then the expand
+            fp8_lora_gemm.FUSED_GEMM["on"] = 0  # the side path: the base GEMM, then the expand
             timed("each_row_its_lora")
             if fp8:  # the update in the FP8 GEMM's epilogue instead (eagerly too)
                 ref = fwd().float()
-                fp8_lora_gemm.TILES["on"] = 2
+                fp8_lora_gemm.FUSED_GEMM["on"] = 2
                 timed("each_row_its_lora_fused_gemm")
                 res["fused_gemm_rel_err"] = round(float((fwd().float() - ref).norm() / ref.norm()), 5)
         finally:
-            fp8_lora_gemm.TILES["on"] = was
+            fp8_lora_gemm.FUSED_GEMM["on"] = was
         rows.select([[] for _ in range(batch)], dev)
         timed("rows_without_lora")
     finally:
@@ -204,7 +204,7 @@ def run_rows(lora_folder: str | None = None, n_loras: int = 10, out_dir=None, we
     from ..kernels import lora_rows
 
     res["tiles"] = {k: list(v) if isinstance(v, tuple) else v for k, v in lora_rows.TILES.items()}
-    res["tiles"]["fp8_lora_gemm"] = list(fp8_lora_gemm.TILES["gemm"])
+    res["tiles"]["fp8_lora_gemm"] = list(fp8_lora_gemm.FUSED_GEMM["gemm"])
     res["row_overhead"] = row_overhead(pipe, names[1::2], graphs=True)  # the rank-64 LoRAs (save_loras)
     print(f"  per-row LoRA overhead, one forward: {res['row_overhead']}")
     emit(res, "serve_mixed.jsonl", out_dir)

@@ -35,13 +35,13 @@ import torch
 
 from . import _on_device, triton_available
 
-__all__ = ["TILES", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
+__all__ = ["FUSED_GEMM", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
 
 # gemm: (BM, BN, BK, warps, stages, GROUP_M, BR): the GEMM's tile, its launch grouping (GROUP_M tiles of M
 # walk one column of tiles, so their w tiles stay in L2) and the rank the epilogue takes at a time (no
 # spills for sm_90a with a LoRA of one or two slots, ranged or not); on: FP8 layers with per-row LoRAs in
 # use run it instead of cuBLAS + the expand (`RowLora.fused`: 1 in captured forwards, 2 eagerly too, 0 never)
-TILES = {"gemm": (128, 256, 128, 8, 4, 8, 32), "on": 1}
+FUSED_GEMM = {"gemm": (128, 256, 128, 8, 4, 8, 32), "on": 1}
 
 if triton_available():
     import triton
@@ -150,7 +150,7 @@ if triton_available():
 
 def fits(K: int, N: int) -> bool:
     """Whether the kernel takes a (K -> N) layer: whole BK tiles, rows of y 16-byte aligned (TMA)."""
-    return K % TILES["gemm"][2] == 0 and N % 8 == 0
+    return K % FUSED_GEMM["gemm"][2] == 0 and N % 8 == 0
 
 
 def fp8_lora_gemm(
@@ -171,7 +171,7 @@ def fp8_lora_gemm(
     if not fits(K, N) or x8.stride() != (K, 1) or w8.stride() != (K, 1):
         raise ValueError(f"fp8_lora_gemm: K {K} must be whole tiles and x8 / w8 contiguous")
     y = torch.empty(M, N, dtype=out_dtype, device=x8.device) if out is None else out
-    bm, bn, bk, w, st, gm, br = TILES["gemm"]
+    bm, bn, bk, w, st, gm, br = FUSED_GEMM["gemm"]
     if lora is None:
         h = up = idx = rr = sx  # (unread pointers)
         T, R, S, G, s_h, s_u, s_i, ranged = M, 1, 1, 1, (0, 0), (0, 0), (0, 0), False
