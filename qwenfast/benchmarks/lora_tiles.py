@@ -158,29 +158,14 @@ def gemm_sweep(tiles, bench) -> dict:
         rr = torch.tensor([[(i * R // G, (i + 1) * R // G) for i in range(G)]] * SLOTS, dtype=torch.int32)
         rr = rr.cuda() if G > 1 else None
 
-        def pair():
-            y = torch._scaled_mm(
-                x8,
-                w8.t(),
-                scale_a=sx,
-                scale_b=sw.t(),
-                bias=bias,
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            )
-            return LR._expand(h, up, idx, y.view(B, L, N), rr)
+        def cublas():  # (as `FP8Linear._gemm` calls it)
+            kw = dict(scale_a=sx, scale_b=sw.t(), bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True)
+            return torch._scaled_mm(x8, w8.t(), **kw)
 
-        cub = bench(
-            lambda: torch._scaled_mm(
-                x8,
-                w8.t(),
-                scale_a=sx,
-                scale_b=sw.t(),
-                bias=bias,
-                out_dtype=torch.bfloat16,
-                use_fast_accum=True,
-            )
-        )
+        def pair():
+            return LR._expand(h, up, idx, cublas().view(B, L, N), rr)
+
+        cub = bench(cublas)
         row = {"layer": [K, N, R], "cublas_ms": round(cub, 4), "cublas_expand_ms": round(bench(pair), 4)}
         ref, row["fused"] = pair().float().view(M, N), []
         for t in tiles:

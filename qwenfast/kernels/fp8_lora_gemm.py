@@ -48,7 +48,7 @@ if triton_available():
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .lora_rows import _dot
+    from .lora_rows import _slot_product
 
     @triton.jit
     def _kernel(
@@ -116,7 +116,6 @@ if triton_available():
         if BIAS:
             acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if LORA:
-            rs = tl.arange(0, BR)
             b0 = (pm * BM) // T
             b1 = tl.minimum(pm * BM + BM - 1, M - 1) // T
             for i in range(0, b1 - b0 + 1):
@@ -132,19 +131,9 @@ if triton_available():
                         rp = rr_ptr + (slot * G + (pn * BN) // NG) * 2
                         lo, hi = tl.load(rp), tl.load(rp + 1)
                     hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
-                    for r0 in range(lo, hi, BR):
-                        rm = r0 + rs < hi
-                        ha = tl.load(
-                            hb + (t[:, None] * s_ht + (s * R + r0) + rs[None, :]),
-                            mask=mine[:, None] & rm[None, :],
-                            other=0.0,
-                        )
-                        ua = tl.load(  # (BR, BN)
-                            ub + (cols[None, :] * s_uo + r0 + rs[:, None]),
-                            mask=cmask[None, :] & rm[:, None],
-                            other=0.0,
-                        )
-                        acc += _dot(ha, ua, IEEE)  # (lora_rows': fp32 stays fp32; the interpreter's bf16)
+                    acc = _slot_product(
+                        acc, hb, ub, t, mine, cols, cmask, s * R, lo, hi, slot != 0, s_ht, s_uo, BR, IEEE
+                    )
         y_desc.store([pm * BM, pn * BN], acc.to(y_desc.dtype))
 
 

@@ -124,6 +124,27 @@ if triton_available():
         return r
 
     @triton.jit
+    def _slot_product(
+        acc, hb, ub, t, tmask, cols, cmask, h0, lo, hi, live, s_ht, s_uo, BR: tl.constexpr, IEEE: tl.constexpr
+    ):
+        """acc (BM, BN) + one slot's h[t, h0 + r] · up[cols, r] over r in [lo, hi), BR at a time (h at
+        `hb`, the slot's up at `ub`; `live` False: nothing read): the expand's walk, and the fused FP8
+        GEMM's epilogue (`fp8_lora_gemm.py`)."""
+        rs = tl.arange(0, BR)
+        for r0 in range(lo, hi, BR):
+            rm = (r0 + rs < hi) & live
+            ha = tl.load(
+                hb + (t[:, None] * s_ht + (h0 + r0) + rs[None, :]),
+                mask=tmask[:, None] & rm[None, :],
+                other=0.0,
+            )
+            ua = tl.load(  # (BR, BN): up's rows are the columns of y
+                ub + (cols[None, :] * s_uo + r0 + rs[:, None]), mask=cmask[None, :] & rm[:, None], other=0.0
+            )
+            acc += _dot(ha, ua, IEEE)
+        return acc
+
+    @triton.jit
     def _shrink_kernel(
         x_ptr,
         xs_ptr,
@@ -291,7 +312,6 @@ if triton_available():
         nt, mt, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # N fastest: h's tile stays in L2
         rows = mt * BM + tl.arange(0, BM)
         cols = nt * BN + tl.arange(0, BN)
-        rs = tl.arange(0, BR)
         live = tl.full([], 0, tl.int32)  # any slot of this row not the zero one
         for s in tl.static_range(S):
             live = tl.maximum(live, (tl.load(idx_ptr + b * s_ib + s * s_is) != 0).to(tl.int32))
@@ -312,19 +332,23 @@ if triton_available():
                 if RANGES:
                     rp = rr_ptr + (slot * G + (nt * BN) // NG) * 2
                     lo, hi = tl.load(rp), tl.load(rp + 1)
-                for r0 in range(lo, hi, BR):
-                    rm = (r0 + rs < hi) & (slot != 0)
-                    ha = tl.load(
-                        hb + (rows[:, None] * s_ht + (s * R + r0) + rs[None, :]),
-                        mask=(rows[:, None] < T) & rm[None, :],
-                        other=0.0,
-                    )
-                    ua = tl.load(  # (BR, BN): up's rows are the columns of y
-                        ub + (cols[None, :] * s_uo + r0 + rs[:, None]),
-                        mask=(cols[None, :] < N) & rm[:, None],
-                        other=0.0,
-                    )
-                    acc += _dot(ha, ua, IEEE)
+                acc = _slot_product(
+                    acc,
+                    hb,
+                    ub,
+                    rows,
+                    rows < T,
+                    cols,
+                    cols < N,
+                    s * R,
+                    lo,
+                    hi,
+                    slot != 0,
+                    s_ht,
+                    s_uo,
+                    BR,
+                    IEEE,
+                )
             off = rows[:, None] * s_yt + cols[None, :]
             m = (rows[:, None] < T) & (cols[None, :] < N)
             if not PREFETCH:

@@ -164,9 +164,7 @@ class RowLora:
         if not (self.down.is_contiguous() and self.up.is_contiguous()):
             return None
         idx, scale = sel.current
-        idx, scale = idx[:, : sel.used], scale[:, : sel.used]
-        if scale.stride() != idx.stride():
-            idx, scale = idx.contiguous(), scale.contiguous()
+        idx, scale = idx[:, : sel.used], scale[:, : sel.used]  # (the used slot columns, as `add`'s)
         T = M // B
         h = _shrink(codes.view(B, T, K), self.down, idx, scale, None, x_scale.reshape(B, T))
         return h, self.up, idx, self.ranges
