@@ -96,8 +96,10 @@ def per_layer(data, idx, scale, bench) -> list:
     return out
 
 
+# fused FP8 GEMM: (BM, BN, BK, warps, stages, GROUP_M, BR, programs per SM (0: one a tile), halved stores)
 GEMM = _tiles(
-    "128 256 128 8 4 8 32, 128 256 128 8 3 8 32, 128 256 128 8 3 16 32, 256 128 128 8 3 8 32, 128 128 128 8 4 8 32"
+    "128 256 128 8 4 8 32 0 0, 128 256 128 8 3 8 16 1 1, 128 256 128 8 3 8 32 1 1, 128 256 64 8 5 8 16 1 1,"
+    "128 256 64 8 6 8 16 1 1, 128 256 128 8 3 8 16 1 0"
 )
 
 
@@ -220,7 +222,8 @@ def main() -> None:
         const=GEMM,
         default=None,
         help='only the FP8 GEMM with the update in its epilogue: tiles "BM BN BK warps stages '
-        'GROUP_M BR, ..." (default: a sweep), then --rows at the fastest',
+        'GROUP_M BR P SUB, ..." (P programs per SM, 0: one a tile; SUB 1: halved stores; default: a '
+        "sweep), then --rows at the fastest",
     )
     a = ap.parse_args()
     import triton.testing

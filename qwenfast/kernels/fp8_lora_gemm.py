@@ -31,17 +31,21 @@ order and one bf16 rounding: the unfused pair rounds the GEMM's output before ad
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import _on_device, triton_available
 
 __all__ = ["FUSED_GEMM", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
 
-# gemm: (BM, BN, BK, warps, stages, GROUP_M, BR): the GEMM's tile, its launch grouping (GROUP_M tiles of M
-# walk one column of tiles, so their w tiles stay in L2) and the rank the epilogue takes at a time (no
-# spills for sm_90a with a LoRA of one or two slots, ranged or not); on: FP8 layers with per-row LoRAs in
-# use run it instead of cuBLAS + the expand (`RowLora.fused`: 1 in captured forwards, 2 eagerly too, 0 never)
-FUSED_GEMM = {"gemm": (128, 256, 128, 8, 4, 8, 32), "on": 1}
+# gemm: (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB): the GEMM's tile, its launch grouping (GROUP_M
+# tiles of M walk one column of tiles, so their w tiles stay in L2), the rank the epilogue takes at a time
+# (no spills for sm_90a with a LoRA of one or two slots, ranged or not), P programs per SM walking the tiles
+# (persistent: the next tile's loads start under this one's epilogue; 0: one program a tile) and SUB (1: the
+# output stored in two halves); on: FP8 layers with per-row LoRAs in use run it instead of cuBLAS + the
+# expand (`RowLora.fused`: 1 in captured forwards, 2 eagerly too, 0 never)
+FUSED_GEMM = {"gemm": (128, 256, 128, 8, 4, 8, 32, 0, 0), "on": 1}
 
 if triton_available():
     import triton
@@ -49,6 +53,14 @@ if triton_available():
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from .lora_rows import _slot_product
+
+    @triton.jit
+    def _tile(tile, npm, npn, GROUP_M: tl.constexpr):
+        """(pm, pn) of the tile-th tile: GROUP_M tiles of M walk one column of tiles (w's in L2)."""
+        group = tile // (GROUP_M * npn)
+        first = group * GROUP_M
+        gm = min(npm - first, GROUP_M)
+        return first + (tile % (GROUP_M * npn)) % gm, (tile % (GROUP_M * npn)) // gm
 
     @triton.jit
     def _kernel(
@@ -86,27 +98,89 @@ if triton_available():
         GROUP_M: tl.constexpr,
         FP8_DOT: tl.constexpr,
         IEEE: tl.constexpr,
+        FLAT: tl.constexpr,
+        SUB: tl.constexpr,
+        NB: tl.constexpr,
+        NR: tl.constexpr,
     ):
-        """One BM x BN tile of y: the e4m3 products over K in fp32 (x and w through TMA descriptors: no
-        tile of pointers held in registers; the pointer-tile form spilled ~1 KB a thread at every tile
-        compiled for sm_90a), times the rows' and the columns' scales, + bias, + for each batch row the
-        tile's tokens belong to (one, or two where a tile straddles rows) and each of its S slots,
-        h[rows, slot's R] · up[slot, cols]ᵀ (slot 0: none)."""
-        pid = tl.program_id(0)
+        """BM x BN tiles of y, from the program's id on, a grid's width apart: the e4m3 products over K in
+        fp32 (x and w through TMA descriptors: no tile of pointers held in registers; the pointer-tile form
+        spilled ~1 KB a thread at every tile compiled for sm_90a), times the rows' and the columns' scales,
+        + bias, + for each batch row the tile's tokens belong to (one, or two where a tile straddles rows)
+        and each of its S slots, h[rows, slot's R] · up[slot, cols]ᵀ (slot 0: none). FLAT: the tile loop
+        and the K loop flattened into one that Triton pipelines, so a persistent program's next tile loads
+        under this one's epilogue (the epilogue's tile counted apart, `done`, as Triton's persistent
+        tutorial does)."""
         npm, npn = tl.cdiv(M, BM), tl.cdiv(N, BN)
-        group = pid // (GROUP_M * npn)
-        first = group * GROUP_M
-        gm = min(npm - first, GROUP_M)
-        pm = first + (pid % (GROUP_M * npn)) % gm
-        pn = (pid % (GROUP_M * npn)) // gm
+        ep = (y_desc, sx_ptr, sw_ptr, b_ptr, h_ptr, u_ptr, idx_ptr, rr_ptr, M, N, T, R, G, NG)
+        st = (s_hb, s_ht, s_un, s_uo, s_ib, s_is)
+        if FLAT:  # persistent: the grid's programs walk the tiles, a grid's width apart
+            step = tl.num_programs(0)
+            done = tl.program_id(0) - step  # the tile whose epilogue runs (its own counter: see above)
+            for tile in tl.range(tl.program_id(0), npm * npn, step, flatten=True):
+                pm, pn = _tile(tile, npm, npn, GROUP_M)
+                acc = _products(x_desc, w_desc, pm * BM, pn * BN, K, BM, BN, BK, FP8_DOT)
+                done += step
+                pm, pn = _tile(done, npm, npn, GROUP_M)
+                _epilogue(acc, *ep, pm, pn, *st, S, LORA, RANGES, BIAS, BR, IEEE, SUB, NB, NR)
+        else:
+            pm, pn = _tile(tl.program_id(0), npm, npn, GROUP_M)
+            acc = _products(x_desc, w_desc, pm * BM, pn * BN, K, BM, BN, BK, FP8_DOT)
+            _epilogue(acc, *ep, pm, pn, *st, S, LORA, RANGES, BIAS, BR, IEEE, SUB, NB, NR)
+
+    @triton.jit
+    def _products(
+        x_desc, w_desc, m0, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8_DOT: tl.constexpr
+    ):
+        """(BM, BN) fp32: x[m0 : m0 + BM] · w[n0 : n0 + BN]ᵀ over K, e4m3 products."""
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):  # (K % BK == 0: the launcher checks)
-            a = x_desc.load([pm * BM, k0])  # (BM, BK)
-            b = w_desc.load([pn * BN, k0])  # (BN, BK): w's rows are y's columns
+            a = x_desc.load([m0, k0])  # (BM, BK)
+            b = w_desc.load([n0, k0])  # (BN, BK): w's rows are y's columns
             if FP8_DOT:
                 acc = tl.dot(a, b.T, acc)
             else:  # (Triton's interpreter: the e4m3 values widened, products exact in fp32)
                 acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+        return acc
+
+    @triton.jit
+    def _epilogue(
+        acc,
+        y_desc,
+        sx_ptr,
+        sw_ptr,
+        b_ptr,
+        h_ptr,
+        u_ptr,
+        idx_ptr,
+        rr_ptr,
+        M,
+        N,
+        T,
+        R,
+        G,
+        NG,
+        pm,
+        pn,
+        s_hb,
+        s_ht,
+        s_un,
+        s_uo,
+        s_ib,
+        s_is,
+        S: tl.constexpr,
+        LORA: tl.constexpr,
+        RANGES: tl.constexpr,
+        BIAS: tl.constexpr,
+        BR: tl.constexpr,
+        IEEE: tl.constexpr,
+        SUB: tl.constexpr,
+        NB: tl.constexpr,
+        NR: tl.constexpr,
+    ):
+        """Tile (pm, pn) of y = acc · the rows' and the columns' scales + bias + each batch row's update."""
+        BM: tl.constexpr = acc.shape[0]
+        BN: tl.constexpr = acc.shape[1]
         rows = pm * BM + tl.arange(0, BM)
         cols = pn * BN + tl.arange(0, BN)
         rmask, cmask = rows < M, cols < N
@@ -118,23 +192,75 @@ if triton_available():
         if LORA:
             b0 = (pm * BM) // T
             b1 = tl.minimum(pm * BM + BM - 1, M - 1) // T
-            for i in range(0, b1 - b0 + 1):
-                bb = b0 + i
-                t = rows - bb * T  # the tile's tokens inside row bb (others masked)
-                mine = rmask & (t >= 0) & (t < T)
-                hb = h_ptr + bb.to(tl.int64) * s_hb
-                for s in tl.static_range(S):
-                    slot = tl.load(idx_ptr + bb * s_ib + s * s_is)
-                    ub = u_ptr + slot.to(tl.int64) * s_un
-                    lo, hi = 0, R
-                    if RANGES:
-                        rp = rr_ptr + (slot * G + (pn * BN) // NG) * 2
-                        lo, hi = tl.load(rp), tl.load(rp + 1)
-                    hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
-                    acc = _slot_product(
-                        acc, hb, ub, t, mine, cols, cmask, s * R, lo, hi, slot != 0, s_ht, s_uo, BR, IEEE
-                    )
-        y_desc.store([pm * BM, pn * BN], acc.to(y_desc.dtype))
+            u = (h_ptr, u_ptr, idx_ptr, rr_ptr, rows, rmask, cols, cmask, T, R, G, NG, pn * BN)
+            st = (s_hb, s_ht, s_un, s_uo, s_ib, s_is)
+            if NB > 0:  # (unrolled: no loop in a persistent epilogue)
+                for i in tl.static_range(NB):
+                    if b0 + i <= b1:
+                        acc = _row_update(acc, b0 + i, *u, *st, S, RANGES, BR, IEEE, NR)
+            else:
+                for i in range(0, b1 - b0 + 1):
+                    acc = _row_update(acc, b0 + i, *u, *st, S, RANGES, BR, IEEE, NR)
+        if SUB:  # two (BM, BN / 2) stores: half the shared memory staging the tile's output
+            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+            y_desc.store([pm * BM, pn * BN], a0.to(y_desc.dtype))
+            y_desc.store([pm * BM, pn * BN + BN // 2], a1.to(y_desc.dtype))
+        else:
+            y_desc.store([pm * BM, pn * BN], acc.to(y_desc.dtype))
+
+    @triton.jit
+    def _row_update(
+        acc,
+        bb,
+        h_ptr,
+        u_ptr,
+        idx_ptr,
+        rr_ptr,
+        rows,
+        rmask,
+        cols,
+        cmask,
+        T,
+        R,
+        G,
+        NG,
+        n0,
+        s_hb,
+        s_ht,
+        s_un,
+        s_uo,
+        s_ib,
+        s_is,
+        S: tl.constexpr,
+        RANGES: tl.constexpr,
+        BR: tl.constexpr,
+        IEEE: tl.constexpr,
+        NR: tl.constexpr,
+    ):
+        """acc + batch row bb's update on the tile's tokens inside it (others masked), each of its S slots."""
+        t = rows - bb * T
+        mine = rmask & (t >= 0) & (t < T)
+        hb = h_ptr + bb.to(tl.int64) * s_hb
+        for s in tl.static_range(S):
+            slot = tl.load(idx_ptr + bb * s_ib + s * s_is)
+            ub = u_ptr + slot.to(tl.int64) * s_un
+            lo, hi = 0, R
+            if RANGES:
+                rp = rr_ptr + (slot * G + n0 // NG) * 2
+                lo, hi = tl.load(rp), tl.load(rp + 1)
+            hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
+            acc = _slot_product(
+                acc, hb, ub, t, mine, cols, cmask, s * R, lo, hi, slot != 0, s_ht, s_uo, BR, IEEE, NR
+            )
+        return acc
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    """The GPU's SM count (a persistent launch's programs); Triton's interpreter: 4."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def fits(K: int, N: int) -> bool:
@@ -160,7 +286,7 @@ def fp8_lora_gemm(
     if not fits(K, N) or x8.stride() != (K, 1) or w8.stride() != (K, 1):
         raise ValueError(f"fp8_lora_gemm: K {K} must be whole tiles and x8 / w8 contiguous")
     y = torch.empty(M, N, dtype=out_dtype, device=x8.device) if out is None else out
-    bm, bn, bk, w, st, gm, br = FUSED_GEMM["gemm"]
+    bm, bn, bk, w, st, gm, br, per_sm, sub = FUSED_GEMM["gemm"]
     if lora is None:
         h = up = idx = rr = sx  # (unread pointers)
         T, R, S, G, s_h, s_u, s_i, ranged = M, 1, 1, 1, (0, 0), (0, 0), (0, 0), False
@@ -180,12 +306,17 @@ def fp8_lora_gemm(
             (up.stride(0), up.stride(1)),
             (idx.stride(0), idx.stride(1)),
         )
+    br = min(br, max(16, triton.next_power_of_2(R)))
+    nb = nr = 0  # (0: the epilogue's loops over the batch rows a tile spans and the rank, at run time)
+    if per_sm:  # (unrolled: at most nb rows a tile, nr steps of br; none of them run past what is there)
+        nb, nr = (1 if T % bm == 0 else min(M // T, (bm + T - 2) // T + 1)), triton.cdiv(R, br)
     fp8_dot = x8.is_cuda  # (the interpreter widens: numpy has no e4m3 products)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     with _on_device(x8):
-        _kernel[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+        _kernel[(min(tiles, per_sm * _sms(x8.device)) if per_sm else tiles,)](
             TensorDescriptor.from_tensor(x8, [bm, bk]),
             TensorDescriptor.from_tensor(w8, [bn, bk]),
-            TensorDescriptor.from_tensor(y, [bm, bn]),  # (rows past M are not written: the TMA clips)
+            TensorDescriptor.from_tensor(y, [bm, bn // 2 if sub else bn]),  # (the TMA clips rows past M)
             sx,
             sw,
             sx if bias is None else bias,
@@ -210,10 +341,14 @@ def fp8_lora_gemm(
             BM=bm,
             BN=bn,
             BK=bk,
-            BR=min(br, max(16, triton.next_power_of_2(R))),
+            BR=br,
             GROUP_M=gm,
             FP8_DOT=fp8_dot,
             IEEE=lora is not None and up.dtype == torch.float32,
+            FLAT=per_sm > 0,
+            SUB=sub > 0,
+            NB=nb,
+            NR=nr,
             num_warps=w,
             num_stages=st,
         )
