@@ -21,10 +21,13 @@ from .conftest import assert_close_finite, interpreter_cases
 DEVICES = kernel_devices()
 TRITON = triton_available()
 PINNED_TRITON = TRITON and tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) >= (3, 7)
-# (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB): many tiles on small shapes, one program a tile; and the
-# persistent launch (P programs per SM, 4 "SMs" in the interpreter, each walking many tiles), stores halved
-SMALL = (16, 32, 32, 4, 2, 2, 16, 0, 0)
-PERSISTENT = (16, 32, 32, 4, 2, 2, 16, 1, 1)
+# (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB, FLAT): many tiles on small shapes, one program a tile;
+# the persistent launch (P programs per SM, 4 "SMs" in the interpreter, each walking many tiles), stores
+# halved; and its loops flattened (the epilogue unrolled)
+SMALL = (16, 32, 32, 4, 2, 2, 16, 0, 0, 0)
+PERSISTENT = (16, 32, 32, 4, 2, 2, 16, 1, 1, 0)
+FLAT = (16, 32, 32, 4, 2, 2, 16, 1, 1, 1)
+TILES = pytest.mark.parametrize("tile", [SMALL, PERSISTENT, FLAT], ids=["per-tile", "persistent", "flat"])
 
 
 def _case(g, device, B, T, K, N, n, R, S, pad=5):
@@ -50,7 +53,7 @@ def _case(g, device, B, T, K, N, n, R, S, pad=5):
 @pytest.mark.parametrize(
     "B,T,K,N,n,R,S", [(3, 37, 64, 80, 4, 16, 2), (2, 16, 96, 48, 3, 24, 1), (5, 7, 64, 48, 3, 16, 1)]
 )
-@pytest.mark.parametrize("tile", [SMALL, PERSISTENT], ids=["per-tile", "persistent"])
+@TILES
 def test_fp8_lora_gemm_equals_its_reference(device, dtype, tol, B, T, K, N, n, R, S, tile, monkeypatch):
     monkeypatch.setitem(F.FUSED_GEMM, "gemm", tile)
     g = torch.Generator().manual_seed(B * 7 + K)
@@ -74,7 +77,7 @@ def test_fp8_lora_gemm_equals_its_reference(device, dtype, tol, B, T, K, N, n, R
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("tile", [SMALL, PERSISTENT], ids=["per-tile", "persistent"])
+@TILES
 def test_column_blocks_walk_their_own_ranks(device, tile, monkeypatch):
     """With `ranges` (n, G, 2) each column block adds only its [lo, hi) of the rank; factors outside the
     ranges are poisoned with huge values, so a tile reading them would show it."""
@@ -134,7 +137,8 @@ def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
 def test_default_tile_does_not_spill(S, ranges):
     from qwenfast.testing.ptxas import spills
 
-    bm, bn, bk, w, st, gm, br, per_sm, sub = F.FUSED_GEMM["gemm"]
+    bm, bn, bk, w, st, gm, br, per_sm, sub, flat = F.FUSED_GEMM["gemm"]
+    flat = per_sm > 0 and flat > 0
     sig = {
         "x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>",
         "w_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
@@ -145,11 +149,11 @@ def test_default_tile_does_not_spill(S, ranges):
         "rr_ptr": "*i32",
         **{p: "i32" for p in ("M", "N", "K", "T", "R", "G", "NG", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is")},
         **{c: "constexpr" for c in ("S", "LORA", "RANGES", "BIAS", "BM", "BN", "BK", "BR", "GROUP_M", "FP8_DOT", "IEEE",
-                                    "FLAT", "SUB", "NB", "NR")},
+                                    "PERSIST", "FLAT", "SUB", "NB", "NR")},
     }  # fmt: skip
     cx = dict(S=S, LORA=True, RANGES=ranges, BIAS=True, BM=bm, BN=bn, BK=bk, BR=br, GROUP_M=gm, FP8_DOT=True,
-              IEEE=False, FLAT=per_sm > 0, SUB=sub > 0, NB=2 if per_sm else 0,
-              NR=-(-(192 if ranges else 64) // br) if per_sm else 0)  # fmt: skip
+              IEEE=False, PERSIST=per_sm > 0, FLAT=flat, SUB=sub > 0, NB=2 if flat else 0,
+              NR=-(-64 // br) if flat else 0)  # fmt: skip
     got = spills(F._kernel, sig, cx, w, st)
     assert got["stores"] == got["loads"] == 0, got
 

@@ -96,10 +96,11 @@ def per_layer(data, idx, scale, bench) -> list:
     return out
 
 
-# fused FP8 GEMM: (BM, BN, BK, warps, stages, GROUP_M, BR, programs per SM (0: one a tile), halved stores)
+# fused FP8 GEMM: (BM, BN, BK, warps, stages, GROUP_M, BR, programs per SM (0: one a tile), halved stores,
+# flattened loops)
 GEMM = _tiles(
-    "128 256 128 8 4 8 32 0 0, 128 256 128 8 3 8 16 1 1, 128 256 128 8 3 8 32 1 1, 128 256 64 8 5 8 16 1 1,"
-    "128 256 64 8 6 8 16 1 1, 128 256 128 8 3 8 16 1 0"
+    "128 256 128 8 4 8 32 0 0 0, 128 256 128 8 3 8 32 1 1 1, 128 256 128 8 3 8 16 1 1 1,"
+    "128 256 128 8 4 8 16 1 1 0, 128 256 128 8 4 8 32 1 1 0, 128 256 128 8 3 8 32 1 1 0"
 )
 
 
@@ -172,7 +173,7 @@ def gemm_sweep(tiles, bench) -> dict:
         ref, row["fused"] = pair().float().view(M, N), []
         for t in tiles:
             F.FUSED_GEMM["gemm"] = t
-            lo = (h, up, idx, rr)
+            lo = (h, up, idx, rr, R // G)
             try:
                 got = F.fp8_lora_gemm(x8, sx, w8, sw, bias, M, lo, torch.bfloat16).float()
                 err = float((got - ref).norm() / ref.norm())
@@ -222,8 +223,8 @@ def main() -> None:
         const=GEMM,
         default=None,
         help='only the FP8 GEMM with the update in its epilogue: tiles "BM BN BK warps stages '
-        'GROUP_M BR P SUB, ..." (P programs per SM, 0: one a tile; SUB 1: halved stores; default: a '
-        "sweep), then --rows at the fastest",
+        'GROUP_M BR P SUB FLAT, ..." (P programs per SM, 0: one a tile; SUB 1: halved stores; FLAT 1: '
+        "flattened loops; default: a sweep), then --rows at the fastest",
     )
     a = ap.parse_args()
     import triton.testing

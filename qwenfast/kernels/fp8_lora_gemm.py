@@ -39,13 +39,13 @@ from . import _on_device, triton_available
 
 __all__ = ["FUSED_GEMM", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
 
-# gemm: (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB): the GEMM's tile, its launch grouping (GROUP_M
-# tiles of M walk one column of tiles, so their w tiles stay in L2), the rank the epilogue takes at a time
-# (no spills for sm_90a with a LoRA of one or two slots, ranged or not), P programs per SM walking the tiles
-# (persistent: the next tile's loads start under this one's epilogue; 0: one program a tile) and SUB (1: the
-# output stored in two halves); on: FP8 layers with per-row LoRAs in use run it instead of cuBLAS + the
-# expand (`RowLora.fused`: 1 in captured forwards, 2 eagerly too, 0 never)
-FUSED_GEMM = {"gemm": (128, 256, 128, 8, 4, 8, 32, 0, 0), "on": 1}
+# gemm: (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB, FLAT): the GEMM's tile, its launch grouping
+# (GROUP_M tiles of M walk one column of tiles, so their w tiles stay in L2), the rank the epilogue takes at
+# a time (no spills for sm_90a with a LoRA of one or two slots, ranged or not), P programs per SM walking
+# the tiles (persistent; 0: one program a tile), SUB (1: the output stored in two halves) and FLAT (1: a
+# persistent program's loops flattened, `_kernel`); on: FP8 layers with per-row LoRAs in use run it instead
+# of cuBLAS + the expand (`RowLora.fused`: 1 in captured forwards, 2 eagerly too, 0 never)
+FUSED_GEMM = {"gemm": (128, 256, 128, 8, 4, 8, 32, 0, 0, 0), "on": 1}
 
 if triton_available():
     import triton
@@ -98,6 +98,7 @@ if triton_available():
         GROUP_M: tl.constexpr,
         FP8_DOT: tl.constexpr,
         IEEE: tl.constexpr,
+        PERSIST: tl.constexpr,
         FLAT: tl.constexpr,
         SUB: tl.constexpr,
         NB: tl.constexpr,
@@ -107,17 +108,18 @@ if triton_available():
         fp32 (x and w through TMA descriptors: no tile of pointers held in registers; the pointer-tile form
         spilled ~1 KB a thread at every tile compiled for sm_90a), times the rows' and the columns' scales,
         + bias, + for each batch row the tile's tokens belong to (one, or two where a tile straddles rows)
-        and each of its S slots, h[rows, slot's R] · up[slot, cols]ᵀ (slot 0: none). FLAT: the tile loop
-        and the K loop flattened into one that Triton pipelines, so a persistent program's next tile loads
-        under this one's epilogue (the epilogue's tile counted apart, `done`, as Triton's persistent
-        tutorial does)."""
+        and each of its S slots, h[rows, slot's R] · up[slot, cols]ᵀ (slot 0: none). PERSIST: a program
+        walks tiles (its output stores overlap the next tile's products); FLAT: its tile loop and K loop
+        flattened into one that Triton pipelines, so the next tile's loads run under this one's epilogue
+        (the epilogue's tile counted apart, `done`, as Triton's persistent tutorial does), which then has
+        no loop (NB rows, NR rank steps unrolled)."""
         npm, npn = tl.cdiv(M, BM), tl.cdiv(N, BN)
         ep = (y_desc, sx_ptr, sw_ptr, b_ptr, h_ptr, u_ptr, idx_ptr, rr_ptr, M, N, T, R, G, NG)
         st = (s_hb, s_ht, s_un, s_uo, s_ib, s_is)
-        if FLAT:  # persistent: the grid's programs walk the tiles, a grid's width apart
+        if PERSIST:  # the grid's programs walk the tiles, a grid's width apart
             step = tl.num_programs(0)
             done = tl.program_id(0) - step  # the tile whose epilogue runs (its own counter: see above)
-            for tile in tl.range(tl.program_id(0), npm * npn, step, flatten=True):
+            for tile in tl.range(tl.program_id(0), npm * npn, step, flatten=FLAT):
                 pm, pn = _tile(tile, npm, npn, GROUP_M)
                 acc = _products(x_desc, w_desc, pm * BM, pn * BN, K, BM, BN, BK, FP8_DOT)
                 done += step
@@ -194,9 +196,10 @@ if triton_available():
             b1 = tl.minimum(pm * BM + BM - 1, M - 1) // T
             u = (h_ptr, u_ptr, idx_ptr, rr_ptr, rows, rmask, cols, cmask, T, R, G, NG, pn * BN)
             st = (s_hb, s_ht, s_un, s_uo, s_ib, s_is)
-            if NB > 0:  # (unrolled: no loop in a persistent epilogue)
-                for i in tl.static_range(NB):
-                    if b0 + i <= b1:
+            if NB > 0:  # (unrolled: no loop in a flattened persistent epilogue)
+                acc = _row_update(acc, b0, *u, *st, S, RANGES, BR, IEEE, NR)
+                for i in tl.static_range(1, NB):
+                    if b0 + i <= b1:  # (a tile straddling batch rows)
                         acc = _row_update(acc, b0 + i, *u, *st, S, RANGES, BR, IEEE, NR)
             else:
                 for i in range(0, b1 - b0 + 1):
@@ -280,18 +283,19 @@ def fp8_lora_gemm(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(M, N) = rows [0, M) of x8 (Mp, K) e4m3 · sx (Mp, 1) times w8 (N, K) e4m3 · sw (N, 1), + bias (N),
-    + with `lora` = (h (B, T, S·R), up (n, N, R), idx (B, S) int64, ranges (n, G, 2) int32 or None) each
-    batch row's update (B·T = M). `out`: an (M, N) buffer to write (tests hand a poisoned one)."""
+    + with `lora` = (h (B, T, S·R), up (n, N, R), idx (B, S) int64, ranges (n, G, 2) int32 or None[, an
+    int no range is wider than]) each batch row's update (B·T = M). `out`: an (M, N) buffer to write (tests
+    hand a poisoned one)."""
     N, K = w8.shape
     if not fits(K, N) or x8.stride() != (K, 1) or w8.stride() != (K, 1):
         raise ValueError(f"fp8_lora_gemm: K {K} must be whole tiles and x8 / w8 contiguous")
     y = torch.empty(M, N, dtype=out_dtype, device=x8.device) if out is None else out
-    bm, bn, bk, w, st, gm, br, per_sm, sub = FUSED_GEMM["gemm"]
+    bm, bn, bk, w, st, gm, br, per_sm, sub, flat = FUSED_GEMM["gemm"]
     if lora is None:
         h = up = idx = rr = sx  # (unread pointers)
         T, R, S, G, s_h, s_u, s_i, ranged = M, 1, 1, 1, (0, 0), (0, 0), (0, 0), False
     else:
-        h, up, idx, rr = lora
+        h, up, idx, rr, *width = lora
         B, T, _ = h.shape
         R, S = up.shape[2], idx.shape[1]
         if B * T != M or up.shape[1] != N or not up.is_contiguous():
@@ -308,8 +312,9 @@ def fp8_lora_gemm(
         )
     br = min(br, max(16, triton.next_power_of_2(R)))
     nb = nr = 0  # (0: the epilogue's loops over the batch rows a tile spans and the rank, at run time)
-    if per_sm:  # (unrolled: at most nb rows a tile, nr steps of br; none of them run past what is there)
-        nb, nr = (1 if T % bm == 0 else min(M // T, (bm + T - 2) // T + 1)), triton.cdiv(R, br)
+    if per_sm and flat:  # (unrolled: at most nb rows a tile, nr steps of br over the widest rank range)
+        nb = 1 if T % bm == 0 else min(M // T, (bm + T - 2) // T + 1)
+        nr = triton.cdiv(min(R, width[0]) if lora is not None and width else R, br)
     fp8_dot = x8.is_cuda  # (the interpreter widens: numpy has no e4m3 products)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     with _on_device(x8):
@@ -345,7 +350,8 @@ def fp8_lora_gemm(
             GROUP_M=gm,
             FP8_DOT=fp8_dot,
             IEEE=lora is not None and up.dtype == torch.float32,
-            FLAT=per_sm > 0,
+            PERSIST=per_sm > 0,
+            FLAT=per_sm > 0 and flat > 0,
             SUB=sub > 0,
             NB=nb,
             NR=nr,
@@ -371,7 +377,7 @@ def fp8_lora_gemm_ref(
     if bias is not None:
         y = y + bias.float()
     if lora is not None:
-        h, up, idx, _ = lora
+        h, up, idx, *_ = lora
         B, T, _ = h.shape
         R = up.shape[2]
         y = y.view(B, T, -1)

@@ -144,15 +144,14 @@ if triton_available():
     ):
         """acc (BM, BN) + one slot's h[t, h0 + r] · up[cols, r] over r in [lo, hi), BR at a time (h at
         `hb`, the slot's up at `ub`; `live` False: nothing read): the expand's walk, and the fused FP8
-        GEMM's epilogue (`fp8_lora_gemm.py`). NR > 0: NR steps unrolled, each under an `if` (no loop: a
-        loop inside a persistent GEMM's epilogue stops Triton from flattening its tile and K loops)."""
+        GEMM's epilogue (`fp8_lora_gemm.py`). NR > 0: NR steps unrolled, masked past hi (no loop: a loop
+        inside a persistent GEMM's epilogue stops Triton from flattening its tile and K loops; no branch
+        either, so that every step's loads can be issued before the first product)."""
         if NR > 0:
             for i in tl.static_range(NR):
-                if live and lo + i * BR < hi:
-                    r0 = lo + i * BR
-                    acc = _rank_step(
-                        acc, hb, ub, t, tmask, cols, cmask, h0, r0, hi, True, s_ht, s_uo, BR, IEEE
-                    )
+                acc = _rank_step(
+                    acc, hb, ub, t, tmask, cols, cmask, h0, lo + i * BR, hi, live, s_ht, s_uo, BR, IEEE
+                )
         else:
             for r0 in range(lo, hi, BR):
                 acc = _rank_step(acc, hb, ub, t, tmask, cols, cmask, h0, r0, hi, live, s_ht, s_uo, BR, IEEE)
