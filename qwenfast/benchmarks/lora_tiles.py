@@ -99,8 +99,8 @@ def per_layer(data, idx, scale, bench) -> list:
 # fused FP8 GEMM: (BM, BN, BK, warps, stages, GROUP_M, BR, programs per SM (0: one a tile), halved stores,
 # flattened loops)
 GEMM = _tiles(
-    "128 256 128 8 4 8 32 0 0 0, 128 256 128 8 3 8 32 1 1 1, 128 256 128 8 3 8 16 1 1 1,"
-    "128 256 128 8 4 8 16 1 1 0, 128 256 128 8 4 8 32 1 1 0, 128 256 128 8 3 8 32 1 1 0"
+    "128 256 128 8 3 8 16 1 1 0, 128 256 128 8 3 16 16 1 1 0, 128 256 128 8 3 4 16 1 1 0,"
+    "128 256 128 8 3 8 32 1 1 0, 128 256 128 8 4 8 32 0 0 0, 128 256 128 8 3 8 32 1 1 1"
 )
 
 
