@@ -45,7 +45,7 @@ __all__ = ["FUSED_GEMM", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
 # the tiles (persistent; 0: one program a tile), SUB (1: the output stored in two halves) and FLAT (1: a
 # persistent program's loops flattened, `_kernel`); on: FP8 layers with per-row LoRAs in use run it instead
 # of cuBLAS + the expand (`RowLora.fused`: 1 in captured forwards, 2 eagerly too, 0 never)
-FUSED_GEMM = {"gemm": (128, 256, 128, 8, 3, 8, 16, 1, 1, 0), "on": 1}
+FUSED_GEMM = {"gemm": (128, 256, 128, 8, 3, 16, 16, 1, 1, 0), "on": 1}
 
 if triton_available():
     import triton
