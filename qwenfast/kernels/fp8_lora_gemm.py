@@ -25,6 +25,13 @@ unfused pair's by ~3e-3 per layer (one bf16 rounding less, another accumulation 
 With the shrink through TMA too (`lora_rows.TILES["shrink_tma"]`, commit d583209, `... --gemm "128 256 128
 8 4 8 32" --rows --weights fp8`): graphed 381 ms against 403 with the side path and 330 without LoRAs
 (+15.5% against +22.2%); eagerly 384 against 405 (faster that time, slower the two times before).
+Persistent (one program per SM walking the tiles, each tile's output store under the next tile's
+products; H100, 2026-11-28): per block 3.18 ms against 3.34 one program a tile (commit 6c83634), 3.11 at
+GROUP_M 16 (90056f6); the forward CUDA-graphed 372 ms against 399 with the side path and 327 without
+LoRAs (+13.7%, eagerly +14.3%; commit 682d9fb; +13.9% / +15.6% at 90056f6). Its tile and K loops
+flattened (Triton pipelines the next tile's loads under the epilogue, which then has no loop: its rows and
+rank steps unrolled): without a LoRA 0.68 ms on the qkv layer against 0.64 for cuBLAS and 0.86 one program
+a tile, but the unrolled update cost 0.3 ms more there (`FUSED_GEMM` FLAT 1, kept for the sweep).
 
 `fp8_lora_gemm_ref` is the dequantised fp32 product it must equal (within the FP8 GEMM's accumulation
 order and one bf16 rounding: the unfused pair rounds the GEMM's output before adding the update)."""
