@@ -21,13 +21,12 @@ from .conftest import assert_close_finite, interpreter_cases
 DEVICES = kernel_devices()
 TRITON = triton_available()
 PINNED_TRITON = TRITON and tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) >= (3, 7)
-# (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB, FLAT): many tiles on small shapes, one program a tile;
+# (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB): many tiles on small shapes, one program a tile; and
 # the persistent launch (P programs per SM, 4 "SMs" in the interpreter, each walking many tiles), stores
-# halved; and its loops flattened (the epilogue unrolled)
-SMALL = (16, 32, 32, 4, 2, 2, 16, 0, 0, 0)
-PERSISTENT = (16, 32, 32, 4, 2, 2, 16, 1, 1, 0)
-FLAT = (16, 32, 32, 4, 2, 2, 16, 1, 1, 1)
-TILES = pytest.mark.parametrize("tile", [SMALL, PERSISTENT, FLAT], ids=["per-tile", "persistent", "flat"])
+# halved
+SMALL = (16, 32, 32, 4, 2, 2, 16, 0, 0)
+PERSISTENT = (16, 32, 32, 4, 2, 2, 16, 1, 1)
+TILES = pytest.mark.parametrize("tile", [SMALL, PERSISTENT], ids=["per-tile", "persistent"])
 
 
 def _case(g, device, B, T, K, N, n, R, S, pad=5):
@@ -137,8 +136,7 @@ def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
 def test_default_tile_does_not_spill(S, ranges):
     from qwenfast.testing.ptxas import spills
 
-    bm, bn, bk, w, st, gm, br, per_sm, sub, flat = F.FUSED_GEMM["gemm"]
-    flat = per_sm > 0 and flat > 0
+    bm, bn, bk, w, st, gm, br, per_sm, sub = F.FUSED_GEMM["gemm"]
     sig = {
         "x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>",
         "w_desc": f"tensordesc<fp8e4nv[{bn}, {bk}]>",
@@ -149,11 +147,10 @@ def test_default_tile_does_not_spill(S, ranges):
         "rr_ptr": "*i32",
         **{p: "i32" for p in ("M", "N", "K", "T", "R", "G", "NG", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is")},
         **{c: "constexpr" for c in ("S", "LORA", "RANGES", "BIAS", "BM", "BN", "BK", "BR", "GROUP_M", "FP8_DOT", "IEEE",
-                                    "PERSIST", "FLAT", "SUB", "NB", "NR")},
+                                    "PERSIST", "SUB")},
     }  # fmt: skip
     cx = dict(S=S, LORA=True, RANGES=ranges, BIAS=True, BM=bm, BN=bn, BK=bk, BR=br, GROUP_M=gm, FP8_DOT=True,
-              IEEE=False, PERSIST=per_sm > 0, FLAT=flat, SUB=sub > 0, NB=2 if flat else 0,
-              NR=-(-64 // br) if flat else 0)  # fmt: skip
+              IEEE=False, PERSIST=per_sm > 0, SUB=sub > 0)  # fmt: skip
     got = spills(F._kernel, sig, cx, w, st)
     assert got["stores"] == got["loads"] == 0, got
 

@@ -12,6 +12,8 @@ FP8 and INT8 weights.
 
 from __future__ import annotations
 
+import argparse
+
 import numpy as np
 import pytest
 import torch
@@ -657,6 +659,14 @@ def test_the_tile_sweep_times_the_default_tiles():
     assert tuple(L.TILES["shrink"]) in lora_tiles.SHRINK
     assert tuple(L.TILES["shrink_tma"]) in lora_tiles.SHRINK_TMA
     assert tuple(fp8_lora_gemm.FUSED_GEMM["gemm"]) in lora_tiles.GEMM
+    # the fused GEMM's tiles as earlier records' commands wrote them: seven numbers (one program a tile),
+    # ten with the flattened loops off; on is refused
+    assert lora_tiles._gemm_tiles("128 256 128 8 4 8 32, 1 2 3 4 5 6 7 1 1 0") == [
+        (128, 256, 128, 8, 4, 8, 32, 0, 0),
+        (1, 2, 3, 4, 5, 6, 7, 1, 1),
+    ]
+    with pytest.raises(argparse.ArgumentTypeError):
+        lora_tiles._gemm_tiles("1 2 3 4 5 6 7 1 1 1")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -31,7 +31,7 @@ GROUP_M 16 (90056f6); the forward CUDA-graphed 372 ms against 399 with the side 
 LoRAs (+13.7%, eagerly +14.3%; commit 682d9fb; +13.9% / +15.6% at 90056f6). Its tile and K loops
 flattened (Triton pipelines the next tile's loads under the epilogue, which then has no loop: its rows and
 rank steps unrolled): without a LoRA 0.68 ms on the qkv layer against 0.64 for cuBLAS and 0.86 one program
-a tile, but the unrolled update cost 0.3 ms more there (`FUSED_GEMM` FLAT 1, kept for the sweep).
+a tile, but the unrolled update cost 0.3 ms more there (taken out after commit 682d9fb).
 
 `fp8_lora_gemm_ref` is the dequantised fp32 product it must equal (within the FP8 GEMM's accumulation
 order and one bf16 rounding: the unfused pair rounds the GEMM's output before adding the update)."""
@@ -46,13 +46,13 @@ from . import _on_device, triton_available
 
 __all__ = ["FUSED_GEMM", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
 
-# gemm: (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB, FLAT): the GEMM's tile, its launch grouping
-# (GROUP_M tiles of M walk one column of tiles, so their w tiles stay in L2), the rank the epilogue takes at
-# a time (no spills for sm_90a with a LoRA of one or two slots, ranged or not), P programs per SM walking
-# the tiles (persistent; 0: one program a tile), SUB (1: the output stored in two halves) and FLAT (1: a
-# persistent program's loops flattened, `_kernel`); on: FP8 layers with per-row LoRAs in use run it instead
-# of cuBLAS + the expand (`RowLora.fused`: 1 in captured forwards, 2 eagerly too, 0 never)
-FUSED_GEMM = {"gemm": (128, 256, 128, 8, 3, 16, 16, 1, 1, 0), "on": 1}
+# gemm: (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB): the GEMM's tile, its launch grouping (GROUP_M
+# tiles of M walk one column of tiles, so their w tiles stay in L2), the rank the epilogue takes at a time
+# (no spills for sm_90a with a LoRA of one or two slots, ranged or not), P programs per SM walking the tiles
+# (persistent; 0: one program a tile) and SUB (1: the output stored in two halves); on: FP8 layers with
+# per-row LoRAs in use run it instead of cuBLAS + the expand (`RowLora.fused`: 1 in captured forwards, 2
+# eagerly too, 0 never)
+FUSED_GEMM = {"gemm": (128, 256, 128, 8, 3, 16, 16, 1, 1), "on": 1}
 
 if triton_available():
     import triton
@@ -106,36 +106,27 @@ if triton_available():
         FP8_DOT: tl.constexpr,
         IEEE: tl.constexpr,
         PERSIST: tl.constexpr,
-        FLAT: tl.constexpr,
         SUB: tl.constexpr,
-        NB: tl.constexpr,
-        NR: tl.constexpr,
     ):
         """BM x BN tiles of y, from the program's id on, a grid's width apart: the e4m3 products over K in
         fp32 (x and w through TMA descriptors: no tile of pointers held in registers; the pointer-tile form
         spilled ~1 KB a thread at every tile compiled for sm_90a), times the rows' and the columns' scales,
         + bias, + for each batch row the tile's tokens belong to (one, or two where a tile straddles rows)
         and each of its S slots, h[rows, slot's R] · up[slot, cols]ᵀ (slot 0: none). PERSIST: a program
-        walks tiles (its output stores overlap the next tile's products); FLAT: its tile loop and K loop
-        flattened into one that Triton pipelines, so the next tile's loads run under this one's epilogue
-        (the epilogue's tile counted apart, `done`, as Triton's persistent tutorial does), which then has
-        no loop (NB rows, NR rank steps unrolled)."""
+        walks tiles, so its output stores (TMA, asynchronous) overlap the next tile's products."""
         npm, npn = tl.cdiv(M, BM), tl.cdiv(N, BN)
         ep = (y_desc, sx_ptr, sw_ptr, b_ptr, h_ptr, u_ptr, idx_ptr, rr_ptr, M, N, T, R, G, NG)
         st = (s_hb, s_ht, s_un, s_uo, s_ib, s_is)
         if PERSIST:  # the grid's programs walk the tiles, a grid's width apart
             step = tl.num_programs(0)
-            done = tl.program_id(0) - step  # the tile whose epilogue runs (its own counter: see above)
-            for tile in tl.range(tl.program_id(0), npm * npn, step, flatten=FLAT):
+            for tile in range(tl.program_id(0), npm * npn, step):
                 pm, pn = _tile(tile, npm, npn, GROUP_M)
                 acc = _products(x_desc, w_desc, pm * BM, pn * BN, K, BM, BN, BK, FP8_DOT)
-                done += step
-                pm, pn = _tile(done, npm, npn, GROUP_M)
-                _epilogue(acc, *ep, pm, pn, *st, S, LORA, RANGES, BIAS, BR, IEEE, SUB, NB, NR)
+                _epilogue(acc, *ep, pm, pn, *st, S, LORA, RANGES, BIAS, BR, IEEE, SUB)
         else:
             pm, pn = _tile(tl.program_id(0), npm, npn, GROUP_M)
             acc = _products(x_desc, w_desc, pm * BM, pn * BN, K, BM, BN, BK, FP8_DOT)
-            _epilogue(acc, *ep, pm, pn, *st, S, LORA, RANGES, BIAS, BR, IEEE, SUB, NB, NR)
+            _epilogue(acc, *ep, pm, pn, *st, S, LORA, RANGES, BIAS, BR, IEEE, SUB)
 
     @triton.jit
     def _products(
@@ -184,8 +175,6 @@ if triton_available():
         BR: tl.constexpr,
         IEEE: tl.constexpr,
         SUB: tl.constexpr,
-        NB: tl.constexpr,
-        NR: tl.constexpr,
     ):
         """Tile (pm, pn) of y = acc · the rows' and the columns' scales + bias + each batch row's update."""
         BM: tl.constexpr = acc.shape[0]
@@ -201,68 +190,28 @@ if triton_available():
         if LORA:
             b0 = (pm * BM) // T
             b1 = tl.minimum(pm * BM + BM - 1, M - 1) // T
-            u = (h_ptr, u_ptr, idx_ptr, rr_ptr, rows, rmask, cols, cmask, T, R, G, NG, pn * BN)
-            st = (s_hb, s_ht, s_un, s_uo, s_ib, s_is)
-            if NB > 0:  # (unrolled: no loop in a flattened persistent epilogue)
-                acc = _row_update(acc, b0, *u, *st, S, RANGES, BR, IEEE, NR)
-                for i in tl.static_range(1, NB):
-                    if b0 + i <= b1:  # (a tile straddling batch rows)
-                        acc = _row_update(acc, b0 + i, *u, *st, S, RANGES, BR, IEEE, NR)
-            else:
-                for i in range(0, b1 - b0 + 1):
-                    acc = _row_update(acc, b0 + i, *u, *st, S, RANGES, BR, IEEE, NR)
+            for i in range(0, b1 - b0 + 1):
+                bb = b0 + i
+                t = rows - bb * T  # the tile's tokens inside row bb (others masked)
+                mine = rmask & (t >= 0) & (t < T)
+                hb = h_ptr + bb.to(tl.int64) * s_hb
+                for s in tl.static_range(S):
+                    slot = tl.load(idx_ptr + bb * s_ib + s * s_is)
+                    ub = u_ptr + slot.to(tl.int64) * s_un
+                    lo, hi = 0, R
+                    if RANGES:
+                        rp = rr_ptr + (slot * G + (pn * BN) // NG) * 2
+                        lo, hi = tl.load(rp), tl.load(rp + 1)
+                    hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
+                    acc = _slot_product(
+                        acc, hb, ub, t, mine, cols, cmask, s * R, lo, hi, slot != 0, s_ht, s_uo, BR, IEEE
+                    )
         if SUB:  # two (BM, BN / 2) stores: half the shared memory staging the tile's output
             a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
             y_desc.store([pm * BM, pn * BN], a0.to(y_desc.dtype))
             y_desc.store([pm * BM, pn * BN + BN // 2], a1.to(y_desc.dtype))
         else:
             y_desc.store([pm * BM, pn * BN], acc.to(y_desc.dtype))
-
-    @triton.jit
-    def _row_update(
-        acc,
-        bb,
-        h_ptr,
-        u_ptr,
-        idx_ptr,
-        rr_ptr,
-        rows,
-        rmask,
-        cols,
-        cmask,
-        T,
-        R,
-        G,
-        NG,
-        n0,
-        s_hb,
-        s_ht,
-        s_un,
-        s_uo,
-        s_ib,
-        s_is,
-        S: tl.constexpr,
-        RANGES: tl.constexpr,
-        BR: tl.constexpr,
-        IEEE: tl.constexpr,
-        NR: tl.constexpr,
-    ):
-        """acc + batch row bb's update on the tile's tokens inside it (others masked), each of its S slots."""
-        t = rows - bb * T
-        mine = rmask & (t >= 0) & (t < T)
-        hb = h_ptr + bb.to(tl.int64) * s_hb
-        for s in tl.static_range(S):
-            slot = tl.load(idx_ptr + bb * s_ib + s * s_is)
-            ub = u_ptr + slot.to(tl.int64) * s_un
-            lo, hi = 0, R
-            if RANGES:
-                rp = rr_ptr + (slot * G + n0 // NG) * 2
-                lo, hi = tl.load(rp), tl.load(rp + 1)
-            hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
-            acc = _slot_product(
-                acc, hb, ub, t, mine, cols, cmask, s * R, lo, hi, slot != 0, s_ht, s_uo, BR, IEEE, NR
-            )
-        return acc
 
 
 @functools.cache
@@ -290,19 +239,18 @@ def fp8_lora_gemm(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(M, N) = rows [0, M) of x8 (Mp, K) e4m3 · sx (Mp, 1) times w8 (N, K) e4m3 · sw (N, 1), + bias (N),
-    + with `lora` = (h (B, T, S·R), up (n, N, R), idx (B, S) int64, ranges (n, G, 2) int32 or None[, an
-    int no range is wider than]) each batch row's update (B·T = M). `out`: an (M, N) buffer to write (tests
-    hand a poisoned one)."""
+    + with `lora` = (h (B, T, S·R), up (n, N, R), idx (B, S) int64, ranges (n, G, 2) int32 or None) each
+    batch row's update (B·T = M). `out`: an (M, N) buffer to write (tests hand a poisoned one)."""
     N, K = w8.shape
     if not fits(K, N) or x8.stride() != (K, 1) or w8.stride() != (K, 1):
         raise ValueError(f"fp8_lora_gemm: K {K} must be whole tiles and x8 / w8 contiguous")
     y = torch.empty(M, N, dtype=out_dtype, device=x8.device) if out is None else out
-    bm, bn, bk, w, st, gm, br, per_sm, sub, flat = FUSED_GEMM["gemm"]
+    bm, bn, bk, w, st, gm, br, per_sm, sub = FUSED_GEMM["gemm"]
     if lora is None:
         h = up = idx = rr = sx  # (unread pointers)
         T, R, S, G, s_h, s_u, s_i, ranged = M, 1, 1, 1, (0, 0), (0, 0), (0, 0), False
     else:
-        h, up, idx, rr, *width = lora
+        h, up, idx, rr = lora
         B, T, _ = h.shape
         R, S = up.shape[2], idx.shape[1]
         if B * T != M or up.shape[1] != N or not up.is_contiguous():
@@ -318,10 +266,6 @@ def fp8_lora_gemm(
             (idx.stride(0), idx.stride(1)),
         )
     br = min(br, max(16, triton.next_power_of_2(R)))
-    nb = nr = 0  # (0: the epilogue's loops over the batch rows a tile spans and the rank, at run time)
-    if per_sm and flat:  # (unrolled: at most nb rows a tile, nr steps of br over the widest rank range)
-        nb = 1 if T % bm == 0 else min(M // T, (bm + T - 2) // T + 1)
-        nr = triton.cdiv(min(R, width[0]) if lora is not None and width else R, br)
     fp8_dot = x8.is_cuda  # (the interpreter widens: numpy has no e4m3 products)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     with _on_device(x8):
@@ -358,10 +302,7 @@ def fp8_lora_gemm(
             FP8_DOT=fp8_dot,
             IEEE=lora is not None and up.dtype == torch.float32,
             PERSIST=per_sm > 0,
-            FLAT=per_sm > 0 and flat > 0,
             SUB=sub > 0,
-            NB=nb,
-            NR=nr,
             num_warps=w,
             num_stages=st,
         )
@@ -384,7 +325,7 @@ def fp8_lora_gemm_ref(
     if bias is not None:
         y = y + bias.float()
     if lora is not None:
-        h, up, idx, *_ = lora
+        h, up, idx, _ = lora
         B, T, _ = h.shape
         R = up.shape[2]
         y = y.view(B, T, -1)

@@ -125,52 +125,24 @@ if triton_available():
 
     @triton.jit
     def _slot_product(
-        acc,
-        hb,
-        ub,
-        t,
-        tmask,
-        cols,
-        cmask,
-        h0,
-        lo,
-        hi,
-        live,
-        s_ht,
-        s_uo,
-        BR: tl.constexpr,
-        IEEE: tl.constexpr,
-        NR: tl.constexpr = 0,
+        acc, hb, ub, t, tmask, cols, cmask, h0, lo, hi, live, s_ht, s_uo, BR: tl.constexpr, IEEE: tl.constexpr
     ):
         """acc (BM, BN) + one slot's h[t, h0 + r] · up[cols, r] over r in [lo, hi), BR at a time (h at
         `hb`, the slot's up at `ub`; `live` False: nothing read): the expand's walk, and the fused FP8
-        GEMM's epilogue (`fp8_lora_gemm.py`). NR > 0: NR steps unrolled, masked past hi (no loop: a loop
-        inside a persistent GEMM's epilogue stops Triton from flattening its tile and K loops; no branch
-        either, so that every step's loads can be issued before the first product)."""
-        if NR > 0:
-            for i in tl.static_range(NR):
-                acc = _rank_step(
-                    acc, hb, ub, t, tmask, cols, cmask, h0, lo + i * BR, hi, live, s_ht, s_uo, BR, IEEE
-                )
-        else:
-            for r0 in range(lo, hi, BR):
-                acc = _rank_step(acc, hb, ub, t, tmask, cols, cmask, h0, r0, hi, live, s_ht, s_uo, BR, IEEE)
-        return acc
-
-    @triton.jit
-    def _rank_step(
-        acc, hb, ub, t, tmask, cols, cmask, h0, r0, hi, live, s_ht, s_uo, BR: tl.constexpr, IEEE: tl.constexpr
-    ):
-        """acc + h[t, h0 + r0 + j] · up[cols, r0 + j] for j < BR, r0 + j < hi (`live` False: nothing read)."""
+        GEMM's epilogue (`fp8_lora_gemm.py`)."""
         rs = tl.arange(0, BR)
-        rm = (r0 + rs < hi) & live
-        ha = tl.load(
-            hb + (t[:, None] * s_ht + (h0 + r0) + rs[None, :]), mask=tmask[:, None] & rm[None, :], other=0.0
-        )
-        ua = tl.load(  # (BR, BN): up's rows are the columns of y
-            ub + (cols[None, :] * s_uo + r0 + rs[:, None]), mask=cmask[None, :] & rm[:, None], other=0.0
-        )
-        return acc + _dot(ha, ua, IEEE)
+        for r0 in range(lo, hi, BR):
+            rm = (r0 + rs < hi) & live
+            ha = tl.load(
+                hb + (t[:, None] * s_ht + (h0 + r0) + rs[None, :]),
+                mask=tmask[:, None] & rm[None, :],
+                other=0.0,
+            )
+            ua = tl.load(  # (BR, BN): up's rows are the columns of y
+                ub + (cols[None, :] * s_uo + r0 + rs[:, None]), mask=cmask[None, :] & rm[:, None], other=0.0
+            )
+            acc += _dot(ha, ua, IEEE)
+        return acc
 
     @triton.jit
     def _shrink_kernel(

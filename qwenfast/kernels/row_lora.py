@@ -96,9 +96,6 @@ class RowLora:
     # (n, G, 2) int32: per slot and per row block of the output (G equal blocks: 3 for Q|K|V), the
     # stacked rank's columns [lo, hi) its up factors use (`loading.lora_fp8.piece_ranks`); None: all
     ranges: torch.Tensor | None = None
-    # host-side: no slot's range (or rank, without ranges) is wider (0: R); the fused GEMM's persistent
-    # epilogue unrolls this many ranks, so a captured graph holds it (a wider adapter: new graphs)
-    width: int = 0
 
     def add(self, x2: torch.Tensor, y2: torch.Tensor, x_scale: torch.Tensor | None = None) -> torch.Tensor:
         """y2 (M, N) + the per-row updates of x2 (M, K); the M tokens are B rows of M / B, in order.
@@ -170,7 +167,7 @@ class RowLora:
         idx, scale = idx[:, : sel.used], scale[:, : sel.used]  # (the used slot columns, as `add`'s)
         T = M // B
         h = _shrink(codes.view(B, T, K), self.down, idx, scale, None, x_scale.reshape(B, T))
-        return h, self.up, idx, self.ranges, self.width or self.up.shape[2]
+        return h, self.up, idx, self.ranges
 
 
 class RowLoraLinear(nn.Linear):

@@ -140,19 +140,13 @@ class RowAdapters:
                     self._write_slot(st, s, self.parts[other][mod], pieces)
             if self.installed:
                 self._point(mod)
-        if self._write_slot(st, slot, parts, pieces):
-            self.layout += 1  # graphs captured the narrower width (`RowLora.width`)
+        self._write_slot(st, slot, parts, pieces)
 
     @staticmethod
-    def _write_slot(st: RowLora, slot: int, parts: Parts, pieces: int) -> bool:
-        """Write one adapter's factors into slot `slot`; True when it widened `st.width`."""
+    def _write_slot(st: RowLora, slot: int, parts: Parts, pieces: int) -> None:
         write_side(st.down[slot], st.up[slot], parts, pieces)
-        ranges = piece_ranks(parts, pieces)
-        st.ranges[slot].copy_(torch.tensor(ranges, dtype=torch.int32))
+        st.ranges[slot].copy_(torch.tensor(piece_ranks(parts, pieces), dtype=torch.int32))
         st.ranks[slot] = side_rank(parts)
-        wider = max(hi - lo for lo, hi in ranges) > st.width
-        st.width = max(st.width, *(hi - lo for lo, hi in ranges))
-        return wider
 
     # ------------------------------------------------------------ batches
     def select(self, rows: list[list[tuple[str, float]]], device: torch.device | str) -> None:
