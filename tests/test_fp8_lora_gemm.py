@@ -103,8 +103,8 @@ def test_column_blocks_walk_their_own_ranks(device, tile, monkeypatch):
 def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
     """`RowLora.fused` (the shrink on the e4m3 codes, then the epilogue) against the FP8 GEMM's reference
     followed by `RowLora.add` on the same codes (the unfused gathered side path), three rows with
-    different adapters and strengths; eagerly by default (`FUSED_GEMM["on"]` 1) or one adapter set for all rows
-    eagerly: None."""
+    different adapters and strengths, eagerly (`FUSED_GEMM["on"]` 2, the default); with 1 (captured forwards
+    only) or one adapter set for all rows, eagerly: None."""
     monkeypatch.setitem(F.FUSED_GEMM, "gemm", SMALL)
     g = torch.Generator().manual_seed(5)
     B, T, K, N, n, R = 3, 19, 64, 48, 4, 16
@@ -116,10 +116,10 @@ def test_row_lora_fused_equals_gemm_then_add(device, monkeypatch):
     lora = RowLora(down, up, sel, ranks=[R] * n)
     M = B * T
     sel.set([[(1, 0.8)], [], [(2, 1.0), (3, -0.5)]], x8.device)
-    assert (
-        F.FUSED_GEMM["on"] == 1 and lora.fused(x8, sx) is None
-    )  # by default only in a forward being captured
-    monkeypatch.setitem(F.FUSED_GEMM, "on", 2)  # (eagerly too)
+    assert F.FUSED_GEMM["on"] == 2  # the default: eagerly too
+    monkeypatch.setitem(F.FUSED_GEMM, "on", 1)
+    assert lora.fused(x8, sx) is None  # 1: only in a forward being captured
+    monkeypatch.setitem(F.FUSED_GEMM, "on", 2)
     got = F.fp8_lora_gemm(x8, sx, w8, sw, bias.bfloat16(), M, lora.fused(x8, sx), torch.bfloat16)
     base = F.fp8_lora_gemm_ref(x8, sx, w8, sw, bias.bfloat16(), M, None, torch.bfloat16)
     want = lora.add(x8, base.clone(), sx)

@@ -20,7 +20,8 @@ qwenfast.benchmarks.lora_tiles --gemm ... --rows --weights fp8`): per block of t
 layers 3.17 ms at 128 x 256 x 128 (8 warps, 4 stages) against 3.62 for cuBLAS + the expand (cuBLAS alone
 2.65: this GEMM without a LoRA runs at ~75-85% of cuBLAS's rate, what is left to gain); the forward
 CUDA-graphed 393 ms against 411 with the side path and 334 without LoRAs (+17.8% against +23.1%); eagerly
-431 against 415 ms, so it runs only in captured forwards (`RowLora.fused`). The output differs from the
+431 against 415 ms (it then ran in captured forwards only; eagerly too since it measured faster there in
+every run from d583209 on, `RowLora.fused`). The output differs from the
 unfused pair's by ~3e-3 per layer (one bf16 rounding less, another accumulation order), ~1% over a forward.
 With the shrink through TMA too (`lora_rows.TILES["shrink_tma"]`, commit d583209, `... --gemm "128 256 128
 8 4 8 32" --rows --weights fp8`): graphed 381 ms against 403 with the side path and 330 without LoRAs
@@ -50,9 +51,9 @@ __all__ = ["FUSED_GEMM", "fp8_lora_gemm", "fp8_lora_gemm_ref", "fits"]
 # tiles of M walk one column of tiles, so their w tiles stay in L2), the rank the epilogue takes at a time
 # (no spills for sm_90a with a LoRA of one or two slots, ranged or not), P programs per SM walking the tiles
 # (persistent; 0: one program a tile) and SUB (1: the output stored in two halves); on: FP8 layers with
-# per-row LoRAs in use run it instead of cuBLAS + the expand (`RowLora.fused`: 1 in captured forwards, 2
-# eagerly too, 0 never)
-FUSED_GEMM = {"gemm": (128, 256, 128, 8, 3, 16, 16, 1, 1), "on": 1}
+# per-row LoRAs in use run it instead of cuBLAS + the expand (`RowLora.fused`: 2 also eagerly, 1 in captured
+# forwards only, 0 never)
+FUSED_GEMM = {"gemm": (128, 256, 128, 8, 3, 16, 16, 1, 1), "on": 2}
 
 if triton_available():
     import triton

@@ -42,8 +42,8 @@ the outputs; commit 802e1aa); no `prefetch`, register cap (two programs an SM) o
 into more programs beat the defaults (commit dd7437f). Per layer (ms, TB/s of the bytes each must move):
 qkv (rank 192, three blocks) expand 0.364 / 1.66, shrink 0.077 / 0.65; attention out 0.077 / 2.61, 0.040 /
 1.28; MLP fc1 0.293 / 2.75, 0.041 / 1.24; fc2 0.078 / 2.59, 0.114 / 1.77. The forward with this side path
-adds ~22-25% to the FP8 forward and ~21% to the bf16 one; in CUDA-graphed FP8 forwards the expand now
-runs inside the base GEMM instead (`fp8_lora_gemm.py`, `RowLora.fused`).
+adds ~22-25% to the FP8 forward and ~21% to the bf16 one; in FP8 forwards whose rows differ the expand
+now runs inside the base GEMM instead (`fp8_lora_gemm.py`, `RowLora.fused`).
 
 The shrink of e4m3 codes (the FP8 path) reads its tiles through TMA descriptors (`_shrink_tma_kernel`,
 `TILES["shrink_tma"]`): on an H100 (2026-11-28, commit d583209) 0.244 ms per block of the image stream

@@ -144,12 +144,13 @@ class RowLora:
         """The update as `fp8_lora_gemm`'s epilogue takes it, (h, up, idx, ranges), with h the shrink of
         the layer's e4m3 input `codes` (M, K) and its row scales (M, 1); None where `add` should run
         instead: no row with a LoRA, layouts the kernels do not take, or by `fp8_lora_gemm.FUSED_GEMM["on"]`:
-        0 never, 1 (default) in a forward being captured into a CUDA graph, 2 also eagerly where rows
-        differ. Why captured only: eagerly the host's work per launch (three TMA descriptors made, a
-        launch of 30-odd arguments) can fall behind the GPU: on an H100 (FP8, batch 4, 1024², four
-        rank-64 LoRAs) the eager forward took 485 and 431 ms with it against 420 and 415 ms with cuBLAS +
-        the expand (commits 56ea94b, 9932aea; 384 against 405 at d583209), while replayed as a graph it
-        was faster every time (392 / 393 / 381 ms against 412 / 411 / 403)."""
+        0 never, 1 in a forward being captured into a CUDA graph, 2 (default) also eagerly where rows
+        differ. Eagerly the host's work per launch (three TMA descriptors made, a launch of 30-odd
+        arguments) once fell behind the GPU: on an H100 (FP8, batch 4, 1024², four rank-64 LoRAs) the
+        eager forward took 485 and 431 ms with it against 420 and 415 ms with cuBLAS + the expand (commits
+        56ea94b, 9932aea). With the TMA shrink and the persistent GEMM it was faster eagerly in every run:
+        384 / 386 / 381 / 376 ms against 405 / 408 / 402 / 424 (d583209, 6c83634, 90056f6, 682d9fb), as
+        replayed in a graph (381 / 381 / 371 / 372 against 403 / 407 / 400 / 399)."""
         sel, on = self.selection, fp8_lora_gemm.FUSED_GEMM["on"]
         if not on or not sel.active or self.down.dtype != torch.bfloat16:
             return None
