@@ -21,8 +21,8 @@ layers 3.17 ms at 128 x 256 x 128 (8 warps, 4 stages) against 3.62 for cuBLAS + 
 2.65: this GEMM without a LoRA runs at ~75-85% of cuBLAS's rate, what is left to gain); the forward
 CUDA-graphed 393 ms against 411 with the side path and 334 without LoRAs (+17.8% against +23.1%); eagerly
 431 against 415 ms (it then ran in captured forwards only; eagerly too since it measured faster there in
-every run from d583209 on, `RowLora.fused`). The output differs from the
-unfused pair's by ~3e-3 per layer (one bf16 rounding less, another accumulation order), ~1% over a forward.
+every run from d583209 on, `RowLora.fused`). The output differs from the unfused pair's by ~3e-3 per layer
+(one bf16 rounding less, another accumulation order), ~1% over a forward.
 With the shrink through TMA too (`lora_rows.TILES["shrink_tma"]`, commit d583209, `... --gemm "128 256 128
 8 4 8 32" --rows --weights fp8`): graphed 381 ms against 403 with the side path and 330 without LoRAs
 (+15.5% against +22.2%); eagerly 384 against 405 (faster that time, slower the two times before).
@@ -266,7 +266,6 @@ def fp8_lora_gemm(
             (up.stride(0), up.stride(1)),
             (idx.stride(0), idx.stride(1)),
         )
-    br = min(br, max(16, triton.next_power_of_2(R)))
     fp8_dot = x8.is_cuda  # (the interpreter widens: numpy has no e4m3 products)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     with _on_device(x8):
@@ -298,7 +297,7 @@ def fp8_lora_gemm(
             BM=bm,
             BN=bn,
             BK=bk,
-            BR=br,
+            BR=min(br, max(16, triton.next_power_of_2(R))),
             GROUP_M=gm,
             FP8_DOT=fp8_dot,
             IEEE=lora is not None and up.dtype == torch.float32,
