@@ -46,8 +46,9 @@ adds ~22-25% to the FP8 forward and ~21% to the bf16 one; in FP8 forwards whose 
 now runs inside the base GEMM instead (`fp8_lora_gemm.py`, `RowLora.fused`).
 
 The shrink of e4m3 codes (the FP8 path) reads its tiles through TMA descriptors (`_shrink_tma_kernel`,
-`TILES["shrink_tma"]`): on an H100 (2026-11-28, commit d583209) 0.244 ms per block of the image stream
-against 0.336 for the pointer kernel, which keeps bf16 / fp32 inputs and the split-K parts of few rows.
+`TILES["shrink_tma"]`): on an H100 (2026-11-28) about 0.25-0.3 ms per block of the image stream against
+0.336 for the pointer kernel (commit d583209), which keeps bf16 / fp32 inputs and the split-K parts of few
+rows.
 
 Column blocks: a LoRA with separate Q, K and V factors stacks to rank 192 on the fused qkv projection,
 but each third of its output columns has nonzero up factors in one third of that rank only
@@ -98,8 +99,11 @@ TILES = {
     "programs": 200,
     "prefetch": 0,
     # e4m3 codes in, one K part: `_shrink_tma_kernel` at (BM, BK, warps, stages, BR max), or None: the
-    # pointer kernel above (H100, commit d583209: 0.244 ms per block of the image stream against 0.336)
-    "shrink_tma": (64, 128, 4, 4, 64),
+    # pointer kernel above (H100, commit d583209: 0.244 ms per block of the image stream against 0.336).
+    # Its tiles within noise of each other over five sweeps (d583209 and four on 2026-11-28: 128 x 256
+    # 0.295 ms per block on average, 64 x 128 0.303, 128 x 128 0.316): the one the rows record at 90056f6
+    # ran with
+    "shrink_tma": (128, 256, 8, 3, 64),
 }
 
 if triton_available():
