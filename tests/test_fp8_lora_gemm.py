@@ -147,10 +147,10 @@ def test_default_tile_does_not_spill(S, ranges):
         "rr_ptr": "*i32",
         **{p: "i32" for p in ("M", "N", "K", "T", "R", "G", "NG", "s_hb", "s_ht", "s_un", "s_uo", "s_ib", "s_is")},
         **{c: "constexpr" for c in ("S", "LORA", "RANGES", "BIAS", "BM", "BN", "BK", "BR", "GROUP_M", "FP8_DOT", "IEEE",
-                                    "PERSIST", "SUB")},
+                                    "SUB")},
     }  # fmt: skip
     cx = dict(S=S, LORA=True, RANGES=ranges, BIAS=True, BM=bm, BN=bn, BK=bk, BR=br, GROUP_M=gm, FP8_DOT=True,
-              IEEE=False, PERSIST=per_sm > 0, SUB=sub > 0)  # fmt: skip
+              IEEE=False, SUB=sub > 0)  # fmt: skip
     got = spills(F._kernel, sig, cx, w, st)
     assert got["stores"] == got["loads"] == 0, got
 

@@ -106,113 +106,59 @@ if triton_available():
         GROUP_M: tl.constexpr,
         FP8_DOT: tl.constexpr,
         IEEE: tl.constexpr,
-        PERSIST: tl.constexpr,
         SUB: tl.constexpr,
     ):
-        """BM x BN tiles of y, from the program's id on, a grid's width apart: the e4m3 products over K in
-        fp32 (x and w through TMA descriptors: no tile of pointers held in registers; the pointer-tile form
-        spilled ~1 KB a thread at every tile compiled for sm_90a), times the rows' and the columns' scales,
-        + bias, + for each batch row the tile's tokens belong to (one, or two where a tile straddles rows)
-        and each of its S slots, h[rows, slot's R] · up[slot, cols]ᵀ (slot 0: none). PERSIST: a program
-        walks tiles, so its output stores (TMA, asynchronous) overlap the next tile's products."""
+        """BM x BN tiles of y, from the program's id on, a grid's width apart (a grid of one program per
+        tile, or a few per SM walking them, persistent: a program's output stores, TMA and asynchronous,
+        then overlap its next tile's products): the e4m3 products over K in fp32 (x and w through TMA
+        descriptors: no tile of pointers held in registers; the pointer-tile form spilled ~1 KB a thread at
+        every tile compiled for sm_90a), times the rows' and the columns' scales, + bias, + for each batch
+        row the tile's tokens belong to (one, or two where a tile straddles rows) and each of its S slots,
+        h[rows, slot's R] · up[slot, cols]ᵀ (slot 0: none)."""
         npm, npn = tl.cdiv(M, BM), tl.cdiv(N, BN)
-        ep = (y_desc, sx_ptr, sw_ptr, b_ptr, h_ptr, u_ptr, idx_ptr, rr_ptr, M, N, T, R, G, NG)
-        st = (s_hb, s_ht, s_un, s_uo, s_ib, s_is)
-        if PERSIST:  # the grid's programs walk the tiles, a grid's width apart
-            step = tl.num_programs(0)
-            for tile in range(tl.program_id(0), npm * npn, step):
-                pm, pn = _tile(tile, npm, npn, GROUP_M)
-                acc = _products(x_desc, w_desc, pm * BM, pn * BN, K, BM, BN, BK, FP8_DOT)
-                _epilogue(acc, *ep, pm, pn, *st, S, LORA, RANGES, BIAS, BR, IEEE, SUB)
-        else:
-            pm, pn = _tile(tl.program_id(0), npm, npn, GROUP_M)
-            acc = _products(x_desc, w_desc, pm * BM, pn * BN, K, BM, BN, BK, FP8_DOT)
-            _epilogue(acc, *ep, pm, pn, *st, S, LORA, RANGES, BIAS, BR, IEEE, SUB)
-
-    @triton.jit
-    def _products(
-        x_desc, w_desc, m0, n0, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, FP8_DOT: tl.constexpr
-    ):
-        """(BM, BN) fp32: x[m0 : m0 + BM] · w[n0 : n0 + BN]ᵀ over K, e4m3 products."""
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):  # (K % BK == 0: the launcher checks)
-            a = x_desc.load([m0, k0])  # (BM, BK)
-            b = w_desc.load([n0, k0])  # (BN, BK): w's rows are y's columns
-            if FP8_DOT:
-                acc = tl.dot(a, b.T, acc)
-            else:  # (Triton's interpreter: the e4m3 values widened, products exact in fp32)
-                acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
-        return acc
-
-    @triton.jit
-    def _epilogue(
-        acc,
-        y_desc,
-        sx_ptr,
-        sw_ptr,
-        b_ptr,
-        h_ptr,
-        u_ptr,
-        idx_ptr,
-        rr_ptr,
-        M,
-        N,
-        T,
-        R,
-        G,
-        NG,
-        pm,
-        pn,
-        s_hb,
-        s_ht,
-        s_un,
-        s_uo,
-        s_ib,
-        s_is,
-        S: tl.constexpr,
-        LORA: tl.constexpr,
-        RANGES: tl.constexpr,
-        BIAS: tl.constexpr,
-        BR: tl.constexpr,
-        IEEE: tl.constexpr,
-        SUB: tl.constexpr,
-    ):
-        """Tile (pm, pn) of y = acc · the rows' and the columns' scales + bias + each batch row's update."""
-        BM: tl.constexpr = acc.shape[0]
-        BN: tl.constexpr = acc.shape[1]
-        rows = pm * BM + tl.arange(0, BM)
-        cols = pn * BN + tl.arange(0, BN)
-        rmask, cmask = rows < M, cols < N
-        sx = tl.load(sx_ptr + rows, mask=rmask, other=0.0)
-        sw = tl.load(sw_ptr + cols, mask=cmask, other=0.0)
-        acc = acc * sx[:, None] * sw[None, :]
-        if BIAS:
-            acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        if LORA:
-            b0 = (pm * BM) // T
-            b1 = tl.minimum(pm * BM + BM - 1, M - 1) // T
-            for i in range(0, b1 - b0 + 1):
-                bb = b0 + i
-                t = rows - bb * T  # the tile's tokens inside row bb (others masked)
-                mine = rmask & (t >= 0) & (t < T)
-                hb = h_ptr + bb.to(tl.int64) * s_hb
-                for s in tl.static_range(S):
-                    slot = tl.load(idx_ptr + bb * s_ib + s * s_is)
-                    ub = u_ptr + slot.to(tl.int64) * s_un
-                    lo, hi = 0, R
-                    if RANGES:
-                        rp = rr_ptr + (slot * G + (pn * BN) // NG) * 2
-                        lo, hi = tl.load(rp), tl.load(rp + 1)
-                    hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
-                    acc = _slot_product(
-                        acc, hb, ub, t, mine, cols, cmask, s * R, lo, hi, slot != 0, s_ht, s_uo, BR, IEEE
-                    )
-        if SUB:  # two (BM, BN / 2) stores: half the shared memory staging the tile's output
-            a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
-            y_desc.store([pm * BM, pn * BN], a0.to(y_desc.dtype))
-            y_desc.store([pm * BM, pn * BN + BN // 2], a1.to(y_desc.dtype))
-        else:
-            y_desc.store([pm * BM, pn * BN], acc.to(y_desc.dtype))
+        for tile in range(tl.program_id(0), npm * npn, tl.num_programs(0)):
+            pm, pn = _tile(tile, npm, npn, GROUP_M)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):  # (K % BK == 0: the launcher checks)
+                a = x_desc.load([pm * BM, k0])  # (BM, BK)
+                b = w_desc.load([pn * BN, k0])  # (BN, BK): w's rows are y's columns
+                if FP8_DOT:
+                    acc = tl.dot(a, b.T, acc)
+                else:  # (Triton's interpreter: the e4m3 values widened, products exact in fp32)
+                    acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc, input_precision="ieee")
+            rows = pm * BM + tl.arange(0, BM)
+            cols = pn * BN + tl.arange(0, BN)
+            rmask, cmask = rows < M, cols < N
+            sx = tl.load(sx_ptr + rows, mask=rmask, other=0.0)
+            sw = tl.load(sw_ptr + cols, mask=cmask, other=0.0)
+            acc = acc * sx[:, None] * sw[None, :]
+            if BIAS:
+                acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if LORA:
+                b0 = (pm * BM) // T
+                b1 = tl.minimum(pm * BM + BM - 1, M - 1) // T
+                for i in range(0, b1 - b0 + 1):
+                    bb = b0 + i
+                    t = rows - bb * T  # the tile's tokens inside row bb (others masked)
+                    mine = rmask & (t >= 0) & (t < T)
+                    hb = h_ptr + bb.to(tl.int64) * s_hb
+                    for s in tl.static_range(S):
+                        slot = tl.load(idx_ptr + bb * s_ib + s * s_is)
+                        ub = u_ptr + slot.to(tl.int64) * s_un
+                        lo, hi = 0, R
+                        if RANGES:
+                            rp = rr_ptr + (slot * G + (pn * BN) // NG) * 2
+                            lo, hi = tl.load(rp), tl.load(rp + 1)
+                        hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
+                        acc = _slot_product(
+                            acc, hb, ub, t, mine, cols, cmask, s * R, lo, hi, slot != 0, s_ht, s_uo, BR, IEEE
+                        )
+            if SUB:  # two (BM, BN / 2) stores: half the shared memory staging the tile's output
+                a0, a1 = tl.split(tl.permute(tl.reshape(acc, (BM, 2, BN // 2)), (0, 2, 1)))
+                y_desc.store([pm * BM, pn * BN], a0.to(y_desc.dtype))
+                y_desc.store([pm * BM, pn * BN + BN // 2], a1.to(y_desc.dtype))
+            else:
+                y_desc.store([pm * BM, pn * BN], acc.to(y_desc.dtype))
 
 
 @functools.cache
@@ -301,7 +247,6 @@ def fp8_lora_gemm(
             GROUP_M=gm,
             FP8_DOT=fp8_dot,
             IEEE=lora is not None and up.dtype == torch.float32,
-            PERSIST=per_sm > 0,
             SUB=sub > 0,
             num_warps=w,
             num_stages=st,
