@@ -1,10 +1,10 @@
 """Where a denoising step's time goes inside a real run: 1024², 50 steps, true CFG, full-size random
-weights, FP8 and/or bf16, with a step-cache preset. Each step's GPU time is the interval between CUDA
-events recorded by the step callback (no sync inside the run); each step's host time likewise with
-perf_counter. Then one profiled run (CPU and CUDA activities): the top host operations and kernels of
-the cached steps. GPU only (H100 / H200), about 3 minutes.
+weights, FP8 and/or bf16, with a step-cache preset (or --cache off), true CFG or not (--cfg 1). Each
+step's GPU time is the interval between CUDA events recorded by the step callback (no sync inside the
+run); each step's host time likewise with perf_counter. Then one profiled run (CPU and CUDA
+activities): the top host operations and kernels. GPU only (H100 / H200), about 3 minutes.
 
-    python bench/profile_step_in_run.py [--fp8] [--cache fast] [--results DIR]
+    python bench/profile_step_in_run.py [--fp8] [--cache fast|off] [--steps N] [--cfg 1] [--results DIR]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from qwenfast.benchmarks.harness import PROMPT  # noqa: E402
 from qwenfast.benchmarks.pipeline import build  # noqa: E402
 
 
-def run_once(pipe, steps: int, seed: int = 1, record: list | None = None):
+def run_once(pipe, steps: int, seed: int = 1, record: list | None = None, cfg: float = 4.0):
     def cb(i, n, x):
         if record is not None:
             e = torch.cuda.Event(enable_timing=True)
@@ -35,9 +35,9 @@ def run_once(pipe, steps: int, seed: int = 1, record: list | None = None):
     if record is not None:
         start.record()
         record.append((-1, start, time.perf_counter()))
-    return pipe(PROMPT, negative_prompt=" ", height=1024, width=1024, num_inference_steps=steps,
-                true_cfg_scale=4.0, generator=torch.Generator("cpu").manual_seed(seed), output_type="latent",
-                callback=cb)  # fmt: skip
+    return pipe(PROMPT, negative_prompt=" " if cfg > 1 else None, height=1024, width=1024,
+                num_inference_steps=steps, true_cfg_scale=cfg, generator=torch.Generator("cpu").manual_seed(seed),
+                output_type="latent", callback=cb)  # fmt: skip
 
 
 def main() -> None:
@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--fp8", action="store_true")
     p.add_argument("--cache", default="fast")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--cfg", type=float, default=4.0, help="true CFG scale (1: no CFG, one forward a step)")
     p.add_argument("--results")
     a = p.parse_args()
     pipe, _ = build(False, diffusers_transformer=False)
@@ -52,20 +53,21 @@ def main() -> None:
     if a.fp8:
         pipe.enable_fp8()
     pipe.configure(cache=a.cache)
-    policy = pipe.block_runner.policy
-    run_once(pipe, a.steps)  # capture graphs
+    policy = getattr(pipe.block_runner, "policy", None)  # None: --cache off, every step full
+    run_once(pipe, a.steps, cfg=a.cfg)  # capture graphs
     torch.cuda.synchronize()
     rec: list = []
     t0 = time.perf_counter()
-    run_once(pipe, a.steps, record=rec)
+    run_once(pipe, a.steps, record=rec, cfg=a.cfg)
     torch.cuda.synchronize()
     total = time.perf_counter() - t0
     gpu = {i: prev[1].elapsed_time(e) for prev, (i, e, _) in zip(rec, rec[1:])}
     host = {i: 1e3 * (h - prev[2]) for prev, (i, _, h) in zip(rec, rec[1:])}
-    full = [i for i in gpu if i == 0 or policy.static_full(i, a.steps)]
+    full = [i for i in gpu if i == 0 or policy is None or policy.static_full(i, a.steps)]
     cached = [i for i in gpu if i not in full]
     med = lambda d, ks: round(statistics.median(d[k] for k in ks), 3) if ks else None  # noqa: E731
-    res = {"bench": "profile_step_in_run", "size": 1024, "steps": a.steps, "fp8": a.fp8, "cache": a.cache,
+    res = {"bench": "profile_step_in_run", "size": 1024, "steps": a.steps, "cfg": a.cfg, "fp8": a.fp8,
+           "cache": a.cache,
            "total_s": round(total, 3), "full_steps": len(full), "cached_steps": len(cached),
            "gpu_ms_full_median": med(gpu, full), "gpu_ms_cached_median": med(gpu, cached),
            "host_ms_full_median": med(host, full), "host_ms_cached_median": med(host, cached),
@@ -73,7 +75,7 @@ def main() -> None:
     print({k: v for k, v in res.items() if k != "gpu_ms_by_step"}, flush=True)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
-        run_once(pipe, a.steps)
+        run_once(pipe, a.steps, cfg=a.cfg)
         torch.cuda.synchronize()
     ka = prof.key_averages()
     print(ka.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)

@@ -232,13 +232,15 @@ def test_gated_residual_layernorm_modulate_fp8(device, dtype, B, L, D, split):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(1, 77, 600), (2, 9, 12288)])  # 12288: the MLP width of Qwen-Image
 @pytest.mark.parametrize("chunk", [256, 2048])
-def test_gelu_tanh_fp8(device, dtype, shape, chunk, monkeypatch):
+@pytest.mark.parametrize("sigmoid", [True, False])
+def test_gelu_tanh_fp8(device, dtype, shape, chunk, sigmoid, monkeypatch):
     """Chunks smaller than the row (a partial last chunk at 600 columns), rows whose amax is GELU(max h)
     and rows where it is not (all-negative, all-zero, and small positive maxima: the kernel's
-    second amax pass), h left as it was."""
+    second amax pass), h left as it was; both GELU forms (tanhf, and exp2 + division for half types)."""
     from qwenfast.kernels import gelu as gelu_mod
 
     monkeypatch.setitem(gelu_mod.CONFIG, "chunk", chunk)
+    monkeypatch.setitem(gelu_mod.CONFIG, "sigmoid", sigmoid)
     dev = _dev(device)
     h = _randn(*shape, dtype=dtype, device=dev, seed=7, scale=3.0)
     h[0, 0] = 0  # an all-zero GELU row

@@ -29,14 +29,19 @@ to read again. The row's scale needs its amax before any code is written: GELU r
 above x = -0.75 and |GELU| < 0.17 below, so the amax is GELU(max h) whenever that is >= 0.171, and a
 first pass over the row needs only max(h) (loads, no tanh); rows whose maximum is smaller take a
 second pass over the GELU itself. The last pass evaluates the GELU once per element and writes the
-e4m3 codes. Rows go in chunks (any width). The GELU is torch's CUDA formula op for op (`0.5 * x * (1 +
-tanh(kBeta * (x + kKappa * x^3)))` in fp32, rounded to the activation dtype, tanh from libdevice like
-CUDA's `tanhf`), so the e4m3 bytes are those of `quantize_rows(F.gelu(h))` except where a last-bit
-fp32 difference (FMA contraction, or the interpreter's exp-based tanh) flips the bf16 rounding of a
-GELU value: that element then moves by at most one e4m3 step (or, if it was the row's amax, the
-scale moves by one bf16 ulp). `gelu_tanh_fp8_ref` is the unfused pair in torch.
-Measured on H200 (1024², bench/results/gelu_fp8.jsonl): the FP8 forward 85.52 -> 84.67 ms with it (an earlier kernel
-holding a whole row per program was slower than the two passes: 9.8 ms per forward); 0 codes differ.
+e4m3 codes. Rows go in chunks (any width). In fp32 the GELU is torch's CUDA formula op for op (`0.5 * x *
+(1 + tanh(kBeta * (x + kKappa * x^3)))`, tanh from libdevice like CUDA's `tanhf`); for bf16 / fp16 rows
+(the model's) it is the same function as `x / (1 + exp2(-2 log2(e) * u))` (`CONFIG["sigmoid"]`): one
+exp2 and one division instead of tanhf's two branches, which both run where a warp's lanes straddle
+|u| = 0.6 (compiled for sm_90a, the loop that writes the codes takes ~21 instructions an element
+instead of ~38, without a branch). Either way the value is rounded to the activation dtype, so the
+e4m3 bytes are those of `quantize_rows(F.gelu(h))` except where a last-bit fp32 difference (the other
+formula, FMA contraction, or the interpreter's exp-based tanh) flips the rounding of a GELU value:
+that element then moves by at most one e4m3 step (or, if it was the row's amax, the scale moves by
+one bf16 ulp). `gelu_tanh_fp8_ref` is the unfused pair in torch.
+Measured on H200 (1024², bench/results/gelu_fp8.jsonl): the FP8 forward 85.52 -> 84.67 ms with the tanhf
+form (an earlier kernel holding a whole row per program was slower than the two passes: 9.8 ms per
+forward); 0 codes differ.
 """
 
 from __future__ import annotations
@@ -54,7 +59,8 @@ MAX_N = 65536  # longer rows take the unfused pair (the kernel itself walks any 
 CONFIG = {
     "chunk": 2048,
     "warps": 8,
-}  # the kernel's chunk of a row and its warps (module state: benchmark sweeps)
+    "sigmoid": True,
+}  # the kernel's chunk of a row, its warps and GELU form (module state: benchmark sweeps, tests)
 
 if triton_available():
     import triton
@@ -75,14 +81,32 @@ if triton_available():
         return r
 
     @triton.jit
-    def _gelu(x, DT: tl.constexpr):
-        """aten's GeluCUDAKernel (tanh) in fp32, rounded to DT as torch stores it."""
+    def _gelu(x, DT: tl.constexpr, SIGMOID: tl.constexpr):
+        """aten's GeluCUDAKernel (tanh) in fp32, rounded to DT as torch stores it. SIGMOID (bf16 / fp16
+        only): the same function as x / (1 + 2^(-2 log2(e) u)), since (1 + tanh u) / 2 = sigmoid(2u): one
+        exp2 and one division, no branch, against libdevice's tanhf, whose two branches (|u| < 0.6 or
+        not) both run when a warp's lanes fall on both sides; it differs from tanhf in the last fp32
+        bits, which the rounding to DT hides but for a rare one-ulp flip."""
         inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))  # kBeta, kKappa
-        return _round(0.5 * x * (1.0 + _tanh(inner)), DT)
+        if SIGMOID and DT != tl.float32:
+            g = x / (1.0 + tl.exp2(-2.8853900817779268 * inner))
+        else:
+            g = 0.5 * x * (1.0 + _tanh(inner))
+        return _round(g, DT)
 
     @triton.jit
     def _gelu_fp8_kernel(
-        h_ptr, g_ptr, q_ptr, qs_ptr, N, s_h, s_g, CH: tl.constexpr, DT: tl.constexpr, STORE: tl.constexpr
+        h_ptr,
+        g_ptr,
+        q_ptr,
+        qs_ptr,
+        N,
+        s_h,
+        s_g,
+        CH: tl.constexpr,
+        DT: tl.constexpr,
+        STORE: tl.constexpr,
+        SIGMOID: tl.constexpr,
     ):
         """One row in chunks of CH. Pass 1 reads h only: its max. GELU rises monotonically above
         x = -0.75 and |GELU| < 0.17 below, so when GELU(max h) >= 0.171 it is the row's amax (the
@@ -97,19 +121,21 @@ if triton_available():
             hi = tl.maximum(
                 hi, tl.load(h_ptr + row * s_h + c + offs, mask=m, other=float("-inf")).to(tl.float32)
             )
-        amax = _gelu(tl.max(hi, axis=0), DT)
+        amax = _gelu(tl.max(hi, axis=0), DT, SIGMOID)
         if amax < 0.171:
             acc = tl.zeros([CH], dtype=tl.float32)
             for c in range(0, N, CH):
                 m = c + offs < N
-                g = _gelu(tl.load(h_ptr + row * s_h + c + offs, mask=m, other=0.0).to(tl.float32), DT)
+                g = _gelu(
+                    tl.load(h_ptr + row * s_h + c + offs, mask=m, other=0.0).to(tl.float32), DT, SIGMOID
+                )
                 acc = tl.maximum(acc, tl.where(m, tl.abs(g), 0.0))
             amax = tl.max(acc, axis=0)
         scale = _row_scale(amax)
         tl.store(qs_ptr + row, scale)
         for c in range(0, N, CH):
             m = c + offs < N
-            g = _gelu(tl.load(h_ptr + row * s_h + c + offs, mask=m, other=0.0).to(tl.float32), DT)
+            g = _gelu(tl.load(h_ptr + row * s_h + c + offs, mask=m, other=0.0).to(tl.float32), DT, SIGMOID)
             if STORE:
                 tl.store(g_ptr + row * s_g + c + offs, _cast(g, DT), mask=m)
             tl.store(q_ptr + row * N + c + offs, _codes(g, scale), mask=m)
@@ -187,6 +213,7 @@ def gelu_tanh_fp8(
             CH=ch,
             DT=_tl_dtype(h.dtype),
             STORE=keep,
+            SIGMOID=CONFIG["sigmoid"],
             num_warps=CONFIG["warps"],
         )
     return QuantizedRows(q, qs, h.shape, h.dtype, g.view(h.shape) if keep else None)
