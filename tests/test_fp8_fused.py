@@ -261,8 +261,14 @@ def test_gelu_tanh_fp8(device, dtype, shape, chunk, sigmoid, monkeypatch):
             d = (got.x.double() - plain.double()).abs()
             atol = 1e-6 * plain.double().abs().max()
             assert torch.isfinite(got.x).all() and (d <= plain.double().abs() * 2.0**-7 + atol).all()
-            # libdevice's tanh is CUDA's tanhf (as torch's); the interpreter's exp-based tanh is not
-            assert (d > 0).float().mean() < (0.01 if device == "cuda" else 0.5)
+            if sigmoid and dtype != torch.float32:
+                # x / (1 + exp2(..)) has no cancellation: the float64 GELU rounded to the dtype, but for
+                # rare one-ulp flips (torch's own formula loses bits to 1 + tanh for x < ~-2, so it
+                # differs from both in more elements there)
+                exact = F.gelu(h.double(), approximate="tanh").to(dtype).double()
+                assert ((got.x.double() - exact).abs() > atol).float().mean() < 0.01
+            else:  # libdevice's tanh is CUDA's tanhf (as torch's); the interpreter's exp-based tanh is not
+                assert (d > 0).float().mean() < (0.01 if device == "cuda" else 0.5)
         _assert_within_one_step(got, quantize_activation(plain), 2e-3, dtype)
         _assert_close_to_ref(got, plain)
         _assert_within_one_step(got, gelu_tanh_fp8_ref(h), 2e-3, dtype)

@@ -171,6 +171,24 @@ def test_text_encoder_padded_causal_path_equals_the_masked_call():
         runner(tok.input_ids.flip(1), tok.attention_mask.flip(1))
 
 
+def test_real_rows_and_padding_from_host_lengths():
+    """The encode path reads which rows are real from the tokenizer's host mask (no device sync):
+    one run of ones (left or right padding) is a slice, any other mask a gather; the padding mask is
+    None exactly when every length is the same."""
+    from qwenfast.models.text_encoder import pad_embeddings, real_rows
+
+    h = torch.randn(7, 3)
+    for m in ([0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1], [1, 0, 1, 1, 0, 0, 1], [0] * 7):
+        mask = torch.tensor(m, dtype=torch.bool)
+        assert torch.equal(real_rows(h, mask), h[mask])
+    a, b = torch.randn(4, 3), torch.randn(2, 3)
+    emb, mask = pad_embeddings([a, b])
+    assert emb.shape == (2, 4, 3) and torch.equal(emb[1, :2], b) and not emb[1, 2:].any()
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    emb, mask = pad_embeddings([a, a.flip(0)])
+    assert mask is None and torch.equal(emb[0], a)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_text_encoder_cuda_graph_equals_eager_on_gpu():
     from qwenfast.models.text_encoder import TextEncoder

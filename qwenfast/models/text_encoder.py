@@ -126,13 +126,18 @@ class TextEncoder:
         return next(self.model.parameters()).dtype
 
     def _hidden(self, texts: list[str], drop: int) -> list[torch.Tensor]:
-        tok = self.tokenizer(
+        """Each text's last hidden states, real tokens only, template prefix dropped. The token mask
+        stays on the host (the tokenizer's): which rows are real is known there, so nothing here waits
+        for the GPU and the caller's next host work (drawing the noise on a CPU generator) runs while
+        the encoder does."""
+        host = self.tokenizer(
             texts, max_length=TOKENIZER_MAX_LENGTH + drop, padding=True, truncation=True, return_tensors="pt"
-        ).to(self.device)
-        mask = tok.attention_mask.bool()
+        )
+        mask = host.attention_mask.bool()  # (B, T) on the host
+        tok = host.to(self.device)
         graphs = self._graph_runner() if self.cuda_graphs and tok.input_ids.is_cuda else None
         if graphs is not None and self.tokenizer.padding_side == "right":
-            hidden = graphs(tok.input_ids, tok.attention_mask)  # (B, T, D), rows past the mask unused
+            hidden = graphs(tok.input_ids, host.attention_mask)  # (B, T, D), rows past the mask unused
         elif self._embeds_on_host():
             # offloaded: the embedding table stayed on the host (`host_parts`); only the language model
             # runs (no LM head), from the looked-up rows: the same states as the full model's last one
@@ -144,7 +149,7 @@ class TextEncoder:
                 input_ids=tok.input_ids, attention_mask=tok.attention_mask, output_hidden_states=True
             )
             hidden = out.hidden_states[-1]  # (B, T, D): the language model's normed last state
-        return [h[m][drop:] for h, m in zip(hidden, mask)]  # real tokens only, template prefix dropped
+        return [real_rows(h, m)[drop:] for h, m in zip(hidden, mask)]  # template prefix dropped
 
     def _graph_runner(self):
         """The language model's graph runner, or None where the model is not Qwen2.5-VL-shaped."""
@@ -272,12 +277,27 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     return None if lm is None or len(lm.layers) == 0 else lm.layers
 
 
+def real_rows(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The rows of h (T, D) where the host mask (T,) is set: a slice when they are one run (what a
+    tokenizer's padding leaves), so no device sync; any other mask gathers."""
+    idx = mask.nonzero().flatten().tolist()  # host
+    if idx and idx == list(range(idx[0], idx[-1] + 1)):
+        return h[idx[0] : idx[-1] + 1]
+    return h[mask.to(h.device)]
+
+
 def pad_embeddings(seqs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Right-pad variable-length (L_i, D) sequences to (B, max L, D); mask None when all lengths equal."""
-    L = max(s.shape[0] for s in seqs)
-    emb = torch.stack([torch.cat([s, s.new_zeros(L - s.shape[0], s.shape[1])]) for s in seqs])
-    mask = torch.stack([torch.arange(L, device=emb.device) < s.shape[0] for s in seqs]).long()
-    return emb, (None if bool(mask.all()) else mask)
+    """Right-pad variable-length (L_i, D) sequences to (B, max L, D); mask None when all lengths equal
+    (decided from the host-known lengths: no device sync)."""
+    lengths = [s.shape[0] for s in seqs]
+    L = max(lengths)
+    emb = torch.stack(
+        [torch.cat([s, s.new_zeros(L - n, s.shape[1])]) if n < L else s for s, n in zip(seqs, lengths)]
+    )
+    if min(lengths) == L:
+        return emb, None
+    mask = torch.stack([torch.arange(L, device=emb.device) < n for n in lengths]).long()
+    return emb, mask
 
 
 def image_digest(images: list) -> str:

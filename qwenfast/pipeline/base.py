@@ -435,15 +435,20 @@ class PipelineBase(
         z = table.get(ZERO, t[:1] * 0, compute) if self.transformer.cfg.zero_cond_t else None
         return batch_rows(e, t.shape[0], z)
 
-    def _fill_modulations(self, sig: torch.Tensor, dtype: torch.dtype) -> None:
+    def _fill_modulations(
+        self, sig: torch.Tensor, dtype: torch.dtype, keys: list[float] | None = None
+    ) -> None:
         """Table entries for every step of the schedule `sig` in one pass over the blocks (under
         offload the modulation weights cross PCIe once per new schedule, not once per step), with
-        the timesteps exactly as the denoise core will hand them to the forward."""
+        the timesteps exactly as the denoise core will hand them to the forward. keys: `sig[:-1]` as
+        host floats where the caller has them (reading them from the device would wait for every
+        queued kernel, the prompt encode's, before the table's GEMMs could be queued)."""
         table = self.transformer.modulation_table
         if table is None or len(sig) < 2:
             return
         ts = S.timesteps_from_sigmas(sig)
-        keys, tvals = sig[:-1].tolist(), [S.model_timestep(ts[j], 1, dtype) for j in range(len(ts))]
+        keys = sig[:-1].tolist() if keys is None else keys
+        tvals = [S.model_timestep(ts[j], 1, dtype) for j in range(len(ts))]
         if self.transformer.cfg.zero_cond_t:
             keys, tvals = [*keys, ZERO], [*tvals, tvals[0] * 0]
         table.fill(keys, tvals, self.transformer.modulation_entries)
@@ -495,15 +500,15 @@ class PipelineBase(
             )
         x = self.initial_latents(B, h, w, generator, latents)  # (B, h/2*w/2, 64)
         img_shapes = [(1, h // 2, w // 2), *(ref[1] if ref is not None else [])]
-        sig = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas).to(
-            self.device
-        )
+        sig_host = S.get_sigmas(self.scheduler_config_for(scheduler_overrides), steps, x.shape[1], sigmas)
+        sig = sig_host.to(self.device)
         blend = None
         if start is not None:  # starts part-way along the schedule, from the image
             x, sig, blend = start(x, sig)
+            sig_host = None
         events: list[str] = []
         with self._engine():
-            self._fill_modulations(sig, x.dtype)
+            self._fill_modulations(sig, x.dtype, None if sig_host is None else sig_host[:-1].tolist())
             x = self._denoise_batch(
                 self._core_forward(),
                 x,

@@ -373,11 +373,12 @@ class TextEncoderGraphs(_GraphCache):
         self._where = None
 
     def padded(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """(B, T) right-padded ids + mask -> (B, T_bucket) ids with pad tokens after the real ones."""
+        """(B, T) right-padded ids + mask (on ids' device or the host) -> (B, T_bucket) ids with pad
+        tokens after the real ones."""
         B, T = ids.shape
         Tb = -(-T // self.bucket) * self.bucket
         out = torch.full((B, Tb), self.pad_id, dtype=ids.dtype, device=ids.device)
-        out[:, :T] = torch.where(mask.bool(), ids, self.pad_id)
+        out[:, :T] = torch.where(mask.to(ids.device).bool(), ids, self.pad_id)
         return out
 
     def eager(self, ids: torch.Tensor) -> torch.Tensor:
@@ -387,7 +388,9 @@ class TextEncoderGraphs(_GraphCache):
             return self.lm(input_ids=ids, use_cache=False).last_hidden_state
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Last hidden states (B, T, D) of right-padded `ids` (B, T); rows past each mask are garbage."""
+        """Last hidden states (B, T, D) of right-padded `ids` (B, T); rows past each mask are garbage.
+        A host `mask` (the tokenizer's) keeps the call free of device syncs: the right-padding check
+        then reads it where it is."""
         if bool((mask[:, :-1] < mask[:, 1:]).any()):
             raise ValueError("TextEncoderGraphs needs right-padded ids (real tokens first)")
         T = ids.shape[1]
