@@ -132,3 +132,17 @@ def test_shapes_warm_runs_the_largest_shape_first(monkeypatch):
     for a, kind in groups:  # each shape's batches: the largest first
         bs = [b for a2, k2, b in sent if (a2, k2) == (a, kind)]
         assert bs == ([4, 2, 1] if kind[0] <= 1 else [2, 1]), (a, kind, bs)
+
+
+def test_bench_pipeline_short_case_total_is_the_median_of_unstaged_calls(tmp_path):
+    """A few-step case's total is the median of calls without the stage timers (which synchronise around
+    the prompt encode and the decode); one more call gives the stages. The smoke run makes 2 such calls."""
+    import json
+
+    assert main(["bench", "pipeline", "--smoke", "--case", "1024:4:nocfg", "--results", str(tmp_path)]) == 0
+    rec = json.loads((tmp_path / "pipeline.jsonl").read_text().splitlines()[-1])
+    for engine in ("diffusers", "qwenfast"):
+        row = rec["end_to_end"]["1024:4:nocfg"][engine]
+        assert len(row["runs_s"]) == 2 and abs(row["total_s"] - sum(row["runs_s"]) / 2) <= 1e-3
+        assert row["staged_total_s"] > 0 and row["denoise_s"] > 0 and row["text_encode_s"] > 0
+    assert rec["end_to_end"]["1024:4:nocfg"]["mean_abs_diff_images"] < 1e-3

@@ -42,6 +42,7 @@ class StageTimer:
         self.t: dict[str, float] = {}
         self.peak: dict[str, int] = {}
         self._undo = []
+        self._wrapped: list[tuple] = []  # (obj, name, stage, before) of each `wrap`: what `rewrap` redoes
 
     def wrap(self, obj: object, name: str, stage: str, before: str | None = None) -> None:
         """Time `obj.<name>` (a model's method) as `stage`; `before`: record the memory peak since the
@@ -64,6 +65,7 @@ class StageTimer:
 
         had = name in obj.__dict__
         self._undo.append((obj, name, obj.__dict__.get(name), had))
+        self._wrapped.append((obj, name, stage, before))
         setattr(obj, name, run)
 
     def reset(self) -> None:
@@ -76,6 +78,14 @@ class StageTimer:
             else:
                 obj.__dict__.pop(name, None)
         self._undo = []
+
+    def rewrap(self) -> None:
+        """Wrap again what `restore` unwrapped (untimed calls in between run the plain methods)."""
+        if self._undo:
+            return
+        wrapped, self._wrapped = self._wrapped, []
+        for args in wrapped:
+            self.wrap(*args)
 
 
 def _call(pipe, engine: str, size: int, steps: int, cfg: bool, prompt: str, seed: int = 0, batch: int = 1):
