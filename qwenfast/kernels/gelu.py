@@ -41,7 +41,10 @@ that element then moves by at most one e4m3 step (or, if it was the row's amax, 
 one bf16 ulp). `gelu_tanh_fp8_ref` is the unfused pair in torch.
 Measured on H200 (1024², bench/results/gelu_fp8.jsonl): the FP8 forward 85.52 -> 84.67 ms with the tanhf
 form (an earlier kernel holding a whole row per program was slower than the two passes: 9.8 ms per
-forward); 0 codes differ.
+forward); 0 codes differ. The exp2 form, same H200 run (bench/results/profile_forward.jsonl lines 11-12,
+`python bench/profile_forward.py --gelu tanhf|sigmoid`): this kernel's time per forward 6.04 -> 4.28 ms,
+the forward 82.92 -> 81.02 ms; the demo's FP8 gate with it: -0.83 text-to-image, +0.84 edits
+(bench/results/quality.jsonl, `qwenfast bench quality --paths --path fp8 [--model edit]`).
 """
 
 from __future__ import annotations
