@@ -145,8 +145,13 @@ class AdaLayerNormOut(nn.Module):
         self.linear = nn.Linear(dim, 2 * dim)
         self.norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, temb: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """fused: the one-pass kernel (`kernels.adaln`, the blocks' norm1 op order) instead of a
+        LayerNorm and two broadcasts over strided chunks: after its one block, the largest piece of
+        a cached step."""
         scale, shift = self.linear(F.silu(temb).to(x.dtype)).chunk(2, dim=1)
+        if fused:
+            return layernorm_modulate(x, shift, scale, eps=self.norm.eps)
         return self.norm(x) * (1 + scale)[:, None, :] + shift[:, None, :]
 
 
@@ -556,7 +561,7 @@ class QwenImageTransformer(DenoisableTransformer):
 
         if cfg.zero_cond_t:
             temb = temb.chunk(2, dim=0)[0]
-        return self.proj_out(self.norm_out(img, temb))
+        return self.proj_out(self.norm_out(img, temb, fused))
 
     @torch.no_grad()
     def modulation_entries(self, ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
