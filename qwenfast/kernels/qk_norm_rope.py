@@ -200,7 +200,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = EPS) -> tor
 
 
 def apply_rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`transformer.apply_rope`: rotate pairs (x[2i], x[2i+1]) of x (B, S, H, D) by cos/sin (S, D/2)."""
+    """`models.rope.apply_rope`: rotate pairs (x[2i], x[2i+1]) of x (B, S, H, D) by cos/sin (S, D/2)."""
     xf = x.float().unflatten(-1, (-1, 2))
     xe, xo = xf[..., 0], xf[..., 1]
     c, s = cos[None, :, None, :], sin[None, :, None, :]

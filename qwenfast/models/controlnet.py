@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from ..config import ControlNetConfig
 from ..runtime.contract import BlockModel
+from .rope import rope_tables
 from .transformer import (
     RMSNorm,
     TimeTextEmbed,
@@ -28,7 +29,6 @@ from .transformer import (
     _normalize_shapes,
     block_linears,
     joint_attention_mask,
-    rope_tables,
 )
 
 __all__ = ["QwenImageControlNetModel", "QwenImageMultiControlNetModel", "ControlNets"]

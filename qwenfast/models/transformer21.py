@@ -40,7 +40,8 @@ from ..runtime.attention import attention
 from ..runtime.blocks import StepContext
 from ..runtime.contract import DenoisableTransformer
 from .kvcache21 import PrefixKVCache, project_qkv, qkv_buffer
-from .transformer import RMSNorm, _axis_angles, apply_rope, block_linears
+from .rope import _axis_angles, apply_rope
+from .transformer import RMSNorm, block_linears
 
 SLOT = 4  # latent tokens per vision-language image slot (2x2)
 # the block Linears FP8 replaces (`fp8_linears`); the shared modulation and the embedders stay bf16
