@@ -180,7 +180,8 @@ def test_real_rows_and_padding_from_host_lengths():
     h = torch.randn(7, 3)
     for m in ([0, 0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0, 0], [0, 0, 0, 1, 1, 1, 1], [1, 0, 1, 1, 0, 0, 1], [0] * 7):
         mask = torch.tensor(m, dtype=torch.bool)
-        assert torch.equal(real_rows(h, mask), h[mask])
+        got = real_rows(h, mask)
+        assert torch.equal(got, h[mask]) and (got.numel() == 0 or got.data_ptr() != h.data_ptr())
     a, b = torch.randn(4, 3), torch.randn(2, 3)
     emb, mask = pad_embeddings([a, b])
     assert emb.shape == (2, 4, 3) and torch.equal(emb[1, :2], b) and not emb[1, 2:].any()

@@ -278,11 +278,12 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 
 def real_rows(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The rows of h (T, D) where the host mask (T,) is set: a slice when they are one run (what a
-    tokenizer's padding leaves), so no device sync; any other mask gathers."""
+    """A copy of the rows of h (T, D) where the host mask (T,) is set, as `h[mask]` gives: copied as one
+    slice when they are one run (what a tokenizer's padding leaves), so no device sync; any other mask
+    gathers. (A copy, not a view: a cached prompt keeps its own rows, not the whole padded batch.)"""
     idx = mask.nonzero().flatten().tolist()  # host
     if idx and idx == list(range(idx[0], idx[-1] + 1)):
-        return h[idx[0] : idx[-1] + 1]
+        return h[idx[0] : idx[-1] + 1].clone()
     return h[mask.to(h.device)]
 
 
