@@ -60,7 +60,7 @@ if triton_available():
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from .lora_rows import _slot_product
+    from .lora_rows import _slot, _slot_product
 
     @triton.jit
     def _tile(tile, npm, npn, GROUP_M: tl.constexpr):
@@ -143,12 +143,9 @@ if triton_available():
                     mine = rmask & (t >= 0) & (t < T)
                     hb = h_ptr + bb.to(tl.int64) * s_hb
                     for s in tl.static_range(S):
-                        slot = tl.load(idx_ptr + bb * s_ib + s * s_is)
-                        ub = u_ptr + slot.to(tl.int64) * s_un
-                        lo, hi = 0, R
-                        if RANGES:
-                            rp = rr_ptr + (slot * G + (pn * BN) // NG) * 2
-                            lo, hi = tl.load(rp), tl.load(rp + 1)
+                        slot, ub, lo, hi = _slot(
+                            idx_ptr, bb, s, s_ib, s_is, u_ptr, s_un, rr_ptr, G, NG, pn * BN, R, RANGES
+                        )
                         hi = tl.where(slot != 0, hi, lo)  # the zero slot: nothing to add
                         acc = _slot_product(
                             acc, hb, ub, t, mine, cols, cmask, s * R, lo, hi, slot != 0, s_ht, s_uo, BR, IEEE

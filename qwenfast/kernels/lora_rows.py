@@ -128,6 +128,18 @@ if triton_available():
         return r
 
     @triton.jit
+    def _slot(idx_ptr, b, s, s_ib, s_is, u_ptr, s_un, rr_ptr, G, NG, col0, R, RANGES: tl.constexpr):
+        """Batch row b's s-th slot: (slot index, its up factor's base, the rank range [lo, hi) its column
+        tile at col0 reads; all of R without RANGES): the expand's and the fused FP8 GEMM's lookup."""
+        slot = tl.load(idx_ptr + b * s_ib + s * s_is)
+        ub = u_ptr + slot.to(tl.int64) * s_un
+        lo, hi = 0, R
+        if RANGES:
+            rp = rr_ptr + (slot * G + col0 // NG) * 2
+            lo, hi = tl.load(rp), tl.load(rp + 1)
+        return slot, ub, lo, hi
+
+    @triton.jit
     def _slot_product(
         acc, hb, ub, t, tmask, cols, cmask, h0, lo, hi, live, s_ht, s_uo, BR: tl.constexpr, IEEE: tl.constexpr
     ):
@@ -330,12 +342,9 @@ if triton_available():
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             hb = h_ptr + b.to(tl.int64) * s_hb
             for s in tl.static_range(S):
-                slot = tl.load(idx_ptr + b * s_ib + s * s_is)
-                ub = u_ptr + slot.to(tl.int64) * s_un
-                lo, hi = 0, R
-                if RANGES:
-                    rp = rr_ptr + (slot * G + (nt * BN) // NG) * 2
-                    lo, hi = tl.load(rp), tl.load(rp + 1)
+                slot, ub, lo, hi = _slot(
+                    idx_ptr, b, s, s_ib, s_is, u_ptr, s_un, rr_ptr, G, NG, nt * BN, R, RANGES
+                )
                 acc = _slot_product(
                     acc,
                     hb,
