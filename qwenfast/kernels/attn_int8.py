@@ -22,12 +22,12 @@ The math (q, k, v: (B, H, S, D); all scales fp32):
 
 The kernel's cost is its per-logit instructions, not its tensor cores: with INT8/FP8 products twice as
 fast as bf16 and no warp specialisation (the softmax does not overlap the MMAs), each logit's scalar work
-decides the speed. So a key block lies inside one K-scale block (one scale for the block: the logit of one
-unit of Q·K'ᵀ is one number per query row), the row max is taken on the raw products and scaled after
-(the scales are positive), and each logit costs an integer add, a float add, a max, one FMA and one exp2;
-only the last, partial key block carries the padding mask (H200, 2026-11-28, kernel alone, same run: 0.54 -> 0.44 ms
-per layer at 4224 tokens, 6.59 -> 5.39 ms at 16512, against scaling each logit by its two scales and
-masking every block).
+decides the speed. So a key block lies inside one K-scale block (one scale for the block: the logit of
+one unit of Q·K'ᵀ is one number per query row), the row max is taken on the raw products and scaled
+after (the scales are positive), and each logit costs an integer add, a float add, a max, one FMA and
+one exp2; only the last, partial key block carries the padding mask. H200, 2026-11-28, the kernel alone
+in one run: 0.54 -> 0.44 ms per layer at 4224 tokens and 6.59 -> 5.39 ms at 16512, against scaling each
+logit by its two scales and masking every block.
 
 The quantisation is two torch reductions (K's mean, V's channel amax) and one Triton pass per tensor; the
 attention kernel reads int8 Q/K and e4m3 Vᵀ. Not fused into the QK-norm + RoPE kernel yet: the engine
