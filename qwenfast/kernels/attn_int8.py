@@ -327,9 +327,10 @@ if triton_available():
 def gpu_tile(D: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) on a GPU. BLOCK_N is the online softmax's key block, so it
     sets where P̃ is rounded and the quality gate's result; BLOCK_M and the rest change only the speed.
-    d <= 128: the fastest tile with 64-key blocks on an H100 (`qwenfast bench attention tiles`; outputs bit-equal to
-    the other 64-key tiles). 128-key blocks ran ~15% faster but lost the text-to-image gate (-3.3 points
-    against -1.7: bench/results/attention.jsonl). d = 256: untimed."""
+    d <= 128: the fastest 64-key tile on an H100 and (within 1%) on an H200 (`qwenfast bench attention
+    tiles`; outputs bit-equal to the other 64-key tiles). BLOCK_N divides the K scale's 64-key block: an
+    earlier kernel's 128-key blocks ran ~15% faster but lost the text-to-image gate (-3.3 points against
+    -1.7: bench/results/attention.jsonl). d = 256: untimed."""
     return (64, 64, 4, 3) if D <= 128 else (64, 32, 4, 2)
 
 
