@@ -206,7 +206,7 @@ def test_the_gate_table_keeps_each_device_and_engine():
     """docs/speed.md's 8-bit attention gate table: the newest record per (device, engine), so a CPU run
     of the int8 engine's emulation sits beside the GPU's rows instead of replacing them."""
     from qwenfast.benchmarks.records import Rec
-    from qwenfast.benchmarks.report_tables import attention_quality
+    from qwenfast.benchmarks.report_quality import attention_quality
 
     def rec(line, gpu, eng, score, date):
         rows = [{"path": "reference fp32", "attention": "auto (exact, fp32)", "score": 88.3, "gap": 0.0},

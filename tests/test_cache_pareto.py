@@ -11,7 +11,7 @@ import torch
 import qwenfast
 from qwenfast.benchmarks import cache_pareto as CP
 from qwenfast.benchmarks.records import Rec
-from qwenfast.benchmarks.report_tables import TABLES, cache_pareto
+from qwenfast.benchmarks.report_quality import TABLES, cache_pareto
 from qwenfast.options import CachePolicy
 
 pytest.importorskip("cache_dit")  # the [test] extra pins cache-dit==1.5.3

@@ -128,11 +128,13 @@ def tables() -> dict:
     """Every published table by name (the tables import records and each other's helpers: no cycle)."""
     from .report_gpus import gpu_estimates, gpu_played, memory_tiers, memory_tiers_held
     from .report_peers import diffusers_baseline, peers, peers_highres, peers_summary
+    from .report_quality import TABLES as QUALITY
     from .report_serve import serve_mixed, serve_soak
     from .report_tables import TABLES
 
     return {
         **TABLES,
+        **QUALITY,
         "peers": peers,
         "peers-highres": peers_highres,
         "serve-mixed": serve_mixed,
