@@ -28,8 +28,8 @@ after (the scales are positive), and each logit costs an integer add, a float ad
 one exp2; only the last, partial key block carries the padding mask. H200, 2026-11-28, the kernel alone
 in one run: 0.54 -> 0.44 ms per layer at 4224 tokens and 6.59 -> 5.39 ms at 16512, against scaling each
 logit by its two scales and masking every block. K and Vᵀ come in by TMA (tensor descriptors): no address
-arithmetic per element, and 162 registers a thread instead of 222, so three programs share an SM where
-two did (H200, same outputs bit for bit: 0.49 -> 0.48 ms at 4224 tokens, 5.70 -> 5.02 ms at 16512).
+arithmetic per element, and 162 registers a thread instead of 222 (ptxas), room for three programs on an
+SM where two fitted (H200, same outputs bit for bit: 0.49 -> 0.48 ms at 4224 tokens, 5.70 -> 5.02 ms at 16512).
 Folding the int->float offset into the exp2's FMA (one add less per logit, rounding ~1e-5 of a logit
 apart) measured within the noise, so the kernel keeps the exact form.
 
