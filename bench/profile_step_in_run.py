@@ -4,12 +4,17 @@ step's GPU time is the interval between CUDA events recorded by the step callbac
 run); each step's host time likewise with perf_counter. Then one profiled run (CPU and CUDA
 activities): the top host operations and kernels. GPU only (H100 / H200), about 3 minutes.
 
-    python bench/profile_step_in_run.py [--fp8] [--cache fast|off] [--steps N] [--cfg 1] [--results DIR]
+    python bench/profile_step_in_run.py [--fp8] [--cache fast|off] [--first N] [--steps N] [--cfg 1]
+        [--no-profile] [--results DIR]
+
+--first N runs the preset with N first blocks on a cached step (the cost of the cache's Fn); --no-profile
+skips the profiled run (the step times alone, about a minute).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -22,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qwenfast.benchmarks import emit  # noqa: E402
 from qwenfast.benchmarks.harness import PROMPT  # noqa: E402
 from qwenfast.benchmarks.pipeline import build  # noqa: E402
+from qwenfast.options import resolve_policy  # noqa: E402
 
 
 def run_once(pipe, steps: int, seed: int = 1, record: list | None = None, cfg: float = 4.0):
@@ -46,13 +52,18 @@ def main() -> None:
     p.add_argument("--cache", default="fast")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--cfg", type=float, default=4.0, help="true CFG scale (1: no CFG, one forward a step)")
+    p.add_argument("--first", type=int, help="the preset's first blocks (Fn) replaced by this many")
+    p.add_argument("--no-profile", action="store_true", help="the step times only, no profiled run")
     p.add_argument("--results")
     a = p.parse_args()
     pipe, _ = build(False, diffusers_transformer=False)
     pipe.set_progress_bar_config(disable=True)
     if a.fp8:
         pipe.enable_fp8()
-    pipe.configure(cache=a.cache)
+    cache = a.cache
+    if a.first is not None and a.cache != "off":
+        cache = dataclasses.replace(resolve_policy(a.cache), first=a.first)
+    pipe.configure(cache=cache)
     policy = getattr(pipe.block_runner, "policy", None)  # None: --cache off, every step full
     run_once(pipe, a.steps, cfg=a.cfg)  # capture graphs
     torch.cuda.synchronize()
@@ -67,12 +78,15 @@ def main() -> None:
     cached = [i for i in gpu if i not in full]
     med = lambda d, ks: round(statistics.median(d[k] for k in ks), 3) if ks else None  # noqa: E731
     res = {"bench": "profile_step_in_run", "size": 1024, "steps": a.steps, "cfg": a.cfg, "fp8": a.fp8,
-           "cache": a.cache,
+           "cache": a.cache, "first": None if policy is None else policy.first,
            "total_s": round(total, 3), "full_steps": len(full), "cached_steps": len(cached),
            "gpu_ms_full_median": med(gpu, full), "gpu_ms_cached_median": med(gpu, cached),
            "host_ms_full_median": med(host, full), "host_ms_cached_median": med(host, cached),
            "gpu_ms_step0": round(gpu[0], 3), "gpu_ms_by_step": [round(gpu[i], 2) for i in sorted(gpu)]}  # fmt: skip
     print({k: v for k, v in res.items() if k != "gpu_ms_by_step"}, flush=True)
+    if a.no_profile:
+        emit(res, "profile_forward.jsonl", a.results)
+        return
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         run_once(pipe, a.steps, cfg=a.cfg)

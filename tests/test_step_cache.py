@@ -268,6 +268,39 @@ def test_caching_changes_the_image_a_little_and_computes_less(fresh):
     assert 0 < np.abs(got - want).max() < 0.5 and np.isfinite(got).all()
 
 
+def test_a_cached_step_of_fast_runs_no_block(fresh):
+    """`fast` is static with first=0: a cached step runs no block (the whole stack's residual,
+    extrapolated), a full step every block; an adaptive policy needs its probe block."""
+    assert PRESETS["fast"].first == 0
+    per_step = []
+
+    class Counting(StepCacheRunner):
+        def run(self, blocks, call, img, txt, step):
+            seen = []
+
+            def counted(i, block, x, y):
+                seen.append(i)
+                return call(i, block, x, y)
+
+            out = super().run(blocks, counted, img, txt, step)
+            per_step.append((step.step, step.steps, seen, len(blocks)))
+            return out
+
+    kw = dict(negative_prompt=" ", true_cfg_scale=2.5, **{**KW, "num_inference_steps": 10})
+    want = fresh("a red circle", generator=_gen(6), **kw).images
+    fresh.configure(cache="fast", batched_cfg=True)
+    fresh.transformer.block_runner = Counting(PRESETS["fast"])
+    got = fresh("a red circle", generator=_gen(6), **kw).images
+    assert [s for s, *_ in per_step] == list(range(10))
+    for s, steps, seen, n in per_step:
+        assert seen == (list(range(n)) if PRESETS["fast"].static_full(s, steps) else []), s
+    assert sum(not seen for *_, seen, _ in per_step) >= 5  # cached steps were taken
+    assert np.isfinite(got).all() and 0 < np.abs(got - want).mean() < 0.05  # close to uncached
+    with pytest.raises(ValueError, match="adaptive"):
+        CachePolicy(kind="adaptive", first=0)
+    assert CachePolicy(kind="static", first=0).first == 0
+
+
 def test_cache_options_and_their_errors(fresh):
     assert EngineOptions(cache="fast").cache == "fast"
     for bad in ("faster", 3, dict(kind="static")):
