@@ -193,3 +193,26 @@ def test_the_cli_has_the_subcommand():
 
     a = build_parser().parse_args(["bench", "cache-pareto", "--model", "edit", "--n", "3", "--results", "x"])
     assert (a.what, a.model, a.n, a.results, a.steps) == ("cache-pareto", "edit", 3, "x", 50)
+
+
+def test_the_cached_step_table_takes_the_newest_run_per_first_blocks():
+    from qwenfast.benchmarks.report_quality import cache_step
+
+    def rec(line, first, cached_ms, date, **kw):
+        return Rec("profile_forward.jsonl", line, {
+            "bench": "profile_step_in_run", "cache": "fast", "fp8": True, "steps": 50, "cfg": 4.0,
+            "first": first, "gpu_ms_cached_median": cached_ms, "gpu_ms_full_median": 170.0,
+            "cached_steps": 35, "full_steps": 15, "total_s": 2.6, "gpu": "NVIDIA H200", "date": date,
+            "commit": "abcdef0", **kw})  # fmt: skip
+
+    assert "No record yet" in cache_step([])
+    recs = [rec(1, 0, 0.7, "2026-11-27"), rec(2, 0, 0.59, "2026-11-28"), rec(3, 1, 3.43, "2026-11-28"),
+            rec(4, 0, 9.0, "2026-11-29", cfg=1.0), rec(5, None, 3.38, "2026-11-29")]  # fmt: skip
+    out = cache_step(recs)
+    assert TABLES["cache-step"] is cache_step
+    assert (
+        "| `fast`, 0 first blocks on a cached step (the preset) | 0.59 ms | 170.0 ms | 35 / 15 | 2.60 s |"
+        in out
+    )
+    assert "| `fast`, 1 first block on a cached step | 3.43 ms |" in out
+    assert "lines 2, 3" in out and "0.70 ms" not in out and "9.00 ms" not in out

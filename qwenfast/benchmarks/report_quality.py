@@ -322,6 +322,51 @@ def cache_pareto(recs: list[Rec]) -> str:
     )
 
 
+def cache_step(recs: list[Rec]) -> str:
+    """A cached step of `fast` inside a real run (`bench/profile_step_in_run.py`): its GPU time with the
+    preset's blocks on a cached step and with one first block, beside a full step's and the run's."""
+    from ..options import CACHE_PRESETS
+
+    rows, used = [], []
+    for first in (0, 1):
+        r = newest(
+            recs,
+            "profile_forward.jsonl",
+            lambda r, first=first: (
+                r["bench"] == "profile_step_in_run"
+                and r.get("cache") == "fast"
+                and r.get("fp8")
+                and r.get("steps") == 50
+                and r.get("cfg", 1) > 1
+                and r.get("first") == first
+            ),
+        )
+        if r is None:
+            continue
+        used.append(r)
+        now = " (the preset)" if first == CACHE_PRESETS["fast"].first else ""
+        rows.append(
+            [
+                f"`fast`, {first} first block{'s' if first != 1 else ''} on a cached step{now}",
+                ms(r["gpu_ms_cached_median"]),
+                ms(r["gpu_ms_full_median"]),
+                f"{r['cached_steps']} / {r['full_steps']}",
+                secs(r["total_s"]),
+            ]
+        )
+    if not rows:
+        return "*No record yet: `python bench/profile_step_in_run.py --fp8 --cache fast [--first 1] --no-profile`.*"
+    head = [
+        "1024², 50 steps, true CFG (batch 2), FP8",
+        "cached step (GPU)",
+        "full step (GPU)",
+        "cached / full",
+        "run",
+    ]
+    cmd = "python bench/profile_step_in_run.py --fp8 --cache fast [--first 1] --no-profile --results bench/results"
+    return table(head, rows) + source(used, cmd)
+
+
 TABLES: dict[str, Callable[[list[Rec]], str]] = {
     "fp8": fp8,
     "attention": attention,
@@ -331,4 +376,5 @@ TABLES: dict[str, Callable[[list[Rec]], str]] = {
     "quality-cache": quality_cache,
     "full-size-check": full_size_check,
     "cache-pareto": cache_pareto,
+    "cache-step": cache_step,
 }
