@@ -95,7 +95,7 @@ def demo_transformer():
 
 
 @pytest.mark.parametrize("taylor", [0, 1])
-@pytest.mark.parametrize("first,last", [(1, 1), (2, 0)])
+@pytest.mark.parametrize("first,last", [(1, 1), (2, 0), (0, 0)])
 def test_a_cached_step_is_its_definition(demo_transformer, taylor, first, last):
     tr = demo_transformer
     torch.manual_seed(3)
