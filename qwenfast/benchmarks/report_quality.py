@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..options import CACHE_PRESETS
 from .records import Rec
 from .report_tables import gib, gpu_name, ms, newest, ratio, run_of, sci, secs, source, table
 
@@ -325,8 +326,6 @@ def cache_pareto(recs: list[Rec]) -> str:
 def cache_step(recs: list[Rec]) -> str:
     """A cached step of `fast` inside a real run (`bench/profile_step_in_run.py`): its GPU time with the
     preset's blocks on a cached step and with one first block, beside a full step's and the run's."""
-    from ..options import CACHE_PRESETS
-
     rows, used = [], []
     for first in (0, 1):
         r = newest(
