@@ -4,7 +4,7 @@ GPU only (H100 / H200), full-size random weights, about 2 minutes. Builds the 60
 denoising step runs), times the replay (CUDA events), then profiles one replay and reads the kernel
 timeline from the Chrome trace: kernel-time sum by category, the idle time between consecutive kernels
 (total, and by the pair of kernels around each gap), and the kernel count. Prints a table and a JSON line.
-`python bench/profile_forward.py [--size 1024] [--gelu sigmoid|tanhf] [--short-rows N] [--results DIR]` (record:
+`python bench/profile_forward.py [--size 1024] [--gelu sigmoid|tanhf] [--results DIR]` (record:
 DIR/profile_forward.jsonl); --gelu times the MLP's GELU kernel in either form (the A/B of its change).
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from qwenfast.benchmarks import emit, median_ms, versions
 from qwenfast.benchmarks.transformer import _fp8_modules, _swap, _table_fwd, build
-from qwenfast.kernels import fp8_linear, gelu
+from qwenfast.kernels import gelu
 from qwenfast.runtime.cuda_graphs import CudaGraphRunner
 
 
@@ -108,12 +108,7 @@ def main() -> None:
     p.add_argument("--results", default=None, help="append the record to DIR/profile_forward.jsonl")
     p.add_argument("--gelu", choices=("sigmoid", "tanhf"), default=None,
                    help="the MLP's GELU + FP8 kernel form (kernels/gelu.py CONFIG['sigmoid']); default: the module's")  # fmt: skip
-    p.add_argument("--short-rows", type=int, default=None,
-                   help="FP8 GEMMs of at most this many rows take the tensorwise GEMM + epilogue pass "
-                        "(kernels/fp8_linear.py SMALL_M; 0: every GEMM rowwise); default: the module's")  # fmt: skip
     a = p.parse_args()
-    if a.short_rows is not None:
-        fp8_linear.SMALL_M = a.short_rows
     if a.gelu:
         gelu.CONFIG["sigmoid"] = a.gelu == "sigmoid"
     model, fn, _ = fp8_forward(a.size)
@@ -124,7 +119,7 @@ def main() -> None:
     busy, gaps, pairs = kernel_summary(ks)
     span = ks[-1][1] - ks[0][0]
     res = {"bench": "profile_forward", **versions(), "size": a.size,
-           "gelu": "sigmoid" if gelu.CONFIG["sigmoid"] else "tanhf", "short_rows": fp8_linear.SMALL_M, "wall_ms": round(wall, 2), "spaced_ms": round(spaced, 2),
+           "gelu": "sigmoid" if gelu.CONFIG["sigmoid"] else "tanhf", "wall_ms": round(wall, 2), "spaced_ms": round(spaced, 2),
            "sm_clock_mhz_in_loop": clocks, "profiled_span_ms": round(span / 1e3, 2),
            "kernels": len(ks), "kernel_ms": round(sum(busy.values()) / 1e3, 2),
            "gap_ms": round(sum(gaps) / 1e3, 2), "gap_us_median": round(sorted(gaps)[len(gaps) // 2], 2),

@@ -5,7 +5,7 @@ run); each step's host time likewise with perf_counter. Then one profiled run (C
 activities): the top host operations and kernels. GPU only (H100 / H200), about 3 minutes.
 
     python bench/profile_step_in_run.py [--fp8] [--cache fast|off] [--first N] [--steps N] [--cfg 1]
-        [--no-profile] [--short-rows N] [--results DIR]
+        [--no-profile] [--results DIR]
 
 --first N runs the preset with N first blocks on a cached step (the cost of the cache's Fn); --no-profile
 skips the profiled run (the step times alone, about a minute).
@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from qwenfast.benchmarks import emit  # noqa: E402
 from qwenfast.benchmarks.harness import PROMPT  # noqa: E402
 from qwenfast.benchmarks.pipeline import build  # noqa: E402
-from qwenfast.kernels import fp8_linear  # noqa: E402
 from qwenfast.options import resolve_policy  # noqa: E402
 
 
@@ -55,12 +54,8 @@ def main() -> None:
     p.add_argument("--cfg", type=float, default=4.0, help="true CFG scale (1: no CFG, one forward a step)")
     p.add_argument("--first", type=int, help="the preset's first blocks (Fn) replaced by this many")
     p.add_argument("--no-profile", action="store_true", help="the step times only, no profiled run")
-    p.add_argument("--short-rows", type=int, default=None,
-                   help="FP8 GEMMs of at most this many rows: tensorwise + epilogue (fp8_linear.SMALL_M; 0: none)")
     p.add_argument("--results")
     a = p.parse_args()
-    if a.short_rows is not None:
-        fp8_linear.SMALL_M = a.short_rows
     pipe, _ = build(False, diffusers_transformer=False)
     pipe.set_progress_bar_config(disable=True)
     if a.fp8:
@@ -83,7 +78,7 @@ def main() -> None:
     cached = [i for i in gpu if i not in full]
     med = lambda d, ks: round(statistics.median(d[k] for k in ks), 3) if ks else None  # noqa: E731
     res = {"bench": "profile_step_in_run", "size": 1024, "steps": a.steps, "cfg": a.cfg, "fp8": a.fp8,
-           "cache": a.cache, "first": None if policy is None else policy.first, "short_rows": fp8_linear.SMALL_M,
+           "cache": a.cache, "first": None if policy is None else policy.first,
            "total_s": round(total, 3), "full_steps": len(full), "cached_steps": len(cached),
            "gpu_ms_full_median": med(gpu, full), "gpu_ms_cached_median": med(gpu, cached),
            "host_ms_full_median": med(host, full), "host_ms_cached_median": med(host, cached),

@@ -9,10 +9,7 @@ Scheme (the one that keeps quality on DiTs, and the one Hopper runs fastest):
   x when it can (LayerNorm + modulation, the gated residual's LayerNorm, the MLP's GELU hand over
   `QuantizedRows`, see `fp8_rows.py`: no bf16 write + re-read), else by one Triton pass here
   (`quantize_rows`) that reads the row, takes its amax and writes e4m3 plus the fp32 scale;
-- `torch._scaled_mm(x8, w8ᵀ, sx, swᵀ, bias, out_dtype=bf16, use_fast_accum=True)`; for short
-  activations (<= `SMALL_M` rows: the text stream) unit scales into fp32, then `fp8_epilogue`'s pass
-  applies sx, sw and the bias: cuBLASLt's tensorwise kernels run those shapes about twice as fast as
-  its rowwise ones (that module says how it was measured).
+- `torch._scaled_mm(x8, w8ᵀ, sx, swᵀ, bias, out_dtype=bf16, use_fast_accum=True)`.
 The error is that of rounding both operands to 3 mantissa bits (rel. ~3-4% per GEMM output): not
 diffusers' image bit for bit, so it is OFF by default and measured in the benchmark (speed and
 relative error) and by the demo model's quality score.
@@ -65,20 +62,7 @@ __all__ = [
     "fp8_supported",
 ]
 
-SMALL_M = (
-    384  # at most this many (padded) rows: tensorwise GEMM into fp32, scales applied by `scale_epilogue`
-)
-_UNIT: dict[torch.device, torch.Tensor] = {}  # a 1.0 fp32 scalar per device: the tensorwise GEMM's scales
 _REFUSED: set[tuple] = set()  # (rows, K, N, device) that cuBLASLt refused: the dequantised fallback runs
-
-
-def _unit_scale(device: torch.device) -> torch.Tensor | None:
-    """The device's 1.0 scalar, made outside CUDA-graph capture (a capture's warm-up makes it): None while
-    capturing before it exists, and that call takes the rowwise GEMM."""
-    one = _UNIT.get(device)
-    if one is None and not torch.cuda.is_current_stream_capturing():
-        one = _UNIT[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
 
 
 def fp8_supported(device: torch.device) -> bool:
@@ -256,25 +240,6 @@ class FP8Linear(LowBitLinear):
         if lora is not None:  # per-row LoRAs in the GEMM's epilogue (kernels/fp8_lora_gemm.py)
             return fp8_lora_gemm(x8, sx, self.weight_fp8, self.weight_scale, bias, M, lora, self.out_dtype)
         key = (x8.shape[0], self.in_features, self.out_features, device.index)
-        one = _unit_scale(device) if x8.shape[0] <= SMALL_M else None
-        if one is not None and key + ("unit",) not in _REFUSED:  # short: tensorwise GEMM + epilogue pass
-            from .fp8_epilogue import scale_epilogue  # (here: it imports adaln, which imports this module)
-
-            try:
-                acc = torch._scaled_mm(
-                    x8,
-                    self.weight_fp8.t(),
-                    scale_a=one,
-                    scale_b=one,
-                    out_dtype=torch.float32,
-                    use_fast_accum=True,
-                )  # (Mp, N) fp32: the unscaled accumulator
-                y = scale_epilogue(acc, sx, self.weight_scale, bias, M, self.out_dtype)
-                return y if self.lora is None else self.add_lora(x2, y, (x8[:M], sx[:M]))
-            except RuntimeError as e:
-                if "NOT_SUPPORTED" not in str(e):
-                    raise
-                _REFUSED.add(key + ("unit",))  # the rowwise GEMM below is tried instead
         if key not in _REFUSED:
             try:
                 y = torch._scaled_mm(
