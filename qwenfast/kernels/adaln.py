@@ -101,44 +101,30 @@ if triton_available():
         return r
 
     @triton.jit
-    def _ln_center(xa, ma, xb, mb, D, eps):
-        """LayerNorm statistics of one fp32 row held in two parts (masked lanes 0): (xa - mean, xb - mean
-        (masked lanes 0 again), rstd)."""
-        mean = (tl.sum(xa, axis=0) + tl.sum(xb, axis=0)) / D
-        xa = tl.where(ma, xa - mean, 0.0)
-        xb = tl.where(mb, xb - mean, 0.0)
-        rstd = tl.rsqrt((tl.sum(xa * xa, axis=0) + tl.sum(xb * xb, axis=0)) / D + eps)
-        return xa, xb, rstd
+    def _ln_modulate_row(x, mask, shift, scale, D, eps, DT: tl.constexpr):
+        """LayerNorm of one fp32 row `x` (masked lanes 0), then *(1+scale)+shift; fp32 out.
 
-    @triton.jit
-    def _modulate(xc, rstd, shift, scale, DT: tl.constexpr):
-        """A centred part of a row normalised, then *(1+scale)+shift; fp32 out. Rounds to DT where torch
-        materialises a DT tensor: LayerNorm output, `1 + scale`, product."""
+        Rounds to DT where torch materialises a DT tensor: LayerNorm output, `1 + scale`, product.
+        """
+        mean = tl.sum(x, axis=0) / D
+        xc = tl.where(mask, x - mean, 0.0)
+        var = tl.sum(xc * xc, axis=0) / D
+        rstd = tl.rsqrt(var + eps)
         y = _round(xc * rstd, DT)  # nn.LayerNorm output in x.dtype
         y = _round(y * _round(1.0 + scale, DT), DT)
         return y + shift  # rounded by the caller's store
 
     @triton.jit
-    def _row_parts(L, D, B, split, BA: tl.constexpr, BB: tl.constexpr):
-        """One program per token row: (sample, token, part a's columns and mask, part b's, modulation row).
+    def _row_coords(L, D, B, split, BLOCK: tl.constexpr):
+        """One program per token row: (sample, token, column offsets, column mask, modulation row).
 
-        A row's D columns are held in two power-of-two parts, [0, BA) and [BA, BA + BB) (`row_parts`):
-        D = 3072 is 2048 + 1024, where one 4096-wide block would compute a quarter of its lanes for
-        nothing (the kernels are bound by the instructions they issue). The modulation row is `b`, or
-        `b + B` (the t=0 half) for tokens from `split` on (zero_cond_t).
+        The modulation row is `b`, or `b + B` (the t=0 half) for tokens from `split` on (zero_cond_t).
         """
         row = tl.program_id(0).to(tl.int64)
         b = row // L
         tok = row % L
-        ca = tl.arange(0, BA)
-        cb = BA + tl.arange(0, BB)
-        return b, tok, ca, ca < D, cb, cb < D, b + tl.where(tok >= split, B, 0)
-
-    @triton.jit
-    def _load_parts(ptr, ca, ma, cb, mb):
-        """Both parts of a row at `ptr` (its column 0) in fp32, masked lanes 0."""
-        xa = tl.load(ptr + ca, mask=ma, other=0.0).to(tl.float32)
-        return xa, tl.load(ptr + cb, mask=mb, other=0.0).to(tl.float32)
+        cols = tl.arange(0, BLOCK)
+        return b, tok, cols, cols < D, b + tl.where(tok >= split, B, 0)
 
     @triton.jit
     def _layernorm_modulate_kernel(
@@ -159,35 +145,22 @@ if triton_available():
         s_shift,
         s_scale,
         eps,
-        BA: tl.constexpr,
-        BB: tl.constexpr,
+        BLOCK: tl.constexpr,
         DT: tl.constexpr,
         STORE: tl.constexpr,
         QUANT: tl.constexpr,
     ):
         """STORE: write y (B, L, D) in DT; QUANT: write y's e4m3 rows (q (B*L, D), scales (B*L,)),
         quantised from y as stored (rounded to DT), i.e. `quantize_rows(y)` without re-reading y."""
-        b, tok, ca, ma, cb, mb, mrow = _row_parts(L, D, B, split, BA, BB)
-        xa, xb = _load_parts(x_ptr + b * sx_b + tok * sx_l, ca, ma, cb, mb)
-        sha, shb = _load_parts(shift_ptr + mrow * s_shift, ca, ma, cb, mb)
-        sca, scb = _load_parts(scale_ptr + mrow * s_scale, ca, ma, cb, mb)
-        xa, xb, rstd = _ln_center(xa, ma, xb, mb, D, eps)
-        ya = _modulate(xa, rstd, sha, sca, DT)
-        yb = _modulate(xb, rstd, shb, scb, DT)
+        b, tok, cols, mask, mrow = _row_coords(L, D, B, split, BLOCK)
+        x = tl.load(x_ptr + b * sx_b + tok * sx_l + cols, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + mrow * s_shift + cols, mask=mask, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + mrow * s_scale + cols, mask=mask, other=0.0).to(tl.float32)
+        y = _ln_modulate_row(x, mask, shift, scale, D, eps, DT)
         if STORE:
-            orow = out_ptr + b * so_b + tok * so_l
-            tl.store(orow + ca, _cast(ya, DT), mask=ma)
-            tl.store(orow + cb, _cast(yb, DT), mask=mb)
+            tl.store(out_ptr + b * so_b + tok * so_l + cols, _cast(y, DT), mask=mask)
         if QUANT:
-            _quant_row(_round(ya, DT), ca, ma, _round(yb, DT), cb, mb, q_ptr, qs_ptr, b * L + tok, D)
-
-
-def row_parts(D: int) -> tuple[int, int]:
-    """The two power-of-two column parts (BA, BB) a row kernel holds a D-wide row in: BA the largest
-    power of two <= D, BB the rest rounded up (at least 16; all masked when D is a power of two)."""
-    ba = triton.next_power_of_2(D)
-    ba = ba if ba == D else ba // 2
-    return ba, max(16, triton.next_power_of_2(D - ba))
+            _quant_row(_round(y, DT), cols, mask, q_ptr, qs_ptr, b * L + tok, D)
 
 
 def select_rows(t: torch.Tensor, L: int, split: int | None) -> torch.Tensor:
@@ -263,7 +236,7 @@ def _launch(x, shift, scale, eps, split, out, store: bool, quant: bool, qout=Non
     B, L, D = x.shape
     y = (torch.empty((B, L, D), dtype=x.dtype, device=x.device) if out is None else out) if store else x
     q, qs = empty_rows(B * L, D, x.device, out=qout) if quant else (x, x)  # (x: an unused dummy pointer)
-    ba, bb = row_parts(D)
+    block = triton.next_power_of_2(D)
     with _on_device(x):
         _layernorm_modulate_kernel[(B * L,)](
             x,
@@ -283,12 +256,11 @@ def _launch(x, shift, scale, eps, split, out, store: bool, quant: bool, qout=Non
             shift.stride(0),
             scale.stride(0),
             eps,
-            BA=ba,
-            BB=bb,
+            BLOCK=block,
             DT=_tl_dtype(x.dtype),
             STORE=store,
             QUANT=quant,
-            num_warps=_num_warps(ba),
+            num_warps=_num_warps(block),
         )
     return (y if store else None), q, qs
 

@@ -207,16 +207,11 @@ if triton_available():
         return _e4m3(tl.clamp(v / scale, -448.0, 448.0))
 
     @triton.jit
-    def _quant_row(ya, ca, ma, yb, cb, mb, q_ptr, s_ptr, row, K):
-        """Quantise one fp32 row held in two parts (`adaln._row_parts`; values already in the activation
-        dtype; masked lanes ignored) into q_ptr[row, :] (row stride K) and s_ptr[row], exactly as
-        `quantize_rows`."""
-        amax = tl.maximum(
-            tl.max(tl.where(ma, tl.abs(ya), 0.0), axis=0), tl.max(tl.where(mb, tl.abs(yb), 0.0), axis=0)
-        )
-        scale = _row_scale(amax)
-        tl.store(q_ptr + row * K + ca, _codes(ya, scale), mask=ma)
-        tl.store(q_ptr + row * K + cb, _codes(yb, scale), mask=mb)
+    def _quant_row(y, cols, mask, q_ptr, s_ptr, row, K):
+        """Quantise one fp32 row `y` (values already in the activation dtype; masked lanes ignored)
+        into q_ptr[row, cols] (row stride K) and s_ptr[row], exactly as `quantize_rows`."""
+        scale = _row_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
+        tl.store(q_ptr + row * K + cols, _codes(y, scale), mask=mask)
         tl.store(s_ptr + row, scale)
 
     @triton.jit

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import FLOAT_DTYPES, _num_warps, _on_device, _tl_dtype, triton_available, use_triton
-from .adaln import EPS, MAX_D, _mod_ok, _out_ok, layernorm_modulate_ref, row_parts, select_rows
+from .adaln import EPS, MAX_D, _mod_ok, _out_ok, layernorm_modulate_ref, select_rows
 from .fp8_linear import quantize_activation
 from .fp8_rows import QuantizedRows, empty_rows, quantize_rows_ref_padded
 
@@ -44,7 +44,7 @@ if triton_available():
     import triton
     import triton.language as tl
 
-    from .adaln import _cast, _ln_center, _load_parts, _modulate, _round, _row_parts
+    from .adaln import _cast, _ln_modulate_row, _round, _row_coords
     from .fp8_rows import _quant_row
 
     @triton.jit
@@ -74,8 +74,7 @@ if triton_available():
         s_shift,
         s_scale,
         eps,
-        BA: tl.constexpr,
-        BB: tl.constexpr,
+        BLOCK: tl.constexpr,
         DT: tl.constexpr,
         NORM: tl.constexpr,
         STORE: tl.constexpr = True,
@@ -83,27 +82,21 @@ if triton_available():
     ):
         """NORM: also the LayerNorm + modulation h of the new residual; STORE: write h in DT; QUANT:
         write h's e4m3 rows (q (B*L, D), scales (B*L,)) as `quantize_rows(h)` would."""
-        b, tok, ca, ma, cb, mb, mrow = _row_parts(L, D, B, split, BA, BB)
-        xa, xb = _load_parts(x_ptr + b * sx_b + tok * sx_l, ca, ma, cb, mb)
-        ya, yb = _load_parts(y_ptr + b * sy_b + tok * sy_l, ca, ma, cb, mb)
-        ga, gb = _load_parts(gate_ptr + mrow * s_gate, ca, ma, cb, mb)
-        xa = _round(xa + _round(ga * ya, DT), DT)  # masked lanes stay 0
-        xb = _round(xb + _round(gb * yb, DT), DT)
-        xrow = xo_ptr + b * sxo_b + tok * sxo_l
-        tl.store(xrow + ca, xa.to(DT), mask=ma)  # exact: the values are in DT
-        tl.store(xrow + cb, xb.to(DT), mask=mb)
+        b, tok, cols, mask, mrow = _row_coords(L, D, B, split, BLOCK)
+        x = tl.load(x_ptr + b * sx_b + tok * sx_l + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + b * sy_b + tok * sy_l + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(gate_ptr + mrow * s_gate + cols, mask=mask, other=0.0).to(tl.float32)
         if NORM:
-            sha, shb = _load_parts(shift_ptr + mrow * s_shift, ca, ma, cb, mb)
-            sca, scb = _load_parts(scale_ptr + mrow * s_scale, ca, ma, cb, mb)
-            xa, xb, rstd = _ln_center(xa, ma, xb, mb, D, eps)
-            ha = _modulate(xa, rstd, sha, sca, DT)
-            hb = _modulate(xb, rstd, shb, scb, DT)
+            shift = tl.load(shift_ptr + mrow * s_shift + cols, mask=mask, other=0.0).to(tl.float32)
+            scale = tl.load(scale_ptr + mrow * s_scale + cols, mask=mask, other=0.0).to(tl.float32)
+        xn = _round(x + _round(g * y, DT), DT)  # masked lanes stay 0
+        tl.store(xo_ptr + b * sxo_b + tok * sxo_l + cols, xn.to(DT), mask=mask)  # exact: xn is in DT
+        if NORM:
+            h = _ln_modulate_row(xn, mask, shift, scale, D, eps, DT)
             if STORE:
-                hrow = mo_ptr + b * smo_b + tok * smo_l
-                tl.store(hrow + ca, _cast(ha, DT), mask=ma)
-                tl.store(hrow + cb, _cast(hb, DT), mask=mb)
+                tl.store(mo_ptr + b * smo_b + tok * smo_l + cols, _cast(h, DT), mask=mask)
             if QUANT:
-                _quant_row(_round(ha, DT), ca, ma, _round(hb, DT), cb, mb, q_ptr, qs_ptr, b * L + tok, D)
+                _quant_row(_round(h, DT), cols, mask, q_ptr, qs_ptr, b * L + tok, D)
 
 
 def gated_residual_ref(
@@ -172,7 +165,7 @@ def _launch(
     if not norm:
         shift = scale = gate
     q, qs = empty_rows(B * L, D, x.device, out=qout) if quant else (xo, xo)  # (xo: an unused dummy pointer)
-    ba, bb = row_parts(D)
+    block = triton.next_power_of_2(D)
     with _on_device(x):
         _gated_residual_kernel[(B * L,)](
             x,
@@ -200,13 +193,12 @@ def _launch(
             shift.stride(0),
             scale.stride(0),
             eps,
-            BA=ba,
-            BB=bb,
+            BLOCK=block,
             DT=_tl_dtype(x.dtype),
             NORM=norm,
             STORE=store,
             QUANT=quant,
-            num_warps=_num_warps(2 * ba if norm else ba),
+            num_warps=_num_warps(block),
         )
     if quant:
         return xo, QuantizedRows(q, qs, x.shape, x.dtype, mo if store else None)
