@@ -149,3 +149,33 @@ def test_gpu_estimates_follow_the_stated_model():
     assert b["over_gb"] == _weights_gb("bf16") + ACTIVATIONS_GB - 24 > 0
     assert b["stream_ms"] == b["over_gb"] / PCIE_GBS * 1e3 and b["ms"] == max(b["compute_ms"], b["stream_ms"])
     assert 0.45 < _weights_gb("int8") / _weights_gb("bf16") < 0.6  # block Linears: most of the weights
+
+
+def test_forward_split_takes_the_newest_default_profile_and_states_each_floor():
+    """docs/gpus.md's forward split: the newest default 1024² profile of a Hopper card (not an A/B row with
+    another GELU form or an attention switch), each part's kernel time beside its FLOPs at the sm_90
+    spec rate, the memory-bound kernels summed, and the back-to-back and spaced forwards."""
+    from qwenfast.benchmarks.records import Rec
+    from qwenfast.benchmarks.report import tables
+    from qwenfast.benchmarks.report_gpus import _split_flops, forward_split
+
+    def rec(line, date, **kw):
+        return Rec("profile_forward.jsonl", line, {
+            "bench": "profile_forward", "size": 1024, "gelu": "sigmoid", "gpu": "NVIDIA H200", "date": date,
+            "commit": "abcdef0", "wall_ms": 81.0, "spaced_ms": 74.9, "kernels": 1293, "gap_ms": 1.75,
+            "sm_clock_mhz_in_loop": {"min": 1425, "median": 1980, "max": 1980, "n": 300},
+            "by_category_ms": {"gemm": 43.6, "attention": 18.2, "norm": 5.9, "gelu": 4.3, "qk_norm_rope": 2.6,
+                               "quant": 1.0, "other": 0.1}, **kw})  # fmt: skip
+
+    assert "No record yet" in forward_split([])
+    recs = [rec(1, "2026-11-27", wall_ms=90.0), rec(2, "2026-11-28"), rec(3, "2026-11-29", gelu="tanhf"),
+            rec(4, "2026-11-29", env={"QWENFAST_ATTENTION": "fp8"}), rec(5, "2026-11-29", spaced_ms=None)]  # fmt: skip
+    out = forward_split(recs)
+    assert tables()["forward-split"] is forward_split
+    gemm, attn = _split_flops()
+    rates = A.ARCHS["sm_90"].rates
+    assert f"| 43.6 ms | {gemm / rates['fp8'] / 1e9:.1f} ms |" in out
+    assert f"| 18.2 ms | {attn / rates['bf16'] / 1e9:.1f} ms |" in out
+    assert "| 13.9 ms |" in out  # norm + gelu + qk_norm_rope + quant + other
+    assert "| forwards back to back | 81.0 ms |" in out and "| 74.9 ms |" in out
+    assert "1425-1980 MHz" in out and "line 2)" in out and "90.0 ms" not in out

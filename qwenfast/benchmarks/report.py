@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def tables() -> dict:
     """Every published table by name (the tables import records and each other's helpers: no cycle)."""
-    from .report_gpus import gpu_estimates, gpu_played, memory_tiers, memory_tiers_held
+    from .report_gpus import forward_split, gpu_estimates, gpu_played, memory_tiers, memory_tiers_held
     from .report_peers import diffusers_baseline, peers, peers_highres, peers_summary
     from .report_quality import TABLES as QUALITY
     from .report_serve import serve_mixed, serve_soak
@@ -142,6 +142,7 @@ def tables() -> dict:
         "peers-summary": peers_summary,
         "diffusers-baseline": diffusers_baseline,
         "gpu-estimates": gpu_estimates,
+        "forward-split": forward_split,
         "gpu-played": gpu_played,
         "memory-tiers": memory_tiers,
         "memory-tiers-held": memory_tiers_held,

@@ -125,6 +125,66 @@ def gpu_estimates(recs: list[Rec]) -> str:
     return table(head, body) + source(used, cmd)
 
 
+PARTS = (  # profile_forward's kernel categories -> the table's parts (the floor: their FLOPs at a spec rate)
+    ("gemm", "matrix products (the blocks' FP8 GEMMs; a few bf16 ones)", "fp8"),
+    ("attention", "attention (bf16: FlashAttention-3, else cuDNN)", "bf16"),
+    (
+        ("norm", "gelu", "qk_norm_rope", "quant", "other"),
+        "LayerNorm + modulation, gated residuals, GELU, QK-norm + RoPE, quantisation",
+        None,
+    ),
+)
+
+
+def forward_split(recs: list[Rec]) -> str:
+    """Where one 1024² FP8 forward's GPU time goes (`bench/profile_forward.py`, the newest default record
+    of an H100 / H200), each part beside its floor (`_split_flops` at the sm_90 spec rates), and the
+    forward's time back to back against after an idle pause: the SM clock a sustained load holds."""
+    r = newest(
+        recs,
+        "profile_forward.jsonl",
+        lambda r: (
+            r.get("bench") == "profile_forward"
+            and r.get("size") == 1024
+            and r.get("gelu") == "sigmoid"
+            and r.get("spaced_ms") is not None
+            and is_default(r)
+            and ("H100" in gpu_name(r) or "H200" in gpu_name(r))
+        ),
+    )
+    if r is None:
+        return "*No record yet: `python bench/profile_forward.py`.*"
+    from ..runtime.arch import ARCHS
+
+    rates = ARCHS["sm_90"].rates
+    gemm, attn = _split_flops()
+    flops = {"gemm": gemm, "attention": attn}
+    cats = r["by_category_ms"]
+    rows = []
+    for key, label, rate in PARTS:
+        t = sum(cats.get(k, 0.0) for k in (key if isinstance(key, tuple) else (key,)))
+        if rate is None:
+            rows.append([label, ms(t), "", "bound by memory traffic and instructions (not modelled)"])
+            continue
+        floor = flops[key] / (rates[rate] * 1e12) * 1e3
+        how = f"{flops[key] / 1e12:.1f} TFLOP at the {rate} dense spec rate ({rates[rate]:g} TFLOP/s)"
+        rows.append([label, ms(t), ms(floor), f"{how}: {flops[key] / t / 1e9:.0f} TFLOP/s reached"])
+    floor = gemm / (rates["fp8"] * 1e12) * 1e3 + attn / (rates["bf16"] * 1e12) * 1e3
+    clk = r["sm_clock_mhz_in_loop"]
+    rows += [
+        ["idle between kernels", ms(r["gap_ms"]), "", f"{r['kernels']} kernels in one CUDA graph"],
+        ["one forward after 0.3 s idle", ms(r["spaced_ms"]), ms(floor), "each forward timed after a pause"],
+        [
+            "forwards back to back",
+            ms(r["wall_ms"]),
+            ms(floor),
+            f"SM clock sampled while they ran: {clk['min']}-{clk['max']} MHz, median {clk['median']}",
+        ],
+    ]
+    head = ["1024² FP8 forward, 128 text tokens", "GPU time", "floor", "how"]
+    return table(head, rows) + source([r], "python bench/profile_forward.py --results bench/results")
+
+
 def gpu_played(recs: list[Rec]) -> str:
     """1024² forwards on an H100 told by QWENFAST_ARCH to choose as another card would: which paths that
     card gets (FP8 weights run weight-only without FP8 GEMMs), timed on Hopper's units, not that card's."""
