@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
 import logging
 import secrets
 import threading
@@ -30,18 +29,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import validation as V
 from ..validation import round_size
 from .batcher import Scheduler
 from .capabilities import capabilities
-from .imaging import MIME, b64, encode_image, load_mask, load_upload
+from .imaging import load_mask, load_upload
 from .jobs import Job
 from .loras import LoraResolver
 from .metrics import Metrics, gpu_memory, model_info
 from .options import ServerConfig
+from .responses import Responder
 from .schemas import APIError, Params, form_to_dict, parse_json_body, validate
 
 log = logging.getLogger("qwenfast.server")
@@ -174,6 +174,7 @@ def create_app(
     # input images per edit request: the model's own limit, lowered by the server's `Limits.max_images`
     max_images = min(caps.max_images, cfg.limits.max_images or caps.max_images)
     model_id = cfg.model_name or Path(pipe.model_path or "qwen-image").name
+    responder = Responder(sched, cfg, metrics, urls, model_id)
     noted: set[tuple[int, int]] = set()
 
     def size_note(p: Params) -> None:
@@ -374,7 +375,7 @@ def create_app(
             size_note(p)
             resolved = _check_common(body, p, "generations")
             job = Job(p, asyncio.get_running_loop(), loras=resolved, stream_events=p.stream, per_row=per_row)
-            return await _respond(request, job, "generations", t0)
+            return await responder.respond(request, job, "generations", t0)
         except APIError as e:
             metrics.request("generations", e.status)
             raise
@@ -492,7 +493,7 @@ def create_app(
                 stream_events=p.stream,
                 mask=mask_image,
             )
-            return await _respond(request, job, "edits", t0)
+            return await responder.respond(request, job, "edits", t0)
         except APIError as e:
             metrics.request("edits", e.status)
             raise
@@ -579,173 +580,8 @@ def create_app(
         except ValueError as e:
             raise APIError(400, str(e), param="strength", code="invalid_value") from None
 
-    async def _respond(request: Request, job: Job, endpoint: str, t0: float):
-        position = sched.submit(job)
-        deadline = t0 + cfg.timeout_s
-        base = str(request.base_url)
-        if job.params.stream:
-            return StreamingResponse(
-                _sse(job, endpoint, t0, deadline, base, position),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        watch = asyncio.create_task(_wait_disconnect(request))
-        try:
-            done, _ = await asyncio.wait(
-                {job.future, watch},
-                timeout=max(0.0, deadline - time.monotonic()),
-                return_when=asyncio.FIRST_COMPLETED,
-            )
-        except asyncio.CancelledError:  # server shutting down past its grace period
-            sched.cancel(job, "shutdown")
-            raise
-        finally:
-            watch.cancel()
-        if not job.future.done():
-            if watch in done:
-                sched.cancel(job, "disconnect")
-                metrics.request(endpoint, 499)
-                return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-            sched.cancel(job, "timeout")
-            raise APIError(
-                504,
-                f"the request did not finish within {cfg.timeout_s:g} s (queue wait included)",
-                code="timeout",
-            )
-        images = job.future.result()  # raises the job's APIError
-        enc = time.monotonic()
-        data = await asyncio.to_thread(_encode_all, job, images, base)
-        done = time.monotonic()
-        metrics.request(endpoint, 200, done - t0)
-        metrics.request_phases(endpoint, job.spans(t0, enc, done))
-        p = job.params
-        return {
-            "created": int(time.time()),
-            "data": data,
-            "size": f"{images[0].width}x{images[0].height}",
-            "output_format": p.output_format,
-            "quality": "auto",
-            "background": "opaque",
-        }
-
-    def _encode_all(job: Job, images: list, base: str) -> list[dict]:
-        p, out = job.params, []
-        for i, img in enumerate(images):
-            meta = {
-                "prompt": p.prompt,
-                "negative_prompt": p.negative or "",
-                "seed": str(job.seeds[i]),
-                "steps": str(p.steps),
-                "cfg": str(p.cfg),
-                "size": f"{img.width}x{img.height}",
-                "model": model_id,
-                "loras": json.dumps(p.loras),
-                "generator": "qwenfast serve",
-            }
-            data = encode_image(img, p.output_format, p.compression, meta)
-            item = {"seed": job.seeds[i], "revised_prompt": None}
-            if p.response_format == "url":
-                item["url"] = base + "files/" + urls.put(data, MIME[p.output_format], p.output_format)
-            else:
-                item["b64_json"] = b64(data)
-            out.append(item)
-        return out
-
-    async def _sse(job: Job, endpoint: str, t0: float, deadline: float, base: str, position: int):
-        p, status = job.params, 499
-        extra = {
-            "size": f"{p.width}x{p.height}" if not p.size_auto else "auto",
-            "output_format": p.output_format,
-            "quality": "auto",
-            "background": "opaque",
-        }
-        try:
-            if p.progress:
-                yield _event(
-                    {"type": "image_generation.queued", "position": position, "created_at": int(time.time())}
-                )
-            while True:
-                get = asyncio.ensure_future(job.events.get())
-                try:
-                    done, _ = await asyncio.wait(
-                        {get, job.future},
-                        timeout=min(2.0, max(0.0, deadline - time.monotonic())),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                finally:  # a client gone cancels the wait: the get would stay pending, then be destroyed
-                    if not get.done():
-                        get.cancel()
-                if get in done:
-                    ev = get.result()
-                    if ev["type"] == "image_generation.partial_image":
-                        yield _event({**ev, **extra, "created_at": int(time.time())})
-                    elif p.progress:  # qwenfast's own event types only when asked for
-                        yield _event(ev)
-                    continue
-                if job.future.done():
-                    break
-                if time.monotonic() >= deadline:
-                    sched.cancel(job, "timeout")
-                    status = 504
-                    yield _event(
-                        {
-                            "type": "error",
-                            "error": APIError(
-                                504, f"the request did not finish within {cfg.timeout_s:g} s", code="timeout"
-                            ).body()["error"],
-                        }
-                    )
-                    return
-                yield ": keep-alive\n\n"  # also notices a vanished client while queued
-            exc = job.future.exception()
-            if exc is not None:
-                status = getattr(exc, "status", 500)
-                err = (
-                    exc.body()["error"]
-                    if isinstance(exc, APIError)  # anything else: its text may hold host paths
-                    else {
-                        "message": f"internal error: {type(exc).__name__}",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "internal_error",
-                    }
-                )
-                yield _event({"type": "error", "error": err})
-                return
-            images = job.future.result()
-            enc = time.monotonic()
-            data = await asyncio.to_thread(_encode_all, job, images, base)
-            for i, d in enumerate(data):
-                ev = {
-                    "type": "image_generation.completed",
-                    "index": i,
-                    "created_at": int(time.time()),
-                    **extra,
-                    "size": f"{images[i].width}x{images[i].height}",
-                    "usage": _NO_USAGE,
-                    **d,
-                }
-                if "b64_json" not in ev:  # streams always carry the image; url is extra
-                    ev["b64_json"] = b64(encode_image(images[i], p.output_format, p.compression))
-                yield _event(ev)
-            status = 200
-            yield "data: [DONE]\n\n"
-            metrics.request_phases(endpoint, job.spans(t0, enc, time.monotonic()))
-        finally:
-            if not job.future.done():
-                sched.cancel(job, "disconnect")
-            metrics.request(endpoint, status, time.monotonic() - t0 if status == 200 else None)
-
     app.add_middleware(Guard, cfg=cfg)
     return app
-
-
-_NO_USAGE = {"input_tokens": 0, "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}, "output_tokens": 0,
-             "total_tokens": 0}  # fmt: skip
-
-
-def _event(ev: dict) -> str:
-    return f"event: {ev['type']}\ndata: {json.dumps(ev)}\n\n"
 
 
 def _favicon() -> bytes:
@@ -770,11 +606,3 @@ def _model_card(model_id: str, created: float, caps) -> dict:
         "model_type": caps.model_type,
         "tasks": list(caps.tasks),
     }
-
-
-async def _wait_disconnect(request: Request) -> None:
-    """Returns when the client hangs up (the body is already read, so receive() only reports that)."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
