@@ -1,5 +1,5 @@
-"""`qwenfast doctor` (what this machine can run) and `qwenfast bench` (which benchmark module runs):
-the two commands that report on the machine rather than make images (cli.py parses and dispatches)."""
+"""`qwenfast doctor` (what this machine can run) and `qwenfast bench` (its arguments, and which benchmark
+module runs): the two commands that report on the machine rather than make images (cli.py dispatches)."""
 
 from __future__ import annotations
 
@@ -144,6 +144,169 @@ def _print_arch(torch) -> None:
         )
     for line in table_lines(a):
         print("             " + line)
+
+
+def add_bench_parser(sub) -> None:
+    """`qwenfast bench WHAT`: each benchmark's arguments (most from its own module's `add_arguments`)."""
+    from .engine_args import positive_int as _positive
+
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks: GPU speed (transformer, pipeline, fp8, attention, parallel); "
+        "quality and serve also run on the CPU",
+    )
+    bsub = b.add_subparsers(dest="what", required=True)
+    bt = bsub.add_parser(
+        "transformer",
+        help="full-size transformer forward, random bf16 weights (GPU; "
+        "--model-type 2.1 --device cpu checks the code on the CPU)",
+    )
+    bt.add_argument(
+        "--size", type=int, action="append", help="image side in pixels (repeatable; default 1024)"
+    )
+    bt.add_argument(
+        "--compare", choices=["diffusers", "none"], default="none", help="also time diffusers' forward"
+    )
+    bt.add_argument(
+        "--layers", type=_positive, default=None, help="transformer blocks (default: the model's, 60 / 32)"
+    )
+    bt.add_argument("--txt", type=_positive, default=128, help="text tokens")
+    bt.add_argument("--iters", type=_positive, default=10, help="timed forwards per variant")
+    bt.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    bt.add_argument("--no-fp8", action="store_true", help="skip the FP8 variant")
+    bt.add_argument("--int8", action="store_true", help="add the INT8 W8A8 variant (rel. error vs bf16)")
+    bt.add_argument(
+        "--results",
+        default=None,
+        metavar="DIR",
+        help="append the JSON record to DIR/transformer.jsonl (default: only print it)",
+    )
+    bt.add_argument(
+        "--model-type",
+        choices=["qwen-image", "2.1"],
+        default="qwen-image",
+        help="2.1: Qwen-Image-2.1's transformer (prefill and cached step, bf16 and FP8) vs diffusers' "
+        "QwenImage21Transformer2DModel, records to DIR/qwenimage21.jsonl",
+    )
+    bt.add_argument(
+        "--device", default="cuda", help="with --model-type 2.1: cpu runs the code (timings meaningless)"
+    )
+    from .benchmarks.serve import add_arguments as add_bench_serve_arguments
+
+    add_bench_serve_arguments(
+        bsub.add_parser("serve", help="server throughput and p50/p95 latency vs concurrency (CPU or GPU)")
+    )
+    from .benchmarks.fp8 import add_arguments as add_bench_fp8_arguments
+    from .benchmarks.parallel import add_arguments as add_bench_parallel_arguments
+    from .benchmarks.pipeline import add_arguments as add_bench_pipeline_arguments
+
+    add_bench_fp8_arguments(
+        bsub.add_parser(
+            "fp8",
+            help="FP8 from files (load peak), LoRA on an FP8 base (switch, quality), FP8 under a memory budget",
+        )
+    )
+
+    from .benchmarks.tiers import add_arguments as add_bench_tiers_arguments
+
+    add_bench_tiers_arguments(
+        bsub.add_parser(
+            "tiers",
+            help="full-size Qwen-Image under 24/16/12/8 GiB caps (--vram), one fresh process per cap (GPU)",
+        )
+    )
+    from .benchmarks.attention import add_arguments as add_bench_attention_arguments
+
+    add_bench_attention_arguments(
+        bsub.add_parser(
+            "attention",
+            help="8-bit attention: FP8 engines per layer, in the FP8 forward, and the quality gate",
+        )
+    )
+
+    add_bench_parallel_arguments(
+        bsub.add_parser(
+            "parallel",
+            help="one image over several GPUs (ulysses, cfg) vs one GPU, and diffusers' own Ulysses",
+        )
+    )
+
+    add_bench_pipeline_arguments(
+        bsub.add_parser(
+            "pipeline",
+            help="end to end vs diffusers (random full-size weights), VAE, memory planner, offload",
+        )
+    )
+    from .benchmarks.peers import add_arguments as add_bench_peers_arguments
+
+    add_bench_peers_arguments(
+        bsub.add_parser(
+            "peers",
+            help="qwenfast beside diffusers (+ compile, + torchao FP8) and cache-dit, one process each, same weights",
+        )
+    )
+    from .benchmarks.report import add_arguments as add_bench_report_arguments
+
+    add_bench_report_arguments(
+        bsub.add_parser(
+            "report", help="render the published tables of README.md and docs/ from bench/results (CPU)"
+        )
+    )
+    bq = bsub.add_parser("quality", help="prompt-adherence score of the held-out demo suite (CPU or GPU)")
+    bq.add_argument(
+        "--model",
+        default=None,
+        help="demo model folder, text-to-image or edit (default: the embedded text-to-image demo; "
+        "'edit': the embedded edit demo)",
+    )
+    bq.add_argument(
+        "--n",
+        type=_positive,
+        default=None,
+        help="items of the held-out suite to score (default and max: 120 prompts, or 36 edits; "
+        "--paths scores up to 120 edits)",
+    )
+    bq.add_argument("--steps", type=_positive, default=None, help="denoising steps (default: model's)")
+    bq.add_argument("--cfg", type=float, default=None, help="true CFG scale (default: model's)")
+    bq.add_argument("--device", default=None, help="cuda | cpu (default: cuda if available)")
+    bq.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default: bf16 on GPU, fp32 on CPU)")
+    bq.add_argument("--verbose", action="store_true", help="list the failing prompts and checks")
+    bq.add_argument(
+        "--paths",
+        action="store_true",
+        help="score every code path (fp32 reference, bf16, kernels, graphs, batched CFG, FP8) "
+        "and each one's gap to the reference",
+    )
+    bq.add_argument(
+        "--path",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="with --paths: only the paths whose name contains NAME (repeatable; the fp32 reference "
+        "always runs first, as the gap's base), e.g. --path fp8",
+    )
+    bq.add_argument(
+        "--cache",
+        action="append",
+        default=None,
+        metavar="POLICY",
+        help="score the suite uncached and with each step-cache preset (repeatable: balanced, fast), "
+        "at --steps (default 50) with CFG: score, computed fraction, PSNR/SSIM vs uncached",
+    )
+    bq.add_argument(
+        "--results",
+        default=None,
+        metavar="DIR",
+        help="append the record to DIR/quality.jsonl (default: only print it)",
+    )
+    from .benchmarks.cache_pareto import add_arguments as add_bench_cache_pareto_arguments
+
+    add_bench_cache_pareto_arguments(
+        bsub.add_parser(
+            "cache-pareto",
+            help="step caching at matched quality: qwenfast's presets vs cache-dit on diffusers, demo model (CPU or GPU)",
+        )
+    )
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
