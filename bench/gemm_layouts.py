@@ -72,7 +72,7 @@ def main() -> None:
                 torch.cuda.synchronize()
                 return (time.perf_counter() - t0) / n * 1000
 
-            ms, clk = _with_clocks(burst)
+            ms, clk, *_ = _with_clocks(burst)
             res[name]["ms"].append(ms)
             res[name]["mhz"].append(clk["median"])
     rec = {"bench": "gemm_layouts", "what": "2.1 block GEMMs under sustained load", "layers": a.layers}

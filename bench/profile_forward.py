@@ -62,17 +62,26 @@ def kernel_summary(ks: list[tuple[float, float, str]]) -> tuple[collections.Coun
 
 
 def _with_clocks(f):
-    """f() while `nvidia-smi` samples the SM clock every ~50 ms: (result, {min, median, max} MHz)."""
+    """f() while `nvidia-smi` samples the SM clock, the power draw and whether the software power cap is
+    holding the clock down, every ~10-50 ms: (result, {min, median, max, n} MHz, {median, max} W, the
+    share of samples with the power cap active (None where the driver has no such field))."""
     import subprocess
     import threading
 
+    fields = "clocks.sm,power.draw,clocks_event_reasons.sw_power_cap"
     samples, stop = [], threading.Event()
 
     def poll() -> None:
+        nonlocal fields
         while not stop.is_set():
-            out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True).stdout.split()  # fmt: skip
-            samples.extend(int(v) for v in out[:1] if v.isdigit())
+            r = subprocess.run(["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                               capture_output=True, text=True)  # fmt: skip
+            if r.returncode and fields.count(",") == 2:  # an older driver: no event reasons field
+                fields = "clocks.sm,power.draw"
+                continue
+            row = [v.strip() for v in r.stdout.splitlines()[0].split(",")] if r.stdout.strip() else []
+            if row and row[0].isdigit():
+                samples.append(row)
 
     th = threading.Thread(target=poll, daemon=True)
     th.start()
@@ -81,8 +90,15 @@ def _with_clocks(f):
     finally:
         stop.set()
         th.join()
-    s = sorted(samples) or [0]
-    return r, {"min": s[0], "median": s[len(s) // 2], "max": s[-1], "n": len(samples)}
+    clk = sorted(int(x[0]) for x in samples) or [0]
+    watts = sorted(float(x[1]) for x in samples if x[1].replace(".", "", 1).isdigit()) or [0.0]
+    caps = [x[2] == "Active" for x in samples if len(x) > 2]
+    return (
+        r,
+        {"min": clk[0], "median": clk[len(clk) // 2], "max": clk[-1], "n": len(samples)},
+        {"median": watts[len(watts) // 2], "max": watts[-1]},
+        round(sum(caps) / len(caps), 3) if caps else None,
+    )
 
 
 def fp8_forward(size: int = 1024, fp8: bool = True):
@@ -113,19 +129,22 @@ def main() -> None:
         gelu.CONFIG["sigmoid"] = a.gelu == "sigmoid"
     model, fn, _ = fp8_forward(a.size)
     with torch.no_grad():
-        wall, clocks = _with_clocks(lambda: median_ms(fn, 3, 40))
+        fn()  # the CUDA graph's capture, outside the sampled loop (its idle seconds would skew the clock)
+        torch.cuda.synchronize()
+        wall, clocks, watts, capped = _with_clocks(lambda: median_ms(fn, 3, 40))
         spaced = median_ms(fn, 0, 8, pause_s=0.3)
         ks = timeline(fn)
     busy, gaps, pairs = kernel_summary(ks)
     span = ks[-1][1] - ks[0][0]
     res = {"bench": "profile_forward", **versions(), "size": a.size,
            "gelu": "sigmoid" if gelu.CONFIG["sigmoid"] else "tanhf", "wall_ms": round(wall, 2), "spaced_ms": round(spaced, 2),
-           "sm_clock_mhz_in_loop": clocks, "profiled_span_ms": round(span / 1e3, 2),
+           "sm_clock_mhz_in_loop": clocks, "power_w_in_loop": watts, "power_capped_share": capped, "profiled_span_ms": round(span / 1e3, 2),
            "kernels": len(ks), "kernel_ms": round(sum(busy.values()) / 1e3, 2),
            "gap_ms": round(sum(gaps) / 1e3, 2), "gap_us_median": round(sorted(gaps)[len(gaps) // 2], 2),
            "by_category_ms": {k: round(v / 1e3, 2) for k, v in busy.most_common()},
            "gap_ms_by_pair": {f"{a}->{b}": round(v / 1e3, 2) for (a, b), v in pairs.most_common(12)}}  # fmt: skip
-    print(f"back to back: {res['wall_ms']} ms, SM clock {clocks}; after 0.3 s idle each: {res['spaced_ms']} ms")
+    print(f"back to back: {res['wall_ms']} ms, SM clock {clocks}, power {watts} W, power cap active in "
+          f"{capped} of the samples; after 0.3 s idle each: {res['spaced_ms']} ms")  # fmt: skip
     print(f"FP8 forward {a.size}²: wall {res['wall_ms']} ms (replay), profiled span {res['profiled_span_ms']} ms, "
           f"{res['kernels']} kernels, kernel time {res['kernel_ms']} ms, idle between kernels {res['gap_ms']} ms "
           f"(median gap {res['gap_us_median']} us)")  # fmt: skip

@@ -179,3 +179,7 @@ def test_forward_split_takes_the_newest_default_profile_and_states_each_floor():
     assert "| 13.9 ms |" in out  # norm + gelu + qk_norm_rope + quant + other
     assert "| forwards back to back | 81.0 ms |" in out and "| 74.9 ms |" in out
     assert "1425-1980 MHz" in out and "line 2)" in out and "90.0 ms" not in out
+    powered = forward_split(recs + [rec(6, "2026-11-30", power_w_in_loop={"median": 690.0, "max": 704.0},
+                                        power_capped_share=1.0, sm_clock_mhz_in_loop={"min": 1395, "median": 1560,
+                                                                                        "max": 1980, "n": 164})])  # fmt: skip
+    assert "SM clock median 1560 MHz (max 1980), power median 690 W" in powered and "in 100% of" in powered

@@ -170,7 +170,13 @@ def forward_split(recs: list[Rec]) -> str:
         how = f"{flops[key] / 1e12:.1f} TFLOP at the {rate} dense spec rate ({rates[rate]:g} TFLOP/s)"
         rows.append([label, ms(t), ms(floor), f"{how}: {flops[key] / t / 1e9:.0f} TFLOP/s reached"])
     floor = gemm / (rates["fp8"] * 1e12) * 1e3 + attn / (rates["bf16"] * 1e12) * 1e3
-    clk = r["sm_clock_mhz_in_loop"]
+    clk, watts, capped = r["sm_clock_mhz_in_loop"], r.get("power_w_in_loop"), r.get("power_capped_share")
+    held = (
+        f"sampled while they ran: SM clock median {clk['median']} MHz (max {clk['max']}), power median "
+        f"{watts['median']:.0f} W, the power cap holding the clock in {capped:.0%} of the samples"
+        if watts and capped is not None
+        else f"SM clock sampled while they ran: {clk['min']}-{clk['max']} MHz, median {clk['median']}"
+    )
     rows += [
         ["idle between kernels", ms(r["gap_ms"]), "", f"{r['kernels']} kernels in one CUDA graph"],
         ["one forward after 0.3 s idle", ms(r["spaced_ms"]), ms(floor), "each forward timed after a pause"],
@@ -178,7 +184,7 @@ def forward_split(recs: list[Rec]) -> str:
             "forwards back to back",
             ms(r["wall_ms"]),
             ms(floor),
-            f"SM clock sampled while they ran: {clk['min']}-{clk['max']} MHz, median {clk['median']}",
+            held,
         ],
     ]
     head = ["1024² FP8 forward, 128 text tokens", "GPU time", "floor", "how"]
