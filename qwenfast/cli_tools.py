@@ -8,6 +8,8 @@ import platform
 import sys
 from pathlib import Path
 
+from .engine_args import positive_int as _positive
+
 
 def _attention_libraries() -> str:
     """Which optional attention libraries are installed (found, not imported): what `attention="fa3"`
@@ -148,8 +150,6 @@ def _print_arch(torch) -> None:
 
 def add_bench_parser(sub) -> None:
     """`qwenfast bench WHAT`: each benchmark's arguments (most from its own module's `add_arguments`)."""
-    from .engine_args import positive_int as _positive
-
     b = sub.add_parser(
         "bench",
         help="benchmarks: GPU speed (transformer, pipeline, fp8, attention, parallel); "

@@ -126,8 +126,8 @@ def gpu_estimates(recs: list[Rec]) -> str:
 
 
 PARTS = (  # profile_forward's kernel categories -> the table's parts (the floor: their FLOPs at a spec rate)
-    ("gemm", "matrix products (the blocks' FP8 GEMMs; a few bf16 ones)", "fp8"),
-    ("attention", "attention (bf16: FlashAttention-3, else cuDNN)", "bf16"),
+    (("gemm",), "matrix products (the blocks' FP8 GEMMs; a few bf16 ones)", "fp8"),
+    (("attention",), "attention (bf16: FlashAttention-3, else cuDNN)", "bf16"),
     (
         ("norm", "gelu", "qk_norm_rope", "quant", "other"),
         "LayerNorm + modulation, gated residuals, GELU, QK-norm + RoPE, quantisation",
@@ -158,18 +158,18 @@ def forward_split(recs: list[Rec]) -> str:
 
     rates = ARCHS["sm_90"].rates
     gemm, attn = _split_flops()
-    flops = {"gemm": gemm, "attention": attn}
+    flops = {"fp8": gemm, "bf16": attn}  # the part's FLOPs by the rate they run at
     cats = r["by_category_ms"]
     rows = []
-    for key, label, rate in PARTS:
-        t = sum(cats.get(k, 0.0) for k in (key if isinstance(key, tuple) else (key,)))
+    for keys, label, rate in PARTS:
+        t = sum(cats.get(k, 0.0) for k in keys)
         if rate is None:
             rows.append([label, ms(t), "", "bound by memory traffic and instructions (not modelled)"])
             continue
-        floor = flops[key] / (rates[rate] * 1e12) * 1e3
-        how = f"{flops[key] / 1e12:.1f} TFLOP at the {rate} dense spec rate ({rates[rate]:g} TFLOP/s)"
-        rows.append([label, ms(t), ms(floor), f"{how}: {flops[key] / t / 1e9:.0f} TFLOP/s reached"])
-    floor = gemm / (rates["fp8"] * 1e12) * 1e3 + attn / (rates["bf16"] * 1e12) * 1e3
+        floor = flops[rate] / (rates[rate] * 1e12) * 1e3
+        how = f"{flops[rate] / 1e12:.1f} TFLOP at the {rate} dense spec rate ({rates[rate]:g} TFLOP/s)"
+        rows.append([label, ms(t), ms(floor), f"{how}: {flops[rate] / t / 1e9:.0f} TFLOP/s reached"])
+    floor = estimate(ARCHS["sm_90"].card, rates, "fp8")["compute_ms"]  # the gpu-estimates table's floor
     clk, watts, capped = r["sm_clock_mhz_in_loop"], r.get("power_w_in_loop"), r.get("power_capped_share")
     held = (
         f"sampled while they ran: SM clock median {clk['median']} MHz (max {clk['max']}), power median "
