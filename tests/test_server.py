@@ -34,6 +34,7 @@ from PIL import Image  # noqa: E402
 from qwenfast.pipeline.tasks import task_class  # noqa: E402
 from qwenfast.server.app import create_app  # noqa: E402
 from qwenfast.server.loras import LoraResolver  # noqa: E402
+from qwenfast.server.metrics import Metrics, gpu_memory  # noqa: E402
 from qwenfast.server.options import Limits, ServerConfig  # noqa: E402
 from qwenfast.server.run import load_pipeline, start_server, stop_server  # noqa: E402
 from qwenfast.server.schemas import APIError  # noqa: E402
@@ -492,7 +493,7 @@ def test_batched_equals_alone(pipe, monkeypatch):
         assert np.array_equal(got[i], alone(pipe, p, 100 + i, 64, 32)), f"request {i} differs"
 
 
-def test_metrics(server):
+def test_metrics(server, pipe):
     base, _ = server
     httpx.post(base + G, json={**OK, "seed": 5}, timeout=60)
     text = httpx.get(base + "/metrics").text
@@ -514,8 +515,12 @@ def test_metrics(server):
         )
     assert parts["generate"] > 0 and parts["encode"] > 0
     assert sum(parts.values()) == pytest.approx(total, rel=1e-4, abs=1e-4 * count)
-    # GPU memory gauges appear on CUDA only
-    assert ("qwenfast_gpu_memory_allocated_bytes" in text) == torch.cuda.is_available()
+    # GPU memory gauges appear when the serving device is a CUDA one only (this server's pipe is on the CPU)
+    assert ("qwenfast_gpu_memory_allocated_bytes" in text) == (torch.device(pipe.device).type == "cuda")
+    assert gpu_memory("cpu") == {} and gpu_memory(None) == {}
+    gauges = Metrics().render(0, 0, 0, {"allocated": 3 << 20, "total": 80 << 30})
+    assert f"qwenfast_gpu_memory_allocated_bytes {3 << 20}\n" in gauges
+    assert f"qwenfast_gpu_memory_total_bytes {80 << 30}\n" in gauges
 
 
 @pytest.fixture(scope="module")

@@ -218,7 +218,8 @@ class StepCacheRunner(BlockRunner):
                 st.res = st.prev = None
             if a is not None:  # graphs may have captured the old one (none can have read a first one)
                 self.epoch += 1
-            a = self._arena[branch] = torch.empty(math.ceil(n * HEADROOM), dtype=img.dtype, device=img.device)
+            # zeros, not empty: the headroom is never read, but a snapshot (CUDA-graph warm-up) copies it whole
+            a = self._arena[branch] = torch.zeros(math.ceil(n * HEADROOM), dtype=img.dtype, device=img.device)
         out, at = [], 0
         for _ in range(sets):
             for t in (img, txt):

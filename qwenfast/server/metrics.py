@@ -180,7 +180,7 @@ def gpu_memory(device: torch.device | str | None) -> dict[str, float]:
     """allocated / reserved / peak / total bytes on a CUDA device; empty on CPU."""
     import torch
 
-    if getattr(device, "type", None) != "cuda" or not torch.cuda.is_available():
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return {}
     free, total = torch.cuda.mem_get_info(device)
     return {
