@@ -14,13 +14,13 @@ import torch
 from qwenfast.kernels import fp8_lora_gemm as F
 from qwenfast.kernels import triton_available
 from qwenfast.kernels.row_lora import RowLora, RowSelection
-from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
+from qwenfast.testing.interp import kernel_devices, pinned_triton, run_interpreter_cases
 
 from .conftest import assert_close_finite, interpreter_cases
 
 DEVICES = kernel_devices()
 TRITON = triton_available()
-PINNED_TRITON = TRITON and tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) >= (3, 7)
+PINNED_TRITON = TRITON and pinned_triton()
 # (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB): many tiles on small shapes, one program a tile; and
 # the persistent launch (P programs per SM, 4 "SMs" in the interpreter, each walking many tiles), stores
 # halved

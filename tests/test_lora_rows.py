@@ -27,7 +27,7 @@ from qwenfast.kernels.lowbit import LowBitLinear
 from qwenfast.kernels.row_lora import RowLoraLinear, plain_linear
 from qwenfast.loading.lora_manager import LoraManager
 from qwenfast.loading.lora_rows import RowAdapters
-from qwenfast.testing.interp import kernel_devices, run_interpreter_cases
+from qwenfast.testing.interp import kernel_devices, pinned_triton, run_interpreter_cases
 
 from .conftest import assert_close_finite, interpreter_cases
 
@@ -36,7 +36,7 @@ TRITON = triton_available()
 # The test extra pins Triton 3.7.1 (torch 2.13's): its interpreter runs these kernels and its ptxas is the one
 # the spill counts were taken with. An older Triton (3.6 with torch 2.11 on the GPU machines) compiles and
 # runs them on CUDA, but its interpreter fails on them and its ptxas spills 16 B per thread in the expand.
-PINNED_TRITON = TRITON and tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) >= (3, 7)
+PINNED_TRITON = TRITON and pinned_triton()
 
 TOL = 1e-5
 
