@@ -79,6 +79,8 @@ def _with_clocks(f):
             if r.returncode and fields.count(",") == 2:  # an older driver: no event reasons field
                 fields = "clocks.sm,power.draw"
                 continue
+            if r.returncode:  # nvidia-smi itself failed: no samples (n = 0), not a loop of failed calls
+                return
             row = [v.strip() for v in r.stdout.splitlines()[0].split(",")] if r.stdout.strip() else []
             if row and row[0].isdigit():
                 samples.append(row)

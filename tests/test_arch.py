@@ -183,3 +183,52 @@ def test_forward_split_takes_the_newest_default_profile_and_states_each_floor():
                                         power_capped_share=1.0, sm_clock_mhz_in_loop={"min": 1395, "median": 1560,
                                                                                         "max": 1980, "n": 164})])  # fmt: skip
     assert "SM clock median 1560 MHz (max 1980), power median 690 W" in powered and "in 100% of" in powered
+
+
+@pytest.mark.parametrize("driver", ["new", "old", "broken"])
+def test_profile_forward_samples_clock_power_and_cap_from_any_driver(driver, monkeypatch):
+    """bench/profile_forward.py's sampler on a fake nvidia-smi (no GPU needed): a driver with the power-cap
+    field gives its share of samples; an older one, which refuses that field, is asked again without it (no
+    share); a failing nvidia-smi gives no samples and does not hang the timed call."""
+    import importlib.util
+    import subprocess
+    import threading
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "profile_forward.py"
+    spec = importlib.util.spec_from_file_location("profile_forward_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = iter(["1560, 691.0, Active", "1605, 650.5, Not Active", "1500, 699.9, Active", "1560, 680.0, Active"])
+    asked, enough = [], threading.Event()
+
+    def fake_run(cmd, **kw):
+        fields = cmd[1].split("=", 1)[1]
+        asked.append(fields)
+        if driver == "broken" or (driver == "old" and fields.count(",") == 2):
+            if driver == "broken":
+                enough.set()  # (the sampler gives up after this call: the timed call may end)
+            return subprocess.CompletedProcess(cmd, 6, "", "Field is not a valid field to query.")
+        row = next(rows, None)
+        if row is None:
+            enough.set()
+            row = "1560, 680.0, Active"
+        if fields.count(",") == 1:
+            row = row.rsplit(",", 1)[0]
+        return subprocess.CompletedProcess(cmd, 0, row + "\n", "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    r, clk, watts, cap = mod._with_clocks(lambda: "ran" if enough.wait(60) else "no samples")
+    assert r == "ran"
+    if driver == "broken":
+        # (the first refusal reads as an older driver's; the plain query failing too ends the sampling)
+        assert clk["n"] == 0 and cap is None and asked == [
+            "clocks.sm,power.draw,clocks_event_reasons.sw_power_cap",
+            "clocks.sm,power.draw",
+        ]
+        return
+    assert clk["n"] >= 4 and clk["min"] == 1500 and clk["max"] == 1605 and watts["max"] == 699.9
+    if driver == "old":
+        assert cap is None and asked[0].count(",") == 2 and all(f == "clocks.sm,power.draw" for f in asked[1:])
+    else:
+        assert 0.5 < cap < 1 and all(f.count(",") == 2 for f in asked)
