@@ -4,8 +4,8 @@ Robustness rules this file follows:
 - every request is parsed by hand (not by FastAPI's body binding), so every malformed input gets an
   OpenAI-shaped 4xx that names the parameter, and nothing a client sends can raise out of a handler;
 - the body size is enforced in a raw ASGI middleware while bytes arrive (Content-Length is not
-  trusted, chunked bodies are counted), before anything is buffered or parsed;
-- the API key is checked before the body is read, with a constant-time compare;
+  trusted, chunked bodies are counted), before anything is buffered or parsed; the API key is checked
+  before the body is read, with a constant-time compare (both in guard.py);
 - GPU work happens on the scheduler's worker thread; image encoding on a thread-pool thread; the
   event loop only waits, so /health and /metrics answer while a batch runs;
 - a client that disconnects or times out cancels its job (queued images are dropped, a batch with
@@ -16,13 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import logging
-import secrets
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,124 +31,17 @@ from .. import validation as V
 from ..validation import round_size
 from .batcher import Scheduler
 from .capabilities import capabilities
+from .guard import EDITS, BodyTooLarge, Guard, app_path, body_limit, error_response, too_large
 from .imaging import load_mask, load_upload
 from .jobs import Job
 from .loras import LoraResolver
 from .metrics import Metrics, gpu_memory, model_info
 from .options import ServerConfig
-from .responses import Responder
+from .responses import Responder, UrlStore
 from .schemas import APIError, Params, form_to_dict, parse_json_body, validate
 
 log = logging.getLogger("qwenfast.server")
 STATIC = Path(__file__).resolve().parent / "static"
-EDITS = "/v1/images/edits"
-
-
-class BodyTooLarge(Exception):
-    pass
-
-
-def app_path(scope) -> str:
-    """The path inside this app: without `root_path`, which a mount point (Ray Serve's route prefix, a
-    proxy's --root-path) leaves in `path`. Auth and limits must look at this one, never at the raw path."""
-    path, root = scope.get("path", ""), scope.get("root_path", "")
-    return path[len(root) :] or "/" if root and path.startswith(root) else path
-
-
-def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-
-class Guard:
-    """Raw ASGI middleware: API key (before the body is read) and body-size limits (while it arrives)."""
-
-    def __init__(self, app, cfg: ServerConfig):
-        self.app, self.cfg = app, cfg
-        self._key = hashlib.sha256(cfg.api_key.encode()).digest() if cfg.api_key else None
-
-    def _authorized(self, scope) -> bool:
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        scheme, _, token = auth.partition(" ")
-        # hash both sides: compare_digest on equal-length digests leaks neither content nor length
-        given = hashlib.sha256(token.strip().encode("utf-8", "surrogateescape")).digest()
-        return scheme.lower() == "bearer" and hmac.compare_digest(given, self._key)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = app_path(scope)
-        if self._key is not None and path.startswith("/v1/") and not self._authorized(scope):
-            e = APIError(
-                401,
-                "missing or wrong API key: send `Authorization: Bearer <key>`",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-            return await _error_response(e)(scope, receive, send)
-        limit = self.cfg.limits.max_upload_bytes if path == EDITS else self.cfg.limits.max_json_bytes
-        for k, v in scope.get("headers") or []:
-            if k == b"content-length":
-                try:
-                    n = int(v)
-                except ValueError:
-                    return await _error_response(
-                        APIError(400, "bad Content-Length header", code="invalid_request")
-                    )(scope, receive, send)
-                if n > limit:
-                    return await _error_response(_too_large(limit))(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge
-            return msg
-
-        return await self.app(scope, counted, send)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-
-
-class UrlStore:
-    """Images served at /files/<token> for response_format=url; they expire (--url-ttl), oldest first past the memory cap."""
-
-    def __init__(self, ttl: float, max_bytes: int):
-        self.ttl, self.max_bytes = ttl, max_bytes
-        self.items: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
-        self.size = 0
-        self.lock = threading.Lock()
-
-    def put(self, data: bytes, mime: str, ext: str) -> str:
-        token = f"{secrets.token_urlsafe(24)}.{ext}"  # unguessable: the token is the only credential
-        with self.lock:
-            self._purge()
-            self.items[token] = (time.monotonic() + self.ttl, data, mime)
-            self.size += len(data)
-            while self.size > self.max_bytes and len(self.items) > 1:
-                _, (_, d, _) = self.items.popitem(last=False)
-                self.size -= len(d)
-        return token
-
-    def get(self, token: str) -> tuple[bytes, str] | None:
-        with self.lock:
-            self._purge()
-            v = self.items.get(token)
-            return None if v is None else (v[1], v[2])
-
-    def _purge(self):
-        now = time.monotonic()
-        while self.items:
-            tok, (exp, d, _) = next(iter(self.items.items()))
-            if exp > now:
-                break
-            self.items.popitem(last=False)
-            self.size -= len(d)
 
 
 def create_app(
@@ -206,16 +94,15 @@ def create_app(
 
     @app.exception_handler(APIError)
     async def _api_error(request, e: APIError):
-        return _error_response(e)
+        return error_response(e)
 
     @app.exception_handler(BodyTooLarge)
-    async def _body_too_large(request, e):
-        limit = cfg.limits.max_upload_bytes if app_path(request.scope) == EDITS else cfg.limits.max_json_bytes
-        return _error_response(_too_large(limit))
+    async def _bodytoo_large(request, e):
+        return error_response(too_large(body_limit(cfg, app_path(request.scope))))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, e):
-        return _error_response(APIError(400, f"invalid request: {str(e)[:300]}", code="invalid_request"))
+        return error_response(APIError(400, f"invalid request: {str(e)[:300]}", code="invalid_request"))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, e):
@@ -223,12 +110,12 @@ def create_app(
             404: f"no such endpoint: {request.method} {request.url.path}",
             405: f"{request.method} is not allowed on {request.url.path}",
         }.get(e.status_code, str(e.detail))
-        return _error_response(APIError(e.status_code, msg, headers=dict(e.headers or {})))
+        return error_response(APIError(e.status_code, msg, headers=dict(e.headers or {})))
 
     @app.exception_handler(Exception)
     async def _internal(request, e):
         log.exception("unhandled error on %s", request.url.path)
-        return _error_response(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", code="internal_error"))
 
     # ------------------------------------------------------------------ pages and status
     @app.get("/", include_in_schema=False)

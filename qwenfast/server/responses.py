@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
+import threading
 import time
+from collections import OrderedDict
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -33,6 +36,42 @@ async def wait_disconnect(request: Request) -> None:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
             return
+
+
+class UrlStore:
+    """Images served at /files/<token> for response_format=url; they expire (--url-ttl), oldest first past the memory cap."""
+
+    def __init__(self, ttl: float, max_bytes: int):
+        self.ttl, self.max_bytes = ttl, max_bytes
+        self.items: OrderedDict[str, tuple[float, bytes, str]] = OrderedDict()
+        self.size = 0
+        self.lock = threading.Lock()
+
+    def put(self, data: bytes, mime: str, ext: str) -> str:
+        token = f"{secrets.token_urlsafe(24)}.{ext}"  # unguessable: the token is the only credential
+        with self.lock:
+            self._purge()
+            self.items[token] = (time.monotonic() + self.ttl, data, mime)
+            self.size += len(data)
+            while self.size > self.max_bytes and len(self.items) > 1:
+                _, (_, d, _) = self.items.popitem(last=False)
+                self.size -= len(d)
+        return token
+
+    def get(self, token: str) -> tuple[bytes, str] | None:
+        with self.lock:
+            self._purge()
+            v = self.items.get(token)
+            return None if v is None else (v[1], v[2])
+
+    def _purge(self):
+        now = time.monotonic()
+        while self.items:
+            tok, (exp, d, _) = next(iter(self.items.items()))
+            if exp > now:
+                break
+            self.items.popitem(last=False)
+            self.size -= len(d)
 
 
 class Responder:
