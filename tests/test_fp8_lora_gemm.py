@@ -20,7 +20,7 @@ from .conftest import assert_close_finite, interpreter_cases
 
 DEVICES = kernel_devices()
 TRITON = triton_available()
-PINNED_TRITON = TRITON and pinned_triton()
+PINNED_TRITON = pinned_triton()
 # (BM, BN, BK, warps, stages, GROUP_M, BR, P, SUB): many tiles on small shapes, one program a tile; and
 # the persistent launch (P programs per SM, 4 "SMs" in the interpreter, each walking many tiles), stores
 # halved

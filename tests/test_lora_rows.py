@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from qwenfast.errors import LoraError
 from qwenfast.kernels import triton_available
-from qwenfast.kernels.fp8_linear import FP8Linear, fp8_supported
+from qwenfast.kernels.fp8_linear import FP8Linear
 from qwenfast.kernels.lora_rows import lora_rows, lora_rows_ref, lora_rows_triton
 from qwenfast.kernels.lowbit import LowBitLinear
 from qwenfast.kernels.row_lora import RowLoraLinear, plain_linear
@@ -30,17 +30,14 @@ from qwenfast.loading.lora_rows import RowAdapters
 from qwenfast.testing.interp import kernel_devices, pinned_triton, run_interpreter_cases
 
 from .conftest import assert_close_finite, interpreter_cases
+from .test_fp8_fused import KERNEL_DEVICES as FP8_DEVICES  # (an FP8 GPU: QWENFAST_ARCH=sm_86 has none)
 
 DEVICES = kernel_devices()
-# FP8 producers hand e4m3 rows to the GEMMs only where the card has FP8 GEMMs (QWENFAST_ARCH=sm_86: weight-only)
-FP8_DEVICES = kernel_devices(
-    torch.cuda.is_available() and triton_available() and fp8_supported(torch.device("cuda")), "needs an FP8 GPU"
-)
 TRITON = triton_available()
 # The test extra pins Triton 3.7.1 (torch 2.13's): its interpreter runs these kernels and its ptxas is the one
 # the spill counts were taken with. An older Triton (3.6 with torch 2.11 on the GPU machines) compiles and
 # runs them on CUDA, but its interpreter fails on them and its ptxas spills 16 B per thread in the expand.
-PINNED_TRITON = TRITON and pinned_triton()
+PINNED_TRITON = pinned_triton()
 
 TOL = 1e-5
 
@@ -505,7 +502,7 @@ def test_rows_on_the_gpu(weights):
     bf16-level difference can move an activation's e4m3 code downstream), and the LoRAs (at twice
     the CPU test's strengths) move each row at least 10x that. FP8 also allows one e4m3 step of the LoRA's
     move: the per-row path reads the e4m3 rows of the input, the batch-wide one its bf16 values."""
-    from qwenfast.kernels.fp8_linear import quantize_model
+    from qwenfast.kernels.fp8_linear import fp8_supported, quantize_model
     from qwenfast.kernels.int8_linear import quantize_model_int8
 
     from .test_fp8_fused import _tiny_fp8_model
@@ -557,7 +554,7 @@ def test_captured_side_path_replays_any_selection(weights):
     the eager forward of that selection; a selection with another width (two adapters in a row, or none)
     is another key, so another graph. Tolerance as `test_rows_on_the_gpu` (eager takes a GEMM pair when
     the rows share their adapters; the graph, the gathered kernels)."""
-    from qwenfast.kernels.fp8_linear import quantize_model
+    from qwenfast.kernels.fp8_linear import fp8_supported, quantize_model
     from qwenfast.runtime.cuda_graphs import CudaGraphRunner
 
     from .test_fp8_fused import _tiny_fp8_model

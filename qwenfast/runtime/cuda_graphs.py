@@ -164,8 +164,6 @@ class CudaGraphRunner(_GraphCache):
 
     def _describe(self, key: tuple) -> str:
         """x and text shapes, the model's graph tag and the step variant (the key's layout below)."""
-        if len(key) < 3:  # not a key `__call__` built (`_run` called directly)
-            return repr(key)
         variant = key[-1]
         return f"x{key[0]} txt{key[1]} tag {key[-3]}" + ("" if variant is None else f" {variant[1]}")
 
